@@ -1,0 +1,138 @@
+#include "coll/collectives.h"
+
+#include <cstring>
+
+#include "fabric/inproc.h"
+
+namespace strata {
+
+void chunk_range(size_t count, int esize, int n, int j, size_t* begin, size_t* end) {
+  const size_t line = esize >= 64 ? 1 : static_cast<size_t>(64 / esize);
+  size_t c = (count + n - 1) / n;
+  c = (c + line - 1) / line * line;
+  size_t b = c * j, e = c * (j + 1);
+  *begin = b < count ? b : count;
+  *end = e < count ? e : count;
+}
+
+bool use_two_shot(size_t bytes, int n) {
+  return n > 2 && bytes >= static_cast<size_t>(settings().two_shot_bytes.load());
+}
+
+std::string all_reduce(Team& t, int32_t dtype, ReduceOp op, size_t count) {
+  const int n = t.size(), r = t.rank(), es = dtype_size(dtype);
+  std::vector<const void*> srcs(n);
+  for (int j = 0; j < n; ++j) srcs[j] = t.peer_in(j);
+  char* out = static_cast<char*>(t.peer_out(r));
+  if (!use_two_shot(count * es, n)) {
+    // One-shot: every rank reduces everything from the peers' inputs (latency-bound sizes).
+    reduce_n(dtype, op, srcs.data(), n, out, 0, count);
+    return {};
+  }
+  // Two-shot: reduce-scatter into my own output chunk, then gather the peers' reduced chunks
+  // straight from their outputs.
+  size_t b, e;
+  chunk_range(count, es, n, r, &b, &e);
+  reduce_n(dtype, op, srcs.data(), n, out, b, e);
+  std::string err = t.barrier("all-reduce gather");
+  if (!err.empty()) return err;
+  for (int k = 1; k < n; ++k) {
+    const int j = (r + k) % n;  // staggered so ranks do not all read one peer at once
+    chunk_range(count, es, n, j, &b, &e);
+    copy_bytes(out + b * es, static_cast<const char*>(t.peer_out(j)) + b * es, (e - b) * es);
+  }
+  return {};
+}
+
+std::string reduce_scatter(Team& t, int32_t dtype, ReduceOp op, size_t out_count) {
+  const int n = t.size(), r = t.rank(), es = dtype_size(dtype);
+  std::vector<const void*> srcs(n);
+  for (int j = 0; j < n; ++j)
+    srcs[j] = static_cast<const char*>(t.peer_in(j)) + static_cast<size_t>(r) * out_count * es;
+  reduce_n(dtype, op, srcs.data(), n, t.peer_out(r), 0, out_count);
+  return {};
+}
+
+std::string all_gather(Team& t, size_t in_bytes) {
+  const int n = t.size(), r = t.rank();
+  char* out = static_cast<char*>(t.peer_out(r));
+  for (int k = 0; k < n; ++k) {
+    const int j = (r + k) % n;
+    copy_bytes(out + j * in_bytes, t.peer_in(j), in_bytes);
+  }
+  return {};
+}
+
+void copy_strided(char* dst, const int64_t* dst_strides, const char* src,
+                  const int64_t* src_strides, const int64_t* shape, int ndim, int esize) {
+  // Merge trailing dimensions that are contiguous in both arrays into one run.
+  int64_t run = 1;
+  int d = ndim;
+  while (d > 0 && dst_strides[d - 1] == run && src_strides[d - 1] == run) {
+    run *= shape[d - 1];
+    --d;
+  }
+  const size_t run_bytes = static_cast<size_t>(run) * esize;
+  if (d == 0) {
+    copy_bytes(dst, src, run_bytes);
+    return;
+  }
+  // Iterate the remaining outer index space with an odometer.
+  int64_t idx[16] = {0};
+  for (;;) {
+    int64_t so = 0, doff = 0;
+    for (int k = 0; k < d; ++k) {
+      so += idx[k] * src_strides[k];
+      doff += idx[k] * dst_strides[k];
+    }
+    copy_bytes(dst + doff * esize, src + so * esize, run_bytes);
+    int k = d - 1;
+    while (k >= 0 && ++idx[k] == shape[k]) idx[k--] = 0;
+    if (k < 0) break;
+  }
+}
+
+std::string all_to_all(Team& t, int esize, const std::vector<int64_t>& shape, int split,
+                       int concat) {
+  const int n = t.size(), r = t.rank(), nd = static_cast<int>(shape.size());
+  if (nd > 16) return "all_to_all supports at most 16 dimensions";
+  std::vector<int64_t> b(shape);
+  b[split] /= n;
+  std::vector<int64_t> o(b);
+  o[concat] *= n;
+  std::vector<int64_t> ss(nd), ds(nd);
+  int64_t acc = 1, acc2 = 1;
+  for (int k = nd - 1; k >= 0; --k) {
+    ss[k] = acc;
+    ds[k] = acc2;
+    acc *= shape[k];
+    acc2 *= o[k];
+  }
+  for (int64_t v : b)
+    if (v == 0) return {};
+  char* out = static_cast<char*>(t.peer_out(r));
+  for (int k = 0; k < n; ++k) {
+    const int j = (r + k) % n;
+    const char* src = static_cast<const char*>(t.peer_in(j)) + r * b[split] * ss[split] * esize;
+    char* dst = out + j * b[concat] * ds[concat] * esize;
+    copy_strided(dst, ds.data(), src, ss.data(), b.data(), nd, esize);
+  }
+  return {};
+}
+
+std::string permute(Team& t, size_t bytes, int src) {
+  void* out = t.peer_out(t.rank());
+  if (src < 0) {
+    if (bytes) std::memset(out, 0, bytes);
+  } else {
+    copy_bytes(out, t.peer_in(src), bytes);
+  }
+  return {};
+}
+
+std::string broadcast(Team& t, size_t bytes, int root) {
+  copy_bytes(t.peer_out(t.rank()), t.peer_in(root), bytes);
+  return {};
+}
+
+}  // namespace strata

@@ -1,0 +1,42 @@
+// Collective algorithms over a Team (see fabric/team.h). Every algorithm reads its peers'
+// input buffers and writes its own output buffer directly: no staging copy. The caller has
+// already run the arrival barrier (buffers published) and runs the departure barrier after.
+//
+// Work is split evenly across ranks in cache-line-aligned chunks (the paper's balanced
+// operators): in a two-shot all-reduce rank r reduces chunk r only, then gathers the other
+// reduced chunks straight from the peers' outputs.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "coll/kernels.h"
+#include "fabric/team.h"
+
+namespace strata {
+
+// [begin, end) element range of chunk j of `count` elements split across n ranks, with chunk
+// boundaries on 64-byte lines.
+void chunk_range(size_t count, int esize, int n, int j, size_t* begin, size_t* end);
+
+// Which all-reduce algorithm runs for `bytes` per rank (one-shot below the threshold).
+bool use_two_shot(size_t bytes, int n);
+
+std::string all_reduce(Team& t, int32_t dtype, ReduceOp op, size_t count);
+std::string reduce_scatter(Team& t, int32_t dtype, ReduceOp op, size_t out_count);
+std::string all_gather(Team& t, size_t in_bytes);
+// Tiled all-to-all of an array of `shape` (row-major) split along `split` and concatenated along
+// `concat`; esize bytes per element.
+std::string all_to_all(Team& t, int esize, const std::vector<int64_t>& shape, int split,
+                       int concat);
+// Output = input of rank `src` (zeros when src < 0).
+std::string permute(Team& t, size_t bytes, int src);
+std::string broadcast(Team& t, size_t bytes, int root);
+
+// Copies a block of extent `shape` between two strided arrays (strides in elements).
+void copy_strided(char* dst, const int64_t* dst_strides, const char* src,
+                  const int64_t* src_strides, const int64_t* shape, int ndim, int esize);
+
+}  // namespace strata

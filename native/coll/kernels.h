@@ -1,0 +1,29 @@
+// Element kernels of the collectives: reductions over the inputs of all ranks, and copies.
+//
+// Every reduction folds the ranks in rank order 0, 1, ..., n-1 whatever rank computes it, so
+// every rank gets bitwise the same result. bfloat16 and float16 accumulate in float32 and round
+// once. pmax/pmin propagate NaN (IEEE-754 maximum/minimum) whatever the rank order. Integer sums
+// wrap (computed in the unsigned type of the same width, like XLA).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace strata {
+
+enum class ReduceOp : int32_t { kSum = 0, kMax = 1, kMin = 2 };
+
+// Element types as XLA FFI numbers them (xla::ffi::DataType).
+int dtype_size(int32_t dtype);  // bytes per element, 0 if unsupported
+const char* dtype_name(int32_t dtype);
+bool reduce_supported(int32_t dtype, ReduceOp op);
+
+// dst[i] = srcs[0][i] (op) srcs[1][i] (op) ... (op) srcs[n-1][i] for i in [begin, end).
+// Pointers are to whole buffers; begin/end are element indices. dst may alias no src.
+void reduce_n(int32_t dtype, ReduceOp op, const void* const* srcs, int n, void* dst, size_t begin,
+              size_t end);
+
+// memcpy through the "copy engine" (CPU here; an SDMA/copy engine on accelerators).
+void copy_bytes(void* dst, const void* src, size_t bytes);
+
+}  // namespace strata

@@ -1,0 +1,151 @@
+#include "fabric/inproc.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <sstream>
+
+namespace strata {
+
+Settings& settings() {
+  static Settings* s = [] {
+    auto* st = new Settings();
+    if (const char* t = std::getenv("STRATA_TIMEOUT_S")) {
+      double v = std::atof(t);
+      if (v > 0) st->timeout_ms.store(static_cast<int64_t>(v * 1000));
+    }
+    if (const char* t = std::getenv("STRATA_TWO_SHOT_BYTES")) {
+      long long v = std::atoll(t);
+      if (v >= 0) st->two_shot_bytes.store(v);
+    }
+    return st;
+  }();
+  return *s;
+}
+
+InProcFabric& InProcFabric::instance() {
+  static InProcFabric* f = new InProcFabric();  // never destroyed: XLA threads may outlive exit
+  return *f;
+}
+
+uint64_t InProcFabric::next_occurrence(int64_t run_id, int64_t partition, int64_t op_id) {
+  // Called with mu_ held.
+  if (run_id > max_run_id_) max_run_id_ = run_id;
+  if (occurrences_.size() > 4096) {
+    // Drop the bookkeeping of long-finished runs (run ids grow monotonically).
+    for (auto it = occurrences_.begin(); it != occurrences_.end();)
+      it = (it->first.run_id < max_run_id_ - 1024) ? occurrences_.erase(it) : std::next(it);
+  }
+  return occurrences_[RankRun{run_id, partition}][op_id]++;
+}
+
+std::unique_ptr<InProcTeam> InProcFabric::join(int64_t run_id, int64_t op_id, const Placement& pl,
+                                               const char* op_name) {
+  std::shared_ptr<CallSlot> slot;
+  CallKey key;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    key = CallKey{run_id, op_id, next_occurrence(run_id, pl.partition, op_id), pl.group};
+    auto& s = calls_[key];
+    if (!s) s = std::make_shared<CallSlot>(pl.size);
+    slot = s;
+  }
+  return std::make_unique<InProcTeam>(std::move(slot), key, pl, op_name);
+}
+
+void InProcFabric::release(const CallKey& key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  calls_.erase(key);
+}
+
+InProcTeam::InProcTeam(std::shared_ptr<CallSlot> slot, const CallKey& key, const Placement& pl,
+                       const char* op_name)
+    : slot_(std::move(slot)),
+      key_(key),
+      rank_(pl.rank),
+      size_(pl.size),
+      partition_(pl.partition),
+      op_name_(op_name) {}
+
+InProcTeam::~InProcTeam() {
+  // The last rank out removes the call from the table. Ranks that failed leave too, so a
+  // failed call never pins memory; a late rank then finds no slot and times out on its own.
+  if (slot_->leaving.fetch_add(1, std::memory_order_acq_rel) + 1 ==
+      static_cast<uint32_t>(size_))
+    InProcFabric::instance().release(key_);
+  else if (slot_->failed.load(std::memory_order_acquire))
+    InProcFabric::instance().release(key_);
+}
+
+std::string InProcTeam::fail(const std::string& msg) {
+  {
+    std::lock_guard<std::mutex> lock(slot_->fail_mu);
+    if (!slot_->failed.load(std::memory_order_relaxed)) {
+      slot_->failure = msg;
+      slot_->failed.store(true, std::memory_order_release);
+    }
+  }
+  futex_wake_all(&slot_->arrivals, false);
+  std::lock_guard<std::mutex> lock(slot_->fail_mu);
+  return slot_->failure;
+}
+
+std::string InProcTeam::barrier(const char* phase) {
+  ++barriers_;
+  slot_->peers[rank_].reached.store(barriers_, std::memory_order_release);
+  const uint32_t target = barriers_ * static_cast<uint32_t>(size_);
+  uint32_t now = slot_->arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
+  if (now == target) {
+    futex_wake_all(&slot_->arrivals, false);
+    return {};
+  }
+  auto deadline = Clock::now() + std::chrono::milliseconds(settings().timeout_ms.load());
+  bool ok = wait_until(
+      &slot_->arrivals,
+      [&] { return slot_->arrivals.load(std::memory_order_acquire) >= target; },
+      [&] { return slot_->failed.load(std::memory_order_acquire); }, deadline);
+  if (ok) return {};
+  if (slot_->failed.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lock(slot_->fail_mu);
+    return slot_->failure;
+  }
+  std::vector<int> missing;
+  for (int j = 0; j < size_; ++j)
+    if (slot_->peers[j].reached.load(std::memory_order_acquire) < barriers_) missing.push_back(j);
+  std::ostringstream os;
+  os << "strata_jax " << op_name_ << ": timed out after "
+     << settings().timeout_ms.load() / 1000.0 << " s in phase '" << phase
+     << "' waiting for rank(s) [";
+  for (size_t i = 0; i < missing.size(); ++i) os << (i ? ", " : "") << missing[i];
+  os << "] of a group of " << size_ << " (group " << key_.group << ", op " << key_.op_id
+     << ", run " << key_.run_id << "); reported by rank " << rank_ << " (partition "
+     << partition_ << "). A peer never reached this collective: check that every device "
+     << "executes the same sequence of collectives, or raise strata_jax.set_timeout().";
+  return fail(os.str());
+}
+
+std::string InProcTeam::arrive(const OpDesc& desc, const void* in, void* out) {
+  auto& me = slot_->peers[rank_];
+  me.in = in;
+  me.out = out;
+  me.desc = desc;
+  std::string err = barrier("arrive");
+  if (!err.empty()) return err;
+  for (int j = 0; j < size_; ++j) {
+    const OpDesc& o = slot_->peers[j].desc;
+    if (!o.same_as(desc)) {
+      std::ostringstream os;
+      os << "strata_jax " << op_name_ << ": ranks disagree on the collective (rank " << rank_
+         << ": " << desc.name << ", dtype " << desc.dtype << ", " << desc.in_bytes
+         << " B in, " << desc.out_bytes << " B out; rank " << j << ": " << o.name << ", dtype "
+         << o.dtype << ", " << o.in_bytes << " B in, " << o.out_bytes
+         << " B out). Every rank of a group must call the same collective with the same "
+            "shape and dtype.";
+      // Every rank sees the same descriptors, so every rank fails here: nobody touches a
+      // peer's buffers.
+      return os.str();
+    }
+  }
+  return {};
+}
+
+}  // namespace strata

@@ -1,0 +1,126 @@
+// The in-process fabric: all ranks are JAX CPU devices of one process, so they share one
+// address space and a peer's XLA buffer is addressable as it is. Registration is bookkeeping.
+//
+// A collective call is identified across ranks by (run id, op id, occurrence, group): the run
+// id is equal on every device of one execution (XLA's RunId), the op id is fixed at lowering
+// time, and the occurrence counts how often this rank has executed this op in this run (loops).
+// Keying by these instead of per-rank sequence counters keeps concurrent executions, loops and
+// unrolled loops apart.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "fabric/team.h"
+#include "sync/wait.h"
+
+namespace strata {
+
+struct CallKey {
+  int64_t run_id;
+  int64_t op_id;
+  uint64_t occurrence;
+  int64_t group;
+  bool operator==(const CallKey& o) const {
+    return run_id == o.run_id && op_id == o.op_id && occurrence == o.occurrence &&
+           group == o.group;
+  }
+};
+struct CallKeyHash {
+  size_t operator()(const CallKey& k) const {
+    uint64_t h = static_cast<uint64_t>(k.run_id) * 0x9E3779B97F4A7C15ull;
+    h ^= static_cast<uint64_t>(k.op_id) + 0x632BE59BD9B4E019ull + (h << 6) + (h >> 2);
+    h ^= k.occurrence + 0x94D049BB133111EBull + (h << 6) + (h >> 2);
+    h ^= static_cast<uint64_t>(k.group) + (h << 6) + (h >> 2);
+    return static_cast<size_t>(h);
+  }
+};
+
+// Shared state of one collective call. Created by the first rank to arrive, dropped from the
+// table by the last one to leave.
+struct CallSlot {
+  explicit CallSlot(int n) : peers(n) {}
+  struct Peer {
+    const void* in = nullptr;
+    void* out = nullptr;
+    OpDesc desc;
+    // Number of barriers this rank has entered. Written by the rank (release), read by the
+    // timeout path to name the missing ranks.
+    std::atomic<uint32_t> reached{0};
+  };
+  std::vector<Peer> peers;
+  // Total barrier entries of all ranks. Barrier k is complete when arrivals >= k * size.
+  // fetch_add(acq_rel): release publishes the rank's buffer pointers and output writes made
+  // before the barrier; the waiters' acquire loads make them visible after it.
+  std::atomic<uint32_t> arrivals{0};
+  std::atomic<uint32_t> leaving{0};
+  std::atomic<bool> failed{false};
+  std::string failure;  // written once by the rank that sets `failed` (under fail_mu)
+  std::mutex fail_mu;
+};
+
+class InProcTeam final : public Team {
+ public:
+  InProcTeam(std::shared_ptr<CallSlot> slot, const CallKey& key, const Placement& pl,
+             const char* op_name);
+  ~InProcTeam() override;
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const void* peer_in(int j) const override { return slot_->peers[j].in; }
+  void* peer_out(int j) const override { return slot_->peers[j].out; }
+  std::string barrier(const char* phase) override;
+  // Publishes this rank's buffers and waits for every peer to arrive; checks that all agree.
+  std::string arrive(const OpDesc& desc, const void* in, void* out);
+  // Final barrier: after it no peer touches this rank's buffers any more.
+  std::string depart() { return barrier("depart"); }
+
+ private:
+  std::string fail(const std::string& msg);
+  std::shared_ptr<CallSlot> slot_;
+  CallKey key_;
+  int rank_, size_;
+  int64_t partition_;
+  uint32_t barriers_ = 0;
+  const char* op_name_;
+};
+
+class InProcFabric {
+ public:
+  static InProcFabric& instance();
+  // Joins the call; the returned team is ready for arrive().
+  std::unique_ptr<InProcTeam> join(int64_t run_id, int64_t op_id, const Placement& pl,
+                                   const char* op_name);
+  void release(const CallKey& key);
+
+ private:
+  uint64_t next_occurrence(int64_t run_id, int64_t partition, int64_t op_id);
+  std::mutex mu_;
+  std::unordered_map<CallKey, std::shared_ptr<CallSlot>, CallKeyHash> calls_;
+  struct RankRun {
+    int64_t run_id, partition;
+    bool operator==(const RankRun& o) const {
+      return run_id == o.run_id && partition == o.partition;
+    }
+  };
+  struct RankRunHash {
+    size_t operator()(const RankRun& k) const {
+      return static_cast<size_t>(k.run_id * 1000003 + k.partition);
+    }
+  };
+  std::unordered_map<RankRun, std::unordered_map<int64_t, uint64_t>, RankRunHash> occurrences_;
+  int64_t max_run_id_ = 0;
+};
+
+// Global settings (atomics: read on every call, written rarely from Python).
+struct Settings {
+  std::atomic<int64_t> timeout_ms{300'000};
+  std::atomic<int64_t> two_shot_bytes{1 << 16};
+};
+Settings& settings();
+
+}  // namespace strata

@@ -1,0 +1,54 @@
+// A Team is the set of participants of one collective call, as the algorithms see it: my rank,
+// the group size, every peer's input and output buffer (directly addressable: zero-copy), and
+// barriers. Algorithms in coll/ only talk to a Team; they never know which fabric moved the
+// bytes (NCCL keeps transports apart from collectives in the same way).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace strata {
+
+// What every participant of one collective call must agree on. Checked at arrival so that a
+// mismatch (different op, dtype or size on some rank) fails loudly instead of corrupting memory.
+struct OpDesc {
+  const char* name = "";   // user-facing op name, e.g. "psum"
+  int32_t kind = 0;        // OpKind
+  int32_t dtype = 0;       // xla::ffi::DataType
+  int32_t reduce = 0;      // ReduceOp for reductions
+  int64_t aux = 0;         // op-specific (root rank, ...)
+  uint64_t in_bytes = 0;   // per-rank input bytes
+  uint64_t out_bytes = 0;  // per-rank output bytes
+  bool same_as(const OpDesc& o) const {
+    return kind == o.kind && dtype == o.dtype && reduce == o.reduce && aux == o.aux &&
+           in_bytes == o.in_bytes && out_bytes == o.out_bytes;
+  }
+};
+
+class Team {
+ public:
+  virtual ~Team() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual const void* peer_in(int j) const = 0;
+  virtual void* peer_out(int j) const = 0;
+  // Barrier across the team: every write any rank made before it is visible to every rank
+  // after it. Returns an empty string on success, else an error naming the missing ranks.
+  virtual std::string barrier(const char* phase) = 0;
+};
+
+// Describes where this rank sits: `rank` of `size` in group `group` of the collective.
+struct Placement {
+  int64_t group = 0;
+  int rank = 0;
+  int size = 1;
+  int64_t partition = 0;  // the rank's global partition index (unique per device in a program)
+};
+
+// Computes the placement of `partition` (row-major index into `mesh_shape`) for a collective
+// over the mesh dimensions `axes` (in the given order; first is major), as jax.lax does.
+std::string place(int64_t partition, const std::vector<int64_t>& mesh_shape,
+                  const std::vector<int64_t>& axes, Placement* out);
+
+}  // namespace strata

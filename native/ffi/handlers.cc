@@ -1,0 +1,234 @@
+#include "ffi/handlers.h"
+
+#include <string>
+#include <vector>
+
+#include "coll/collectives.h"
+#include "fabric/inproc.h"
+#include "fabric/stats.h"
+
+namespace ffi = xla::ffi;
+
+namespace strata {
+namespace {
+
+using I64s = ffi::Span<const int64_t>;
+
+enum OpKind : int32_t {
+  kAllReduce = 1,
+  kReduceScatter,
+  kAllGather,
+  kAllToAll,
+  kPermute,
+  kBroadcast
+};
+
+ffi::Error to_error(const std::string& msg) {
+  if (msg.find("timed out") != std::string::npos) {
+    stats().timeouts.fetch_add(1, std::memory_order_relaxed);
+    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg);
+  }
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg);
+}
+
+// Where this device sits in the collective: from its partition id (an operand computed by
+// the program itself, so it is right for any device assignment) and the mesh.
+std::string placement(ffi::AnyBuffer pid, I64s mesh_shape, I64s axes, Placement* pl) {
+  if (pid.element_type() != ffi::DataType::U32 || pid.element_count() != 1)
+    return "internal error: partition id operand must be a u32 scalar";
+  const uint32_t p = *static_cast<const uint32_t*>(pid.untyped_data());
+  return place(p, std::vector<int64_t>(mesh_shape.begin(), mesh_shape.end()),
+               std::vector<int64_t>(axes.begin(), axes.end()), pl);
+}
+
+template <class Body>
+ffi::Error run_collective(const char* name, ffi::RunId run, int64_t op_id, ffi::AnyBuffer pid,
+                          I64s mesh_shape, I64s axes, OpDesc desc, const void* in, void* out,
+                          Body body) {
+  Placement pl;
+  std::string err = placement(pid, mesh_shape, axes, &pl);
+  if (!err.empty()) return to_error(std::string("strata_jax ") + name + ": " + err);
+  if (desc.in_bytes == 0 && desc.out_bytes == 0) return ffi::Error::Success();
+  desc.name = name;
+  stats().calls.fetch_add(1, std::memory_order_relaxed);
+  auto team = InProcFabric::instance().join(run.run_id, op_id, pl, name);
+  err = team->arrive(desc, in, out);
+  if (err.empty()) err = body(*team, pl);
+  if (err.empty()) err = team->depart();
+  if (!err.empty()) return to_error(err);
+  return ffi::Error::Success();
+}
+
+ffi::Error check_dtype(const char* name, ffi::AnyBuffer x, bool reduce, ReduceOp op) {
+  const int32_t dt = static_cast<int32_t>(x.element_type());
+  if (dtype_size(dt) == 0 || (reduce && !reduce_supported(dt, op)))
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      std::string("strata_jax ") + name + ": unsupported dtype " +
+                          dtype_name(dt));
+  return ffi::Error::Success();
+}
+
+const char* reduce_name(int32_t r) {
+  return r == 0 ? "psum" : r == 1 ? "pmax" : "pmin";
+}
+
+ffi::Error AllReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
+                         ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s mesh_shape, I64s axes,
+                         int32_t reduce) {
+  const ReduceOp op = static_cast<ReduceOp>(reduce);
+  const char* name = reduce_name(reduce);
+  if (auto e = check_dtype(name, x, true, op); e.failure()) return e;
+  const int32_t dt = static_cast<int32_t>(x.element_type());
+  const size_t count = x.element_count();
+  OpDesc d;
+  d.kind = kAllReduce;
+  d.dtype = dt;
+  d.reduce = reduce;
+  d.in_bytes = d.out_bytes = x.size_bytes();
+  return run_collective(name, run, op_id, pid, mesh_shape, axes, d, x.untyped_data(),
+                        y->untyped_data(), [&](Team& t, const Placement&) {
+                          const bool two = use_two_shot(count * dtype_size(dt), t.size());
+                          (two ? stats().two_shot : stats().one_shot)
+                              .fetch_add(1, std::memory_order_relaxed);
+                          stats().zero_copy_bytes.fetch_add(
+                              x.size_bytes() * (t.size() - 1), std::memory_order_relaxed);
+                          return all_reduce(t, dt, op, count);
+                        });
+}
+
+ffi::Error ReduceScatterImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
+                             ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s mesh_shape,
+                             I64s axes, int32_t reduce) {
+  const ReduceOp op = static_cast<ReduceOp>(reduce);
+  if (auto e = check_dtype("psum_scatter", x, true, op); e.failure()) return e;
+  const int32_t dt = static_cast<int32_t>(x.element_type());
+  OpDesc d;
+  d.kind = kReduceScatter;
+  d.dtype = dt;
+  d.reduce = reduce;
+  d.in_bytes = x.size_bytes();
+  d.out_bytes = y->size_bytes();
+  const size_t out_count = y->element_count();
+  return run_collective("psum_scatter", run, op_id, pid, mesh_shape, axes, d, x.untyped_data(),
+                        y->untyped_data(), [&](Team& t, const Placement&) -> std::string {
+                          if (out_count * t.size() != x.element_count())
+                            return "strata_jax psum_scatter: input size is not the group "
+                                   "size times the output size";
+                          stats().zero_copy_bytes.fetch_add(y->size_bytes() * (t.size() - 1),
+                                                            std::memory_order_relaxed);
+                          return reduce_scatter(t, dt, op, out_count);
+                        });
+}
+
+ffi::Error AllGatherImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
+                         ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s mesh_shape,
+                         I64s axes) {
+  if (auto e = check_dtype("all_gather", x, false, ReduceOp::kSum); e.failure()) return e;
+  OpDesc d;
+  d.kind = kAllGather;
+  d.dtype = static_cast<int32_t>(x.element_type());
+  d.in_bytes = x.size_bytes();
+  d.out_bytes = y->size_bytes();
+  return run_collective("all_gather", run, op_id, pid, mesh_shape, axes, d, x.untyped_data(),
+                        y->untyped_data(), [&](Team& t, const Placement&) -> std::string {
+                          if (x.size_bytes() * t.size() != y->size_bytes())
+                            return "strata_jax all_gather: output size is not the group size "
+                                   "times the input size";
+                          stats().zero_copy_bytes.fetch_add(x.size_bytes() * (t.size() - 1),
+                                                            std::memory_order_relaxed);
+                          return all_gather(t, x.size_bytes());
+                        });
+}
+
+ffi::Error AllToAllImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
+                        ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s mesh_shape, I64s axes,
+                        int64_t split_axis, int64_t concat_axis) {
+  if (auto e = check_dtype("all_to_all", x, false, ReduceOp::kSum); e.failure()) return e;
+  OpDesc d;
+  d.kind = kAllToAll;
+  d.dtype = static_cast<int32_t>(x.element_type());
+  d.in_bytes = x.size_bytes();
+  d.out_bytes = y->size_bytes();
+  d.aux = split_axis * 64 + concat_axis;
+  auto dims = x.dimensions();
+  std::vector<int64_t> shape(dims.begin(), dims.end());
+  const int es = dtype_size(d.dtype);
+  return run_collective(
+      "all_to_all", run, op_id, pid, mesh_shape, axes, d, x.untyped_data(), y->untyped_data(),
+      [&](Team& t, const Placement&) -> std::string {
+        const int nd = static_cast<int>(shape.size());
+        if (split_axis < 0 || split_axis >= nd || concat_axis < 0 || concat_axis >= nd ||
+            shape[split_axis] % t.size() != 0)
+          return "strata_jax all_to_all: split axis size must be divisible by the group size";
+        stats().zero_copy_bytes.fetch_add(x.size_bytes() / t.size() * (t.size() - 1),
+                                          std::memory_order_relaxed);
+        return all_to_all(t, es, shape, static_cast<int>(split_axis),
+                          static_cast<int>(concat_axis));
+      });
+}
+
+ffi::Error PermuteImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
+                       ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s mesh_shape, I64s axes,
+                       I64s sources) {
+  if (auto e = check_dtype("ppermute", x, false, ReduceOp::kSum); e.failure()) return e;
+  OpDesc d;
+  d.kind = kPermute;
+  d.dtype = static_cast<int32_t>(x.element_type());
+  d.in_bytes = d.out_bytes = x.size_bytes();
+  return run_collective("ppermute", run, op_id, pid, mesh_shape, axes, d, x.untyped_data(),
+                        y->untyped_data(), [&](Team& t, const Placement& pl) -> std::string {
+                          if (static_cast<int>(sources.size()) != t.size())
+                            return "strata_jax ppermute: permutation size mismatch";
+                          const int src = static_cast<int>(sources[pl.rank]);
+                          if (src >= 0)
+                            stats().zero_copy_bytes.fetch_add(x.size_bytes(),
+                                                              std::memory_order_relaxed);
+                          return permute(t, x.size_bytes(), src);
+                        });
+}
+
+ffi::Error BroadcastImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
+                         ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s mesh_shape,
+                         I64s axes, int64_t root) {
+  if (auto e = check_dtype("pbroadcast", x, false, ReduceOp::kSum); e.failure()) return e;
+  OpDesc d;
+  d.kind = kBroadcast;
+  d.dtype = static_cast<int32_t>(x.element_type());
+  d.in_bytes = d.out_bytes = x.size_bytes();
+  d.aux = root;
+  return run_collective("pbroadcast", run, op_id, pid, mesh_shape, axes, d, x.untyped_data(),
+                        y->untyped_data(), [&](Team& t, const Placement&) -> std::string {
+                          if (root < 0 || root >= t.size())
+                            return "strata_jax pbroadcast: source out of range";
+                          stats().zero_copy_bytes.fetch_add(x.size_bytes(),
+                                                            std::memory_order_relaxed);
+                          return broadcast(t, x.size_bytes(), static_cast<int>(root));
+                        });
+}
+
+#define STRATA_COMMON_BIND                                     \
+  ffi::Ffi::Bind()                                             \
+      .Ctx<ffi::RunId>()                                       \
+      .Arg<ffi::AnyBuffer>()                                   \
+      .Arg<ffi::AnyBuffer>()                                   \
+      .Ret<ffi::AnyBuffer>()                                   \
+      .Attr<int64_t>("op_id")                                  \
+      .Attr<I64s>("mesh_shape")                                \
+      .Attr<I64s>("axes")
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceHandler, AllReduceImpl,
+                              STRATA_COMMON_BIND.Attr<int32_t>("reduce"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceScatterHandler, ReduceScatterImpl,
+                              STRATA_COMMON_BIND.Attr<int32_t>("reduce"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherHandler, AllGatherImpl, STRATA_COMMON_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllToAllHandler, AllToAllImpl,
+                              STRATA_COMMON_BIND.Attr<int64_t>("split_axis")
+                                  .Attr<int64_t>("concat_axis"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PermuteHandler, PermuteImpl,
+                              STRATA_COMMON_BIND.Attr<I64s>("sources"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BroadcastHandler, BroadcastImpl,
+                              STRATA_COMMON_BIND.Attr<int64_t>("root"));
+
+}  // namespace strata

@@ -1,0 +1,14 @@
+// XLA FFI handlers of the collectives: one per operator family. Each decodes its buffers and
+// attributes, joins the call on the fabric, runs the algorithm from coll/ and leaves.
+#pragma once
+
+#include "xla/ffi/api/ffi.h"
+
+namespace strata {
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AllReduceHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(ReduceScatterHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AllGatherHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AllToAllHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PermuteHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(BroadcastHandler);
+}  // namespace strata

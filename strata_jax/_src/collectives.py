@@ -1,0 +1,752 @@
+"""Collectives as JAX primitives lowered to strata's XLA FFI custom calls.
+
+Each operator is one primitive with its public function, abstract evaluation, lowering,
+batching rule and transpose rule side by side (the layout of ``jax/_src/lax/parallel.py``).
+The public functions have the names, signatures and semantics of ``jax.lax``: replacing
+``jax.lax.X`` by ``strata_jax.X`` inside ``jax.shard_map`` changes nothing but speed.
+
+The native handlers read and write the participants' own XLA buffers (zero-copy). Where a
+rank sits in a collective is computed at run time from its partition id, an operand emitted
+by the program itself, and the mesh shape, so groups over any subset of a multi-axis mesh work.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import config, core
+from jax._src.interpreters import ad, batching, mlir
+from jax._src.lib.mlir.dialects import hlo
+from jax._src.sharding_impls import SPMDAxisContext
+
+from strata_jax._src import runtime
+
+AxisName = Any
+
+__all__ = [
+    "psum",
+    "pmean",
+    "pmax",
+    "pmin",
+    "all_gather",
+    "psum_scatter",
+    "all_to_all",
+    "ppermute",
+    "pbroadcast",
+]
+
+# --------------------------------------------------------------------------------------
+# Shared helpers
+# --------------------------------------------------------------------------------------
+
+_op_ids = itertools.count(1)
+
+
+def _axes(axis_name: AxisName) -> tuple:
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def _no_groups(axis_index_groups, api: str) -> None:
+    if axis_index_groups is not None:
+        raise NotImplementedError(
+            f"strata_jax.{api} does not support axis_index_groups. Use a mesh axis for the "
+            "group instead (e.g. reshape the mesh so the groups are one mesh axis), or call "
+            f"jax.lax.{api} for this call."
+        )
+
+
+def _check_axis_names(axes: tuple, api: str) -> None:
+    env = core.get_axis_env()
+    for name in axes:
+        if isinstance(name, int):
+            raise TypeError(
+                f"strata_jax.{api} takes named mesh axes only, got positional axis {name}; "
+                "reduce positional axes with jnp first."
+            )
+        if not env.axis_exists(name):
+            raise NameError(
+                f"Found an unbound axis name: {name}. To fix this, call strata_jax.{api} "
+                "under jax.shard_map over a mesh with that axis."
+            )
+
+
+def _axis_size(axes: tuple) -> int:
+    env = core.get_axis_env()
+    return math.prod(env.axis_size(a) for a in axes)
+
+
+def _vma_on() -> bool:
+    return bool(config._check_vma.value)
+
+
+def _pvary_missing(x, axes: tuple):
+    """Casts x to varying over the axes it is not yet varying over (as jax.lax does)."""
+    if not _vma_on():
+        return x
+    missing = tuple(a for a in axes if a not in core.typeof(x).mat.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _effects(axes: tuple):
+    return {core.NamedAxisEffect(a) for a in axes}
+
+
+def _varying_out(aval, vma):
+    return aval.update(manual_axis_type=aval.mat.update(varying=frozenset(vma)))
+
+
+def _require_varying(api: str, aval, axes: tuple) -> None:
+    if _vma_on() and any(a not in aval.mat.varying for a in axes):
+        raise ValueError(
+            f"strata_jax.{api} needs an input that varies over {axes}; got "
+            f"{aval.str_short(True)}. Call it through strata_jax.{api} (which casts) or "
+            "jax.lax.pcast(x, axes, to='varying') first."
+        )
+
+
+def _canon_axis(axis: int, ndim: int, what: str) -> int:
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{what}={axis} is out of range for an array of rank {ndim - 0}.")
+    return axis % ndim
+
+
+def _mesh_placement(ctx, axes: tuple, api: str):
+    axis_ctx = ctx.module_context.axis_context
+    if not isinstance(axis_ctx, SPMDAxisContext):
+        raise NotImplementedError(
+            f"strata_jax.{api} runs inside jax.shard_map (got {type(axis_ctx).__name__}); "
+            "wrap the computation in jax.shard_map over a Mesh."
+        )
+    mesh = axis_ctx.mesh
+    names = tuple(mesh.axis_names)
+    manual = axis_ctx.manual_axes
+    if manual and frozenset(manual) != frozenset(names):
+        raise NotImplementedError(
+            f"strata_jax.{api} needs every mesh axis to be manual in jax.shard_map "
+            f"(manual: {sorted(map(str, manual))}, mesh: {names}); drop axis_names= or use "
+            "jax.lax for partially automatic meshes."
+        )
+    sizes = tuple(int(s) for s in mesh.axis_sizes)
+    idx = tuple(names.index(a) for a in axes)
+    return np.asarray(sizes, np.int64), np.asarray(idx, np.int64)
+
+
+def _ffi_call_lowering(target: str, api: str):
+    """Lowering: custom call with operands (x, partition_id), row-major layouts pinned."""
+    rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
+
+    def lower(ctx, x, *, axes, **attrs):
+        runtime.native()
+        mesh_shape, axes_idx = _mesh_placement(ctx, axes, api)
+        pid = hlo.partition_id()
+        sub = ctx.replace(avals_in=[*ctx.avals_in, core.ShapedArray((), np.uint32)])
+        return rule(
+            sub, x, pid, op_id=next(_op_ids), mesh_shape=mesh_shape, axes=axes_idx, **attrs
+        )
+
+    return lower
+
+
+def _tree_map(f, x):
+    return jax.tree_util.tree_map(f, x)
+
+
+# --------------------------------------------------------------------------------------
+# all-reduce: psum / pmax / pmin (and pmean)
+# --------------------------------------------------------------------------------------
+
+_REDUCE_CODES = {"sum": 0, "max": 1, "min": 2}
+
+all_reduce_p = core.Primitive("strata_all_reduce")
+
+
+def _all_reduce(x, axis_name, axis_index_groups, reduce: str, api: str):
+    axes = _axes(axis_name)
+    _no_groups(axis_index_groups, api)
+    if not axes:
+        return x
+
+    def leaf(v):
+        if not isinstance(v, core.Tracer):
+            # A constant has no per-device values: jax.lax computes the answer from the axis
+            # size alone (e.g. psum(1, 'x') is the axis size); so do we.
+            return getattr(jax.lax, api)(v, axis_name)
+        if reduce == "sum" and v.dtype == np.bool_:
+            v = v.astype(np.int32)
+        if jnp.issubdtype(v.dtype, jnp.complexfloating) and reduce != "sum":
+            raise TypeError(f"strata_jax.{api} does not order complex numbers; got {v.dtype}.")
+        _check_axis_names(axes, api)
+        v = _pvary_missing(v, axes)
+        return all_reduce_p.bind(v, axes=axes, reduce=reduce, invariant=_vma_on())
+
+    return _tree_map(leaf, x)
+
+
+def psum(x, axis_name: AxisName, *, axis_index_groups=None):
+    """All-reduce sum of ``x`` over the mesh axis (or tuple of axes) ``axis_name``.
+
+    Drop-in for :func:`jax.lax.psum` inside :func:`jax.shard_map`.
+
+    Args:
+      x: array or pytree of arrays, any shape (0-d and zero-size included) and any dtype
+        jax.lax.psum accepts; bool is summed as int32 (as jax.lax does).
+      axis_name: a mesh axis name or a tuple of them (any subset of a multi-axis mesh); the
+        group is every device that shares the coordinates of the other mesh axes.
+      axis_index_groups: not supported (raises NotImplementedError).
+
+    Returns:
+      The sum over the group, same shape and dtype as ``x`` (int32 for bool), bitwise
+      identical on every rank. float16/bfloat16 accumulate in float32 and round once; integer
+      sums wrap. With ``check_vma`` on the result is invariant over ``axis_name``.
+
+    Raises:
+      NameError: an axis name is not bound by an enclosing shard_map.
+      NotImplementedError: ``axis_index_groups`` given, or not inside shard_map.
+
+    Algorithm: one-shot (every rank reduces all peers' inputs) below the two-shot threshold,
+    else two-shot (reduce-scatter into the own output, then gather the reduced chunks straight
+    from the peers' outputs), chunks even and cache-line aligned (StrataCL, Hu et al. 2026).
+    """
+    return _all_reduce(x, axis_name, axis_index_groups, "sum", "psum")
+
+
+def pmax(x, axis_name: AxisName, *, axis_index_groups=None):
+    """All-reduce maximum over ``axis_name``; drop-in for :func:`jax.lax.pmax`.
+
+    Shapes, dtypes and errors as :func:`psum` (complex raises TypeError; bool is OR).
+    Starts from the type's identity and propagates NaN whatever the rank order (IEEE-754
+    maximum). This deliberately differs from jax.lax.pmax on XLA CPU, which can drop a NaN.
+    """
+    return _all_reduce(x, axis_name, axis_index_groups, "max", "pmax")
+
+
+def pmin(x, axis_name: AxisName, *, axis_index_groups=None):
+    """All-reduce minimum over ``axis_name``; drop-in for :func:`jax.lax.pmin`.
+
+    As :func:`pmax` with minimum (bool is AND); NaN propagates.
+    """
+    return _all_reduce(x, axis_name, axis_index_groups, "min", "pmin")
+
+
+def pmean(x, axis_name: AxisName, *, axis_index_groups=None):
+    """All-reduce mean over ``axis_name``; drop-in for :func:`jax.lax.pmean`.
+
+    ``psum(x) / n`` with n the group size (integer inputs give floats, as jax.lax).
+    Errors as :func:`psum`.
+    """
+    _no_groups(axis_index_groups, "pmean")
+    axes = _axes(axis_name)
+    y = psum(x, axis_name)
+    if not axes:
+        return y
+    n = _axis_size(axes)
+    return _tree_map(lambda v: v / n, y)
+
+
+def _all_reduce_abstract_eval(aval, *, axes, reduce, invariant):
+    _check_axis_names(axes, "psum")
+    if invariant:
+        _require_varying("psum", aval, axes)
+        out = _varying_out(aval, (a for a in aval.mat.varying if a not in axes))
+    else:
+        out = aval
+    return out, _effects(axes)
+
+
+def _all_reduce_transpose(ct, x, *, axes, reduce, invariant):
+    if reduce != "sum":
+        raise NotImplementedError(f"p{reduce} is not linear")
+    if invariant:
+        # psum: varying -> invariant; its transpose only casts back to varying.
+        return [jax.lax.pcast(ct, axes, to="varying")]
+    # Without vma, psum is psum + broadcast, so the transpose reduces again (as jax.lax).
+    return [all_reduce_p.bind(ct, axes=axes, reduce="sum", invariant=False)]
+
+
+def _local_reduce(v, d, reduce):
+    if reduce == "sum":
+        return jax.lax.reduce(v, np.zeros((), v.dtype), jax.lax.add, (d,))
+    if reduce == "max":
+        return jnp.max(v, axis=d)
+    return jnp.min(v, axis=d)
+
+
+def _all_reduce_batcher(axis_data, vals_in, dims_in, *, axes, reduce, invariant):
+    (v,), (d,) = vals_in, dims_in
+    if axis_data.name not in axes:
+        return all_reduce_p.bind(v, axes=axes, reduce=reduce, invariant=invariant), d
+    rest = tuple(a for a in axes if a != axis_data.name)
+    if d is None:
+        out = v * np.asarray(axis_data.size, v.dtype) if reduce == "sum" else v
+    else:
+        out = _local_reduce(v, d, reduce)
+    if rest:
+        out = all_reduce_p.bind(out, axes=rest, reduce=reduce, invariant=invariant)
+    return out, None
+
+
+def _all_reduce_lowering(ctx, x, *, axes, reduce, invariant):
+    lower = _ffi_call_lowering("strata_all_reduce", "psum")
+    return lower(ctx, x, axes=axes, reduce=np.int32(_REDUCE_CODES[reduce]))
+
+
+all_reduce_p.def_effectful_abstract_eval(_all_reduce_abstract_eval)
+ad.deflinear2(all_reduce_p, _all_reduce_transpose)
+batching.fancy_primitive_batchers[all_reduce_p] = _all_reduce_batcher
+mlir.register_lowering(all_reduce_p, _all_reduce_lowering, platform="cpu")
+
+
+# --------------------------------------------------------------------------------------
+# all_gather (primitive gathers along dimension 0, tiled)
+# --------------------------------------------------------------------------------------
+
+all_gather_p = core.Primitive("strata_all_gather")
+
+
+def all_gather(x, axis_name: AxisName, *, axis_index_groups=None, axis: int = 0,
+               tiled: bool = False):
+    """Gathers ``x`` from every rank of ``axis_name``; drop-in for :func:`jax.lax.all_gather`.
+
+    Args:
+      x: array or pytree, any dtype. Untiled: shape ``s`` -> ``s`` with a new axis of size n
+        inserted at ``axis`` (a 0-d x gives shape (n,)). Tiled: ``axis`` of size m becomes
+        n*m, rank j's block at [j*m, (j+1)*m).
+      axis_name: mesh axis name or tuple of names (ranks ordered as jax.lax.axis_index of
+        the tuple).
+      axis: where to gather (negative counts from the end).
+      tiled: see above.
+
+    Raises:
+      ValueError: tiled gather of a 0-d array, or ``axis`` out of range.
+      NameError / NotImplementedError: as :func:`psum`.
+
+    Each rank copies every peer's input straight into its own output (one copy per byte).
+    """
+    axes = _axes(axis_name)
+    _no_groups(axis_index_groups, "all_gather")
+    if not axes:
+        return x
+
+    def leaf(v):
+        v = jnp.asarray(v)
+        _check_axis_names(axes, "all_gather")
+        if tiled and v.ndim == 0:
+            raise ValueError("tiled all_gather of a 0-d array is undefined; use tiled=False "
+                             "or reshape x to (1,) first.")
+        ax = _canon_axis(axis, v.ndim if tiled else v.ndim + 1, "axis")
+        if not tiled:
+            v = jnp.expand_dims(v, ax)
+        v = _pvary_missing(v, axes)
+        n = _axis_size(axes)
+        y = all_gather_p.bind(jnp.moveaxis(v, ax, 0), axes=axes, axis_size=n)
+        return jnp.moveaxis(y, 0, ax)
+
+    return _tree_map(leaf, x)
+
+
+def _all_gather_abstract_eval(aval, *, axes, axis_size):
+    _check_axis_names(axes, "all_gather")
+    _require_varying("all_gather", aval, axes)
+    shape = (aval.shape[0] * axis_size, *aval.shape[1:])
+    return aval.update(shape=shape), _effects(axes)
+
+
+def _all_gather_transpose(ct, x, *, axes, axis_size):
+    return [reduce_scatter_p.bind(ct, axes=axes, axis_size=axis_size)]
+
+
+def _all_gather_batcher(axis_data, vals_in, dims_in, *, axes, axis_size):
+    (v,), (d,) = vals_in, dims_in
+    if axis_data.name in axes:
+        if axes != (axis_data.name,):
+            raise NotImplementedError(
+                "strata_jax.all_gather over a vmapped axis together with mesh axes is not "
+                "supported; gather the vmapped axis with jnp first.")
+        if d is None:
+            v = jnp.broadcast_to(v[None], (axis_size, *v.shape))
+            d = 0
+        v = jnp.moveaxis(v, d, 0)
+        flat = v.reshape((v.shape[0] * v.shape[1], *v.shape[2:]))
+        return jnp.broadcast_to(flat[None], (axis_size, *flat.shape)), 0
+    if d is None:
+        return all_gather_p.bind(v, axes=axes, axis_size=axis_size), None
+    v = jnp.moveaxis(v, d, 1) if v.ndim > 1 else v[None] if False else jnp.moveaxis(v, d, 1)
+    return all_gather_p.bind(v, axes=axes, axis_size=axis_size), 1
+
+
+mlir.register_lowering(
+    all_gather_p,
+    lambda ctx, x, *, axes, axis_size: _ffi_call_lowering("strata_all_gather", "all_gather")(
+        ctx, x, axes=axes),
+    platform="cpu",
+)
+all_gather_p.def_effectful_abstract_eval(_all_gather_abstract_eval)
+ad.deflinear2(all_gather_p, _all_gather_transpose)
+batching.fancy_primitive_batchers[all_gather_p] = _all_gather_batcher
+
+
+# --------------------------------------------------------------------------------------
+# psum_scatter (primitive scatters dimension 0, tiled)
+# --------------------------------------------------------------------------------------
+
+reduce_scatter_p = core.Primitive("strata_reduce_scatter")
+
+
+def psum_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, axis_index_groups=None,
+                 tiled: bool = False):
+    """Sum over ``axis_name`` and scatter; drop-in for :func:`jax.lax.psum_scatter`.
+
+    Args:
+      x: array or pytree, numeric dtype (bool is summed as int32). Untiled: dimension
+        ``scatter_dimension`` must have size n and is removed; rank i gets the sum of block i.
+        Tiled: that dimension must be divisible by n and shrinks n-fold.
+      axis_name: mesh axis name or tuple of names.
+      scatter_dimension: dimension to scatter (negative counts from the end).
+      tiled: see above.
+
+    Raises:
+      ValueError: 0-d input, out-of-range dimension, or a size not divisible by n.
+      NameError / NotImplementedError: as :func:`psum`.
+
+    Each rank reduces its own block from every peer's input into its own output (the balanced
+    first half of a two-shot all-reduce). float16/bfloat16 accumulate in float32.
+    """
+    axes = _axes(axis_name)
+    _no_groups(axis_index_groups, "psum_scatter")
+    if not axes:
+        return x
+
+    def leaf(v):
+        v = jnp.asarray(v)
+        _check_axis_names(axes, "psum_scatter")
+        if v.ndim == 0:
+            raise ValueError("psum_scatter of a 0-d array is undefined; reshape x to (n,).")
+        if v.dtype == np.bool_:
+            v = v.astype(np.int32)
+        d = _canon_axis(scatter_dimension, v.ndim, "scatter_dimension")
+        n = _axis_size(axes)
+        if tiled and v.shape[d] % n:
+            raise ValueError(f"psum_scatter(tiled=True): dimension {d} of size {v.shape[d]} "
+                             f"is not divisible by the axis size {n}.")
+        if not tiled and v.shape[d] != n:
+            raise ValueError(f"psum_scatter(tiled=False): dimension {d} has size "
+                             f"{v.shape[d]} but must equal the axis size {n}; pass "
+                             "tiled=True to scatter blocks.")
+        v = _pvary_missing(v, axes)
+        y = reduce_scatter_p.bind(jnp.moveaxis(v, d, 0), axes=axes, axis_size=n)
+        y = jnp.moveaxis(y, 0, d)
+        return y if tiled else jnp.squeeze(y, d)
+
+    return _tree_map(leaf, x)
+
+
+def _reduce_scatter_abstract_eval(aval, *, axes, axis_size):
+    _check_axis_names(axes, "psum_scatter")
+    _require_varying("psum_scatter", aval, axes)
+    if aval.shape[0] % axis_size:
+        raise ValueError(f"psum_scatter: leading size {aval.shape[0]} not divisible by "
+                         f"{axis_size}")
+    return aval.update(shape=(aval.shape[0] // axis_size, *aval.shape[1:])), _effects(axes)
+
+
+def _reduce_scatter_transpose(ct, x, *, axes, axis_size):
+    return [all_gather_p.bind(ct, axes=axes, axis_size=axis_size)]
+
+
+def _reduce_scatter_batcher(axis_data, vals_in, dims_in, *, axes, axis_size):
+    (v,), (d,) = vals_in, dims_in
+    if axis_data.name in axes:
+        raise NotImplementedError(
+            "strata_jax.psum_scatter over a vmapped axis name is not supported; use jnp on "
+            "the batch dimension.")
+    if d is None:
+        return reduce_scatter_p.bind(v, axes=axes, axis_size=axis_size), None
+    v = jnp.moveaxis(v, d, 1)
+    return reduce_scatter_p.bind(v, axes=axes, axis_size=axis_size), 1
+
+
+mlir.register_lowering(
+    reduce_scatter_p,
+    lambda ctx, x, *, axes, axis_size: _ffi_call_lowering(
+        "strata_reduce_scatter", "psum_scatter")(ctx, x, axes=axes, reduce=np.int32(0)),
+    platform="cpu",
+)
+reduce_scatter_p.def_effectful_abstract_eval(_reduce_scatter_abstract_eval)
+ad.deflinear2(reduce_scatter_p, _reduce_scatter_transpose)
+batching.fancy_primitive_batchers[reduce_scatter_p] = _reduce_scatter_batcher
+
+
+# --------------------------------------------------------------------------------------
+# all_to_all (primitive is the tiled form; strided blocks handled natively, no transposes)
+# --------------------------------------------------------------------------------------
+
+all_to_all_p = core.Primitive("strata_all_to_all")
+
+
+def all_to_all(x, axis_name: AxisName, split_axis: int, concat_axis: int, *,
+               axis_index_groups=None, tiled: bool = False):
+    """All-to-all over ``axis_name``; drop-in for :func:`jax.lax.all_to_all`.
+
+    Args:
+      x: array or pytree, any dtype. ``split_axis`` is cut into n blocks; block i goes to
+        rank i, which concatenates the blocks it receives (in rank order) along
+        ``concat_axis``. Untiled: ``x.shape[split_axis]`` must equal n; the result has shape
+        ``np.insert(np.delete(x.shape, split_axis), concat_axis, n)``. Tiled: split_axis
+        shrinks n-fold and concat_axis grows n-fold.
+      axis_name: mesh axis name or tuple of names.
+      split_axis, concat_axis: dimensions (negative counts from the end).
+
+    Raises:
+      ValueError: out-of-range axes, 0-d input, or a split size not divisible by n.
+      NameError / NotImplementedError: as :func:`psum`.
+
+    Each rank copies block i of every peer's input straight into its output with strided
+    copies: no transpose before or after, whatever the axes.
+    """
+    axes = _axes(axis_name)
+    _no_groups(axis_index_groups, "all_to_all")
+    if not axes:
+        return x
+
+    def leaf(v):
+        v = jnp.asarray(v)
+        _check_axis_names(axes, "all_to_all")
+        if v.ndim == 0:
+            raise ValueError("all_to_all of a 0-d array is undefined.")
+        n = _axis_size(axes)
+        s = _canon_axis(split_axis, v.ndim, "split_axis")
+        c = _canon_axis(concat_axis, v.ndim, "concat_axis")
+        if tiled:
+            if v.shape[s] % n:
+                raise ValueError(f"all_to_all: split_axis {s} of size {v.shape[s]} is not "
+                                 f"divisible by the axis size {n}.")
+            v = _pvary_missing(v, axes)
+            return all_to_all_p.bind(v, axes=axes, split_axis=s, concat_axis=c, axis_size=n)
+        if v.shape[s] != n:
+            raise ValueError(f"all_to_all(tiled=False): split_axis {s} has size {v.shape[s]} "
+                             f"but must equal the axis size {n}.")
+        # Untiled = tiled on x with a unit axis inserted where the new axis will appear.
+        ins = c if c <= s else c + 1
+        s2 = s + 1 if c <= s else s
+        v = _pvary_missing(jnp.expand_dims(v, ins), axes)
+        y = all_to_all_p.bind(v, axes=axes, split_axis=s2, concat_axis=ins, axis_size=n)
+        return jnp.squeeze(y, s2)
+
+    return _tree_map(leaf, x)
+
+
+def _all_to_all_abstract_eval(aval, *, axes, split_axis, concat_axis, axis_size):
+    _check_axis_names(axes, "all_to_all")
+    _require_varying("all_to_all", aval, axes)
+    shape = list(aval.shape)
+    if shape[split_axis] % axis_size:
+        raise ValueError(f"all_to_all: split_axis size {shape[split_axis]} not divisible by "
+                         f"{axis_size}")
+    shape[split_axis] //= axis_size
+    shape[concat_axis] *= axis_size
+    return aval.update(shape=tuple(shape)), _effects(axes)
+
+
+def _all_to_all_transpose(ct, x, *, axes, split_axis, concat_axis, axis_size):
+    return [all_to_all_p.bind(ct, axes=axes, split_axis=concat_axis, concat_axis=split_axis,
+                              axis_size=axis_size)]
+
+
+def _all_to_all_batcher(axis_data, vals_in, dims_in, *, axes, split_axis, concat_axis,
+                        axis_size):
+    (v,), (d,) = vals_in, dims_in
+    if axis_data.name in axes:
+        raise NotImplementedError(
+            "strata_jax.all_to_all over a vmapped axis name is not supported.")
+    if d is None:
+        return all_to_all_p.bind(v, axes=axes, split_axis=split_axis, concat_axis=concat_axis,
+                                 axis_size=axis_size), None
+    v = jnp.moveaxis(v, d, 0)
+    return all_to_all_p.bind(v, axes=axes, split_axis=split_axis + 1,
+                             concat_axis=concat_axis + 1, axis_size=axis_size), 0
+
+
+mlir.register_lowering(
+    all_to_all_p,
+    lambda ctx, x, *, axes, split_axis, concat_axis, axis_size: _ffi_call_lowering(
+        "strata_all_to_all", "all_to_all")(ctx, x, axes=axes, split_axis=int(split_axis),
+                                           concat_axis=int(concat_axis)),
+    platform="cpu",
+)
+all_to_all_p.def_effectful_abstract_eval(_all_to_all_abstract_eval)
+ad.deflinear2(all_to_all_p, _all_to_all_transpose)
+batching.fancy_primitive_batchers[all_to_all_p] = _all_to_all_batcher
+
+
+# --------------------------------------------------------------------------------------
+# ppermute
+# --------------------------------------------------------------------------------------
+
+ppermute_p = core.Primitive("strata_ppermute")
+
+
+def _check_perm(perm, n: int) -> tuple:
+    perm = tuple((int(s), int(d)) for s, d in perm)
+    srcs = [s for s, _ in perm]
+    dsts = [d for _, d in perm]
+    if any(not 0 <= i < n for i in srcs + dsts):
+        raise ValueError(f"ppermute: perm {perm} has indices outside [0, {n}).")
+    if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+        raise ValueError(f"ppermute: perm {perm} repeats a source or a destination.")
+    return perm
+
+
+def ppermute(x, axis_name: AxisName, perm: Sequence[tuple[int, int]]):
+    """Collective permutation; drop-in for :func:`jax.lax.ppermute`.
+
+    Args:
+      x: array or pytree, any shape and dtype.
+      axis_name: mesh axis name or tuple of names.
+      perm: pairs ``(source, destination)`` of indices along ``axis_name``; no source or
+        destination may repeat. A rank that is no destination gets zeros.
+
+    Raises:
+      ValueError: an index out of range or repeated.
+      NameError / NotImplementedError: as :func:`psum`.
+
+    Each destination copies its source's buffer straight into its own output.
+    """
+    axes = _axes(axis_name)
+    if not axes:
+        return x
+
+    def leaf(v):
+        v = jnp.asarray(v)
+        _check_axis_names(axes, "ppermute")
+        p = _check_perm(perm, _axis_size(axes))
+        v = _pvary_missing(v, axes)
+        return ppermute_p.bind(v, axes=axes, perm=p)
+
+    return _tree_map(leaf, x)
+
+
+def _ppermute_abstract_eval(aval, *, axes, perm):
+    _check_axis_names(axes, "ppermute")
+    _require_varying("ppermute", aval, axes)
+    return aval, _effects(axes)
+
+
+def _ppermute_transpose(ct, x, *, axes, perm):
+    return [ppermute_p.bind(ct, axes=axes, perm=tuple((d, s) for s, d in perm))]
+
+
+def _ppermute_batcher(axis_data, vals_in, dims_in, *, axes, perm):
+    (v,), (d,) = vals_in, dims_in
+    if axis_data.name not in axes:
+        return ppermute_p.bind(v, axes=axes, perm=perm), d
+    if axes != (axis_data.name,):
+        raise NotImplementedError("strata_jax.ppermute over a vmapped axis together with "
+                                  "mesh axes is not supported.")
+    if d is None:
+        v = jnp.broadcast_to(v[None], (axis_data.size, *v.shape))
+        d = 0
+    src = np.full(axis_data.size, -1)
+    for s, t in perm:
+        src[t] = s
+    taken = jnp.take(v, np.maximum(src, 0), axis=d)
+    mask = (src >= 0).reshape([-1 if i == d else 1 for i in range(v.ndim)])
+    return jnp.where(mask, taken, jnp.zeros_like(taken)), d
+
+
+def _ppermute_lowering(ctx, x, *, axes, perm):
+    n = math.prod(_mesh_placement(ctx, axes, "ppermute")[0][list(
+        _mesh_placement(ctx, axes, "ppermute")[1])])
+    sources = np.full(n, -1, np.int64)
+    for s, d in perm:
+        sources[d] = s
+    return _ffi_call_lowering("strata_permute", "ppermute")(ctx, x, axes=axes, sources=sources)
+
+
+ppermute_p.def_effectful_abstract_eval(_ppermute_abstract_eval)
+ad.deflinear2(ppermute_p, _ppermute_transpose)
+batching.fancy_primitive_batchers[ppermute_p] = _ppermute_batcher
+mlir.register_lowering(ppermute_p, _ppermute_lowering, platform="cpu")
+
+
+# --------------------------------------------------------------------------------------
+# pbroadcast
+# --------------------------------------------------------------------------------------
+
+pbroadcast_p = core.Primitive("strata_pbroadcast")
+
+
+def pbroadcast(x, axis_name: AxisName, source: int):
+    """Broadcast from rank ``source`` of ``axis_name``; drop-in for :func:`jax.lax.pbroadcast`.
+
+    Args:
+      x: array or pytree, any shape and dtype.
+      axis_name: mesh axis name or tuple of names.
+      source: index along ``axis_name`` whose ``x`` every rank receives.
+
+    Returns:
+      ``x`` of rank ``source`` on every rank (varying type, as jax.lax).
+
+    Raises:
+      ValueError: ``source`` outside [0, n).
+      NameError / NotImplementedError: as :func:`psum`.
+
+    Every rank copies the source's buffer straight into its own output. (jax.lax.pbroadcast
+    has no CPU lowering; its documented equivalent is psum of x masked to the source.)
+    """
+    axes = _axes(axis_name)
+    if not axes:
+        return x
+
+    def leaf(v):
+        v = jnp.asarray(v)
+        _check_axis_names(axes, "pbroadcast")
+        n = _axis_size(axes)
+        if not 0 <= int(source) < n:
+            raise ValueError(f"pbroadcast: source {source} is outside [0, {n}).")
+        v = _pvary_missing(v, axes)
+        return pbroadcast_p.bind(v, axes=axes, source=int(source))
+
+    return _tree_map(leaf, x)
+
+
+def _pbroadcast_abstract_eval(aval, *, axes, source):
+    _check_axis_names(axes, "pbroadcast")
+    _require_varying("pbroadcast", aval, axes)
+    return aval, _effects(axes)
+
+
+def _pbroadcast_transpose(ct, x, *, axes, source):
+    is_source = jax.lax.axis_index(axes) == source
+    total = psum(ct, axes)
+    if _vma_on():
+        total = _pvary_missing(total, axes)
+    return [jnp.where(is_source, total, jnp.zeros_like(total))]
+
+
+def _pbroadcast_batcher(axis_data, vals_in, dims_in, *, axes, source):
+    (v,), (d,) = vals_in, dims_in
+    if axis_data.name not in axes:
+        return pbroadcast_p.bind(v, axes=axes, source=source), d
+    if axes != (axis_data.name,):
+        raise NotImplementedError("strata_jax.pbroadcast over a vmapped axis together with "
+                                  "mesh axes is not supported.")
+    if d is None:
+        return v, None
+    return jnp.take(v, np.full(axis_data.size, source), axis=d), d
+
+
+pbroadcast_p.def_effectful_abstract_eval(_pbroadcast_abstract_eval)
+ad.deflinear2(pbroadcast_p, _pbroadcast_transpose)
+batching.fancy_primitive_batchers[pbroadcast_p] = _pbroadcast_batcher
+mlir.register_lowering(
+    pbroadcast_p,
+    lambda ctx, x, *, axes, source: _ffi_call_lowering("strata_broadcast", "pbroadcast")(
+        ctx, x, axes=axes, root=int(source)),
+    platform="cpu",
+)
