@@ -1,0 +1,772 @@
+// The pool: fabric segments (memfd, MAP_SHARED), blocks carved from them, the cache cap, and the
+// background thread that announces segments to the fabric (registration-on-allocation).
+//
+// Structure:
+//  - A Segment is one memfd mapping. Its Blocks tile it in address order (prev/next), each free or
+//    allocated; free blocks also sit in a size-class bin (log2 of pages). Neighbouring free blocks
+//    are always coalesced.
+//  - Allocated blocks are found from the user pointer through PtrMap (open addressing, mmap'd).
+//  - One mutex (g_mu) guards all of it. Syscalls that may be slow (memfd_create, mmap, munmap) run
+//    outside it. Nothing under it calls malloc.
+//  - Callbacks run on one background thread, started by the first callback installation (an ordinary
+//    API call, never from inside malloc). Once it exists, segment releases are handed to it so the
+//    freed-segment callback runs before munmap/close and never races an announcement of the same fd.
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <dlfcn.h>
+
+#include "alloc/internal.h"
+
+namespace strata::alloc {
+
+void* MetaMap(size_t bytes) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  return p == MAP_FAILED ? nullptr : p;
+}
+void MetaUnmap(void* p, size_t bytes) { munmap(p, bytes); }
+
+[[noreturn]] void Fatal(const char* msg) {
+  const char prefix[] = "strata_alloc: fatal: ";
+  ssize_t r = write(2, prefix, sizeof(prefix) - 1);
+  r = write(2, msg, strlen(msg));
+  r = write(2, "\n", 1);
+  (void)r;
+  abort();
+}
+
+namespace {
+
+struct Segment;
+
+struct Block {
+  uintptr_t start;
+  size_t size;
+  Block* prev;   // address order within the segment
+  Block* next;
+  Block* fprev;  // free-bin list
+  Block* fnext;
+  Segment* seg;
+  int bin;
+  bool free;
+};
+
+struct Segment {
+  uint64_t id;
+  int fd;
+  uintptr_t base;
+  size_t size;
+  size_t used;       // bytes in allocated blocks
+  size_t dirty_end;  // offset high-water mark of anything ever handed out
+  Block* first;
+  Segment* lprev;    // live list
+  Segment* lnext;
+  Segment* pnext;    // pending-release list (background thread)
+  uint64_t announced_gen;  // callback generation it was announced under (0: never)
+  bool exportable;
+};
+
+// Fixed-size objects from mmap'd slabs, recycled through a free list. Never returned to the OS.
+template <typename T>
+struct MetaArena {
+  struct Node { Node* next; };
+  Node* free_list;
+  T* Get() {
+    if (!free_list) {
+      constexpr size_t kSlab = 256 * 1024;
+      char* slab = static_cast<char*>(MetaMap(kSlab));
+      if (!slab) return nullptr;
+      constexpr size_t kSz = sizeof(T) > sizeof(Node) ? sizeof(T) : sizeof(Node);
+      for (size_t off = 0; off + kSz <= kSlab; off += kSz) {
+        Node* n = reinterpret_cast<Node*>(slab + off);
+        n->next = free_list;
+        free_list = n;
+      }
+    }
+    Node* n = free_list;
+    free_list = n->next;
+    T* t = reinterpret_cast<T*>(n);
+    memset(static_cast<void*>(t), 0, sizeof(T));
+    return t;
+  }
+  void Put(T* t) {
+    Node* n = reinterpret_cast<Node*>(t);
+    n->next = free_list;
+    free_list = n;
+  }
+};
+
+// user pointer -> allocated Block*. Linear probing, backward-shift deletion, grows at 1/2 load.
+struct PtrMap {
+  struct Slot { uintptr_t key; Block* val; };
+  Slot* slots;
+  size_t cap;  // power of two (0 before first use)
+  size_t count;
+
+  static size_t Hash(uintptr_t k, size_t cap) {
+    return static_cast<size_t>(((k >> 12) * 0x9E3779B97F4A7C15ull) >> 20) & (cap - 1);
+  }
+  bool Grow() {
+    size_t ncap = cap ? cap * 2 : 1024;
+    Slot* ns = static_cast<Slot*>(MetaMap(ncap * sizeof(Slot)));
+    if (!ns) return false;
+    for (size_t i = 0; i < cap; ++i) {
+      if (!slots[i].key) continue;
+      size_t j = Hash(slots[i].key, ncap);
+      while (ns[j].key) j = (j + 1) & (ncap - 1);
+      ns[j] = slots[i];
+    }
+    if (slots) MetaUnmap(slots, cap * sizeof(Slot));
+    slots = ns;
+    cap = ncap;
+    return true;
+  }
+  bool Reserve() { return (count + 1) * 2 <= cap || Grow(); }
+  void Insert(uintptr_t k, Block* v) {  // after Reserve()
+    size_t j = Hash(k, cap);
+    while (slots[j].key) j = (j + 1) & (cap - 1);
+    slots[j] = {k, v};
+    ++count;
+  }
+  Block* Find(uintptr_t k) const {
+    if (!cap) return nullptr;
+    for (size_t j = Hash(k, cap);; j = (j + 1) & (cap - 1)) {
+      if (!slots[j].key) return nullptr;
+      if (slots[j].key == k) return slots[j].val;
+    }
+  }
+  void Erase(uintptr_t k) {
+    size_t j = Hash(k, cap);
+    while (slots[j].key != k) {
+      if (!slots[j].key) return;
+      j = (j + 1) & (cap - 1);
+    }
+    // Backward shift: move later members of the probe run into the hole when allowed.
+    size_t hole = j;
+    for (size_t i = (j + 1) & (cap - 1); slots[i].key; i = (i + 1) & (cap - 1)) {
+      size_t home = Hash(slots[i].key, cap);
+      bool movable = hole <= i ? (home <= hole || home > i) : (home <= hole && home > i);
+      if (movable) {
+        slots[hole] = slots[i];
+        hole = i;
+      }
+    }
+    slots[hole] = {0, nullptr};
+    --count;
+  }
+};
+
+constexpr int kBins = 48;
+
+struct Released {  // a segment to unmap and close outside the lock
+  uintptr_t base;
+  size_t size;
+  int fd;
+};
+
+// ---- all pool state; constant-initialised, guarded by g_mu ----
+pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+pthread_cond_t g_work_cv = PTHREAD_COND_INITIALIZER;  // background thread waits for work
+pthread_cond_t g_idle_cv = PTHREAD_COND_INITIALIZER;  // flush / callback setters wait for a batch
+MetaArena<Block> g_blocks;
+MetaArena<Segment> g_segs;
+PtrMap g_map;
+Block* g_bins[kBins];
+Segment* g_live;
+Segment* g_pending;
+size_t g_nsegs, g_seg_bytes, g_in_use, g_cached, g_nempty;
+uint64_t g_next_id = 1, g_pool_allocs, g_pool_frees, g_created, g_released, g_announced;
+strata_seg_callback g_new_cb, g_free_cb;
+void* g_new_user;
+void* g_free_user;
+uint64_t g_cb_gen;
+bool g_bg_started, g_bg_busy;
+pthread_t g_bg_thread;
+std::atomic<bool> g_atfork_registered{false};
+
+// Striped counter of allocations passed to libc: a shared atomic would bounce a cache line between
+// every allocating thread. Threads are spread by their stack address.
+struct alignas(64) Stripe { std::atomic<uint64_t> n; };
+Stripe g_libc_allocs[16];
+
+struct Lock {
+  Lock() { pthread_mutex_lock(&g_mu); }
+  ~Lock() { pthread_mutex_unlock(&g_mu); }
+};
+
+int BinOf(size_t size) {
+  int b = 63 - __builtin_clzll(size / kGranule);
+  return b < kBins ? b : kBins - 1;
+}
+void BinPush(Block* b) {
+  b->bin = BinOf(b->size);
+  b->fprev = nullptr;
+  b->fnext = g_bins[b->bin];
+  if (b->fnext) b->fnext->fprev = b;
+  g_bins[b->bin] = b;
+}
+void BinPop(Block* b) {
+  if (b->fprev) b->fprev->fnext = b->fnext; else g_bins[b->bin] = b->fnext;
+  if (b->fnext) b->fnext->fprev = b->fprev;
+  b->fprev = b->fnext = nullptr;
+}
+
+bool Fits(const Block* b, size_t req, size_t align) {
+  uintptr_t a = AlignUp(b->start, align);
+  return a + req <= b->start + b->size;
+}
+
+Block* FindFit(size_t req, size_t align) {
+  int b0 = BinOf(req);
+  Block* best = nullptr;
+  for (Block* x = g_bins[b0]; x; x = x->fnext)  // mixed sizes: best fit
+    if (Fits(x, req, align) && (!best || x->size < best->size)) best = x;
+  if (best) return best;
+  for (int i = b0 + 1; i < kBins; ++i)  // every block here is big enough unless align pads it
+    for (Block* x = g_bins[i]; x; x = x->fnext)
+      if (Fits(x, req, align)) return x;
+  return nullptr;
+}
+
+// Splits a new free block [at, b end) off the tail of b and bins it. false if out of metadata.
+bool SplitTail(Block* b, uintptr_t at) {
+  Block* t = g_blocks.Get();
+  if (!t) return false;
+  t->start = at;
+  t->size = b->start + b->size - at;
+  t->seg = b->seg;
+  t->free = true;
+  t->prev = b;
+  t->next = b->next;
+  if (b->next) b->next->prev = t;
+  b->next = t;
+  b->size = at - b->start;
+  BinPush(t);
+  return true;
+}
+
+void Unlink(Block* b) {
+  if (b->prev) b->prev->next = b->next; else b->seg->first = b->next;
+  if (b->next) b->next->prev = b->prev;
+}
+
+// Frees b (already marked free, not binned): merges free neighbours, bins the result.
+Block* Coalesce(Block* b) {
+  if (b->prev && b->prev->free) {
+    Block* p = b->prev;
+    BinPop(p);
+    p->size += b->size;
+    Unlink(b);
+    g_blocks.Put(b);
+    b = p;
+  }
+  if (b->next && b->next->free) {
+    Block* n = b->next;
+    BinPop(n);
+    b->size += n->size;
+    Unlink(n);
+    g_blocks.Put(n);
+  }
+  BinPush(b);
+  return b;
+}
+
+// Carves [aligned start, +req) out of free block b; returns the allocated block or nullptr.
+Block* Carve(Block* b, size_t req, size_t align) {
+  if (!g_map.Reserve()) return nullptr;
+  uintptr_t a = AlignUp(b->start, align);
+  BinPop(b);
+  if (a > b->start) {  // front padding becomes its own free block
+    if (!SplitTail(b, a)) {
+      BinPush(b);
+      return nullptr;
+    }
+    Block* front = b;
+    b = front->next;
+    BinPop(b);
+    BinPush(front);  // the shrunken front stays free
+  }
+  if (b->size - req >= kGranule) SplitTail(b, b->start + req);  // on failure keep the slack
+  b->free = false;
+  Segment* s = b->seg;
+  if (s->used == 0) --g_nempty;
+  s->used += b->size;
+  g_in_use += b->size;
+  g_cached -= b->size;
+  g_map.Insert(b->start, b);
+  ++g_pool_allocs;
+  return b;
+}
+
+void LinkLive(Segment* s) {
+  s->lprev = nullptr;
+  s->lnext = g_live;
+  if (g_live) g_live->lprev = s;
+  g_live = s;
+}
+void UnlinkLive(Segment* s) {
+  if (s->lprev) s->lprev->lnext = s->lnext; else g_live = s->lnext;
+  if (s->lnext) s->lnext->lprev = s->lprev;
+}
+
+bool HasWork() {
+  if (g_pending) return true;
+  if (!g_new_cb) return false;
+  for (Segment* s = g_live; s; s = s->lnext)
+    if (s->exportable && s->announced_gen != g_cb_gen) return true;
+  return false;
+}
+
+// Takes an empty segment out of the pool (lock held). Returns true if the caller must unmap `out`
+// after unlocking; false if the background thread owns the release.
+bool ReleaseSegment(Segment* s, Released* out) {
+  Block* b = s->first;  // an empty segment is one free block
+  BinPop(b);
+  g_blocks.Put(b);
+  g_cached -= s->size;
+  g_seg_bytes -= s->size;
+  --g_nsegs;
+  --g_nempty;
+  ++g_released;
+  TableRemove(s->base);
+  UnlinkLive(s);
+  if (g_bg_started) {
+    s->pnext = g_pending;
+    g_pending = s;
+    pthread_cond_signal(&g_work_cv);
+    return false;
+  }
+  *out = {s->base, s->size, s->fd};
+  g_segs.Put(s);
+  return true;
+}
+
+// Returns wholly free segments to the OS while the cache is over its cap (lock held). `hint` is
+// tried first. Fills `out` (up to max) with segments to unmap after unlocking.
+int TrimCache(Segment* hint, Released* out, int max, size_t cap) {
+  int n = 0;
+  if (hint && hint->used == 0 && g_cached > cap && n < max)
+    if (ReleaseSegment(hint, &out[n])) ++n;
+  for (Segment* s = g_live; s && g_cached > cap && g_nempty > 0 && n < max;) {
+    Segment* next = s->lnext;
+    if (s->used == 0 && ReleaseSegment(s, &out[n])) ++n;
+    s = next;
+  }
+  return n;
+}
+
+void UnmapReleased(const Released* r, int n) {
+  for (int i = 0; i < n; ++i) {
+    munmap(reinterpret_cast<void*>(r[i].base), r[i].size);
+    if (r[i].fd >= 0) close(r[i].fd);
+  }
+}
+
+bool CreateSegment(size_t size, Released* out) {
+  int fd = static_cast<int>(syscall(SYS_memfd_create, "strata_seg", MFD_CLOEXEC));
+  if (fd < 0) return false;
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    close(fd);
+    return false;
+  }
+  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) {
+    close(fd);
+    return false;
+  }
+  *out = {reinterpret_cast<uintptr_t>(base), size, fd};
+  return true;
+}
+
+// Adds a freshly mapped segment to the pool (lock held). false (caller unmaps) if out of room.
+bool AdoptSegment(const Released& r) {
+  Segment* s = g_segs.Get();
+  if (!s) return false;
+  Block* b = g_blocks.Get();
+  if (!b) {
+    g_segs.Put(s);
+    return false;
+  }
+  s->id = g_next_id++;
+  if (!TableInsert(r.base, r.size, s->id, r.fd)) {
+    g_blocks.Put(b);
+    g_segs.Put(s);
+    return false;
+  }
+  s->fd = r.fd;
+  s->base = r.base;
+  s->size = r.size;
+  s->first = b;
+  s->exportable = true;
+  b->start = r.base;
+  b->size = r.size;
+  b->seg = s;
+  b->free = true;
+  BinPush(b);
+  LinkLive(s);
+  ++g_nsegs;
+  ++g_nempty;
+  ++g_created;
+  g_seg_bytes += r.size;
+  g_cached += r.size;
+  if (g_new_cb) pthread_cond_signal(&g_work_cv);
+  return true;
+}
+
+PoolResult Finish(Block* b, size_t size) {
+  Segment* s = b->seg;
+  size_t off = b->start - s->base;
+  size_t dirty = s->dirty_end > off ? s->dirty_end - off : 0;
+  if (dirty > size) dirty = size;
+  if (off + b->size > s->dirty_end) s->dirty_end = off + b->size;
+  return {reinterpret_cast<void*>(b->start), dirty};
+}
+
+// ---- fork: the child must not share pool memory with the parent ----
+// MAP_SHARED pages would stay shared after fork, so parent and child would scribble on each other's
+// buffers. In the child every segment is remapped MAP_PRIVATE from its memfd (copy-on-write, no
+// copy now), its fd is closed and it stops being shareable; the child has no background thread.
+void AtforkPrepare() { pthread_mutex_lock(&g_mu); }
+void AtforkParent() { pthread_mutex_unlock(&g_mu); }
+void AtforkChild() {
+  for (Segment* s = g_live; s; s = s->lnext) {
+    if (s->fd >= 0) {
+      mmap(reinterpret_cast<void*>(s->base), s->size, PROT_READ | PROT_WRITE,
+           MAP_PRIVATE | MAP_FIXED, s->fd, 0);
+      close(s->fd);
+      s->fd = -1;
+      TableSetFd(s->base, -1);
+    }
+    s->exportable = false;
+  }
+  while (Segment* s = g_pending) {
+    g_pending = s->pnext;
+    munmap(reinterpret_cast<void*>(s->base), s->size);
+    if (s->fd >= 0) close(s->fd);
+    g_segs.Put(s);
+  }
+  g_new_cb = g_free_cb = nullptr;
+  g_bg_started = g_bg_busy = false;
+  pthread_cond_init(&g_work_cv, nullptr);
+  pthread_cond_init(&g_idle_cv, nullptr);
+  pthread_mutex_unlock(&g_mu);
+}
+
+__attribute__((constructor)) void RegisterAtfork() {
+  if (!g_atfork_registered.exchange(true)) pthread_atfork(AtforkPrepare, AtforkParent, AtforkChild);
+}
+
+// ---- the background (registration) thread ----
+void* BackgroundMain(void*) {
+  sigset_t all;
+  sigfillset(&all);
+  pthread_sigmask(SIG_BLOCK, &all, nullptr);  // process signals belong to the application
+  constexpr int kBatch = 64;
+  strata_seg_info announce[kBatch];
+  strata_seg_info release[kBatch];
+  bool release_cb[kBatch];
+  Segment* release_seg[kBatch];
+  Lock lock;
+  g_bg_thread = pthread_self();
+  for (;;) {
+    int na = 0, nr = 0;
+    strata_seg_callback new_cb = g_new_cb, free_cb = g_free_cb;
+    void* new_user = g_new_user;
+    void* free_user = g_free_user;
+    if (new_cb) {
+      for (Segment* s = g_live; s && na < kBatch; s = s->lnext) {
+        if (!s->exportable || s->announced_gen == g_cb_gen) continue;
+        s->announced_gen = g_cb_gen;
+        announce[na++] = {s->id, s->fd, reinterpret_cast<void*>(s->base), s->size, 0};
+      }
+    }
+    while (g_pending && nr < kBatch) {
+      Segment* s = g_pending;
+      g_pending = s->pnext;
+      release[nr] = {s->id, s->fd, reinterpret_cast<void*>(s->base), s->size, 0};
+      release_cb[nr] = free_cb && s->announced_gen != 0;
+      release_seg[nr++] = s;
+    }
+    if (na == 0 && nr == 0) {
+      g_bg_busy = false;
+      pthread_cond_broadcast(&g_idle_cv);
+      pthread_cond_wait(&g_work_cv, &g_mu);
+      continue;
+    }
+    g_bg_busy = true;
+    g_announced += na;
+    pthread_mutex_unlock(&g_mu);
+    for (int i = 0; i < na; ++i) new_cb(&announce[i], new_user);
+    for (int i = 0; i < nr; ++i) {
+      if (release_cb[i]) free_cb(&release[i], free_user);
+      munmap(release[i].base, release[i].size);
+      if (release[i].fd >= 0) close(release[i].fd);
+    }
+    pthread_mutex_lock(&g_mu);
+    for (int i = 0; i < nr; ++i) g_segs.Put(release_seg[i]);
+    pthread_cond_broadcast(&g_idle_cv);
+  }
+  return nullptr;
+}
+
+bool OnBackgroundThread() { return g_bg_started && pthread_equal(pthread_self(), g_bg_thread); }
+
+void EnsureBackgroundThread() {
+  {
+    Lock lock;
+    if (g_bg_started) return;
+    g_bg_started = true;  // before the thread exists: releases from now on are deferred to it
+    g_bg_busy = true;
+  }
+  pthread_t t;
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+  int rc = pthread_create(&t, &attr, BackgroundMain, nullptr);
+  pthread_attr_destroy(&attr);
+  if (rc != 0) Fatal("cannot start the registration thread");
+}
+
+void SetCallback(bool is_new, strata_seg_callback cb, void* user) {
+  if (cb) EnsureBackgroundThread();
+  Lock lock;
+  if (is_new) {
+    g_new_cb = cb;
+    g_new_user = user;
+    ++g_cb_gen;  // every live segment is announced again to the new callback
+  } else {
+    g_free_cb = cb;
+    g_free_user = user;
+  }
+  if (!g_bg_started) return;
+  pthread_cond_signal(&g_work_cv);
+  // The batch in flight may still be using the old callback: wait it out.
+  if (!OnBackgroundThread())
+    while (g_bg_busy) pthread_cond_wait(&g_idle_cv, &g_mu);
+}
+
+}  // namespace
+
+// ---- pool operations used by interpose.cc ----
+
+PoolResult PoolAlloc(size_t size, size_t align) {
+  const Config* cfg = GetConfig();
+  if (!cfg || !cfg->enabled || size > cfg->max_request) return {nullptr, 0};
+  if (align < kMinAlign) align = kMinAlign;
+  size_t req = AlignUp(size, kGranule);
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    {
+      Lock lock;
+      if (Block* b = FindFit(req, align)) {
+        if (Block* got = Carve(b, req, align)) return Finish(got, size);
+        return {nullptr, 0};
+      }
+    }
+    if (attempt == 1) break;
+    // No room: map a new segment outside the lock, then retry (another thread may win the space;
+    // then the new segment simply stays cached).
+    size_t need = req + (align > kGranule ? align : 0);
+    size_t seg = need > cfg->segment_bytes / 4 ? AlignUp(need, kLargeRound) : cfg->segment_bytes;
+    Released r;
+    if (!CreateSegment(seg, &r)) return {nullptr, 0};
+    bool ok;
+    {
+      Lock lock;
+      ok = AdoptSegment(r);
+    }
+    if (!ok) {
+      UnmapReleased(&r, 1);
+      return {nullptr, 0};
+    }
+  }
+  return {nullptr, 0};
+}
+
+void PoolFree(void* p) {
+  const Config* cfg = GetConfig();
+  Released rel[8];
+  int nrel = 0;
+  {
+    Lock lock;
+    Block* b = g_map.Find(reinterpret_cast<uintptr_t>(p));
+    if (!b) Fatal("free(): invalid pointer or double free of a pool block");
+    g_map.Erase(b->start);
+    Segment* s = b->seg;
+    b->free = true;
+    s->used -= b->size;
+    g_in_use -= b->size;
+    g_cached += b->size;
+    ++g_pool_frees;
+    Coalesce(b);
+    if (s->used == 0) ++g_nempty;
+    size_t cap = cfg ? cfg->cache_cap : 0;
+    if (g_cached > cap && g_nempty > 0) nrel = TrimCache(s, rel, 8, cap);
+  }
+  UnmapReleased(rel, nrel);
+}
+
+size_t PoolUsableSize(const void* p) {
+  Lock lock;
+  Block* b = g_map.Find(reinterpret_cast<uintptr_t>(p));
+  return b ? b->size : 0;
+}
+
+bool PoolResizeInPlace(void* p, size_t n) {
+  size_t req = AlignUp(n, kGranule);
+  Lock lock;
+  Block* b = g_map.Find(reinterpret_cast<uintptr_t>(p));
+  if (!b) Fatal("realloc(): invalid pointer to a pool block");
+  Segment* s = b->seg;
+  if (req > b->size) {  // grow into a free right neighbour
+    Block* nx = b->next;
+    if (!nx || !nx->free || b->size + nx->size < req) return false;
+    size_t take = req - b->size;
+    BinPop(nx);
+    if (nx->size - take >= kGranule) {
+      nx->start += take;
+      nx->size -= take;
+      BinPush(nx);
+    } else {
+      take = nx->size;
+      Unlink(nx);
+      g_blocks.Put(nx);
+    }
+    b->size += take;
+    s->used += take;
+    g_in_use += take;
+    g_cached -= take;
+    size_t end = b->start + b->size - s->base;
+    if (end > s->dirty_end) s->dirty_end = end;
+    return true;
+  }
+  if (b->size - req >= kGranule) {  // shrink: give the tail back
+    size_t give = b->size - req;
+    if (SplitTail(b, b->start + req)) {
+      Block* t = b->next;
+      BinPop(t);
+      s->used -= give;
+      g_in_use -= give;
+      g_cached += give;
+      Coalesce(t);
+    }
+  }
+  return true;
+}
+
+void CountLibcAlloc() {
+  int probe;
+  size_t i = (reinterpret_cast<uintptr_t>(&probe) >> 14) & 15;
+  g_libc_allocs[i].n.fetch_add(1, std::memory_order_relaxed);
+}
+
+uint64_t LibcAllocCount() {
+  uint64_t total = 0;
+  for (auto& s : g_libc_allocs) total += s.n.load(std::memory_order_relaxed);
+  return total;
+}
+
+}  // namespace strata::alloc
+
+// ---- the C API ----
+using namespace strata::alloc;
+
+extern "C" {
+
+STRATA_ALLOC_API int strata_alloc_lookup(const void* p, size_t len, strata_seg_info* out) {
+  TableHit h;
+  if (!TableFind(reinterpret_cast<uintptr_t>(p), len, &h) || h.fd < 0) return 0;
+  if (out) *out = {h.id, h.fd, reinterpret_cast<void*>(h.base), h.size,
+                   reinterpret_cast<uintptr_t>(p) - h.base};
+  return 1;
+}
+
+STRATA_ALLOC_API void strata_alloc_set_new_segment_callback(strata_seg_callback cb, void* user) {
+  SetCallback(true, cb, user);
+}
+
+STRATA_ALLOC_API void strata_alloc_set_free_segment_callback(strata_seg_callback cb, void* user) {
+  SetCallback(false, cb, user);
+}
+
+STRATA_ALLOC_API void strata_alloc_flush(void) {
+  Lock lock;
+  if (!g_bg_started || OnBackgroundThread()) return;
+  while (g_bg_busy || HasWork()) {
+    pthread_cond_signal(&g_work_cv);
+    pthread_cond_wait(&g_idle_cv, &g_mu);
+  }
+}
+
+STRATA_ALLOC_API void strata_alloc_stats(strata_alloc_stats_t* out) {
+  const Config* cfg = GetConfig();
+  Lock lock;
+  out->segments = g_nsegs;
+  out->segment_bytes = g_seg_bytes;
+  out->bytes_in_use = g_in_use;
+  out->bytes_cached = g_cached;
+  out->pool_allocs = g_pool_allocs;
+  out->pool_frees = g_pool_frees;
+  out->libc_allocs = LibcAllocCount();
+  out->segments_created = g_created;
+  out->segments_released = g_released;
+  out->segments_announced = g_announced;
+  out->threshold = cfg && cfg->enabled ? cfg->threshold : UINT64_MAX;
+  out->cache_cap = cfg ? cfg->cache_cap : 0;
+}
+
+STRATA_ALLOC_API int strata_alloc_check(void) {
+  Lock lock;
+  size_t nsegs = 0, seg_bytes = 0, in_use = 0, cached = 0, nempty = 0, nfree = 0, nalloc = 0;
+  for (Segment* s = g_live; s; s = s->lnext) {
+    ++nsegs;
+    seg_bytes += s->size;
+    uintptr_t at = s->base;
+    size_t used = 0;
+    bool prev_free = false;
+    for (Block* b = s->first; b; b = b->next) {
+      if (b->seg != s || b->start != at || b->size == 0 || b->size % kGranule) return 1;
+      if (b->next && b->next->prev != b) return 2;
+      if (b->free) {
+        if (prev_free) return 3;  // two free neighbours: coalescing missed
+        ++nfree;
+        cached += b->size;
+      } else {
+        if (g_map.Find(b->start) != b) return 4;
+        ++nalloc;
+        used += b->size;
+      }
+      prev_free = b->free;
+      at += b->size;
+    }
+    if (at != s->base + s->size) return 5;  // blocks do not tile the segment
+    if (used != s->used) return 6;
+    if (used == 0) ++nempty;
+    in_use += used;
+    TableHit h;
+    if (!TableFind(s->base, s->size, &h) || h.base != s->base || h.size != s->size || h.id != s->id)
+      return 7;
+  }
+  size_t binned = 0;
+  for (int i = 0; i < kBins; ++i)
+    for (Block* b = g_bins[i]; b; b = b->fnext) {
+      if (!b->free || b->bin != i || BinOf(b->size) != i) return 8;
+      if (b->fnext && b->fnext->fprev != b) return 9;
+      ++binned;
+    }
+  if (binned != nfree) return 10;
+  if (nalloc != g_map.count) return 11;
+  if (nsegs != g_nsegs || seg_bytes != g_seg_bytes || in_use != g_in_use || cached != g_cached ||
+      nempty != g_nempty)
+    return 12;
+  return 0;
+}
+
+STRATA_ALLOC_API int strata_alloc_abi_version(void) { return STRATA_ALLOC_ABI_VERSION; }
+
+}  // extern "C"
