@@ -1,0 +1,430 @@
+"""Shared helpers for the strata_jax benchmarks.
+
+Nothing here imports jax at module level, so a benchmark can import this module before it decides
+how (and whether) to import ``strata_jax``, which must come before jax creates its CPU backend.
+
+Contents:
+  * arguments: :func:`parse_size`, :func:`format_size`, :func:`parse_list`, :func:`size_sweep`
+  * timing: :func:`time_calls`, :func:`median`
+  * output: :class:`Table` (nccl-tests-style fixed-width rows), :func:`write_csv`,
+    :func:`write_json`, :func:`progress`, :func:`plot_lines`
+  * machine description: :func:`machine_info`, :func:`print_machine`
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# --------------------------------------------------------------------------------------------------
+# Arguments
+# --------------------------------------------------------------------------------------------------
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_SIZE_MULT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte count: ``"8"``, ``"4K"``, ``"64M"``, ``"1G"``, ``"16MiB"`` (binary units)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (examples: 8, 4K, 64M, 1G)")
+    return int(float(m.group(1)) * _SIZE_MULT[m.group(2).lower()])
+
+
+def format_size(nbytes: float) -> str:
+    """Human form of a byte count in binary units: 8 B, 4 KiB, 64 MiB."""
+    for unit, mult in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= mult:
+            v = nbytes / mult
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def parse_list(
+    text: str, choices: Sequence[str] | None = None, *, all_word: str = "all"
+) -> list[str]:
+    """Parse a comma list (``"a,b"``); ``all_word`` expands to every choice; validates choices."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if choices is not None:
+        if all_word in items:
+            return list(choices)
+        bad = [t for t in items if t not in choices]
+        if bad:
+            raise ValueError(f"unknown value(s) {bad}; choose from {list(choices)} or {all_word!r}")
+    # de-duplicate, keep order
+    return list(dict.fromkeys(items))
+
+
+def size_sweep(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
+    """Sizes max, max/factor, max/factor**2, ... > min, then min itself; ascending.
+
+    Anchored at the top (unlike nccl-tests' ``-b/-e/-f``, which climbs from ``-b`` and may stop
+    short of ``-e``) so that the default 8 B .. 64 MiB by 4 hits 4 KiB, 1 MiB, 16 MiB and 64 MiB.
+    """
+    if min_bytes <= 0 or max_bytes < min_bytes or factor < 2:
+        raise ValueError(f"bad sweep: min={min_bytes} max={max_bytes} factor={factor}")
+    sizes = []
+    s = max_bytes
+    while s > min_bytes:
+        sizes.append(s)
+        s //= factor
+    sizes.append(min_bytes)
+    return sorted(set(sizes))
+
+
+def auto_iters(nbytes: int, budget: float = 5e8, lo: int = 5, hi: int = 200) -> int:
+    """Iterations for one timed point: ``clamp(budget / bytes, lo, hi)``."""
+    return int(min(hi, max(lo, budget // max(nbytes, 1))))
+
+
+# --------------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------------
+
+
+def time_calls(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    iters: int,
+    warmup: int = 2,
+    block: Callable[[Any], Any] | None = None,
+) -> tuple[list[float], Any]:
+    """Call ``fn(*args)`` ``warmup`` times, then ``iters`` times, each blocked to completion.
+
+    Every call is waited for before the next is dispatched: dispatching many multi-device launches
+    ahead can deadlock XLA CPU (see DESIGN.md). Returns the per-call times in seconds and the last
+    output. ``block`` defaults to ``jax.block_until_ready``.
+    """
+    if block is None:
+        import jax
+
+        block = jax.block_until_ready
+    out = None
+    for _ in range(warmup):
+        out = block(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        out = block(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return times, out
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]],
+    iters: int,
+    warmup: int = 2,
+    block: Callable[[Any], Any] | None = None,
+    on_error: Callable[[str, BaseException], None] | None = None,
+) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """Time several implementations round-robin: call 1 of each, call 2 of each, ...
+
+    Interleaving removes the bias of running one implementation after the other (memory state,
+    page-cache and frequency drift favour whoever runs second). Each call is blocked to completion.
+    An implementation that raises is dropped (``on_error(name, exc)``; re-raised without it).
+    Returns per-name call times (seconds) and last outputs.
+    """
+    if block is None:
+        import jax
+
+        block = jax.block_until_ready
+    live = dict(fns)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    outs: dict[str, Any] = {}
+    for i in range(warmup + iters):
+        for name, fn in list(live.items()):
+            try:
+                t0 = time.perf_counter()
+                outs[name] = block(fn())
+                dt = time.perf_counter() - t0
+            except Exception as e:
+                if on_error is None:
+                    raise
+                on_error(name, e)
+                del live[name]
+                continue
+            if i >= warmup:
+                times[name].append(dt)
+    return times, outs
+
+
+def median(xs: Iterable[float]) -> float:
+    xs = list(xs)
+    return statistics.median(xs) if xs else float("nan")
+
+
+# --------------------------------------------------------------------------------------------------
+# Tables and files
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Column:
+    header: str
+    width: int
+    fmt: str = ""  # format spec for numbers, e.g. ".2f"; "" = str()
+
+
+@dataclass
+class Table:
+    """Fixed-width text table in the style of nccl-tests (right-aligned columns, '#' headers).
+
+    ``groups`` are optional labels printed above runs of columns, e.g. one per implementation.
+    """
+
+    columns: list[Column]
+    groups: list[tuple[str, int]] = field(default_factory=list)  # (label, number of columns)
+    sep: str = "  "
+
+    def _cell(self, col: Column, value: Any) -> str:
+        if value is None:
+            s = "-"
+        elif isinstance(value, float) and col.fmt:
+            s = "nan" if value != value else format(value, col.fmt)
+        else:
+            s = str(value)
+        return s.rjust(col.width)
+
+    def header_lines(self) -> list[str]:
+        lines = []
+        if self.groups:
+            parts = []
+            i = 0
+            for label, n in self.groups:
+                cols = self.columns[i : i + n]
+                w = sum(c.width for c in cols) + len(self.sep) * (n - 1)
+                parts.append(label.center(w, "-") if label else " " * w)
+                i += n
+            lines.append("#" + self.sep.join(parts))
+        lines.append("#" + self.sep.join(c.header.rjust(c.width) for c in self.columns))
+        return lines
+
+    def row(self, values: Sequence[Any]) -> str:
+        return " " + self.sep.join(
+            self._cell(c, v) for c, v in zip(self.columns, values, strict=True)
+        )
+
+
+def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    """Write dict rows to CSV; the header is the union of keys in first-seen order."""
+    keys: dict[str, None] = {}
+    for r in rows:
+        keys.update(dict.fromkeys(r))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(keys), extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if v is None else v) for k, v in r.items()})
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "item"):  # numpy scalars
+        return o.item()
+    if isinstance(o, Path):
+        return str(o)
+    return str(o)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2, default=_json_default) + "\n")
+
+
+class _NoBar:
+    """Stand-in for a tqdm bar when tqdm is missing or output is disabled."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    @staticmethod
+    def write(s: str) -> None:
+        print(s, flush=True)
+
+
+def progress(total: int, desc: str = "", enable: bool = True) -> Any:
+    """A tqdm progress bar on stderr (tqdm is in the optional ``bench`` extra); a no-op without it.
+
+    Print through ``bar.write(line)`` so table rows and the bar do not interleave.
+    """
+    if enable:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False)
+            bar.write = lambda s: tqdm.write(s, file=sys.stdout)  # type: ignore[method-assign]
+            return bar
+        except ImportError:
+            pass
+    return _NoBar()
+
+
+def plot_lines(
+    path: Path,
+    panels: dict[str, dict[str, tuple[Sequence[float], Sequence[float]]]],
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str = "",
+    logx2: bool = True,
+) -> bool:
+    """One subplot per panel, one line per series: ``panels[panel][series] = (xs, ys)``.
+
+    Uses matplotlib's Agg backend; returns False (and writes nothing) if matplotlib is missing.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    n = max(1, len(panels))
+    ncols = min(n, 3)
+    nrows = (n + ncols - 1) // ncols
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4 * nrows), squeeze=False)
+    for ax, (name, series) in zip(list(axes.flat)[: len(panels)], panels.items(), strict=True):
+        for label, (xs, ys) in series.items():
+            ax.plot(xs, ys, marker="o", markersize=3, label=label)
+        if logx2:
+            ax.set_xscale("log", base=2)
+        ax.set_title(name)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# --------------------------------------------------------------------------------------------------
+# Machine description
+# --------------------------------------------------------------------------------------------------
+
+ENV_VARS = (
+    "PJRT_NPROC",
+    "NPROC",
+    "XLA_FLAGS",
+    "JAX_PLATFORMS",
+    "JAX_NUM_CPU_DEVICES",
+    "OMP_NUM_THREADS",
+    "LD_PRELOAD",
+)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _mem_total() -> str:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return format_size(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    return "?"
+
+
+def _version(mod: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(mod)
+    except Exception:
+        return None
+
+
+def machine_info(extra_env_prefixes: Sequence[str] = ("STRATA_",)) -> dict[str, Any]:
+    """CPU model, cores, memory, versions and the environment variables that change behaviour.
+
+    Call after jax is imported if jax's own facts (devices) are wanted; it is imported lazily here.
+    """
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:
+        affinity = os.cpu_count()
+    env = {k: os.environ[k] for k in ENV_VARS if k in os.environ}
+    env.update(
+        {k: v for k, v in os.environ.items() if any(k.startswith(p) for p in extra_env_prefixes)}
+    )
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "cores_usable": affinity,
+        "memory": _mem_total(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "versions": {
+            m: _version(m)
+            for m in ("jax", "jaxlib", "numpy", "strata_jax", "mpi4jax")
+            if _version(m) is not None
+        },
+        "env": env,
+    }
+    if "jax" in sys.modules:
+        import jax
+
+        try:
+            devs = jax.devices()
+            info["jax_backend"] = jax.default_backend()
+            info["jax_devices"] = len(devs)
+            info["jax_local_devices"] = jax.local_device_count()
+            info["jax_processes"] = jax.process_count()
+        except Exception as e:  # backend failed to start: report, do not die here
+            info["jax_devices_error"] = repr(e)
+    return info
+
+
+def print_machine(info: dict[str, Any], write: Callable[[str], Any] = print) -> None:
+    write(f"# host       : {info['host']}  ({info['platform']})")
+    write(
+        f"# cpu        : {info['cpu']}, {info['cores']} cores ({info['cores_usable']} usable), "
+        f"{info['memory']} RAM"
+    )
+    vers = ", ".join(f"{k} {v}" for k, v in info["versions"].items())
+    write(f"# versions   : python {info['python']}, {vers}")
+    if "jax_devices" in info:
+        write(
+            f"# jax        : backend {info['jax_backend']}, {info['jax_devices']} devices, "
+            f"{info['jax_processes']} process(es), {info['jax_local_devices']} local"
+        )
+    env = info["env"]
+    envs = " ".join(f"{k}={v}" for k, v in env.items()) if env else "(none set)"
+    write(f"# env        : {envs}")

@@ -1,0 +1,785 @@
+"""nccl-tests-style sweep of strata_jax collectives against jax.lax (and mpi4jax).
+
+For every op, dtype and size (bytes per device: --max-bytes, divided by --factor down to
+--min-bytes, and --min-bytes itself, so 8 B .. 64 MiB by 4 hits 4 KiB, 1 MiB, 16 MiB) and every
+implementation in --impl, the script builds ``jax.jit(jax.shard_map(body, mesh, P('x'), P('x')))``
+where ``body`` applies the op over mesh axis ``'x'``, feeds it fresh random inputs, times --iters
+blocking calls after --warmup warm-up calls and reports the median, nccl-tests' algbw/busbw, and
+the number of output elements that differ from ``jax.lax`` on the same input. Implementations run
+side by side on the same inputs; the last columns give the speedup of strata over each other
+implementation (``time_other / time_strata``). A progress bar runs on stderr (tqdm, optional
+``bench`` extra); CSV, JSON (rows + machine description) and a PNG plot of busbw against size go
+to --out.
+
+Size convention (nccl-tests'): ``size`` is the per-rank buffer nccl-tests counts, ``count`` its
+elements -- all-reduce (psum/pmax/pmin): input = output = size; all_gather: the per-rank OUTPUT
+(each rank contributes size/N); psum_scatter: the per-rank INPUT (each rank gets size/N);
+all_to_all, ppermute, pbroadcast: input = output = size. For all_gather, psum_scatter and all_to_all
+``count`` is rounded down to a multiple of N (at least N). algbw = size / time;
+busbw = algbw * f, f = 2(N-1)/N (all-reduce), (N-1)/N (all_gather, psum_scatter, all_to_all),
+1 (ppermute, pbroadcast).
+
+Usage::
+
+    # default: psum, float32, 8 in-process CPU devices, 8 B .. 64 MiB by 4, strata vs jax.lax
+    python benchmarks/collectives.py
+    # jax.lax only, every op, up to 1 MiB per device
+    python benchmarks/collectives.py --impl xla --op all --max-bytes 1M
+    # a few ops and dtypes, 4 devices, fixed iteration count
+    python benchmarks/collectives.py --op psum,all_gather,all_to_all --dtype bfloat16,int32 \\
+        --devices 4 --iters 50 --warmup 5
+    # one process per device (re-launches itself under `python -m strata_jax.launch -n 4`);
+    # xla = jax.lax over gloo; mpi4jax needs the processes started by mpirun instead
+    python benchmarks/collectives.py --procs 4 --impl strata,xla
+    mpirun -n 4 python benchmarks/collectives.py --procs 4 --impl strata,xla,mpi4jax
+
+Notes: jax.lax.pbroadcast has no CPU lowering in jaxlib 0.10, so the 'xla' pbroadcast (and the
+reference for pbroadcast) is its documented equivalent ``psum(where(axis_index == source, x, 0))``.
+Each call is waited for before the next is dispatched: dispatching multi-device launches far ahead
+deadlocks XLA CPU (see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# strata_jax must be imported before jax creates its CPU backend (it sets PJRT_NPROC &c.), so try
+# it first, whatever --impl says: every implementation then runs in the same environment.
+try:
+    import strata_jax as _strata  # noqa: I001
+except Exception as _e:  # not built yet / broken: only --impl strata needs it
+    _strata = None
+    _STRATA_ERROR: BaseException | None = _e
+else:
+    _STRATA_ERROR = None
+
+import numpy as np
+
+try:
+    import _common as C
+except ImportError:  # imported as a module from elsewhere
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _common as C
+
+AXIS = "x"
+IMPLS = ("strata", "xla", "mpi4jax")
+CHILD_ENV = "STRATA_BENCH_CHILD"  # set on the processes this script re-launches under --procs
+MPI_ENVS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+
+
+# --------------------------------------------------------------------------------------------------
+# Operators
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    # nccl-tests family: allreduce, allgather, reducescatter, alltoall, sendrecv, broadcast
+    kind: str
+    divisible: bool  # count must be a multiple of N
+    reduces: bool  # float results may differ by rounding (summation order)
+
+    def busbw_factor(self, n: int) -> float:
+        if self.kind == "allreduce":
+            return 2 * (n - 1) / n
+        if self.kind in ("allgather", "reducescatter", "alltoall"):
+            return (n - 1) / n
+        return 1.0
+
+    def in_count(self, count: int, n: int) -> int:
+        """Per-rank input elements for a `count`-element size buffer."""
+        return count // n if self.kind == "allgather" else count
+
+
+OPS: dict[str, OpSpec] = {
+    "psum": OpSpec("psum", "allreduce", False, True),
+    "pmax": OpSpec("pmax", "allreduce", False, False),
+    "pmin": OpSpec("pmin", "allreduce", False, False),
+    "all_gather": OpSpec("all_gather", "allgather", True, False),
+    "psum_scatter": OpSpec("psum_scatter", "reducescatter", True, True),
+    "all_to_all": OpSpec("all_to_all", "alltoall", True, False),
+    "ppermute": OpSpec("ppermute", "sendrecv", False, False),
+    "pbroadcast": OpSpec("pbroadcast", "broadcast", False, False),
+}
+
+
+def make_body(lib: Any, op: str, n: int) -> Callable[[Any], Any]:
+    """The per-shard function applying `op` over AXIS with `lib` (strata_jax or jax.lax)."""
+    if op in ("psum", "pmax", "pmin"):
+        f = getattr(lib, op)
+        return lambda x: f(x, AXIS)
+    if op == "all_gather":
+        return lambda x: lib.all_gather(x, AXIS, axis=0, tiled=True)
+    if op == "psum_scatter":
+        return lambda x: lib.psum_scatter(x, AXIS, scatter_dimension=0, tiled=True)
+    if op == "all_to_all":
+        return lambda x: lib.all_to_all(x, AXIS, 0, 0, tiled=True)
+    if op == "ppermute":
+        perm = [(i, (i + 1) % n) for i in range(n)]
+        return lambda x: lib.ppermute(x, AXIS, perm)
+    if op == "pbroadcast":
+        return lambda x: lib.pbroadcast(x, AXIS, 0)
+    raise ValueError(op)
+
+
+class _LaxForBench:
+    """jax.lax, except pbroadcast, which has no CPU lowering: its documented equivalent."""
+
+    def __getattr__(self, name: str) -> Any:
+        import jax
+
+        return getattr(jax.lax, name)
+
+    @staticmethod
+    def pbroadcast(x: Any, axis_name: str, source: int) -> Any:
+        import jax
+        import jax.numpy as jnp
+
+        is_bool = x.dtype == jnp.bool_
+        y = x.astype(jnp.uint8) if is_bool else x
+        y = jax.lax.psum(jnp.where(jax.lax.axis_index(axis_name) == source, y, 0), axis_name)
+        return y.astype(jnp.bool_) if is_bool else y
+
+
+# --------------------------------------------------------------------------------------------------
+# Context: what the per-process body needs (single process with N devices, or P processes)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Context:
+    mesh: Any
+    n: int  # ranks on the mesh axis
+    process_index: int
+    process_count: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.process_index == 0
+
+    def _gather(self, v: float) -> np.ndarray:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(np.asarray(v, np.float64)))
+
+    def max_across(self, v: float) -> float:
+        return v if self.process_count == 1 else float(np.max(self._gather(v)))
+
+    def sum_across(self, v: int) -> int:
+        return v if self.process_count == 1 else int(np.sum(self._gather(float(v))))
+
+
+def make_context(platform: str) -> Context:
+    import jax
+    from jax.sharding import Mesh
+
+    devs = sorted(jax.devices(platform), key=lambda d: d.id)
+    return Context(
+        Mesh(np.array(devs), (AXIS,)), len(devs), jax.process_index(), jax.process_count()
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs and checking
+# --------------------------------------------------------------------------------------------------
+
+
+def random_array(
+    rng: np.random.Generator, n_total: int, dtype: np.dtype, n_ranks: int
+) -> np.ndarray:
+    """Fresh random data: floats in [-1, 1); ints small enough that a sum over ranks fits."""
+    if dtype == np.bool_:
+        return rng.integers(0, 2, n_total, dtype=np.uint8).astype(np.bool_)
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        hi = min(int(info.max) // n_ranks, 1 << 20)
+        lo = 0 if info.min == 0 else -hi
+        return rng.integers(lo, hi, n_total, dtype=dtype, endpoint=True)
+    if np.issubdtype(dtype, np.complexfloating):
+        real = np.float64 if dtype.itemsize == 16 else np.float32
+        re_ = rng.random(n_total, dtype=real) * 2 - 1
+        im_ = rng.random(n_total, dtype=real) * 2 - 1
+        return (re_ + 1j * im_).astype(dtype)
+    gen = np.float64 if dtype == np.float64 else np.float32
+    x = rng.random(n_total, dtype=gen)
+    x *= 2
+    x -= 1
+    return x.astype(dtype, copy=False)
+
+
+def float_tolerance(dtype: np.dtype, n: int, amax: float) -> float:
+    """Bound on |a - b| for two sums of n terms |x| <= amax in any order, each with (n-1) roundings.
+
+    Each sum is within (n-1) * u * n * amax of the exact one (u = eps/2), so the two are within
+    (n-1) * n * eps * amax. Accumulating in higher precision (strata for bf16/f16) only tightens it.
+    """
+    eps = float(np.finfo(dtype).eps)
+    return max(1, n - 1) * n * eps * amax
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".strip().splitlines()[0][:300]
+
+
+def local_pieces(arr: Any) -> list[np.ndarray]:
+    """This process's shards of `arr`, in device-id order, as numpy arrays."""
+    shards = getattr(arr, "addressable_shards", None)
+    if shards is None:
+        return [np.asarray(arr)]
+    return [np.asarray(s.data) for s in sorted(shards, key=lambda s: s.device.id)]
+
+
+def count_wrong(
+    out: list[np.ndarray], ref: list[np.ndarray], tol: float | None
+) -> tuple[int, float]:
+    """(#elements differing, max |difference|) between local pieces; exact when tol is None."""
+    wrong, maxerr = 0, 0.0
+    for a, b in zip(out, ref, strict=True):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return max(a.size, b.size, 1), float("inf")
+        if a.size == 0:
+            continue
+        if tol is None:
+            a2 = np.ascontiguousarray(a).reshape(-1).view(np.uint8).reshape(a.size, -1)
+            b2 = np.ascontiguousarray(b).reshape(-1).view(np.uint8).reshape(b.size, -1)
+            wrong += int(np.count_nonzero((a2 != b2).any(axis=1)))  # bitwise equal
+            if wrong and a.dtype.kind in "iub":
+                d = np.abs(a.astype(np.float64) - b.astype(np.float64))
+                maxerr = max(maxerr, float(d.max()))
+        else:
+            wide = np.complex128 if a.dtype.kind == "c" else np.float64
+            d = np.abs(a.astype(wide) - b.astype(wide))
+            wrong += int(np.count_nonzero(~(d <= tol)))  # NaN counts as wrong
+            maxerr = max(maxerr, float(np.nanmax(d)) if np.isfinite(d).any() else float("inf"))
+    return wrong, maxerr
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-process body
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Point:
+    op: str
+    dtype: np.dtype
+    count: int  # elements of the size buffer
+    nbytes: int  # size in bytes (nccl-tests' size)
+    iters: int
+    warmup: int
+
+
+def sweep_points(
+    op: str, dtype: np.dtype, sizes: Sequence[int], n: int, iters: int | None, warmup: int | None
+) -> list[Point]:
+    spec = OPS[op]
+    pts: list[Point] = []
+    seen: set[int] = set()
+    for s in sizes:
+        count = max(1, s // dtype.itemsize)
+        if spec.divisible:
+            count = max(n, count - count % n)
+        if count in seen:
+            continue
+        seen.add(count)
+        nbytes = count * dtype.itemsize
+        it = iters if iters is not None else C.auto_iters(nbytes)
+        wu = warmup if warmup is not None else max(3, min(20, it // 10))
+        pts.append(Point(op, dtype, count, nbytes, it, wu))
+    return pts
+
+
+class Runner:
+    """Builds, caches and times the jitted programs of each implementation for one context."""
+
+    def __init__(self, ctx: Context, impls: Sequence[str]) -> None:
+        self.ctx = ctx
+        self.impls = list(impls)
+        self.libs: dict[str, Any] = {"xla": _LaxForBench()}
+        if "strata" in impls:
+            self.libs["strata"] = _strata
+        self._mpi: Any = None
+
+    # ---- programs
+    def shard_map_fn(self, impl: str, op: str) -> Callable[[Any], Any]:
+        import jax
+        from jax.sharding import PartitionSpec as P
+
+        body = make_body(self.libs[impl], op, self.ctx.n)
+        return jax.jit(jax.shard_map(body, mesh=self.ctx.mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+
+    def mpi4jax_fn(self, op: str) -> Callable[[Any], Any]:
+        """Per-process function on the local (1-device) array; mpi4jax has no reduce_scatter."""
+        import jax
+        import mpi4jax
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        rank, n = comm.Get_rank(), comm.Get_size()
+        first = lambda r: r[0] if isinstance(r, tuple) else r  # older mpi4jax returns (x, token)
+        ops = {"psum": MPI.SUM, "pmax": MPI.MAX, "pmin": MPI.MIN}
+        if op in ops:
+            f = lambda x: first(mpi4jax.allreduce(x, op=ops[op], comm=comm))
+        elif op == "all_gather":
+            f = lambda x: first(mpi4jax.allgather(x, comm=comm)).reshape(-1)
+        elif op == "all_to_all":
+            f = lambda x: first(mpi4jax.alltoall(x.reshape(n, -1), comm=comm)).reshape(-1)
+        elif op == "pbroadcast":
+            f = lambda x: first(mpi4jax.bcast(x, root=0, comm=comm))
+        elif op == "ppermute":
+            f = lambda x: first(
+                mpi4jax.sendrecv(x, x, source=(rank - 1) % n, dest=(rank + 1) % n, comm=comm)
+            )
+        else:
+            raise NotImplementedError(f"mpi4jax has no {op}")
+        return jax.jit(f)
+
+    # ---- one point
+    def make_input(self, pt: Point, seed: int) -> Any:
+        import jax
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        n = self.ctx.n
+        total = n * OPS[pt.op].in_count(pt.count, n)
+        host = random_array(np.random.default_rng(seed), total, pt.dtype, n)
+        sharding = NamedSharding(self.ctx.mesh, P(AXIS))
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+    def prepare(self, impl: str, pt: Point, x: Any) -> Callable[[], Any]:
+        """A no-argument callable running `impl` on `x` (compiled by its first call)."""
+        if impl == "mpi4jax":
+            fn = self.mpi4jax_fn(pt.op)
+            arg = x.addressable_data(0)
+        else:
+            fn = self.shard_map_fn(impl, pt.op)
+            arg = x
+        return lambda: fn(arg)
+
+
+def run_sweep(
+    ctx: Context,
+    runner: Runner,
+    points: Sequence[Point],
+    *,
+    seed: int,
+    emit: Callable[[Point, dict[str, dict[str, Any]]], None],
+    tick: Callable[[str], None] = lambda desc: None,
+    step: Callable[[], None] = lambda: None,
+) -> list[dict[str, Any]]:
+    """The per-process body: every point x implementation; returns one row per (point, impl).
+
+    Runs identically on every process of a multi-process run (collectives need them all); timings
+    are the max over processes of each process's median, #wrong the sum over processes.
+    """
+    import jax
+
+    rows: list[dict[str, Any]] = []
+    for k, pt in enumerate(points):
+        spec = OPS[pt.op]
+        x = runner.make_input(pt, seed + k)
+        amax = float(np.sqrt(2.0)) if pt.dtype.kind == "c" else 1.0
+        tol = (
+            float_tolerance(pt.dtype, ctx.n, amax)
+            if spec.reduces and pt.dtype.kind in "fc"
+            else None
+        )
+        # reference: jax.lax on the same input (the 'xla' program; reused when 'xla' is timed)
+        ref: list[np.ndarray] | None = None
+        ref_error = None
+        try:
+            ref = local_pieces(runner.shard_map_fn("xla", pt.op)(x))
+        except Exception as e:  # jax.lax cannot do it (e.g. pmax on complex): time, don't check
+            ref_error = "jax.lax reference failed: " + _one_line(e)
+        results: dict[str, dict[str, Any]] = {impl: {"impl": impl} for impl in runner.impls}
+        errors: dict[str, str] = {}
+
+        def on_error(impl: str, e: BaseException, errors: dict[str, str] = errors) -> None:
+            errors[impl] = _one_line(e)
+
+        # compile and check the first call of each, then time all of them round-robin
+        fns: dict[str, Callable[[], Any]] = {}
+        firsts: dict[str, list[np.ndarray]] = {}
+        for impl in runner.impls:
+            tick(f"{pt.op} {C.format_size(pt.nbytes)} {impl}")
+            try:
+                fn = runner.prepare(impl, pt, x)
+                firsts[impl] = local_pieces(jax.block_until_ready(fn()))
+                fns[impl] = fn
+            except Exception as e:  # keep sweeping; the row says what failed
+                on_error(impl, e)
+        times, last = C.time_interleaved(fns, pt.iters, max(0, pt.warmup - 1), on_error=on_error)
+        for impl, r in results.items():
+            if impl in errors or impl not in fns:
+                r.update(time_us=None, algbw_gbs=None, busbw_gbs=None, wrong=None)
+                r["error"] = errors.get(impl, "not run")
+                continue
+            wrong: int | None = None
+            maxerr: float | None = None
+            if ref is not None:
+                checks = [
+                    count_wrong(o, ref, tol) for o in (firsts[impl], local_pieces(last[impl]))
+                ]
+                wrong = max(w for w, _ in checks)
+                maxerr = max(e for _, e in checks)
+            t = ctx.max_across(C.median(times[impl]))
+            algbw = pt.nbytes / t / 1e9
+            r.update(
+                time_us=t * 1e6,
+                algbw_gbs=algbw,
+                busbw_gbs=algbw * spec.busbw_factor(ctx.n),
+                wrong=None if wrong is None else ctx.sum_across(wrong),
+                max_abs_err=None if maxerr is None else ctx.max_across(maxerr),
+                min_us=ctx.max_across(min(times[impl])) * 1e6,
+                mean_us=ctx.max_across(float(np.mean(times[impl]))) * 1e6,
+                error=ref_error,
+            )
+        del firsts, last
+        step()
+        del x
+        emit(pt, results)
+        base = results.get("strata", {}).get("time_us")
+        for impl, r in results.items():
+            row = {
+                "op": pt.op,
+                "dtype": pt.dtype.name,
+                "size_bytes": pt.nbytes,
+                "count": pt.count,
+                "ranks": ctx.n,
+                "processes": ctx.process_count,
+                "iters": pt.iters,
+                "warmup": pt.warmup,
+                **r,
+                "tol": tol,
+                "speedup_strata": (
+                    r["time_us"] / base if base and r.get("time_us") and impl != "strata" else None
+                ),
+            }
+            rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# Printing
+# --------------------------------------------------------------------------------------------------
+
+
+def make_table(impls: Sequence[str]) -> C.Table:
+    cols = [
+        C.Column("size(B)", 12),
+        C.Column("count", 11),
+        C.Column("dtype", 9),
+        C.Column("op", 12),
+    ]
+    groups: list[tuple[str, int]] = [("", 4)]
+    for impl in impls:
+        cols += [
+            C.Column("time(us)", 11, ".1f"),
+            C.Column("algbw", 7, ".2f"),
+            C.Column("busbw", 7, ".2f"),
+            C.Column("#wrong", 7),
+        ]
+        groups.append((f" {impl} ", 4))
+    others = [i for i in impls if i != "strata"] if "strata" in impls else []
+    for o in others:
+        cols.append(C.Column(f"{o}/strata", max(12, len(o) + 7), ".2f"))
+    if others:
+        groups.append((" speedup ", len(others)))
+    return C.Table(cols, groups)
+
+
+def table_row(table: C.Table, pt: Point, results: dict[str, dict[str, Any]]) -> str:
+    vals: list[Any] = [pt.nbytes, pt.count, pt.dtype.name, pt.op]
+    for r in results.values():
+        if r.get("time_us") is None:
+            vals += ["error", None, None, None]
+        else:
+            vals += [r["time_us"], r["algbw_gbs"], r["busbw_gbs"], r["wrong"]]
+    base = results.get("strata", {}).get("time_us")
+    if base is not None or "strata" in results:
+        for impl, r in results.items():
+            if impl != "strata":
+                t = r.get("time_us")
+                vals.append(t / base if (t and base) else None)
+    return table.row(vals)
+
+
+def print_errors(rows: Sequence[dict[str, Any]], write: Callable[[str], Any]) -> None:
+    seen: set[tuple[str, str, str]] = set()
+    for r in rows:
+        if r.get("error"):
+            key = (r["impl"], r["op"], r["error"])
+            if key not in seen:
+                seen.add(key)
+                write(f"# error: {r['impl']} {r['op']} {r['dtype']}: {r['error']}")
+
+
+def print_summary(
+    rows: Sequence[dict[str, Any]], impls: Sequence[str], write: Callable[[str], Any]
+) -> None:
+    write("#")
+    total_wrong = sum(r["wrong"] or 0 for r in rows)
+    for impl in impls:
+        bw = [r["busbw_gbs"] for r in rows if r["impl"] == impl and r.get("busbw_gbs") is not None]
+        if bw:
+            write(f"# {impl:8s} avg busbw: {float(np.mean(bw)):8.3f} GB/s over {len(bw)} points")
+    write(f"# out of bounds values : {total_wrong} {'OK' if total_wrong == 0 else 'FAILED'}")
+
+
+def plot(path: Path, rows: Sequence[dict[str, Any]]) -> bool:
+    panels: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
+    for r in rows:
+        if r.get("busbw_gbs") is None:
+            continue
+        panel = panels.setdefault(f"{r['op']} {r['dtype']}, {r['ranks']} ranks", {})
+        xs, ys = panel.setdefault(r["impl"], ([], []))
+        xs.append(r["size_bytes"])
+        ys.append(r["busbw_gbs"])
+    return C.plot_lines(
+        path,
+        panels,
+        xlabel="size per rank (bytes)",
+        ylabel="busbw (GB/s)",
+        title="strata_jax collectives",
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--op", default="psum", help=f"comma list of {', '.join(OPS)}, or 'all'")
+    p.add_argument("--dtype", default="float32", help="jax dtype name(s), comma list (float32)")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="in-process CPU devices (default 8; 1 per process with --procs)",
+    )
+    p.add_argument("--min-bytes", type=C.parse_size, default=8, help="smallest size per rank (8)")
+    p.add_argument("--max-bytes", type=C.parse_size, default="64M", help="largest size (64M)")
+    p.add_argument("--factor", type=int, default=4, help="size multiplier between points (4)")
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="timed calls per point (default clamp(5e8/size, 5, 200))",
+    )
+    p.add_argument(
+        "--warmup", type=int, default=None, help="warm-up calls (default iters/10, 3..20)"
+    )
+    p.add_argument("--impl", default="strata,xla", help="comma list of strata, xla, mpi4jax")
+    p.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for CSV/JSON/PNG")
+    p.add_argument("--procs", type=int, default=None, help="one process per device, P processes")
+    p.add_argument("--seed", type=int, default=0, help="base seed of the random inputs")
+    p.add_argument("--platform", default="cpu", help="jax platform of the mesh devices (cpu)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a = p.parse_args(argv)
+    try:
+        a.ops = C.parse_list(a.op, list(OPS))
+        a.impls = C.parse_list(a.impl, IMPLS)
+        a.sizes = C.size_sweep(a.min_bytes, a.max_bytes, a.factor)
+    except ValueError as e:
+        p.error(str(e))
+    if not a.ops or not a.impls:
+        p.error("--op and --impl need at least one value")
+    if a.procs is not None and a.procs < 1:
+        p.error("--procs must be >= 1")
+    if a.devices is None:
+        a.devices = 1 if a.procs else 8
+    return a
+
+
+def _under_mpi() -> bool:
+    return any(k in os.environ for k in MPI_ENVS)
+
+
+def relaunch(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """--procs P in the parent: run this script under `python -m strata_jax.launch -n P`."""
+    try:
+        import strata_jax.launch  # noqa: F401
+    except Exception as e:
+        sys.exit(
+            f"error: --procs needs the strata_jax launcher (python -m strata_jax.launch), which is "
+            f"not importable here: {type(e).__name__}: {e}"
+        )
+    cmd = [
+        sys.executable,
+        "-m",
+        "strata_jax.launch",
+        "-n",
+        str(args.procs),
+        str(Path(__file__).resolve()),
+        *argv,
+    ]
+    env = dict(os.environ, **{CHILD_ENV: "1"})
+    print("# launching:", " ".join(cmd), flush=True)
+    return subprocess.call(cmd, env=env)
+
+
+def setup_jax(args: argparse.Namespace, dtypes: Sequence[np.dtype], multi: bool) -> None:
+    """Configure jax before any backend use (device count, collectives, x64, distributed init)."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", args.devices)
+    if any(d.itemsize == 8 and d.kind != "c" or d.itemsize == 16 for d in dtypes):
+        jax.config.update("jax_enable_x64", True)
+    if multi:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        if _strata is not None and hasattr(_strata, "init"):
+            _strata.init()  # initializes jax.distributed from the launcher's (or mpirun's) env
+        else:
+            jax.distributed.initialize()  # auto-detects mpirun/slurm
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    multi = args.procs is not None
+    if multi and not os.environ.get(CHILD_ENV) and not _under_mpi():
+        return relaunch(args, argv)
+
+    if "strata" in args.impls and _strata is None:
+        sys.exit(
+            "error: --impl strata needs the strata_jax package, which failed to import "
+            f"({type(_STRATA_ERROR).__name__}: {_STRATA_ERROR}). Build/install it (pip install .) "
+            "or run with --impl xla."
+        )
+    if "mpi4jax" in args.impls:
+        try:
+            import mpi4jax  # noqa: F401
+        except Exception as e:
+            sys.exit(f"error: --impl mpi4jax needs mpi4jax (optional 'bench' extra): {e}")
+        if not (multi and _under_mpi()):
+            sys.exit(
+                "error: --impl mpi4jax needs one process per rank started by mpirun "
+                "(mpirun -n P python benchmarks/collectives.py --procs P ...)"
+            )
+        if args.devices != 1:
+            sys.exit("error: --impl mpi4jax needs --devices 1 (one device per process)")
+
+    import jax.numpy as jnp
+
+    try:
+        dtypes = [np.dtype(jnp.dtype(d)) for d in C.parse_list(args.dtype)]
+    except TypeError as e:
+        sys.exit(f"error: bad --dtype {args.dtype!r}: {e}")
+
+    setup_jax(args, dtypes, multi)
+    import jax
+
+    ctx = make_context(args.platform)
+    expected = args.devices * (args.procs or 1)
+    if ctx.n != expected:
+        sys.exit(
+            f"error: expected {expected} {args.platform} devices, jax has {ctx.n} "
+            "(XLA_FLAGS --xla_force_host_platform_device_count conflicting?)"
+        )
+    main_proc = ctx.is_main
+    write: Callable[[str], Any] = print if main_proc else (lambda s: None)
+
+    info = C.machine_info()
+    info["strata_jax"] = "imported" if _strata is not None else f"unavailable: {_STRATA_ERROR!r}"
+    write("# strata_jax collectives benchmark (nccl-tests style)")
+    C.print_machine(info, write)
+    write(f"# strata_jax : {info['strata_jax']}")
+    write(
+        f"# compared   : {', '.join(args.impls)}  ('xla' = jax.lax"
+        + (" over gloo" if multi else "")
+        + "; the reference is jax.lax on the same input)"
+    )
+    write(
+        f"# ranks      : {ctx.n} = {ctx.process_count} process(es) x {args.devices} "
+        f"{args.platform} device(s); mesh axis '{AXIS}'"
+    )
+    write(
+        "# size       : nccl-tests convention: the per-rank buffer: all-reduce in = out;"
+        " all_gather the OUTPUT (input = size/N); psum_scatter the INPUT (output = size/N);"
+        " all_to_all, ppermute, pbroadcast in = out"
+    )
+    write(
+        "# time       : median of iters blocking calls after warm-up, impls interleaved call by"
+        " call; algbw = size/time; busbw = algbw * 2(N-1)/N all-reduce, (N-1)/N"
+        " all_gather/psum_scatter/all_to_all, 1 ppermute/pbroadcast (GB/s = 1e9 B/s)"
+    )
+    write(
+        "# #wrong     : elements != jax.lax (bitwise; float psum/psum_scatter: |d| > (N-1)*N*eps*"
+        "max|x|), first and last call checked; speedup = time_other / time_strata"
+    )
+
+    points = [
+        pt
+        for op in args.ops
+        for dt in dtypes
+        for pt in sweep_points(op, dt, args.sizes, ctx.n, args.iters, args.warmup)
+    ]
+    bar = C.progress(len(points), "collectives", enable=main_proc and not args.no_progress)
+    out_write = bar.write if main_proc else (lambda s: None)
+    table = make_table(args.impls)
+    state: dict[str, Any] = {"group": None}
+
+    def emit(pt: Point, results: dict[str, dict[str, Any]]) -> None:
+        group = (pt.op, pt.dtype.name)
+        if state["group"] != group:
+            state["group"] = group
+            out_write("#")
+            for line in table.header_lines():
+                out_write(line)
+        out_write(table_row(table, pt, results))
+
+    def tick(desc: str) -> None:
+        bar.set_postfix_str(desc)
+
+    runner = Runner(ctx, args.impls)
+    t0 = time.perf_counter()
+    rows = run_sweep(
+        ctx, runner, points, seed=args.seed, emit=emit, tick=tick, step=lambda: bar.update(1)
+    )
+    bar.close()
+    elapsed = time.perf_counter() - t0
+
+    if main_proc:
+        print_errors(rows, write)
+        print_summary(rows, args.impls, write)
+        write(f"# wall time: {elapsed:.1f} s")
+        dnames = "-".join(d.name for d in dtypes)
+        stem = f"collectives_{dnames}_n{ctx.n}" + (f"_p{ctx.process_count}" if multi else "")
+        out: Path = args.out
+        C.write_csv(out / f"{stem}.csv", rows)
+        C.write_json(
+            out / f"{stem}.json",
+            {
+                "benchmark": "collectives",
+                "args": {k: v for k, v in vars(args).items()},
+                "machine": info,
+                "jax_version": jax.__version__,
+                "elapsed_s": elapsed,
+                "rows": rows,
+            },
+        )
+        png = out / f"{stem}.png"
+        plotted = plot(png, rows)
+        write(
+            f"# wrote {out / (stem + '.csv')}, {out / (stem + '.json')}"
+            + (f", {png}" if plotted else " (no PNG: matplotlib missing)")
+        )
+    failed = any(r["wrong"] or r.get("error") for r in rows)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
