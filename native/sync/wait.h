@@ -10,6 +10,8 @@
 #include <chrono>
 #include <cstdint>
 
+#include <sched.h>
+
 namespace strata {
 
 using Clock = std::chrono::steady_clock;
@@ -25,11 +27,17 @@ void futex_wake_all(std::atomic<uint32_t>* word, bool shared);
 template <class Ready, class Failed>
 bool wait_until(std::atomic<uint32_t>* word, Ready ready, Failed failed, Clock::time_point deadline,
                 bool shared = false) {
-  for (int i = 0; i < 256; ++i) {
+  // A short spin catches a peer already running on another core; then yield, which hands
+  // the core to a runnable peer (ranks outnumber cores here); then sleep in the kernel.
+  for (int i = 0; i < 64; ++i) {
     if (ready()) return true;
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
 #endif
+  }
+  for (int i = 0; i < 16; ++i) {
+    if (ready()) return true;
+    sched_yield();
   }
   for (;;) {
     // acquire in the caller's ready(): what a peer wrote before its release increment of `word`

@@ -592,11 +592,10 @@ ppermute_p = core.Primitive("strata_ppermute")
 
 
 def _check_perm(perm, n: int) -> tuple:
-    perm = tuple((int(s), int(d)) for s, d in perm)
+    # Indices are taken modulo the group size, as jax.lax.ppermute does.
+    perm = tuple((int(s) % n, int(d) % n) for s, d in perm)
     srcs = [s for s, _ in perm]
     dsts = [d for _, d in perm]
-    if any(not 0 <= i < n for i in srcs + dsts):
-        raise ValueError(f"ppermute: perm {perm} has indices outside [0, {n}).")
     if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
         raise ValueError(f"ppermute: perm {perm} repeats a source or a destination.")
     return perm
@@ -608,11 +607,12 @@ def ppermute(x, axis_name: AxisName, perm: Sequence[tuple[int, int]]):
     Args:
       x: array or pytree, any shape and dtype.
       axis_name: mesh axis name or tuple of names.
-      perm: pairs ``(source, destination)`` of indices along ``axis_name``; no source or
+      perm: pairs ``(source, destination)`` of indices along ``axis_name`` (modulo the group
+        size; a multi-axis group is indexed in mesh order, as jax.lax); no source or
         destination may repeat. A rank that is no destination gets zeros.
 
     Raises:
-      ValueError: an index out of range or repeated.
+      ValueError: a source or destination repeated.
       NameError / NotImplementedError: as :func:`psum`.
 
     Each destination copies its source's buffer straight into its own output.
@@ -660,9 +660,11 @@ def _ppermute_batcher(axis_data, vals_in, dims_in, *, axes, perm):
 
 
 def _ppermute_lowering(ctx, x, *, axes, perm):
-    n = math.prod(_mesh_placement(ctx, axes, "ppermute")[0][list(
-        _mesh_placement(ctx, axes, "ppermute")[1])])
-    sources = np.full(n, -1, np.int64)
+    # jax.lax.ppermute indexes a multi-axis group in mesh order, whatever the tuple order.
+    mesh_shape, idx = _mesh_placement(ctx, axes, "ppermute")
+    names = ctx.module_context.axis_context.mesh.axis_names
+    axes = tuple(sorted(axes, key=names.index))
+    sources = np.full(int(np.prod(mesh_shape[idx])), -1, np.int64)
     for s, d in perm:
         sources[d] = s
     return _ffi_call_lowering("strata_permute", "ppermute")(ctx, x, axes=axes, sources=sources)

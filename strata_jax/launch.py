@@ -1,0 +1,417 @@
+"""Start N strata_jax processes on this host: ``python -m strata_jax.launch -n 4 script.py [args]``.
+
+Each rank runs ``sys.executable script.py args`` with the environment below, in its own process
+group, with every line it prints prefixed by ``[rank i] ``. If one rank fails (non-zero exit or
+killed by a signal) the others are stopped (SIGTERM, then SIGKILL after a grace period) and the
+launcher exits non-zero naming the failed rank. SIGINT/SIGTERM sent to the launcher are forwarded
+to the ranks; ``--timeout`` stops everything after a number of seconds.
+
+Environment of each rank (read back with :func:`distributed_env`, which ``strata_jax.init()`` uses):
+
+======================== ===================================================================
+``STRATA_COORDINATOR``   ``127.0.0.1:PORT``, a free loopback port for ``jax.distributed``
+``STRATA_NUM_PROCESSES`` N
+``STRATA_PROCESS_ID``    this rank, 0..N-1
+``STRATA_LOCAL_DEVICES`` CPU devices per process (``--devices-per-proc``; ``jax_num_cpu_devices``)
+``STRATA_RUN_DIR``       a private 0700 folder for unix sockets, removed when the launcher exits
+``LD_PRELOAD``           ``libstrata_alloc.so`` prepended (unless ``--no-preload``)
+======================== ===================================================================
+
+This module must stay importable without jax or the native extension: it only uses the standard
+library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+__all__ = [
+    "ALLOC_LIBRARY_NAME",
+    "alloc_library_path",
+    "distributed_env",
+    "launch",
+    "main",
+]
+
+ALLOC_LIBRARY_NAME = "libstrata_alloc.so"
+
+ENV_COORDINATOR = "STRATA_COORDINATOR"
+ENV_NUM_PROCESSES = "STRATA_NUM_PROCESSES"
+ENV_PROCESS_ID = "STRATA_PROCESS_ID"
+ENV_LOCAL_DEVICES = "STRATA_LOCAL_DEVICES"
+ENV_RUN_DIR = "STRATA_RUN_DIR"
+ENV_ALLOC_LIB = "STRATA_ALLOC_LIB"
+
+_POLL_S = 0.02
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding the allocator library
+# ---------------------------------------------------------------------------------------------
+
+
+def alloc_library_path() -> str | None:
+    """Returns the path of ``libstrata_alloc.so``, or None when it cannot be found.
+
+    Looked for, in order: ``$STRATA_ALLOC_LIB`` (an explicit override: used as is, or None if that
+    file does not exist), next to this module (where ``pip install`` puts it), then in the
+    source tree's build folders (``build/**/libstrata_alloc.so``, newest first).
+    """
+    override = os.environ.get(ENV_ALLOC_LIB)
+    if override:
+        return override if os.path.isfile(override) else None
+    here = Path(__file__).resolve().parent
+    candidate = here / ALLOC_LIBRARY_NAME
+    if candidate.is_file():
+        return str(candidate)
+    build = here.parent / "build"
+    if build.is_dir():
+        found = sorted(build.rglob(ALLOC_LIBRARY_NAME), key=lambda p: p.stat().st_mtime)
+        if found:
+            return str(found[-1])
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# What a rank reads back
+# ---------------------------------------------------------------------------------------------
+
+
+def distributed_env(environ: Mapping[str, str] | None = None) -> dict | None:
+    """The ``jax.distributed`` settings the launcher gave this process, or None outside it.
+
+    Returns ``{"coordinator_address": str, "num_processes": int, "process_id": int,
+    "local_device_count": int}``. Raises ValueError when the variables are present but malformed.
+    """
+    env = os.environ if environ is None else environ
+    coordinator = env.get(ENV_COORDINATOR)
+    if not coordinator:
+        return None
+    try:
+        num_processes = int(env[ENV_NUM_PROCESSES])
+        process_id = int(env[ENV_PROCESS_ID])
+        local_devices = int(env.get(ENV_LOCAL_DEVICES, "1"))
+    except (KeyError, ValueError) as e:
+        raise ValueError(
+            f"{ENV_COORDINATOR} is set but {ENV_NUM_PROCESSES}/{ENV_PROCESS_ID}/"
+            f"{ENV_LOCAL_DEVICES} are missing or not integers ({e}); start the script with "
+            "`python -m strata_jax.launch` or unset STRATA_COORDINATOR"
+        ) from None
+    if not 0 <= process_id < num_processes or local_devices < 1:
+        raise ValueError(
+            f"inconsistent launcher environment: process_id={process_id}, "
+            f"num_processes={num_processes}, local_device_count={local_devices}"
+        )
+    return {
+        "coordinator_address": coordinator,
+        "num_processes": num_processes,
+        "process_id": process_id,
+        "local_device_count": local_devices,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Launching
+# ---------------------------------------------------------------------------------------------
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago (the coordinator binds it soon after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def rank_env(
+    base: Mapping[str, str],
+    *,
+    rank: int,
+    nproc: int,
+    coordinator: str,
+    devices_per_proc: int,
+    run_dir: str,
+    preload: str | None,
+) -> dict[str, str]:
+    """The environment of one rank: ``base`` plus the STRATA_* variables and LD_PRELOAD."""
+    env = dict(base)
+    env[ENV_COORDINATOR] = coordinator
+    env[ENV_NUM_PROCESSES] = str(nproc)
+    env[ENV_PROCESS_ID] = str(rank)
+    env[ENV_LOCAL_DEVICES] = str(devices_per_proc)
+    env[ENV_RUN_DIR] = run_dir
+    env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the prefixer as they are printed
+    if preload:
+        existing = env.get("LD_PRELOAD", "")
+        env["LD_PRELOAD"] = f"{preload}:{existing}" if existing else preload
+    return env
+
+
+def _pump(src: BinaryIO, dst: BinaryIO, prefix: bytes, lock: threading.Lock) -> None:
+    """Copies src to dst line by line, each line prefixed; a final partial line gets a newline."""
+    try:
+        for line in iter(src.readline, b""):
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            with lock:
+                dst.write(prefix + line)
+                dst.flush()
+    except (OSError, ValueError):
+        pass  # our own output went away (closed pipe): keep draining is pointless
+    finally:
+        src.close()
+
+
+def _describe(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with code {returncode}"
+
+
+@dataclass
+class _Rank:
+    index: int
+    proc: subprocess.Popen
+    pumps: list[threading.Thread] = field(default_factory=list)
+
+    def signal_group(self, sig: int) -> None:
+        """Sends sig to the rank's whole process group (it and anything it started)."""
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class _Launch:
+    """One run of N ranks: start, watch, stop, clean up."""
+
+    def __init__(self, grace: float, err: BinaryIO) -> None:
+        self.ranks: list[_Rank] = []
+        self.grace = grace
+        self.err = err
+        self.lock = threading.Lock()
+        self.signalled: int | None = None  # a signal the launcher received and forwarded
+
+    def message(self, text: str) -> None:
+        with self.lock:
+            self.err.write(f"strata-launch: {text}\n".encode())
+            self.err.flush()
+
+    def start(self, argv: Sequence[str], env: dict[str, str], rank: int, out: BinaryIO) -> None:
+        proc = subprocess.Popen(
+            list(argv),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # our own forwarding is the only way signals reach a rank
+        )
+        r = _Rank(rank, proc)
+        prefix = f"[rank {rank}] ".encode()
+        for src, dst in ((proc.stdout, out), (proc.stderr, self.err)):
+            t = threading.Thread(target=_pump, args=(src, dst, prefix, self.lock), daemon=True)
+            t.start()
+            r.pumps.append(t)
+        self.ranks.append(r)
+
+    def forward(self, sig: int, _frame: object = None) -> None:
+        """Signal handler: pass SIGINT/SIGTERM on; a second one kills at once."""
+        sig = int(sig)
+        if self.signalled is not None:
+            self.kill_all(signal.SIGKILL)
+            return
+        self.signalled = sig
+        self.kill_all(sig)
+
+    def kill_all(self, sig: int) -> None:
+        for r in self.ranks:
+            if r.proc.poll() is None or sig == signal.SIGKILL:
+                r.signal_group(sig)
+
+    def stop_all(self) -> None:
+        """SIGTERM to every live rank, SIGKILL to those still alive after the grace period."""
+        self.kill_all(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace
+        while time.monotonic() < deadline and any(r.proc.poll() is None for r in self.ranks):
+            time.sleep(_POLL_S)
+        self.kill_all(signal.SIGKILL)
+        for r in self.ranks:
+            r.proc.wait()
+
+    def watch(self, timeout: float | None) -> int:
+        """Waits for the ranks; returns the launcher's exit code."""
+        started = time.monotonic()
+        signalled_at: float | None = None
+        while True:
+            codes = [r.proc.poll() for r in self.ranks]
+            failed = [(r, c) for r, c in zip(self.ranks, codes, strict=True) if c not in (None, 0)]
+            if self.signalled is not None:
+                signalled_at = signalled_at or time.monotonic()
+                if all(c is not None for c in codes):
+                    self.message(f"stopped by {signal.Signals(self.signalled).name}")
+                    return 128 + self.signalled
+                if time.monotonic() - signalled_at > self.grace:
+                    self.kill_all(signal.SIGKILL)
+            elif failed:
+                rank, code = failed[0]
+                self.message(f"rank {rank.index} {_describe(code)}; stopping the other ranks")
+                self.stop_all()
+                return code if code > 0 else 128 - code
+            elif all(c == 0 for c in codes):
+                return 0
+            elif timeout is not None and time.monotonic() - started > timeout:
+                self.message(f"timed out after {timeout:g} s; stopping all ranks")
+                self.stop_all()
+                return 124
+            time.sleep(_POLL_S)
+
+    def finish(self) -> None:
+        """Kills whatever is left (ranks' children included) and drains the output."""
+        for r in self.ranks:
+            if r.proc.poll() is None:
+                r.signal_group(signal.SIGKILL)
+                r.proc.wait()
+            r.signal_group(signal.SIGKILL)  # stragglers a rank left behind in its group
+        for r in self.ranks:
+            for t in r.pumps:
+                t.join(timeout=2.0)
+
+
+def launch(
+    nproc: int,
+    argv: Sequence[str],
+    *,
+    devices_per_proc: int = 1,
+    preload: bool = True,
+    timeout: float | None = None,
+    grace: float = 5.0,
+    env: Mapping[str, str] | None = None,
+    stdout: BinaryIO | None = None,
+    stderr: BinaryIO | None = None,
+) -> int:
+    """Runs ``argv`` (a full command line) as ``nproc`` ranks on this host; returns the exit code.
+
+    Args:
+      nproc: number of processes (>= 1).
+      argv: the command each rank runs, e.g. ``[sys.executable, "train.py", "--steps", "10"]``.
+      devices_per_proc: CPU devices each process should create (``STRATA_LOCAL_DEVICES``).
+      preload: put ``libstrata_alloc.so`` in ``LD_PRELOAD`` (a warning is printed if not found).
+      timeout: seconds after which every rank is stopped (exit code 124); None for no limit.
+      grace: seconds between SIGTERM and SIGKILL when stopping ranks.
+      env: base environment (default ``os.environ``).
+      stdout, stderr: binary streams for the prefixed output (default: the launcher's own).
+
+    Returns 0 when every rank exits 0; the failed rank's exit code (128+signal when it was killed)
+    when one fails; 124 on timeout; 128+signal when the launcher itself was interrupted.
+    """
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    if devices_per_proc < 1:
+        raise ValueError(f"devices_per_proc must be >= 1, got {devices_per_proc}")
+    out = stdout if stdout is not None else sys.stdout.buffer
+    err = stderr if stderr is not None else sys.stderr.buffer
+    run = _Launch(grace, err)
+
+    lib = None
+    if preload:
+        lib = alloc_library_path()
+        if lib is None:
+            run.message(
+                f"{ALLOC_LIBRARY_NAME} not found (set {ENV_ALLOC_LIB} or reinstall strata_jax); "
+                "running without the allocator"
+            )
+    coordinator = f"127.0.0.1:{free_port()}"
+    run_dir = tempfile.mkdtemp(prefix="strata-run-")  # mode 0700
+    base = dict(os.environ if env is None else env)
+
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = {}
+    if in_main_thread:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, run.forward)
+    try:
+        for rank in range(nproc):
+            env_r = rank_env(
+                base,
+                rank=rank,
+                nproc=nproc,
+                coordinator=coordinator,
+                devices_per_proc=devices_per_proc,
+                run_dir=run_dir,
+                preload=lib,
+            )
+            run.start(argv, env_r, rank, out)
+        return run.watch(timeout)
+    finally:
+        run.finish()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="strata-launch",
+        description="Start N strata_jax processes on this host (one jax.distributed process each).",
+    )
+    p.add_argument("-n", "--nproc", type=int, required=True, help="number of processes")
+    p.add_argument(
+        "--devices-per-proc", type=int, default=1, help="CPU devices per process (default 1)"
+    )
+    p.add_argument(
+        "--no-preload", action="store_true", help=f"do not LD_PRELOAD {ALLOC_LIBRARY_NAME}"
+    )
+    p.add_argument("--timeout", type=float, default=None, help="stop everything after N seconds")
+    p.add_argument(
+        "--grace", type=float, default=5.0, help="seconds from SIGTERM to SIGKILL (default 5)"
+    )
+    p.add_argument(
+        "-m", dest="module", action="store_true", help="run the target as a module (python -m)"
+    )
+    p.add_argument("script", help="the Python script (or module, with -m) every rank runs")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m strata_jax.launch`` and ``strata-launch``; returns the exit
+    code."""
+    ns = _parser().parse_args(argv)
+    if ns.nproc < 1:
+        _parser().error("-n must be at least 1")
+    if ns.devices_per_proc < 1:
+        _parser().error("--devices-per-proc must be at least 1")
+    target = ["-m", ns.script] if ns.module else [ns.script]
+    return launch(
+        ns.nproc,
+        [sys.executable, *target, *ns.args],
+        devices_per_proc=ns.devices_per_proc,
+        preload=not ns.no_preload,
+        timeout=ns.timeout,
+        grace=ns.grace,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

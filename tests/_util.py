@@ -1,0 +1,68 @@
+"""Shared helpers: meshes, random inputs of any dtype, running a body under shard_map."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import strata_jax as sj
+
+ALL_DTYPES = [
+    "float32", "float64", "bfloat16", "float16",
+    "int8", "int16", "int32", "int64",
+    "uint8", "uint16", "uint32", "uint64",
+    "bool", "complex64", "complex128",
+]
+FLOAT_DTYPES = ["float32", "float64", "bfloat16", "float16"]
+
+
+def mesh1d(n: int = 8) -> Mesh:
+    return Mesh(np.array(jax.devices()[:n]), ("x",))
+
+
+def mesh2d(a: int = 2, b: int = 4) -> Mesh:
+    return Mesh(np.array(jax.devices()[: a * b]).reshape(a, b), ("a", "b"))
+
+
+def random_array(rng: np.random.Generator, shape, dtype) -> np.ndarray:
+    dt = jnp.dtype(dtype)
+    if dt == jnp.bool_:
+        return rng.random(shape) < 0.5
+    if jnp.issubdtype(dt, jnp.complexfloating):
+        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dt)
+    if jnp.issubdtype(dt, jnp.floating):
+        return rng.standard_normal(shape).astype(np.float32).astype(dt)
+    info = jnp.iinfo(dt)
+    lo, hi = max(int(info.min), -100), min(int(info.max), 100)
+    return rng.integers(lo, hi + 1, size=shape).astype(dt)
+
+
+def shard_run(body, mesh, x, in_specs=None, out_specs=None, check_vma=True):
+    names = mesh.axis_names
+    in_specs = P(names) if in_specs is None else in_specs
+    out_specs = P(names) if out_specs is None else out_specs
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                              check_vma=check_vma))
+    return np.asarray(f(x))
+
+
+def assert_close(got, want, dtype, nranks=8, msg=""):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, f"{msg}: shape {got.shape} != {want.shape}"
+    assert got.dtype == want.dtype, f"{msg}: dtype {got.dtype} != {want.dtype}"
+    dt = jnp.dtype(dtype)
+    if jnp.issubdtype(dt, jnp.inexact):
+        tol = {"bfloat16": 2e-2, "float16": 4e-3, "float32": 1e-5, "float64": 1e-12,
+               "complex64": 1e-5, "complex128": 1e-12}[str(dt)] * nranks
+        np.testing.assert_allclose(got.astype(np.complex128 if jnp.issubdtype(
+            dt, jnp.complexfloating) else np.float64), want.astype(
+            np.complex128 if jnp.issubdtype(dt, jnp.complexfloating) else np.float64),
+            rtol=tol, atol=tol, err_msg=msg)
+    else:
+        np.testing.assert_array_equal(got, want, err_msg=msg)
+
+
+IMPLS = {"strata": sj, "xla": jax.lax}

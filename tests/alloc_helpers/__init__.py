@@ -1,0 +1,1 @@
+"""Helpers for the allocator and launcher tests (not a test module)."""

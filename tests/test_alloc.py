@@ -1,0 +1,171 @@
+"""Tests of libstrata_alloc.so, the registration-on-allocation allocator (LD_PRELOAD).
+
+The checks themselves are in tests/alloc_helpers/alloc_check.c (one process per case, so each
+starts from a fresh pool and its own environment); this file builds it and runs it under
+LD_PRELOAD, then checks the library from Python (numpy, jax, dlopen without preload).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from alloc_helpers.common import (
+    build_check_program,
+    find_or_build_alloc_library,
+    launch_module,
+)
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="session")
+def alloc_lib(tmp_path_factory) -> str:
+    return find_or_build_alloc_library(tmp_path_factory.mktemp("alloc_lib"))
+
+
+@pytest.fixture(scope="session")
+def check_prog(tmp_path_factory) -> str:
+    return build_check_program(tmp_path_factory.mktemp("alloc_check"))
+
+
+def _env(lib: str | None, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_ALLOC_")}
+    env.pop("LD_PRELOAD", None)
+    if lib:
+        env["LD_PRELOAD"] = lib
+    env.update(extra)
+    return env
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+CASES = [
+    ("active", {}),
+    ("align", {}),
+    ("realloc", {}),
+    ("threads", {}),
+    ("threads", {"STRATA_ALLOC_THRESHOLD": "8K", "STRATA_ALLOC_CACHE_BYTES": "0"}),
+    ("sizes", {}),
+    ("foreign", {}),
+    ("reuse", {}),
+    ("lookup", {}),
+    ("fork", {}),
+    ("cache", {"STRATA_ALLOC_CACHE_BYTES": "64M"}),
+    ("cache_zero", {"STRATA_ALLOC_CACHE_BYTES": "0"}),
+    ("callback", {"STRATA_ALLOC_CACHE_BYTES": "0"}),
+    ("threshold", {"STRATA_ALLOC_THRESHOLD": "64K"}),
+    ("disabled", {"STRATA_ALLOC_DISABLE": "1"}),
+]
+
+
+@pytest.mark.parametrize(
+    "case,extra", CASES, ids=[f"{c}-{'-'.join(e.values()) or 'default'}" for c, e in CASES]
+)
+def test_check_program(alloc_lib, check_prog, case, extra):
+    r = _run([check_prog, case], _env(alloc_lib, **extra))
+    assert r.returncode == 0, f"{case}: rc={r.returncode}\n{r.stdout}\n{r.stderr}"
+    assert f"ok {case}" in r.stdout
+
+
+_STATS_PY = """
+import ctypes
+lib = ctypes.CDLL(None)
+
+class Info(ctypes.Structure):
+    _fields_ = [("segment_id", ctypes.c_uint64), ("fd", ctypes.c_int), ("base", ctypes.c_void_p),
+                ("size", ctypes.c_size_t), ("offset", ctypes.c_size_t)]
+
+class Stats(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in (
+        "segments segment_bytes bytes_in_use bytes_cached pool_allocs pool_frees libc_allocs "
+        "segments_created segments_released segments_announced threshold cache_cap").split()]
+
+def lookup(ptr, n):
+    info = Info()
+    hit = lib.strata_alloc_lookup(ctypes.c_void_p(ptr), ctypes.c_size_t(n), ctypes.byref(info))
+    return hit, info
+
+def stats():
+    s = Stats()
+    lib.strata_alloc_stats(ctypes.byref(s))
+    return s
+"""
+
+
+def test_numpy_under_preload(alloc_lib):
+    code = _STATS_PY + textwrap.dedent(
+        """
+        import numpy as np
+        big = np.arange(4 << 20, dtype=np.float32)          # 16 MiB: from the pool
+        small = np.arange(1000, dtype=np.float32)           # 4 KB: libc
+        assert (big * 2).sum() == 2 * big.astype(np.float64).sum()
+        hit, info = lookup(big.ctypes.data, big.nbytes)
+        assert hit == 1 and info.fd >= 0 and info.base + info.offset == big.ctypes.data
+        assert lookup(small.ctypes.data, small.nbytes)[0] == 0
+        assert lib.strata_alloc_active() == 1
+        grown = np.resize(big, 8 << 20)
+        del big, grown
+        s = stats()
+        assert s.pool_allocs >= 2 and s.threshold == 1 << 20, (s.pool_allocs, s.threshold)
+        assert lib.strata_alloc_check() == 0
+        print("numpy ok")
+        """
+    )
+    r = _run([sys.executable, "-c", code], _env(alloc_lib))
+    assert r.returncode == 0, r.stderr
+    assert "numpy ok" in r.stdout
+
+
+def test_jax_buffers_come_from_the_pool(alloc_lib):
+    code = _STATS_PY + textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp
+        x = jnp.ones((1024, 1024), jnp.float32)
+        y = (x @ x + 1).block_until_ready()
+        assert float(y[0, 0]) == 1025.0
+        hit, info = lookup(y.unsafe_buffer_pointer(), 4 << 20)
+        assert hit == 1, "XLA's output buffer should be a pool block"
+        assert lib.strata_alloc_check() == 0
+        print("jax ok", stats().pool_allocs)
+        """
+    )
+    r = _run([sys.executable, "-c", code], _env(alloc_lib), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "jax ok" in r.stdout
+
+
+def test_loaded_without_preload_is_inert(alloc_lib):
+    """dlopen'ed (not preloaded): the API answers, nothing is interposed, nothing is found."""
+    code = textwrap.dedent(
+        f"""
+        import ctypes, numpy as np
+        lib = ctypes.CDLL({alloc_lib!r})
+        a = np.ones(4 << 20)
+        assert lib.strata_alloc_active() == 0
+        assert lib.strata_alloc_lookup(ctypes.c_void_p(a.ctypes.data), ctypes.c_size_t(8), None) == 0
+        assert lib.strata_alloc_abi_version() == 1
+        print("inert ok")
+        """
+    )
+    r = _run([sys.executable, "-c", code], _env(None))
+    assert r.returncode == 0, r.stderr
+    assert "inert ok" in r.stdout
+
+
+def test_subprocess_and_shell_work_under_preload(alloc_lib):
+    r = _run(["sh", "-c", "ls / >/dev/null && echo fine"], _env(alloc_lib))
+    assert r.returncode == 0 and r.stdout.strip() == "fine", r.stderr
+
+
+def test_alloc_library_path_override(alloc_lib, tmp_path, monkeypatch):
+    mod = launch_module()
+    monkeypatch.setenv("STRATA_ALLOC_LIB", alloc_lib)
+    assert mod.alloc_library_path() == alloc_lib
+    monkeypatch.setenv("STRATA_ALLOC_LIB", str(tmp_path / "missing.so"))
+    assert mod.alloc_library_path() is None

@@ -1,0 +1,234 @@
+"""Every collective against jax.lax (or numpy where jax.lax has no CPU lowering) on the same
+fresh random inputs: dtypes x shapes x parameters, on 8 devices and on a 2x4 mesh."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _util import ALL_DTYPES, IMPLS, assert_close, mesh1d, mesh2d, random_array, shard_run
+from jax.sharding import PartitionSpec as P
+
+import strata_jax as sj
+
+SHAPES = [(), (0,), (1,), (1000,), (3, 5, 7), (65537,)]
+
+
+def per_rank(body):
+    """Body over the per-rank block [1, *shape] -> strips and restores the rank axis."""
+    return lambda v: jax.tree_util.tree_map(lambda o: o[None], body(v[0]))
+
+
+def compare(body_of, x, dtype, mesh=None, nranks=8, check_vma=True):
+    mesh = mesh or mesh1d()
+    got = shard_run(per_rank(body_of(sj)), mesh, x, check_vma=check_vma)
+    want = shard_run(per_rank(body_of(jax.lax)), mesh, x, check_vma=check_vma)
+    assert_close(got, want, dtype, nranks)
+    return got
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("shape", [(), (0,), (1000,), (3, 5, 7)])
+def test_psum_dtypes(rng, dtype, shape):
+    x = random_array(rng, (8, *shape), dtype)
+    got = compare(lambda impl: lambda v: impl.psum(v, "x"), x, dtype)
+    # every rank holds bitwise the same result
+    for r in range(1, 8):
+        np.testing.assert_array_equal(got[r], got[0])
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(2**20 + 3,)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
+def test_psum_sizes(rng, dtype, shape):
+    x = random_array(rng, (8, *shape), dtype)
+    compare(lambda impl: lambda v: impl.psum(v, "x"), x, dtype)
+
+
+@pytest.mark.parametrize("op", ["pmax", "pmin"])
+@pytest.mark.parametrize("dtype", [d for d in ALL_DTYPES if "complex" not in d])
+def test_pmax_pmin_dtypes(rng, op, dtype):
+    x = random_array(rng, (8, 1000), dtype)
+    compare(lambda impl: lambda v: getattr(impl, op)(v, "x"), x, dtype)
+
+
+@pytest.mark.parametrize("op", ["pmax", "pmin", "pmean"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_reductions_sizes(rng, op, shape):
+    x = random_array(rng, (8, *shape), "float32")
+    compare(lambda impl: lambda v: getattr(impl, op)(v, "x"), x, "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int32", "int8"])
+def test_pmean(rng, dtype):
+    x = random_array(rng, (8, 77), dtype)
+    got = shard_run(per_rank(lambda v: sj.pmean(v, "x")), mesh1d(), x)
+    want = shard_run(per_rank(lambda v: jax.lax.pmean(v, "x")), mesh1d(), x)
+    assert_close(got, want, want.dtype)
+
+
+def test_two_shot_threshold_paths_agree(rng):
+    """Both all-reduce algorithms, on a size just below and above the switch point."""
+    x = random_array(rng, (8, 40_001), "float32")
+    old = sj.get_two_shot_threshold()
+    try:
+        outs = []
+        for thr in (0, 1 << 40):
+            sj.set_two_shot_threshold(thr)
+            outs.append(compare(lambda impl: lambda v: impl.psum(v, "x"), x, "float32"))
+        stats = sj.comm_stats()
+        assert stats["one_shot_all_reduce"] > 0 and stats["two_shot_all_reduce"] > 0
+    finally:
+        sj.set_two_shot_threshold(old)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("axis,tiled", [(0, False), (0, True), (1, True), (-1, False), (2, False)])
+def test_all_gather(rng, dtype, axis, tiled):
+    x = random_array(rng, (8, 3, 5), dtype)
+    compare(lambda impl: lambda v: impl.all_gather(v, "x", axis=axis, tiled=tiled), x, dtype)
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (1,), (1001,), (65537,)])
+def test_all_gather_sizes(rng, shape):
+    x = random_array(rng, (8, *shape), "float32")
+    compare(lambda impl: lambda v: impl.all_gather(v, "x"), x, "float32")
+
+
+@pytest.mark.parametrize("dtype", [d for d in ALL_DTYPES if d != "bool"])
+@pytest.mark.parametrize("dim,tiled", [(0, True), (0, False), (1, True), (-1, True), (1, False)])
+def test_psum_scatter(rng, dtype, dim, tiled):
+    shape = (8, 16, 8) if tiled else (8, 8, 8)
+    x = random_array(rng, (8, *shape[1:]), dtype)
+    # jax.lax.psum_scatter rejects negative dimensions on CPU; strata accepts them (case 8).
+    compare(lambda impl: lambda v: impl.psum_scatter(
+        v, "x", scatter_dimension=dim if impl is sj else dim % 2, tiled=tiled), x, dtype)
+
+
+@pytest.mark.parametrize("n", [8, 8 * 1001, 8 * 65537])
+def test_psum_scatter_sizes(rng, n):
+    x = random_array(rng, (8, n), "float32")
+    compare(lambda impl: lambda v: impl.psum_scatter(v, "x", tiled=True), x, "float32")
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("split,concat", [(0, 0), (0, 1), (1, 0), (1, 2), (2, 0), (-1, -2)])
+@pytest.mark.parametrize("tiled", [True, False])
+def test_all_to_all(rng, dtype, split, concat, tiled):
+    shape = [3, 5, 7]
+    shape[split] = 8 if not tiled else 16
+    x = random_array(rng, (8, *shape), dtype)
+    compare(lambda impl: lambda v: impl.all_to_all(
+        v, "x", split if impl is sj else split % 3, concat if impl is sj else concat % 3,
+        tiled=tiled), x, dtype)
+
+
+@pytest.mark.parametrize("n", [0, 8 * 129, 8 * 65537])
+def test_all_to_all_sizes(rng, n):
+    x = random_array(rng, (8, n), "float32")
+    compare(lambda impl: lambda v: impl.all_to_all(v, "x", 0, 0, tiled=True), x, "float32")
+
+
+PERMS = {
+    "rotate": [(i, (i + 1) % 8) for i in range(8)],
+    "reverse": [(i, 7 - i) for i in range(8)],
+    "partial": [(0, 3), (3, 5), (6, 0)],
+    "empty": [],
+}
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("perm", list(PERMS))
+def test_ppermute(rng, dtype, perm):
+    x = random_array(rng, (8, 3, 7), dtype)
+    compare(lambda impl: lambda v: impl.ppermute(v, "x", PERMS[perm]), x, dtype)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("source", [0, 5])
+def test_pbroadcast(rng, dtype, source):
+    # jax.lax.pbroadcast has no CPU lowering: the oracle is numpy (its documented meaning).
+    x = random_array(rng, (8, 3, 7), dtype)
+    got = shard_run(per_rank(lambda v: sj.pbroadcast(v, "x", source)), mesh1d(), x)
+    want = np.broadcast_to(x[source], x.shape)
+    np.testing.assert_array_equal(got, want)
+
+
+# ----------------------------------------------------------------------------------------
+# 2-D meshes: every axis and both, in both orders
+# ----------------------------------------------------------------------------------------
+
+AXES_2D = ["a", "b", ("a", "b"), ("b", "a")]
+
+
+def compare2d(body_of, x, dtype):
+    m = mesh2d()
+    spec = P(("a", "b"))
+    got = shard_run(per_rank(body_of(sj)), m, x, in_specs=spec, out_specs=spec)
+    want = shard_run(per_rank(body_of(jax.lax)), m, x, in_specs=spec, out_specs=spec)
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("axes", AXES_2D)
+@pytest.mark.parametrize("op", ["psum", "pmax", "pmin", "pmean"])
+def test_2d_reductions(rng, axes, op):
+    x = random_array(rng, (8, 129), "float32")
+    compare2d(lambda impl: lambda v: getattr(impl, op)(v, axes), x, "float32")
+
+
+@pytest.mark.parametrize("axes", AXES_2D)
+@pytest.mark.parametrize("tiled", [True, False])
+def test_2d_all_gather(rng, axes, tiled):
+    x = random_array(rng, (8, 6, 5), "int32")
+    compare2d(lambda impl: lambda v: impl.all_gather(v, axes, axis=1, tiled=tiled), x, "int32")
+
+
+@pytest.mark.parametrize("axes", AXES_2D)
+def test_2d_psum_scatter(rng, axes):
+    x = random_array(rng, (8, 16, 3), "float32")
+    compare2d(lambda impl: lambda v: impl.psum_scatter(v, axes, tiled=True), x, "float32")
+
+
+@pytest.mark.parametrize("axes", AXES_2D)
+def test_2d_all_to_all(rng, axes):
+    x = random_array(rng, (8, 16, 3), "float64")
+    compare2d(lambda impl: lambda v: impl.all_to_all(v, axes, 0, 1, tiled=True), x, "float64")
+
+
+@pytest.mark.parametrize("axes", AXES_2D)
+def test_2d_ppermute(rng, axes):
+    n = 2 if axes == "a" else 4 if axes == "b" else 8
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    x = random_array(rng, (8, 33), "float32")
+    compare2d(lambda impl: lambda v: impl.ppermute(v, axes, perm), x, "float32")
+
+
+def test_2d_pbroadcast(rng):
+    m = mesh2d()
+    x = random_array(rng, (8, 9), "float32")
+    got = shard_run(per_rank(lambda v: sj.pbroadcast(v, "b", 2)), m, x, in_specs=P(("a", "b")),
+                    out_specs=P(("a", "b")))
+    want = np.concatenate([np.broadcast_to(x[4 * a + 2], (4, 9)) for a in range(2)])
+    np.testing.assert_array_equal(got, want)
+
+
+def test_large_psum_64mib(rng):
+    """64 MiB per device, the size the issue names as the upper end."""
+    n = 16 * 2**20
+    x = rng.standard_normal((8, n), dtype=np.float32)
+    got = shard_run(per_rank(lambda v: sj.psum(v, "x")), mesh1d(), x)
+    np.testing.assert_allclose(got[3], x.sum(0, dtype=np.float64), rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(got[7], got[0])
+
+
+def test_axis_index_groups_is_a_clear_error(rng):
+    x = random_array(rng, (8, 4), "float32")
+    with pytest.raises(NotImplementedError, match="axis_index_groups"):
+        shard_run(per_rank(lambda v: sj.psum(v, "x", axis_index_groups=[[0, 1, 2, 3],
+                                                                       [4, 5, 6, 7]])),
+                  mesh1d(), x)
+
+
+def test_unbound_axis_is_name_error():
+    with pytest.raises(NameError, match="unbound axis"):
+        jax.jit(lambda v: sj.psum(v, "nope"))(jnp.ones(3))

@@ -1,0 +1,278 @@
+"""Tests of the launcher, strata_jax/launch.py (``python -m strata_jax.launch``).
+
+Most ranks here are tiny Python scripts without jax, so the whole file runs in seconds; one test
+starts jax.distributed (gloo) across the ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from alloc_helpers.common import LAUNCH_PY, ROOT, find_or_build_alloc_library, launch_module
+
+
+@pytest.fixture(scope="module")
+def alloc_lib(tmp_path_factory) -> str:
+    return find_or_build_alloc_library(tmp_path_factory.mktemp("alloc_lib"))
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("STRATA_", "XLA_FLAGS", "LD_PRELOAD", "JAX_"))
+    }
+    env.update(extra)
+    return env
+
+
+def _launch(args: list[str], env: dict[str, str] | None = None, timeout: float = 60, module=False):
+    """Runs the launcher (as a module or as the source file) and returns the CompletedProcess."""
+    head = [sys.executable, "-m", "strata_jax.launch"] if module else [sys.executable, str(LAUNCH_PY)]
+    return subprocess.run(
+        head + args,
+        env=env if env is not None else _env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _script(tmp_path: Path, body: str, name: str = "rank.py") -> str:
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(body))
+    return str(p)
+
+
+REPORT = """
+import os, stat, sys
+run_dir = os.environ["STRATA_RUN_DIR"]
+mode = stat.S_IMODE(os.stat(run_dir).st_mode)
+print("env", os.environ["STRATA_PROCESS_ID"], os.environ["STRATA_NUM_PROCESSES"],
+      os.environ["STRATA_COORDINATOR"], os.environ["STRATA_LOCAL_DEVICES"], run_dir, oct(mode),
+      " ".join(sys.argv[1:]))
+print("to stderr", file=sys.stderr)
+sys.stdout.write("no newline at the end")
+"""
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_ranks_get_their_environment(tmp_path, n):
+    script = _script(tmp_path, REPORT)
+    r = _launch(["-n", str(n), "--devices-per-proc", "2", "--no-preload", script, "a", "--b"],
+                module=(n == 2))
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if " env " in ln]
+    assert len(lines) == n
+    seen = {}
+    for ln in lines:
+        prefix, _, rest = ln.partition("] ")
+        rank = int(prefix.removeprefix("[rank "))
+        _, pid, nproc, coord, devices, run_dir, mode, args = rest.split(" ", 7)
+        assert int(pid) == rank and int(nproc) == n and devices == "2" and args == "a --b"
+        assert coord.startswith("127.0.0.1:") and mode == "0o700"
+        seen[rank] = (coord, run_dir)
+    assert sorted(seen) == list(range(n))
+    assert len(set(seen.values())) == 1  # one coordinator and one run dir for all ranks
+    run_dir = next(iter(seen.values()))[1]
+    assert not os.path.exists(run_dir), "run dir must be removed after a normal exit"
+    # every line of every stream is prefixed, a final partial line included
+    for i in range(n):
+        assert f"[rank {i}] to stderr" in r.stderr
+        assert f"[rank {i}] no newline at the end" in r.stdout
+    assert all(ln.startswith("[rank ") for ln in r.stdout.splitlines())
+
+
+def test_failed_rank_stops_the_others(tmp_path):
+    script = _script(
+        tmp_path,
+        """
+        import os, sys, time
+        if os.environ["STRATA_PROCESS_ID"] == "1":
+            time.sleep(0.3)
+            sys.exit(7)
+        time.sleep(60)
+        print("should not get here")
+        """,
+    )
+    t0 = time.monotonic()
+    r = _launch(["-n", "3", "--no-preload", "--grace", "2", script])
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 7
+    assert "rank 1 exited with code 7" in r.stderr
+    assert "should not get here" not in r.stdout
+    assert elapsed < 10
+
+
+def test_rank_ignoring_sigterm_is_killed_after_grace(tmp_path):
+    script = _script(
+        tmp_path,
+        """
+        import os, signal, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if os.environ["STRATA_PROCESS_ID"] == "0":
+            time.sleep(0.3)
+            sys.exit(2)
+        time.sleep(60)
+        """,
+    )
+    t0 = time.monotonic()
+    r = _launch(["-n", "2", "--no-preload", "--grace", "0.5", script])
+    assert r.returncode == 2 and "rank 0 exited with code 2" in r.stderr
+    assert time.monotonic() - t0 < 10
+
+
+def test_sigkilled_rank_cleans_up_run_dir(tmp_path):
+    record = tmp_path / "run_dir.txt"
+    script = _script(
+        tmp_path,
+        f"""
+        import os, signal, time
+        if os.environ["STRATA_PROCESS_ID"] == "0":
+            open(os.path.join(os.environ["STRATA_RUN_DIR"], "sock"), "w").close()
+            with open({str(record)!r}, "w") as f:
+                f.write(os.environ["STRATA_RUN_DIR"])
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+        """,
+    )
+    r = _launch(["-n", "2", "--no-preload", "--grace", "1", script])
+    assert r.returncode == 128 + signal.SIGKILL
+    assert "rank 0 was killed by SIGKILL" in r.stderr
+    run_dir = record.read_text()
+    assert run_dir and not os.path.exists(run_dir)
+
+
+def test_timeout(tmp_path):
+    script = _script(tmp_path, "import time\ntime.sleep(60)\n")
+    t0 = time.monotonic()
+    r = _launch(["-n", "2", "--no-preload", "--timeout", "1", "--grace", "1", script])
+    assert r.returncode == 124 and "timed out" in r.stderr
+    assert time.monotonic() - t0 < 10
+
+
+def test_sigint_is_forwarded(tmp_path):
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    script = _script(
+        tmp_path,
+        f"""
+        import os, signal, sys, time
+        def on_int(sig, frame):
+            print("got SIGINT", flush=True)
+            sys.exit(0)
+        signal.signal(signal.SIGINT, on_int)
+        open(os.path.join({str(ready)!r}, os.environ["STRATA_PROCESS_ID"]), "w").close()
+        time.sleep(60)
+        """,
+    )
+    p = subprocess.Popen(
+        [sys.executable, str(LAUNCH_PY), "-n", "2", "--no-preload", script],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 20
+    while len(os.listdir(ready)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=20)
+    assert p.returncode == 128 + signal.SIGINT, err
+    assert out.count("got SIGINT") == 2
+    assert "[rank 0] got SIGINT" in out and "[rank 1] got SIGINT" in out
+
+
+PRELOAD_CHECK = """
+import ctypes, os
+lib = ctypes.CDLL(None)
+active = lib.strata_alloc_active() if hasattr(lib, "strata_alloc_active") else -1
+print("preload", os.environ.get("LD_PRELOAD", ""), "active", active)
+"""
+
+
+def test_preload_on_by_default(tmp_path, alloc_lib):
+    script = _script(tmp_path, PRELOAD_CHECK)
+    r = _launch(["-n", "2", script], env=_env(STRATA_ALLOC_LIB=alloc_lib))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count(f"preload {alloc_lib} active 1") == 2
+
+
+def test_preload_keeps_existing_ld_preload(tmp_path, alloc_lib):
+    script = _script(tmp_path, PRELOAD_CHECK)
+    other = "/lib/x86_64-linux-gnu/libm.so.6" if os.path.exists("/lib/x86_64-linux-gnu/libm.so.6") else ""
+    env = _env(STRATA_ALLOC_LIB=alloc_lib, LD_PRELOAD=other)
+    r = _launch(["-n", "2", script], env=env)
+    assert r.returncode == 0, r.stderr
+    expected = f"{alloc_lib}:{other}" if other else alloc_lib
+    assert r.stdout.count(f"preload {expected} active 1") == 2
+
+
+def test_no_preload(tmp_path, alloc_lib):
+    script = _script(tmp_path, PRELOAD_CHECK)
+    r = _launch(["-n", "2", "--no-preload", script], env=_env(STRATA_ALLOC_LIB=alloc_lib))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("preload  active -1") == 2
+
+
+def test_distributed_env():
+    mod = launch_module()
+    assert mod.distributed_env({}) is None
+    env = {
+        "STRATA_COORDINATOR": "127.0.0.1:1234",
+        "STRATA_NUM_PROCESSES": "4",
+        "STRATA_PROCESS_ID": "3",
+        "STRATA_LOCAL_DEVICES": "2",
+    }
+    assert mod.distributed_env(env) == {
+        "coordinator_address": "127.0.0.1:1234",
+        "num_processes": 4,
+        "process_id": 3,
+        "local_device_count": 2,
+    }
+    with pytest.raises(ValueError):
+        mod.distributed_env({**env, "STRATA_PROCESS_ID": "x"})
+    with pytest.raises(ValueError):
+        mod.distributed_env({**env, "STRATA_PROCESS_ID": "4"})
+
+
+def test_run_dir_is_private_and_unique():
+    mod = launch_module()
+    a = mod.rank_env({}, rank=0, nproc=1, coordinator="c", devices_per_proc=1, run_dir="d",
+                     preload=None)
+    assert "LD_PRELOAD" not in a and a["STRATA_RUN_DIR"] == "d"
+
+
+def test_jax_distributed_sees_all_devices(tmp_path, alloc_lib):
+    script = _script(
+        tmp_path,
+        """
+        import os, sys
+        sys.path.insert(0, os.environ["LAUNCH_DIR"])
+        from launch import distributed_env
+        cfg = distributed_env()
+        import jax
+        jax.config.update("jax_num_cpu_devices", cfg["local_device_count"])
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(cfg["coordinator_address"], cfg["num_processes"],
+                                   cfg["process_id"])
+        print("devices", len(jax.devices()), "local", len(jax.local_devices()),
+              "process", jax.process_index(), flush=True)
+        jax.distributed.shutdown()
+        """,
+    )
+    env = _env(STRATA_ALLOC_LIB=alloc_lib, LAUNCH_DIR=str(LAUNCH_PY.parent))
+    r = _launch(["-n", "2", "--devices-per-proc", "2", "--timeout", "90", script], env=env,
+                timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for i in range(2):
+        assert f"[rank {i}] devices 4 local 2 process {i}" in r.stdout, r.stdout
