@@ -148,7 +148,8 @@ def test_loaded_without_preload_is_inert(alloc_lib):
         lib = ctypes.CDLL({alloc_lib!r})
         a = np.ones(4 << 20)
         assert lib.strata_alloc_active() == 0
-        assert lib.strata_alloc_lookup(ctypes.c_void_p(a.ctypes.data), ctypes.c_size_t(8), None) == 0
+        p = ctypes.c_void_p(a.ctypes.data)
+        assert lib.strata_alloc_lookup(p, ctypes.c_size_t(8), None) == 0
         assert lib.strata_alloc_abi_version() == 1
         print("inert ok")
         """

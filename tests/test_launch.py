@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import stat
 import subprocess
 import sys
 import textwrap
@@ -36,7 +35,9 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _launch(args: list[str], env: dict[str, str] | None = None, timeout: float = 60, module=False):
     """Runs the launcher (as a module or as the source file) and returns the CompletedProcess."""
-    head = [sys.executable, "-m", "strata_jax.launch"] if module else [sys.executable, str(LAUNCH_PY)]
+    head = (
+        [sys.executable, "-m", "strata_jax.launch"] if module else [sys.executable, str(LAUNCH_PY)]
+    )
     return subprocess.run(
         head + args,
         env=env if env is not None else _env(),
@@ -68,8 +69,10 @@ sys.stdout.write("no newline at the end")
 @pytest.mark.parametrize("n", [2, 4])
 def test_ranks_get_their_environment(tmp_path, n):
     script = _script(tmp_path, REPORT)
-    r = _launch(["-n", str(n), "--devices-per-proc", "2", "--no-preload", script, "a", "--b"],
-                module=(n == 2))
+    r = _launch(
+        ["-n", str(n), "--devices-per-proc", "2", "--no-preload", script, "a", "--b"],
+        module=(n == 2),
+    )
     assert r.returncode == 0, r.stderr
     lines = [ln for ln in r.stdout.splitlines() if " env " in ln]
     assert len(lines) == n
@@ -209,7 +212,11 @@ def test_preload_on_by_default(tmp_path, alloc_lib):
 
 def test_preload_keeps_existing_ld_preload(tmp_path, alloc_lib):
     script = _script(tmp_path, PRELOAD_CHECK)
-    other = "/lib/x86_64-linux-gnu/libm.so.6" if os.path.exists("/lib/x86_64-linux-gnu/libm.so.6") else ""
+    other = (
+        "/lib/x86_64-linux-gnu/libm.so.6"
+        if os.path.exists("/lib/x86_64-linux-gnu/libm.so.6")
+        else ""
+    )
     env = _env(STRATA_ALLOC_LIB=alloc_lib, LD_PRELOAD=other)
     r = _launch(["-n", "2", script], env=env)
     assert r.returncode == 0, r.stderr
@@ -247,8 +254,9 @@ def test_distributed_env():
 
 def test_run_dir_is_private_and_unique():
     mod = launch_module()
-    a = mod.rank_env({}, rank=0, nproc=1, coordinator="c", devices_per_proc=1, run_dir="d",
-                     preload=None)
+    a = mod.rank_env(
+        {}, rank=0, nproc=1, coordinator="c", devices_per_proc=1, run_dir="d", preload=None
+    )
     assert "LD_PRELOAD" not in a and a["STRATA_RUN_DIR"] == "d"
 
 
@@ -271,8 +279,9 @@ def test_jax_distributed_sees_all_devices(tmp_path, alloc_lib):
         """,
     )
     env = _env(STRATA_ALLOC_LIB=alloc_lib, LAUNCH_DIR=str(LAUNCH_PY.parent))
-    r = _launch(["-n", "2", "--devices-per-proc", "2", "--timeout", "90", script], env=env,
-                timeout=120)
+    r = _launch(
+        ["-n", "2", "--devices-per-proc", "2", "--timeout", "90", script], env=env, timeout=120
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     for i in range(2):
         assert f"[rank {i}] devices 4 local 2 process {i}" in r.stdout, r.stdout

@@ -38,8 +38,19 @@ def build_alloc_library(out_dir: Path) -> str:
     out = out_dir / "libstrata_alloc.so"
     sources = sorted(str(p) for p in ALLOC_SRC.glob("*.cc"))
     subprocess.run(
-        [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", f"-I{ROOT / 'native'}", *sources,
-         "-o", str(out), "-ldl", "-lpthread"],
+        [
+            cxx,
+            "-O2",
+            "-shared",
+            "-fPIC",
+            "-std=c++17",
+            f"-I{ROOT / 'native'}",
+            *sources,
+            "-o",
+            str(out),
+            "-ldl",
+            "-lpthread",
+        ],
         check=True,
     )
     return str(out)
@@ -58,8 +69,19 @@ def build_check_program(out_dir: Path) -> str:
         raise RuntimeError("no C compiler for the allocator checks")
     out = out_dir / "alloc_check"
     subprocess.run(
-        [cc, "-O1", "-g", "-pthread", "-fno-builtin", "-Wno-alloc-size-larger-than",
-         f"-I{ROOT / 'native'}", str(HELPERS / "alloc_check.c"), "-o", str(out), "-ldl"],
+        [
+            cc,
+            "-O1",
+            "-g",
+            "-pthread",
+            "-fno-builtin",
+            "-Wno-alloc-size-larger-than",
+            f"-I{ROOT / 'native'}",
+            str(HELPERS / "alloc_check.c"),
+            "-o",
+            str(out),
+            "-ldl",
+        ],
         check=True,
     )
     return str(out)
