@@ -225,8 +225,11 @@ bool Fits(const Block* b, size_t req, size_t align) {
 Block* FindFit(size_t req, size_t align) {
   int b0 = BinOf(req);
   Block* best = nullptr;
-  for (Block* x = g_bins[b0]; x; x = x->fnext)  // mixed sizes: best fit
-    if (Fits(x, req, align) && (!best || x->size < best->size)) best = x;
+  for (Block* x = g_bins[b0]; x; x = x->fnext) {  // mixed sizes: best fit, exact fit at once
+    if (!Fits(x, req, align)) continue;
+    if (x->size == req) return x;
+    if (!best || x->size < best->size) best = x;
+  }
   if (best) return best;
   for (int i = b0 + 1; i < kBins; ++i)  // every block here is big enough unless align pads it
     for (Block* x = g_bins[i]; x; x = x->fnext)
