@@ -32,21 +32,23 @@ std::string all_reduce(Team& t, int32_t dtype, ReduceOp op, size_t count) {
   }
   // Two-shot over a shared address space: rank r reduces chunk r of all inputs once (the
   // reduce-scatter shot) and stores the reduced chunk straight into every rank's output (the
-  // gather shot), tile by tile while the tile is still in L1. Every input byte is read once
-  // and every output byte written once: the minimum traffic, and no barrier between shots.
+  // gather shot), tile by tile while the tile is still in cache. Every input byte is read once
+  // and every output byte written once (streaming stores: no read for ownership), the minimum
+  // traffic, and no barrier between the shots.
   size_t b, e;
   chunk_range(count, es, n, r, &b, &e);
-  if (b >= e) return {};
-  reduce_n(dtype, op, srcs.data(), n, out, b, e);
-  const size_t off = b * es, len = (e - b) * es;
-  constexpr size_t kCopyTile = 64 * 1024;
-  for (size_t o = off; o < off + len; o += kCopyTile) {
-    const size_t l = (off + len - o < kCopyTile) ? off + len - o : kCopyTile;
-    for (int k = 1; k < n; ++k) {
+  constexpr size_t kTileBytes = 64 * 1024;
+  alignas(64) static thread_local unsigned char tile[kTileBytes];
+  const size_t tile_elems = kTileBytes / es;
+  for (size_t t0 = b; t0 < e; t0 += tile_elems) {
+    const size_t t1 = (e - t0 < tile_elems) ? e : t0 + tile_elems;
+    reduce_n_to(dtype, op, srcs.data(), n, tile, t0, t1);
+    for (int k = 0; k < n; ++k) {
       const int j = (r + k) % n;  // staggered so ranks do not all write one peer at once
-      copy_bytes(static_cast<char*>(t.peer_out(j)) + o, out + o, l);
+      copy_bytes(static_cast<char*>(t.peer_out(j)) + t0 * es, tile, (t1 - t0) * es);
     }
   }
+  copy_fence();
   return {};
 }
 
@@ -66,6 +68,7 @@ std::string all_gather(Team& t, size_t in_bytes) {
     const int j = (r + k) % n;
     copy_bytes(out + j * in_bytes, t.peer_in(j), in_bytes);
   }
+  copy_fence();
   return {};
 }
 
@@ -123,6 +126,7 @@ std::string all_to_all(Team& t, int esize, const std::vector<int64_t>& shape, in
     char* dst = out + j * b[concat] * ds[concat] * esize;
     copy_strided(dst, ds.data(), src, ss.data(), b.data(), nd, esize);
   }
+  copy_fence();
   return {};
 }
 
@@ -133,11 +137,13 @@ std::string permute(Team& t, size_t bytes, int src) {
   } else {
     copy_bytes(out, t.peer_in(src), bytes);
   }
+  copy_fence();
   return {};
 }
 
 std::string broadcast(Team& t, size_t bytes, int root) {
   copy_bytes(t.peer_out(t.rank()), t.peer_in(root), bytes);
+  copy_fence();
   return {};
 }
 

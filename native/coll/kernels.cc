@@ -2,6 +2,8 @@
 
 #include <cmath>
 #include <cstring>
+
+#include <emmintrin.h>
 #include <limits>
 #include <type_traits>
 
@@ -95,11 +97,12 @@ inline A op_min(A a, A b) {
 // Tiles keep the partial result in L1 while every input streams through once.
 constexpr size_t kTile = 2048;
 
+// Writes element i to dst_at_begin[i - begin].
 template <class T, ReduceOp OP>
-void reduce_typed(const void* const* srcs, int n, void* dst_v, size_t begin, size_t end) {
+void reduce_typed(const void* const* srcs, int n, void* dst_at_begin, size_t begin, size_t end) {
   using Tr = Traits<T>;
   using A = typename Tr::Acc;
-  T* dst = static_cast<T*>(dst_v);
+  T* dst = static_cast<T*>(dst_at_begin) - begin;
   A acc[kTile];
   for (size_t t0 = begin; t0 < end; t0 += kTile) {
     const size_t len = (end - t0 < kTile) ? end - t0 : kTile;
@@ -192,6 +195,13 @@ bool reduce_supported(int32_t dtype, ReduceOp op) {
 void reduce_n(int32_t dtype, ReduceOp op, const void* const* srcs, int n, void* dst, size_t b,
               size_t e) {
   if (b >= e) return;
+  const int es = dtype_size(dtype);
+  reduce_n_to(dtype, op, srcs, n, static_cast<char*>(dst) + b * es, b, e);
+}
+
+void reduce_n_to(int32_t dtype, ReduceOp op, const void* const* srcs, int n, void* dst,
+                 size_t b, size_t e) {
+  if (b >= e) return;
   switch (static_cast<DT>(dtype)) {
     case DT::PRED:  // bool max/min = OR/AND on 0/1 bytes; psum of bool is int32 (Python side)
     case DT::U8: return reduce_dispatch_op<uint8_t>(op, srcs, n, dst, b, e);
@@ -216,7 +226,32 @@ void reduce_n(int32_t dtype, ReduceOp op, const void* const* srcs, int n, void* 
 }
 
 void copy_bytes(void* dst, const void* src, size_t bytes) {
-  if (bytes) std::memcpy(dst, src, bytes);
+  if (bytes < kStreamBytes) {
+    if (bytes) std::memcpy(dst, src, bytes);
+    return;
+  }
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  const size_t head = (16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15;
+  std::memcpy(d, s, head);
+  d += head;
+  s += head;
+  bytes -= head;
+  const size_t body = bytes & ~static_cast<size_t>(63);
+  for (size_t i = 0; i < body; i += 64) {
+    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
+    __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
+    __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
+  }
+  std::memcpy(d + body, s + body, bytes - body);
 }
+
+// Orders this thread's non-temporal stores before its later stores (the barrier's release).
+void copy_fence() { _mm_sfence(); }
 
 }  // namespace strata

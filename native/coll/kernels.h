@@ -23,7 +23,17 @@ bool reduce_supported(int32_t dtype, ReduceOp op);
 void reduce_n(int32_t dtype, ReduceOp op, const void* const* srcs, int n, void* dst, size_t begin,
               size_t end);
 
-// memcpy through the "copy engine" (CPU here; an SDMA/copy engine on accelerators).
+// Like reduce_n, but writes element i to dst_tile[i - begin] (dst points at element `begin`).
+void reduce_n_to(int32_t dtype, ReduceOp op, const void* const* srcs, int n, void* dst_tile,
+                 size_t begin, size_t end);
+
+// memcpy through the "copy engine" (CPU here; an SDMA/copy engine on accelerators). Copies of
+// at least kStreamBytes use non-temporal stores: the destination is not read for ownership
+// and not cached, which saves a third of the memory traffic of a large copy whose result is
+// not read back soon (every output of a large collective). Callers must call copy_fence()
+// before publishing the data to another thread (non-temporal stores are weakly ordered).
+constexpr size_t kStreamBytes = 32 * 1024;
 void copy_bytes(void* dst, const void* src, size_t bytes);
+void copy_fence();
 
 }  // namespace strata
