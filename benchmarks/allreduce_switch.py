@@ -18,9 +18,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import strata_jax as sj  # noqa: E402  (before the JAX backend exists)
-
 from _common import parse_size  # noqa: E402
+
+import strata_jax as sj  # noqa: E402  (before the JAX backend exists)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,11 +6,11 @@ os.environ.setdefault("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
-import strata_jax  # noqa: E402,F401  (sizes XLA's launch pool before the backend exists)
-
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+import strata_jax  # noqa: E402,F401  (sizes XLA's launch pool before the backend exists)
 
 jax.config.update("jax_enable_x64", True)
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import ALL_DTYPES, IMPLS, assert_close, mesh1d, mesh2d, random_array, shard_run
+from _util import ALL_DTYPES, assert_close, mesh1d, mesh2d, random_array, shard_run
 from jax.sharding import PartitionSpec as P
 
 import strata_jax as sj

@@ -233,10 +233,12 @@ def test_11_many_iterations_below_and_above_two_shot(rng):
     for n in (1000, 1 << 16):
         x = rng.integers(-50, 50, size=(8 * n,)).astype(np.int32)
 
-        def local(v):
+        length = 1000 if n < 4096 else 50
+
+        def local(v, length=length):
             def step(c, _):
                 return c, sj.psum(c, "x")[:4]
-            _, ys = jax.lax.scan(step, v, None, length=1000 if n < 4096 else 50)
+            _, ys = jax.lax.scan(step, v, None, length=length)
             return ys[None]
 
         f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
