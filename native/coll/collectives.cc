@@ -15,16 +15,16 @@ void chunk_range(size_t count, int esize, int n, int j, size_t* begin, size_t* e
   *end = e < count ? e : count;
 }
 
-bool use_two_shot(size_t bytes, int n) {
-  return n > 2 && bytes >= static_cast<size_t>(settings().two_shot_bytes.load());
+bool use_two_shot(size_t bytes) {
+  return bytes >= static_cast<size_t>(settings().two_shot_bytes.load());
 }
 
-std::string all_reduce(Team& t, int32_t dtype, ReduceOp op, size_t count) {
+std::string all_reduce(Team& t, int32_t dtype, ReduceOp op, size_t count, bool two_shot) {
   const int n = t.size(), r = t.rank(), es = dtype_size(dtype);
   std::vector<const void*> srcs(n);
   for (int j = 0; j < n; ++j) srcs[j] = t.peer_in(j);
   char* out = static_cast<char*>(t.peer_out(r));
-  if (!use_two_shot(count * es, n)) {
+  if (!two_shot) {
     // One-shot: every rank reduces everything from the peers' inputs (latency-bound sizes:
     // no extra synchronization, each rank touches only its own output).
     reduce_n(dtype, op, srcs.data(), n, out, 0, count);

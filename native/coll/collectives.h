@@ -21,10 +21,12 @@ namespace strata {
 // boundaries on 64-byte lines.
 void chunk_range(size_t count, int esize, int n, int j, size_t* begin, size_t* end);
 
-// Which all-reduce algorithm runs for `bytes` per rank (one-shot below the threshold).
-bool use_two_shot(size_t bytes, int n);
+// Which all-reduce algorithm this rank proposes for `bytes` per rank (one-shot below the
+// threshold); every rank then follows rank 0's proposal.
+bool use_two_shot(size_t bytes);
 
-std::string all_reduce(Team& t, int32_t dtype, ReduceOp op, size_t count);
+// `two_shot` must be the same on every rank: callers take rank 0's published choice.
+std::string all_reduce(Team& t, int32_t dtype, ReduceOp op, size_t count, bool two_shot);
 std::string reduce_scatter(Team& t, int32_t dtype, ReduceOp op, size_t out_count);
 std::string all_gather(Team& t, size_t in_bytes);
 // Tiled all-to-all of an array of `shape` (row-major) split along `split` and concatenated along

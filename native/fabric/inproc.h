@@ -73,6 +73,7 @@ class InProcTeam final : public Team {
   int size() const override { return size_; }
   const void* peer_in(int j) const override { return slot_->peers[j].in; }
   void* peer_out(int j) const override { return slot_->peers[j].out; }
+  const OpDesc& peer_desc(int j) const override { return slot_->peers[j].desc; }
   std::string barrier(const char* phase) override;
   // Publishes this rank's buffers and waits for every peer to arrive; checks that all agree.
   std::string arrive(const OpDesc& desc, const void* in, void* out);

@@ -18,6 +18,7 @@ struct OpDesc {
   int32_t dtype = 0;       // xla::ffi::DataType
   int32_t reduce = 0;      // ReduceOp for reductions
   int64_t aux = 0;         // op-specific (root rank, ...)
+  int32_t algo = 0;        // algorithm choice; not compared: every rank follows rank 0's
   uint64_t in_bytes = 0;   // per-rank input bytes
   uint64_t out_bytes = 0;  // per-rank output bytes
   bool same_as(const OpDesc& o) const {
@@ -33,6 +34,8 @@ class Team {
   virtual int size() const = 0;
   virtual const void* peer_in(int j) const = 0;
   virtual void* peer_out(int j) const = 0;
+  // The descriptor rank j published at arrival (valid after arrive()).
+  virtual const OpDesc& peer_desc(int j) const = 0;
   // Barrier across the team: every write any rank made before it is visible to every rank
   // after it. Returns an empty string on success, else an error naming the missing ranks.
   virtual std::string barrier(const char* phase) = 0;

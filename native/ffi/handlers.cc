@@ -85,14 +85,17 @@ ffi::Error AllReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
   d.dtype = dt;
   d.reduce = reduce;
   d.in_bytes = d.out_bytes = x.size_bytes();
+  d.algo = use_two_shot(x.size_bytes()) ? 1 : 0;
   return run_collective(name, run, op_id, pid, mesh_shape, axes, d, x.untyped_data(),
                         y->untyped_data(), [&](Team& t, const Placement&) {
-                          const bool two = use_two_shot(count * dtype_size(dt), t.size());
+                          // Every rank follows rank 0's choice, even if the threshold changed
+                          // while the call was in flight.
+                          const bool two = t.size() > 2 && t.peer_desc(0).algo == 1;
                           (two ? stats().two_shot : stats().one_shot)
                               .fetch_add(1, std::memory_order_relaxed);
                           stats().zero_copy_bytes.fetch_add(
                               x.size_bytes() * (t.size() - 1), std::memory_order_relaxed);
-                          return all_reduce(t, dt, op, count);
+                          return all_reduce(t, dt, op, count, two);
                         });
 }
 
