@@ -376,7 +376,9 @@ def _all_gather_batcher(axis_data, vals_in, dims_in, *, axes, axis_size):
         return jnp.broadcast_to(flat[None], (axis_size, *flat.shape)), 0
     if d is None:
         return all_gather_p.bind(v, axes=axes, axis_size=axis_size), None
-    v = jnp.moveaxis(v, d, 1) if v.ndim > 1 else v[None] if False else jnp.moveaxis(v, d, 1)
+    # The primitive gathers dimension 0 (it always has rank >= 1 per example): keep it first
+    # and put the batch dimension right after it.
+    v = jnp.moveaxis(v, d, 1)
     return all_gather_p.bind(v, axes=axes, axis_size=axis_size), 1
 
 
