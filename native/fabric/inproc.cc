@@ -46,7 +46,14 @@ std::unique_ptr<InProcTeam> InProcFabric::join(int64_t run_id, int64_t op_id, co
     std::lock_guard<std::mutex> lock(mu_);
     key = CallKey{run_id, op_id, next_occurrence(run_id, pl.partition, op_id), pl.group};
     auto& s = calls_[key];
-    if (!s) s = std::make_shared<CallSlot>(pl.size);
+    if (!s) {
+      s = std::make_shared<CallSlot>(pl.size);
+      auto f = failed_.find(key);
+      if (f != failed_.end()) {  // the others already gave up on this call
+        s->failure = f->second;
+        s->failed.store(true, std::memory_order_release);
+      }
+    }
     slot = s;
   }
   return std::make_unique<InProcTeam>(std::move(slot), key, pl, op_name);
@@ -55,6 +62,12 @@ std::unique_ptr<InProcTeam> InProcFabric::join(int64_t run_id, int64_t op_id, co
 void InProcFabric::release(const CallKey& key) {
   std::lock_guard<std::mutex> lock(mu_);
   calls_.erase(key);
+}
+
+void InProcFabric::record_failure(const CallKey& key, const std::string& msg) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (failed_.size() >= 1024) failed_.clear();  // failures are rare; forgetting is harmless
+  failed_[key] = msg;
 }
 
 InProcTeam::InProcTeam(std::shared_ptr<CallSlot> slot, const CallKey& key, const Placement& pl,
@@ -69,11 +82,19 @@ InProcTeam::InProcTeam(std::shared_ptr<CallSlot> slot, const CallKey& key, const
 InProcTeam::~InProcTeam() {
   // The last rank out removes the call from the table. Ranks that failed leave too, so a
   // failed call never pins memory; a late rank then finds no slot and times out on its own.
-  if (slot_->leaving.fetch_add(1, std::memory_order_acq_rel) + 1 ==
-      static_cast<uint32_t>(size_))
+  const bool last = slot_->leaving.fetch_add(1, std::memory_order_acq_rel) + 1 ==
+                    static_cast<uint32_t>(size_);
+  if (slot_->failed.load(std::memory_order_acquire)) {
+    std::string msg;
+    {
+      std::lock_guard<std::mutex> lock(slot_->fail_mu);
+      msg = slot_->failure;
+    }
+    if (!last) InProcFabric::instance().record_failure(key_, msg);
     InProcFabric::instance().release(key_);
-  else if (slot_->failed.load(std::memory_order_acquire))
+  } else if (last) {
     InProcFabric::instance().release(key_);
+  }
 }
 
 std::string InProcTeam::fail(const std::string& msg) {

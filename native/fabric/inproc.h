@@ -97,6 +97,9 @@ class InProcFabric {
   std::unique_ptr<InProcTeam> join(int64_t run_id, int64_t op_id, const Placement& pl,
                                    const char* op_name);
   void release(const CallKey& key);
+  // Records that a call failed, so that a rank arriving after the others gave up fails at once
+  // with the same message instead of waiting out its own timeout.
+  void record_failure(const CallKey& key, const std::string& msg);
 
  private:
   uint64_t next_occurrence(int64_t run_id, int64_t partition, int64_t op_id);
@@ -115,6 +118,7 @@ class InProcFabric {
   };
   std::unordered_map<RankRun, std::unordered_map<int64_t, uint64_t>, RankRunHash> occurrences_;
   int64_t max_run_id_ = 0;
+  std::unordered_map<CallKey, std::string, CallKeyHash> failed_;  // bounded (see .cc)
 };
 
 // Global settings (atomics: read on every call, written rarely from Python).
