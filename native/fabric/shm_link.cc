@@ -117,8 +117,7 @@ const ShmFabric::AllocApi& ShmFabric::alloc() {
 
 std::string ShmFabric::listen(const std::string& dir, int proc, std::string* path) {
   if (active()) return "the shared-memory fabric is already connected";
-  std::string p = dir + "/strata-fabric-" + std::to_string(getpid()) + "-" +
-                  std::to_string(proc) + ".sock";
+  std::string p = dir + "/fabric-" + std::to_string(proc) + ".sock";
   sockaddr_un addr{};
   if (p.size() >= sizeof(addr.sun_path))
     return "socket path too long for a unix socket (" + p + "); set STRATA_RUN_DIR or TMPDIR "

@@ -105,8 +105,13 @@ def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
     ms = int(timeout_s * 1000)
     run_dir = os.environ.get(launch.ENV_RUN_DIR)
     own_dir = None
-    if not run_dir or not os.path.isdir(run_dir):
-        own_dir = run_dir = tempfile.mkdtemp(prefix="strata-fabric-")  # mode 0700
+    if not run_dir or not os.path.isdir(run_dir) or len(run_dir) > 90:
+        # A private folder of our own (unix socket paths are limited to 107 bytes); removed
+        # again as soon as every process is connected.
+        base = tempfile.gettempdir()
+        own_dir = run_dir = tempfile.mkdtemp(
+            prefix="strata-fabric-", dir=base if len(base) < 60 else "/tmp"
+        )  # mode 0700
     try:
         path = native.fabric_listen(run_dir, pid)
         client.key_value_set(f"{_KV_PREFIX}/path/{pid}", path)
