@@ -20,18 +20,38 @@ ROOT = HERE.parent
 SCRIPTS = HERE / "mp_scripts"
 
 
-def _launch(nproc: int, script: str, *args: str, devices: int = 1, mode: str = "on_alloc",
-            tmpdir: Path | None = None, timeout: float = 150) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("STRATA_", "XLA_FLAGS", "JAX_", "LD_PRELOAD"))}
+def _launch(
+    nproc: int,
+    script: str,
+    *args: str,
+    devices: int = 1,
+    mode: str = "on_alloc",
+    tmpdir: Path | None = None,
+    timeout: float = 150,
+) -> subprocess.CompletedProcess:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("STRATA_", "XLA_FLAGS", "JAX_", "LD_PRELOAD"))
+    }
     env["STRATA_REGISTRATION"] = mode
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     if tmpdir is not None:
         env["TMPDIR"] = str(tmpdir)
-    cmd = [sys.executable, "-m", "strata_jax.launch", "-n", str(nproc), "--grace", "1",
-           "--devices-per-proc", str(devices), str(SCRIPTS / script), *args]
-    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    cmd = [
+        sys.executable,
+        "-m",
+        "strata_jax.launch",
+        "-n",
+        str(nproc),
+        "--grace",
+        "1",
+        "--devices-per-proc",
+        str(devices),
+        str(SCRIPTS / script),
+        *args,
+    ]
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def _require_allocator() -> None:

@@ -65,8 +65,11 @@ def check(name: str, out, want: np.ndarray, dtype) -> None:
         else:
             ok = np.array_equal(got, exp)
         if not ok or got.shape != exp.shape:
-            print(f"MISMATCH {name} on device {s.device.id}: got {got.ravel()[:6]} want "
-                  f"{exp.ravel()[:6]}", flush=True)
+            print(
+                f"MISMATCH {name} on device {s.device.id}: got {got.ravel()[:6]} want "
+                f"{exp.ravel()[:6]}",
+                flush=True,
+            )
             sys.exit(3)
         checks += 1
 
@@ -140,8 +143,9 @@ if N == 4 and jax.local_device_count() == 2:
             check(f"2d psum {axes} {n}", out, want, "float32")
         seed += 1
         x = data(seed, (2, 2, 4, 3), "float32")
-        out = run(mesh2, lambda v, axes=axes: sj.all_gather(v, axes, axis=2, tiled=True), x,
-                  P("a", "b"))
+        out = run(
+            mesh2, lambda v, axes=axes: sj.all_gather(v, axes, axis=2, tiled=True), x, P("a", "b")
+        )
         g = x.reshape(4, 4, 3) if axes == ("a", "b") else None
         if axes == ("a", "b"):
             want = np.broadcast_to(np.concatenate(list(g), 0)[None, None], (2, 2, 16, 3))
@@ -154,9 +158,12 @@ if N == 4 and jax.local_device_count() == 2:
 stats = sj.memory_stats()
 mode = info["registration"]
 (out_dir / f"digest-{mode}-{N}-{pid}.txt").write_text(digest.hexdigest())
-print(f"OK {checks} checks, mode {mode}, zero_copy_bytes {stats['zero_copy_bytes']}, "
-      f"staged_bytes {stats['staged_bytes']}, registrations_critical "
-      f"{stats['registrations_critical']}", flush=True)
+print(
+    f"OK {checks} checks, mode {mode}, zero_copy_bytes {stats['zero_copy_bytes']}, "
+    f"staged_bytes {stats['staged_bytes']}, registrations_critical "
+    f"{stats['registrations_critical']}",
+    flush=True,
+)
 if mode == "staging":
     assert stats["zero_copy_bytes"] == 0, stats
 else:

@@ -26,8 +26,11 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 client = distributed.global_state.client
 mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)), ("x",))
 f = jax.jit(jax.shard_map(lambda v: sj.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-x = jax.make_array_from_callback((2, 1000), jax.sharding.NamedSharding(mesh, P("x")),
-                                 lambda idx: np.ones((2, 1000), np.float32)[idx])
+x = jax.make_array_from_callback(
+    (2, 1000),
+    jax.sharding.NamedSharding(mesh, P("x")),
+    lambda idx: np.ones((2, 1000), np.float32)[idx],
+)
 f.lower(x).compile()
 pid = jax.process_index()
 if pid == 0:
@@ -40,12 +43,15 @@ if pid == 0:
     except Exception as e:  # XlaRuntimeError
         msg = str(e)
         ok = "timed out" in msg and "rank(s) [1]" in msg and "psum" in msg
-        print(f"TIMEOUT-{'OK' if ok else 'BAD'} after {time.monotonic() - t:.1f} s: "
-              f"{msg[:300]}", flush=True)
+        print(
+            f"TIMEOUT-{'OK' if ok else 'BAD'} after {time.monotonic() - t:.1f} s: {msg[:300]}",
+            flush=True,
+        )
     client.key_value_set("test/go", "1")
     sj.set_timeout(60.0)
-    g = jax.jit(jax.shard_map(lambda v: sj.pmax(v, "x"), mesh=mesh, in_specs=P("x"),
-                              out_specs=P("x")))
+    g = jax.jit(
+        jax.shard_map(lambda v: sj.pmax(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    )
     g(x).block_until_ready()  # rank 1 dies instead of joining: the launcher ends this
     print("UNREACHABLE", flush=True)
 else:
