@@ -76,7 +76,7 @@ def child(a: argparse.Namespace) -> None:
         # Fresh gradient buffers every step (elementwise "backward"), all-reduced, applied.
         grads = [jnp.tanh(p * x[0, 0] + 0.5) for p in params]
         grads = [sj.pmean(g, "x") for g in grads]
-        return [p - 1e-3 * g for p, g in zip(params, grads)]
+        return [p - 1e-3 * g for p, g in zip(params, grads, strict=True)]
 
     step = jax.jit(
         jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=spec),
@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"# on_alloc: critical-path registrations after warm-up = "
             f"{oa['crit_regs_after_warmup']} (goal 0); first step {oa['first_step_ms']:.1f} ms "
-            f"vs on_use {ou['first_step_ms']:.1f} ms ({ou['first_step_ms'] / oa['first_step_ms']:.2f}x); "
+            f"vs on_use {ou['first_step_ms']:.1f} ms "
+            f"({ou['first_step_ms'] / oa['first_step_ms']:.2f}x); "
             f"steady {oa['steady_ms']:.2f} ms vs staging {st['steady_ms']:.2f} ms "
             f"({st['steady_ms'] / oa['steady_ms']:.2f}x)"
         )

@@ -29,6 +29,15 @@ def _distributed_client():
     return distributed.global_state.client
 
 
+def _cluster_size() -> int:
+    """Number of processes a cluster launcher (OpenMPI, PMI/MPICH, Slurm) says we are."""
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
+        v = os.environ.get(var, "")
+        if v.isdigit():
+            return int(v)
+    return 1
+
+
 def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
     """Initializes ``jax.distributed`` (if needed) and connects the shared-memory fabric.
 
@@ -90,6 +99,10 @@ def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
             num_processes=env["num_processes"],
             process_id=env["process_id"],
         )
+    elif not jax.distributed.is_initialized() and _cluster_size() > 1:
+        # mpirun / srun: jax.distributed detects the cluster itself.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize()
     native = runtime.native()
     if not jax.distributed.is_initialized() or jax.process_count() == 1:
         _state = {
