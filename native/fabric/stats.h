@@ -15,6 +15,19 @@ struct Stats {
   std::atomic<uint64_t> two_shot{0};
   std::atomic<uint64_t> timeouts{0};
   std::atomic<uint64_t> moe_calls{0};
+  // Shared-memory fabric (fabric/shm.h). "Registration" = exporting a segment's fd to every
+  // peer and mapping it there.
+  std::atomic<uint64_t> reg_critical{0};      // registrations a collective had to do or wait for
+  std::atomic<uint64_t> reg_critical_ns{0};   // time collectives spent on them
+  std::atomic<uint64_t> reg_offpath{0};       // segments exported from the allocator's thread
+  std::atomic<uint64_t> reg_offpath_ns{0};
+  std::atomic<uint64_t> exported_segments{0};  // live segments of this process shared with peers
+  std::atomic<uint64_t> exported_bytes{0};
+  std::atomic<uint64_t> mapped_segments{0};    // live peer segments mapped here
+  std::atomic<uint64_t> mapped_bytes{0};
+  std::atomic<uint64_t> staged_calls{0};       // calls that staged at least one buffer
+  std::atomic<uint64_t> bounce_bytes{0};       // bytes in this process's bounce buffers
+  std::atomic<uint64_t> peer_bounce_bytes{0};  // bytes read from/written to peers' bounce buffers
 };
 Stats& stats();
 

@@ -39,6 +39,8 @@ class Team {
   // Barrier across the team: every write any rank made before it is visible to every rank
   // after it. Returns an empty string on success, else an error naming the missing ranks.
   virtual std::string barrier(const char* phase) = 0;
+  // True when the peers' buffers this call reads are their own (no bounce buffer in between).
+  virtual bool zero_copy() const { return true; }
 };
 
 // Describes where this rank sits: `rank` of `size` in group `group` of the collective.

@@ -5,6 +5,7 @@
 
 #include "coll/collectives.h"
 #include "fabric/inproc.h"
+#include "fabric/shm.h"
 #include "fabric/stats.h"
 
 namespace ffi = xla::ffi;
@@ -51,6 +52,20 @@ ffi::Error run_collective(const char* name, ffi::RunId run, int64_t op_id, ffi::
   if (desc.in_bytes == 0 && desc.out_bytes == 0) return ffi::Error::Success();
   desc.name = name;
   stats().calls.fetch_add(1, std::memory_order_relaxed);
+  if (ShmFabric* shm = ShmFabric::active()) {
+    // Several processes: every call goes through the shared-memory fabric, which also reaches
+    // this process's own devices directly (a handler cannot tell from the mesh alone which
+    // processes a group spans: that needs the program's device assignment).
+    auto team = shm->join(run.run_id, op_id, pl, name, &err);
+    if (!team) return to_error(err);
+    err = team->arrive(desc, in, out);
+    if (!err.empty()) return to_error(err);
+    err = body(*team, pl);
+    std::string derr = team->depart();  // always: peers may still be using this rank's buffers
+    if (err.empty()) err = derr;
+    if (!err.empty()) return to_error(err);
+    return ffi::Error::Success();
+  }
   auto team = InProcFabric::instance().join(run.run_id, op_id, pl, name);
   err = team->arrive(desc, in, out);
   if (err.empty()) err = body(*team, pl);
@@ -66,6 +81,13 @@ ffi::Error check_dtype(const char* name, ffi::AnyBuffer x, bool reduce, ReduceOp
                       std::string("strata_jax ") + name + ": unsupported dtype " +
                           dtype_name(dt));
   return ffi::Error::Success();
+}
+
+// Bytes a call read from (or wrote to) its peers' buffers: zero-copy unless a bounce buffer was
+// in the way (staging).
+void count_peer_bytes(const Team& t, uint64_t n) {
+  (t.zero_copy() ? stats().zero_copy_bytes : stats().peer_bounce_bytes)
+      .fetch_add(n, std::memory_order_relaxed);
 }
 
 const char* reduce_name(int32_t r) {
@@ -93,8 +115,7 @@ ffi::Error AllReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
                           const bool two = t.size() > 2 && t.peer_desc(0).algo == 1;
                           (two ? stats().two_shot : stats().one_shot)
                               .fetch_add(1, std::memory_order_relaxed);
-                          stats().zero_copy_bytes.fetch_add(
-                              x.size_bytes() * (t.size() - 1), std::memory_order_relaxed);
+                          count_peer_bytes(t, x.size_bytes() * (t.size() - 1));
                           return all_reduce(t, dt, op, count, two);
                         });
 }
@@ -117,8 +138,7 @@ ffi::Error ReduceScatterImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pi
                           if (out_count * t.size() != x.element_count())
                             return "strata_jax psum_scatter: input size is not the group "
                                    "size times the output size";
-                          stats().zero_copy_bytes.fetch_add(y->size_bytes() * (t.size() - 1),
-                                                            std::memory_order_relaxed);
+                          count_peer_bytes(t, y->size_bytes() * (t.size() - 1));
                           return reduce_scatter(t, dt, op, out_count);
                         });
 }
@@ -137,8 +157,7 @@ ffi::Error AllGatherImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
                           if (x.size_bytes() * t.size() != y->size_bytes())
                             return "strata_jax all_gather: output size is not the group size "
                                    "times the input size";
-                          stats().zero_copy_bytes.fetch_add(x.size_bytes() * (t.size() - 1),
-                                                            std::memory_order_relaxed);
+                          count_peer_bytes(t, x.size_bytes() * (t.size() - 1));
                           return all_gather(t, x.size_bytes());
                         });
 }
@@ -163,8 +182,7 @@ ffi::Error AllToAllImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
         if (split_axis < 0 || split_axis >= nd || concat_axis < 0 || concat_axis >= nd ||
             shape[split_axis] % t.size() != 0)
           return "strata_jax all_to_all: split axis size must be divisible by the group size";
-        stats().zero_copy_bytes.fetch_add(x.size_bytes() / t.size() * (t.size() - 1),
-                                          std::memory_order_relaxed);
+        count_peer_bytes(t, x.size_bytes() / t.size() * (t.size() - 1));
         return all_to_all(t, es, shape, static_cast<int>(split_axis),
                           static_cast<int>(concat_axis));
       });
@@ -184,8 +202,7 @@ ffi::Error PermuteImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
                             return "strata_jax ppermute: permutation size mismatch";
                           const int src = static_cast<int>(sources[pl.rank]);
                           if (src >= 0)
-                            stats().zero_copy_bytes.fetch_add(x.size_bytes(),
-                                                              std::memory_order_relaxed);
+                            count_peer_bytes(t, x.size_bytes());
                           return permute(t, x.size_bytes(), src);
                         });
 }
@@ -203,8 +220,7 @@ ffi::Error BroadcastImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
                         y->untyped_data(), [&](Team& t, const Placement&) -> std::string {
                           if (root < 0 || root >= t.size())
                             return "strata_jax pbroadcast: source out of range";
-                          stats().zero_copy_bytes.fetch_add(x.size_bytes(),
-                                                            std::memory_order_relaxed);
+                          count_peer_bytes(t, x.size_bytes());
                           return broadcast(t, x.size_bytes(), static_cast<int>(root));
                         });
 }

@@ -1,8 +1,12 @@
 // The nanobind module strata_jax._strata: FFI handler capsules, settings and counters.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <stdexcept>
 
 #include "fabric/inproc.h"
+#include "fabric/shm.h"
 #include "fabric/stats.h"
 #include "ffi/handlers.h"
 
@@ -44,6 +48,75 @@ NB_MODULE(_strata, m) {
     d["one_shot_all_reduce"] = s.one_shot.load(std::memory_order_relaxed);
     d["two_shot_all_reduce"] = s.two_shot.load(std::memory_order_relaxed);
     d["timeouts"] = s.timeouts.load(std::memory_order_relaxed);
+    return d;
+  });
+
+  // ---- the shared-memory fabric (bootstrap driven by strata_jax/_src/fabric.py) ----
+  m.def(
+      "fabric_listen",
+      [](const std::string& dir, int proc) {
+        std::string path;
+        std::string err = strata::ShmFabric::instance().listen(dir, proc, &path);
+        if (!err.empty()) throw std::runtime_error("strata_jax fabric: " + err);
+        return path;
+      },
+      nb::arg("dir"), nb::arg("process_id"));
+  m.def(
+      "fabric_connect",
+      [](int proc, int nprocs, const std::vector<std::string>& paths, const std::string& mode) {
+        strata::RegMode m;
+        if (mode == "on_alloc") m = strata::RegMode::kOnAlloc;
+        else if (mode == "on_use") m = strata::RegMode::kOnUse;
+        else if (mode == "staging") m = strata::RegMode::kStaging;
+        else throw std::invalid_argument("registration mode must be on_alloc, on_use or staging");
+        std::string err;
+        {
+          nb::gil_scoped_release nogil;  // blocks until every peer has connected
+          err = strata::ShmFabric::instance().connect(proc, nprocs, paths, m);
+        }
+        if (!err.empty()) throw std::runtime_error("strata_jax fabric: " + err);
+      },
+      nb::arg("process_id"), nb::arg("num_processes"), nb::arg("paths"), nb::arg("mode"));
+  m.def("fabric_unlink", [] { strata::ShmFabric::instance().unlink_socket(); });
+  m.def("fabric_info", []() -> nb::object {
+    strata::ShmFabric* f = strata::ShmFabric::active();
+    if (!f) return nb::none();
+    nb::dict d;
+    d["process_id"] = f->proc();
+    d["num_processes"] = f->nprocs();
+    d["registration"] = strata::reg_mode_name(f->mode());
+    return d;
+  });
+  m.def("memory_stats", [] {
+    auto& s = strata::stats();
+    auto ld = [](const std::atomic<uint64_t>& a) { return a.load(std::memory_order_relaxed); };
+    nb::dict d;
+    strata::ShmFabric* f = strata::ShmFabric::active();
+    d["fabric"] = f ? "shm" : "inproc";
+    d["registration"] = f ? strata::reg_mode_name(f->mode()) : "none";
+    d["registered_segments"] = ld(s.exported_segments);
+    d["registered_bytes"] = ld(s.exported_bytes);
+    d["peer_segments_mapped"] = ld(s.mapped_segments);
+    d["peer_bytes_mapped"] = ld(s.mapped_bytes);
+    d["registrations_critical"] = ld(s.reg_critical);
+    d["registrations_critical_s"] = ld(s.reg_critical_ns) * 1e-9;
+    d["registrations_offpath"] = ld(s.reg_offpath);
+    d["registrations_offpath_s"] = ld(s.reg_offpath_ns) * 1e-9;
+    d["zero_copy_bytes"] = ld(s.zero_copy_bytes);
+    d["staged_bytes"] = ld(s.staged_bytes);
+    d["staged_calls"] = ld(s.staged_calls);
+    d["peer_bounce_bytes"] = ld(s.peer_bounce_bytes);
+    d["bounce_buffer_bytes"] = ld(s.bounce_bytes);
+    const auto& api = strata::ShmFabric::alloc();
+    d["allocator"] = api.lookup != nullptr;
+    strata_alloc_stats_t a{};
+    if (api.stats) api.stats(&a);
+    d["pool_segments"] = a.segments;
+    d["pool_segment_bytes"] = a.segment_bytes;
+    d["pool_bytes_in_use"] = a.bytes_in_use;
+    d["pool_bytes_cached"] = a.bytes_cached;
+    d["pool_allocs"] = a.pool_allocs;
+    d["pool_threshold"] = api.stats ? a.threshold : UINT64_MAX;
     return d;
   });
 }

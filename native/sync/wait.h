@@ -26,16 +26,16 @@ void futex_wake_all(std::atomic<uint32_t>* word, bool shared);
 // Returns true when ready, false when `failed()` became true or the deadline passed.
 template <class Ready, class Failed>
 bool wait_until(std::atomic<uint32_t>* word, Ready ready, Failed failed, Clock::time_point deadline,
-                bool shared = false) {
+                bool shared = false, int spins = 64, int yields = 16) {
   // A short spin catches a peer already running on another core; then yield, which hands
   // the core to a runnable peer (ranks outnumber cores here); then sleep in the kernel.
-  for (int i = 0; i < 64; ++i) {
+  for (int i = 0; i < spins; ++i) {
     if (ready()) return true;
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
 #endif
   }
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < yields; ++i) {
     if (ready()) return true;
     sched_yield();
   }

@@ -1,0 +1,227 @@
+"""Registration ablation (StrataCL's on_alloc vs on_use vs staging) in a training-like loop.
+
+Every step XLA computes fresh "gradient" buffers from the parameters, all-reduces them with
+strata_jax.pmean across P processes (one device each), and updates the parameters (donated, so
+XLA reuses their memory): the allocation pattern of a data-parallel training step. Each mode runs
+as its own launcher run (the mode is fixed at strata_jax.init()):
+
+- on_alloc: the allocator registers each new segment from its background thread;
+- on_use:   a collective registers the segments it meets the first time (on the critical path);
+- staging:  no registration of XLA memory; every collective copies through bounce buffers.
+
+Reported per mode (times are the max over processes): the first step after compilation (fresh
+memory: allocation, first touch and registration all land in it), the steady-state median step,
+and the counters of strata_jax.memory_stats(): registrations on / off the critical path (total,
+and after warm-up), zero-copy and staged bytes, registered and pool bytes.
+
+    python benchmarks/registration.py                      # 4 processes, 64 MiB of gradients
+    python benchmarks/registration.py --procs 2 --mbytes 16 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODES = ("on_alloc", "on_use", "staging")
+RESULT_TAG = "REGBENCH-RESULT "
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--procs", type=int, default=4, help="processes, one device each (4)")
+    p.add_argument("--mbytes", type=float, default=64, help="gradient MiB per process (64)")
+    p.add_argument("--tensors", type=int, default=4, help="gradient tensors per step (4)")
+    p.add_argument("--steps", type=int, default=30, help="steps per mode (30)")
+    p.add_argument("--warmup", type=int, default=5, help="steps before steady state (5)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma list of modes")
+    p.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for the JSON")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# One launcher run (every process)
+# ---------------------------------------------------------------------------------------------
+
+
+def child(a: argparse.Namespace) -> None:
+    import numpy as np
+
+    import strata_jax as sj
+
+    info = sj.init()
+    import jax
+    import jax.numpy as jnp
+    from jax._src import distributed
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    client = distributed.global_state.client
+    n = jax.process_count()
+    mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)), ("x",))
+    elems = int(a.mbytes * 2**20 / 4 / a.tensors)
+    cols = 1024
+    rows = max(1, elems // cols)
+    spec = P("x")
+    sh = NamedSharding(mesh, spec)
+
+    def body(params, x):
+        # Fresh gradient buffers every step (elementwise "backward"), all-reduced, applied.
+        grads = [jnp.tanh(p * x[0, 0] + 0.5) for p in params]
+        grads = [sj.pmean(g, "x") for g in grads]
+        return [p - 1e-3 * g for p, g in zip(params, grads, strict=True)]
+
+    step = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=spec),
+        donate_argnums=0,
+    )
+    rng = np.random.default_rng(0)
+    host = [rng.standard_normal((n * rows, cols), np.float32) for _ in range(a.tensors)]
+    params = [jax.make_array_from_callback(h.shape, sh, lambda i, h=h: h[i]) for h in host]
+    x = jax.make_array_from_callback((n, 1), sh, lambda i: np.full((n, 1), 0.5, np.float32)[i])
+    compiled = step.lower(params, x).compile()
+
+    def barrier(name: str) -> None:
+        client.wait_at_barrier(f"regbench/{name}", 120_000)
+
+    times = []
+    snap = None
+    for s in range(a.steps):
+        if s == a.warmup:
+            snap = sj.memory_stats()
+        barrier(f"step{s}")
+        t0 = time.perf_counter()
+        params = compiled(params, x)
+        jax.block_until_ready(params)
+        times.append(time.perf_counter() - t0)
+    end = sj.memory_stats()
+    # Check the all-reduce against numpy on the known global input (after the timed loop).
+    chk = jax.jit(
+        jax.shard_map(
+            lambda p: sj.pmean(jnp.tanh(p * 0.5 + 0.5), "x"),
+            mesh=mesh,
+            in_specs=spec,
+            out_specs=spec,
+        )
+    )
+    got = np.asarray(
+        chk(jax.make_array_from_callback(host[0].shape, sh, lambda i: host[0][i])).addressable_data(
+            0
+        )
+    )
+    want = np.tanh(host[0].reshape(n, rows, cols) * 0.5 + 0.5).mean(0)
+    ok = bool(np.allclose(got, want, rtol=1e-5, atol=1e-6))
+    first = multihost_utils.process_allgather(np.float64(times[0]))
+    steady = multihost_utils.process_allgather(np.float64(np.median(times[a.warmup :])))
+    if jax.process_index() == 0:
+        res = {
+            "mode": info["registration"],
+            "procs": n,
+            "mbytes": a.mbytes,
+            "tensors": a.tensors,
+            "first_step_ms": float(np.max(first)) * 1e3,
+            "steady_ms": float(np.max(steady)) * 1e3,
+            "min_ms": min(times[a.warmup :]) * 1e3,
+            "correct": ok,
+            "crit_regs": end["registrations_critical"],
+            "crit_regs_after_warmup": end["registrations_critical"]
+            - snap["registrations_critical"],
+            "crit_s": end["registrations_critical_s"],
+            "offpath_regs": end["registrations_offpath"],
+            "offpath_s": end["registrations_offpath_s"],
+            "zero_copy_mib": end["zero_copy_bytes"] / 2**20,
+            "staged_mib": end["staged_bytes"] / 2**20,
+            "registered_mib": end["registered_bytes"] / 2**20,
+            "pool_in_use_mib": end["pool_bytes_in_use"] / 2**20,
+            "pool_cached_mib": end["pool_bytes_cached"] / 2**20,
+        }
+        print(RESULT_TAG + json.dumps(res), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver: one launcher run per mode, then the table
+# ---------------------------------------------------------------------------------------------
+
+
+def run_mode(a: argparse.Namespace, mode: str, argv: list[str]) -> dict | None:
+    env = dict(os.environ, STRATA_REGISTRATION=mode)
+    cmd = [
+        sys.executable,
+        "-m",
+        "strata_jax.launch",
+        "-n",
+        str(a.procs),
+        "--grace",
+        "1",
+        str(Path(__file__).resolve()),
+        "--child",
+        *argv,
+    ]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    for line in r.stdout.splitlines():
+        if RESULT_TAG in line:
+            return json.loads(line.split(RESULT_TAG, 1)[1])
+    print(f"# {mode}: failed (exit {r.returncode})\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parse_args(argv)
+    if a.child:
+        child(a)
+        return 0
+    import platform
+
+    print(
+        f"# strata_jax registration ablation: {a.procs} processes x 1 CPU device, "
+        f"{a.mbytes:g} MiB of gradients per process in {a.tensors} tensors, pmean per step, "
+        f"{a.steps} steps ({a.warmup} warm-up)"
+    )
+    print(
+        f"# machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores, "
+        f"python {platform.python_version()}"
+    )
+    rows = []
+    for mode in [m for m in a.modes.split(",") if m]:
+        res = run_mode(a, mode, argv)
+        if res:
+            rows.append(res)
+    head = (
+        f"{'mode':>9} {'first ms':>9} {'steady ms':>10} {'crit regs':>9} "
+        f"{'after wu':>8} {'crit s':>8} {'bg regs':>7} {'zero-copy MiB':>13} "
+        f"{'staged MiB':>10} {'reg MiB':>8} {'pool MiB':>8}"
+    )
+    print(head)
+    for r in rows:
+        print(
+            f"{r['mode']:>9} {r['first_step_ms']:9.1f} {r['steady_ms']:10.2f} "
+            f"{r['crit_regs']:9d} {r['crit_regs_after_warmup']:8d} {r['crit_s']:8.4f} "
+            f"{r['offpath_regs']:7d} {r['zero_copy_mib']:13.0f} {r['staged_mib']:10.0f} "
+            f"{r['registered_mib']:8.0f} {r['pool_in_use_mib']:8.0f}"
+        )
+    by = {r["mode"]: r for r in rows}
+    if {"on_alloc", "on_use", "staging"} <= by.keys():
+        oa, ou, st = by["on_alloc"], by["on_use"], by["staging"]
+        print(
+            f"# on_alloc: critical-path registrations after warm-up = "
+            f"{oa['crit_regs_after_warmup']} (goal 0); first step {oa['first_step_ms']:.1f} ms "
+            f"vs on_use {ou['first_step_ms']:.1f} ms "
+            f"({ou['first_step_ms'] / oa['first_step_ms']:.2f}x); "
+            f"steady {oa['steady_ms']:.2f} ms vs staging {st['steady_ms']:.2f} ms "
+            f"({st['steady_ms'] / oa['steady_ms']:.2f}x)"
+        )
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "registration.json").write_text(json.dumps(rows, indent=1))
+    return 0 if len(rows) == len([m for m in a.modes.split(",") if m]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

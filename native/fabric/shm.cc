@@ -1,0 +1,390 @@
+// Rendezvous in the control segment, the ShmTeam and the bounce buffers of the shared-memory
+// fabric (see shm.h). Sockets and registration are in shm_link.cc.
+#include <errno.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#include "coll/kernels.h"
+#include "fabric/inproc.h"
+#include "fabric/shm.h"
+#include "fabric/stats.h"
+
+namespace strata {
+
+std::atomic<ShmFabric*> ShmFabric::active_{nullptr};
+
+const char* reg_mode_name(RegMode m) {
+  switch (m) {
+    case RegMode::kOnAlloc: return "on_alloc";
+    case RegMode::kOnUse: return "on_use";
+    case RegMode::kStaging: return "staging";
+  }
+  return "?";
+}
+
+ShmFabric& ShmFabric::instance() {
+  static ShmFabric* f = new ShmFabric();  // never destroyed: XLA and allocator threads outlive exit
+  return *f;
+}
+
+namespace {
+
+// Holds the control segment's robust process-shared mutex. A process killed while holding it
+// leaves it EOWNERDEAD: the slot table is only ever changed in single stores that leave it
+// consistent, so the next owner marks it consistent and goes on.
+class CtlLock {
+ public:
+  explicit CtlLock(pthread_mutex_t* mu) : mu_(mu) {
+    if (pthread_mutex_lock(mu_) == EOWNERDEAD) pthread_mutex_consistent(mu_);
+  }
+  ~CtlLock() { pthread_mutex_unlock(mu_); }
+  CtlLock(const CtlLock&) = delete;
+  CtlLock& operator=(const CtlLock&) = delete;
+
+ private:
+  pthread_mutex_t* mu_;
+};
+
+uint64_t slot_tag(int64_t run_id, int64_t op_id, uint64_t occ, int64_t group) {
+  uint64_t h = static_cast<uint64_t>(run_id) * 0x9E3779B97F4A7C15ull;
+  h ^= static_cast<uint64_t>(op_id) + 0x632BE59BD9B4E019ull + (h << 6) + (h >> 2);
+  h ^= occ + 0x94D049BB133111EBull + (h << 6) + (h >> 2);
+  h ^= static_cast<uint64_t>(group) + (h << 6) + (h >> 2);
+  return h | 1;  // 0 marks a free slot
+}
+
+int env_int(const char* name, int dflt) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : dflt;
+}
+// More processes than cores: a waiter that spins or yields holds a core the rank it waits for
+// needs, so sleep in the futex at once (4 processes on 2 cores: 4 KiB psum 258 -> 195 us
+// median; spinning 2000 rounds: 497 us). Otherwise spin briefly as the in-process fabric does.
+bool oversubscribed() {
+  const ShmFabric* f = ShmFabric::active();
+  return f && f->nprocs() > static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
+}
+int wait_spins() {
+  static const int v = env_int("STRATA_SHM_SPINS", oversubscribed() ? 0 : 64);
+  return v;
+}
+int wait_yields() {
+  static const int v = env_int("STRATA_SHM_YIELDS", oversubscribed() ? 0 : 16);
+  return v;
+}
+
+constexpr size_t kAlign = 64;
+size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+}  // namespace
+
+uint64_t ShmFabric::next_occurrence(int64_t run_id, int64_t partition, int64_t op_id) {
+  std::lock_guard<std::mutex> lock(occ_mu_);
+  if (run_id > max_run_id_) max_run_id_ = run_id;
+  if (occurrences_.size() > 4096) {
+    for (auto it = occurrences_.begin(); it != occurrences_.end();)
+      it = (it->first.first < max_run_id_ - 1024) ? occurrences_.erase(it) : std::next(it);
+  }
+  return occurrences_[{run_id, partition}][op_id]++;
+}
+
+std::unique_ptr<ShmTeam> ShmFabric::join(int64_t run_id, int64_t op_id, const Placement& pl,
+                                         const char* op_name, std::string* err) {
+  if (pl.size > kShmMaxRanks) {
+    *err = std::string("strata_jax ") + op_name + ": groups of more than " +
+           std::to_string(kShmMaxRanks) + " ranks are not supported across processes";
+    return nullptr;
+  }
+  const uint64_t occ = next_occurrence(run_id, pl.partition, op_id);
+  const uint64_t tag = slot_tag(run_id, op_id, occ, pl.group);
+  ShmSlot* slot = nullptr;
+  {
+    CtlLock lock(&ctl_->mu);
+    ShmSlot* free_slot = nullptr;
+    for (ShmSlot& s : ctl_->slots) {
+      if (s.tag == tag && s.run_id == run_id && s.op_id == op_id && s.occurrence == occ &&
+          s.group == pl.group) {
+        slot = &s;
+        break;
+      }
+      if (!free_slot && s.tag == 0) free_slot = &s;
+    }
+    if (!slot && free_slot) {
+      slot = free_slot;
+      slot->run_id = run_id;
+      slot->op_id = op_id;
+      slot->occurrence = occ;
+      slot->group = pl.group;
+      slot->size = pl.size;
+      // Nobody else can reach the slot before the tag is set under the lock: relaxed is enough;
+      // the mutex orders these stores before any later joiner's loads.
+      slot->arrivals.store(0, std::memory_order_relaxed);
+      slot->leaving.store(0, std::memory_order_relaxed);
+      slot->failed.store(0, std::memory_order_relaxed);
+      slot->failure[0] = 0;
+      for (int j = 0; j < pl.size; ++j) slot->peers[j].reached.store(0, std::memory_order_relaxed);
+      slot->tag = tag;
+    }
+  }
+  if (!slot) {
+    *err = std::string("strata_jax ") + op_name + ": all " + std::to_string(kShmSlots) +
+           " rendezvous slots of the shared-memory fabric are in use (collectives that failed "
+           "and were never completed by every rank keep theirs); restart the processes";
+    return nullptr;
+  }
+  if (slot->size != pl.size) {
+    *err = std::string("strata_jax ") + op_name + ": ranks disagree on the group size (" +
+           std::to_string(slot->size) + " vs " + std::to_string(pl.size) + ")";
+    leave(slot);
+    return nullptr;
+  }
+  return std::make_unique<ShmTeam>(this, slot, pl, op_name);
+}
+
+void ShmFabric::leave(ShmSlot* slot) {
+  // acq_rel: everything this rank did with the slot happens before the last leaver frees it.
+  if (slot->leaving.fetch_add(1, std::memory_order_acq_rel) + 1 ==
+      static_cast<uint32_t>(slot->size)) {
+    CtlLock lock(&ctl_->mu);
+    slot->tag = 0;
+  }
+}
+
+// ---- bounce buffers ----
+
+Bounce* ShmFabric::acquire_bounce(size_t bytes, bool critical, std::string* err) {
+  std::lock_guard<std::mutex> lock(bounce_mu_);
+  Bounce* best = nullptr;
+  for (auto& b : bounces_)
+    if (!b->busy && b->size >= bytes && (!best || b->size < best->size)) best = b.get();
+  if (best) {
+    best->busy = true;
+    return best;
+  }
+  // A new one (the first is made at connect time, off the critical path): whole 2 MiB units.
+  size_t size = bytes < (size_t{4} << 20) ? (size_t{4} << 20) : (bytes + (2u << 20) - 1) &
+                                                                     ~size_t((2u << 20) - 1);
+  int fd = static_cast<int>(syscall(SYS_memfd_create, "strata_bounce", MFD_CLOEXEC));
+  if (fd < 0 || ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    if (fd >= 0) close(fd);
+    *err = std::string("cannot create a bounce buffer: ") + strerror(errno);
+    return nullptr;
+  }
+  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  if (base == MAP_FAILED) {
+    close(fd);
+    *err = std::string("cannot map a bounce buffer: ") + strerror(errno);
+    return nullptr;
+  }
+  auto b = std::make_unique<Bounce>(Bounce{kBounceIdBit | next_bounce_id_++, fd,
+                                           static_cast<char*>(base), size, true});
+  *err = export_segment(b->id, fd, size, critical);
+  if (!err->empty()) {
+    munmap(base, size);
+    close(fd);
+    return nullptr;
+  }
+  stats().bounce_bytes.fetch_add(size, std::memory_order_relaxed);
+  bounces_.push_back(std::move(b));
+  return bounces_.back().get();
+}
+
+void ShmFabric::release_bounce(Bounce* b) {
+  std::lock_guard<std::mutex> lock(bounce_mu_);
+  b->busy = false;
+}
+
+// ---- the team ----
+
+ShmTeam::ShmTeam(ShmFabric* f, ShmSlot* slot, const Placement& pl, const char* op_name)
+    : f_(f),
+      slot_(slot),
+      rank_(pl.rank),
+      size_(pl.size),
+      partition_(pl.partition),
+      op_name_(op_name),
+      in_(pl.size, nullptr),
+      out_(pl.size, nullptr) {}
+
+ShmTeam::~ShmTeam() {
+  // A bounce buffer is reused only when every peer is known to be done with it; after a failed
+  // barrier a peer might still write into it, so it stays busy (leaked) instead.
+  if (bounce_ && release_bounce_) f_->release_bounce(bounce_);
+  f_->leave(slot_);
+}
+
+std::string ShmTeam::fail(const std::string& msg) {
+  uint32_t expected = 0;
+  // acq_rel CAS: one writer of the message; the release store of 2 publishes it.
+  if (slot_->failed.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
+    std::strncpy(slot_->failure, msg.c_str(), sizeof(slot_->failure) - 1);
+    slot_->failure[sizeof(slot_->failure) - 1] = 0;
+    slot_->failed.store(2, std::memory_order_release);
+  }
+  futex_wake_all(&slot_->arrivals, true);
+  for (int i = 0; i < 100000 && slot_->failed.load(std::memory_order_acquire) != 2; ++i)
+    sched_yield();  // the winner is between its two stores
+  return std::string(slot_->failure);
+}
+
+std::string ShmTeam::barrier(const char* phase) {
+  ++barriers_;
+  slot_->peers[rank_].reached.store(barriers_, std::memory_order_release);
+  const uint32_t target = barriers_ * static_cast<uint32_t>(size_);
+  // acq_rel: release publishes this rank's descriptor and writes before the barrier; the
+  // acquire side (here and in the waiters' loads) makes the peers' ones visible after it.
+  uint32_t now = slot_->arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
+  if (now == target) {
+    futex_wake_all(&slot_->arrivals, true);
+    return {};
+  }
+  auto deadline = Clock::now() + std::chrono::milliseconds(settings().timeout_ms.load());
+  bool ok = wait_until(
+      &slot_->arrivals,
+      [&] { return slot_->arrivals.load(std::memory_order_acquire) >= target; },
+      [&] { return slot_->failed.load(std::memory_order_acquire) != 0; }, deadline,
+      /*shared=*/true, wait_spins(), wait_yields());
+  if (ok) return {};
+  if (slot_->failed.load(std::memory_order_acquire) != 0) return fail("");
+  std::vector<int> missing;
+  for (int j = 0; j < size_; ++j)
+    if (slot_->peers[j].reached.load(std::memory_order_acquire) < barriers_) missing.push_back(j);
+  std::ostringstream os;
+  os << "strata_jax " << op_name_ << ": timed out after " << settings().timeout_ms.load() / 1000.0
+     << " s in phase '" << phase << "' waiting for rank(s) [";
+  for (size_t i = 0; i < missing.size(); ++i) os << (i ? ", " : "") << missing[i];
+  os << "] of a group of " << size_ << " (group " << slot_->group << ", op " << slot_->op_id
+     << ", run " << slot_->run_id << "); reported by rank " << rank_ << " (partition "
+     << partition_ << ", process " << f_->proc() << ")";
+  std::string dead = f_->dead_peers();
+  if (!dead.empty()) os << "; process(es) " << dead << " disconnected (exited or killed)";
+  os << ". A peer never reached this collective: check that every device executes the same "
+        "sequence of collectives, or raise strata_jax.set_timeout().";
+  return fail(os.str());
+}
+
+std::string ShmTeam::arrive(const OpDesc& desc, const void* in, void* out) {
+  const auto deadline = Clock::now() + std::chrono::milliseconds(settings().timeout_ms.load());
+  const auto& api = ShmFabric::alloc();
+  const bool staging = f_->mode() == RegMode::kStaging;
+  // Which of my buffers peers can reach directly: inside an allocator segment, which then must
+  // be exported (done already by the allocator thread in on_alloc mode; now in on_use mode).
+  strata_seg_info in_seg{}, out_seg{};
+  bool in_ok = desc.in_bytes == 0 ||
+               (!staging && api.lookup && api.lookup(in, desc.in_bytes, &in_seg));
+  bool out_ok = desc.out_bytes == 0 ||
+                (!staging && api.lookup && api.lookup(out, desc.out_bytes, &out_seg));
+  std::string err;
+  if (in_ok && desc.in_bytes)
+    err = f_->export_segment(in_seg.segment_id, in_seg.fd, in_seg.size, true);
+  if (err.empty() && out_ok && desc.out_bytes && !(desc.in_bytes && in_seg.segment_id ==
+                                                   out_seg.segment_id))
+    err = f_->export_segment(out_seg.segment_id, out_seg.fd, out_seg.size, true);
+  if (!err.empty()) return fail(std::string("strata_jax ") + op_name_ + ": " + err);
+
+  ShmPeer& me = slot_->peers[rank_];
+  me.proc = f_->proc();
+  me.kind = desc.kind;
+  me.dtype = desc.dtype;
+  me.reduce = desc.reduce;
+  me.aux = desc.aux;
+  me.algo = desc.algo;
+  me.in_bytes = desc.in_bytes;
+  me.out_bytes = desc.out_bytes;
+  me.in_seg = me.out_seg = 0;
+  me.in_off = me.out_off = 0;
+  me.in_ptr = reinterpret_cast<uintptr_t>(in);
+  me.out_ptr = reinterpret_cast<uintptr_t>(out);
+  if (in_ok && desc.in_bytes) {
+    me.in_seg = in_seg.segment_id;
+    me.in_off = in_seg.offset;
+  }
+  if (out_ok && desc.out_bytes) {
+    me.out_seg = out_seg.segment_id;
+    me.out_off = out_seg.offset;
+  }
+  if (!in_ok || !out_ok) {
+    // Staging: the unshareable buffer(s) go through a bounce buffer every peer has mapped.
+    const size_t in_room = in_ok ? 0 : align_up(desc.in_bytes);
+    bounce_ = f_->acquire_bounce(in_room + (out_ok ? 0 : desc.out_bytes), true, &err);
+    if (!bounce_) return fail(std::string("strata_jax ") + op_name_ + ": " + err);
+    any_staged_ = true;
+    stats().staged_calls.fetch_add(1, std::memory_order_relaxed);
+    if (!in_ok) {
+      copy_bytes(bounce_->base, in, desc.in_bytes);
+      stats().staged_bytes.fetch_add(desc.in_bytes, std::memory_order_relaxed);
+      me.in_seg = bounce_->id;
+      me.in_off = 0;
+      me.in_ptr = reinterpret_cast<uintptr_t>(bounce_->base);
+    }
+    if (!out_ok) {
+      out_staged_ = true;
+      user_out_ = out;
+      out_bytes_ = desc.out_bytes;
+      me.out_seg = bounce_->id;
+      me.out_off = in_room;
+      me.out_ptr = reinterpret_cast<uintptr_t>(bounce_->base + in_room);
+    }
+  }
+  err = barrier("arrive");
+  if (!err.empty()) return err;  // a peer may still come and touch the bounce: keep it busy
+  release_bounce_ = true;
+  for (int j = 0; j < size_; ++j) {
+    const ShmPeer& o = slot_->peers[j];
+    if (o.kind != desc.kind || o.dtype != desc.dtype || o.reduce != desc.reduce ||
+        o.aux != desc.aux || o.in_bytes != desc.in_bytes || o.out_bytes != desc.out_bytes) {
+      std::ostringstream os;
+      os << "strata_jax " << op_name_ << ": ranks disagree on the collective (rank " << rank_
+         << ": dtype " << desc.dtype << ", " << desc.in_bytes << " B in, " << desc.out_bytes
+         << " B out; rank " << j << ": kind " << o.kind << ", dtype " << o.dtype << ", "
+         << o.in_bytes << " B in, " << o.out_bytes
+         << " B out). Every rank of a group must call the same collective with the same shape "
+            "and dtype.";
+      return os.str();  // every rank sees the same descriptors and fails here
+    }
+  }
+  release_bounce_ = false;  // from here on a peer may already be using it
+  descs_.assign(size_, desc);
+  for (int j = 0; j < size_; ++j) {
+    const ShmPeer& o = slot_->peers[j];
+    descs_[j].algo = o.algo;
+    if ((o.in_seg | o.out_seg) & kBounceIdBit) any_staged_ = true;
+    if (o.proc == f_->proc()) {
+      in_[j] = reinterpret_cast<const void*>(o.in_ptr);
+      out_[j] = reinterpret_cast<void*>(o.out_ptr);
+      continue;
+    }
+    if (o.in_bytes) {
+      in_[j] = f_->translate(o.proc, o.in_seg, o.in_off, o.in_bytes, deadline, &err);
+      if (!in_[j]) return fail(std::string("strata_jax ") + op_name_ + ": " + err);
+    }
+    if (o.out_bytes) {
+      out_[j] = f_->translate(o.proc, o.out_seg, o.out_off, o.out_bytes, deadline, &err);
+      if (!out_[j]) return fail(std::string("strata_jax ") + op_name_ + ": " + err);
+    }
+  }
+  arrived_ = true;
+  release_bounce_ = true;
+  return {};
+}
+
+std::string ShmTeam::depart() {
+  if (!arrived_) return {};
+  std::string err = barrier("depart");
+  if (!err.empty()) {
+    release_bounce_ = false;
+    return err;
+  }
+  if (out_staged_) {
+    copy_bytes(user_out_, bounce_->base + (slot_->peers[rank_].out_off), out_bytes_);
+    stats().staged_bytes.fetch_add(out_bytes_, std::memory_order_relaxed);
+  }
+  return {};
+}
+
+}  // namespace strata

@@ -1,0 +1,229 @@
+// The shared-memory fabric: one or more JAX CPU devices per process, several processes on one
+// host. Ranks of one collective may live in different processes; each rank publishes where its
+// buffers are as (segment id, offset) and peers translate that into an address of their own
+// through a table of mapped peer segments.
+//
+// Pieces (NCCL keeps transport, registration and algorithms in separate rooms; so do we):
+//  - Links (shm_link.cc): a full mesh of unix SOCK_SEQPACKET connections, bootstrapped from
+//    socket paths exchanged through the jax.distributed key-value store. They carry memfd file
+//    descriptors (SCM_RIGHTS) and nothing else; the sockets' paths are unlinked as soon as every
+//    process is connected, so nothing is left in the file system even after SIGKILL.
+//  - Registration (shm_link.cc): "export" = send a segment's fd to every peer; the peer's
+//    receiver thread maps it MAP_SHARED and records (process, segment id) -> local address.
+//    In on_alloc mode the allocator's background thread exports every new segment (off the
+//    critical path); in on_use mode a collective exports its buffers' segments the first time it
+//    meets them (on the critical path, counted); in staging mode buffers are never exported.
+//  - The control segment (shm.cc): a memfd made by process 0 and mapped by all, holding the
+//    rendezvous slots: one per call in flight, keyed like the in-process fabric by (run id, op
+//    id, occurrence, group). XLA's RunId is the launch id JAX gives the execution, and it is equal
+//    on every process of one multi-process execution (measured: 1986389983 on both processes of
+//    a 2x2 run, +1 per execution), so the in-process key works across processes unchanged.
+//  - Staging (shm.cc): a buffer the allocator does not own (below its threshold, allocator not
+//    preloaded) or every buffer in staging mode is copied through a bounce buffer of this
+//    process that every peer mapped when it was created.
+#pragma once
+
+#include <pthread.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "alloc/strata_alloc.h"
+#include "fabric/team.h"
+#include "sync/wait.h"
+
+namespace strata {
+
+enum class RegMode : int32_t { kOnAlloc = 0, kOnUse = 1, kStaging = 2 };
+const char* reg_mode_name(RegMode m);
+
+constexpr int kShmMaxRanks = 64;
+constexpr int kShmSlots = 256;
+constexpr uint64_t kShmMagic = 0x5354524154413031ull;  // "STRATA01"
+// Segment ids of the fabric's own bounce buffers (allocator ids start at 1 and stay small).
+constexpr uint64_t kBounceIdBit = uint64_t{1} << 62;
+
+// One rank's entry in a rendezvous slot. Plain fields are written by the rank before its
+// arrival barrier; the barrier's fetch_add(acq_rel) on the slot's `arrivals` publishes them and
+// the waiters' acquire loads make them visible to every process.
+struct ShmPeer {
+  int32_t proc;  // process index of the rank
+  int32_t kind, dtype, reduce;
+  int64_t aux;
+  uint64_t in_bytes, out_bytes;
+  uint64_t in_seg, in_off, out_seg, out_off;  // where peers find the buffers (seg 0: none)
+  uint64_t in_ptr, out_ptr;                   // the same, as addresses in the owner process
+  // Barriers this rank entered (release), read by the timeout path to name missing ranks.
+  std::atomic<uint32_t> reached;
+  int32_t algo;  // the rank's algorithm proposal (OpDesc::algo); everyone follows rank 0's
+};
+
+struct ShmSlot {
+  // Key and size: written under the control mutex when the slot is claimed, read under it.
+  uint64_t tag;  // 0: free
+  int64_t run_id, op_id, group;
+  uint64_t occurrence;
+  int32_t size;
+  // Total barrier entries of all ranks (barrier k complete at k * size); futex word.
+  std::atomic<uint32_t> arrivals;
+  std::atomic<uint32_t> leaving;  // ranks done with the call; the last frees the slot
+  // 0 ok; 1 a rank is writing `failure`; 2 failure written (release) and readable (acquire).
+  std::atomic<uint32_t> failed;
+  char failure[768];
+  ShmPeer peers[kShmMaxRanks];
+};
+
+struct ShmControl {
+  uint64_t magic;
+  uint32_t nprocs;
+  pthread_mutex_t mu;  // process-shared, robust: guards slot claim and release
+  ShmSlot slots[kShmSlots];
+};
+
+class ShmFabric;
+
+class ShmTeam final : public Team {
+ public:
+  ShmTeam(ShmFabric* f, ShmSlot* slot, const Placement& pl, const char* op_name);
+  ~ShmTeam() override;
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const void* peer_in(int j) const override { return in_[j]; }
+  void* peer_out(int j) const override { return out_[j]; }
+  const OpDesc& peer_desc(int j) const override { return descs_[j]; }
+  std::string barrier(const char* phase) override;
+  // Stages what cannot be shared, publishes this rank's buffers, waits for every peer, checks
+  // that all agree and translates the peers' buffers into local addresses.
+  std::string arrive(const OpDesc& desc, const void* in, void* out);
+  // Final barrier, then copies a staged output to the caller's buffer. Always call it once
+  // arrive() returned (also after an error), so no peer still touches this rank's memory.
+  std::string depart();
+  // True when no byte of this call went through a bounce buffer.
+  bool zero_copy() const override { return !any_staged_; }
+
+ private:
+  std::string fail(const std::string& msg);
+  std::string publish(const void* p, uint64_t bytes, bool is_out, uint64_t* seg, uint64_t* off,
+                      uint64_t* ptr);
+  ShmFabric* f_;
+  ShmSlot* slot_;
+  int rank_, size_;
+  int64_t partition_;
+  uint32_t barriers_ = 0;
+  const char* op_name_;
+  std::vector<const void*> in_;
+  std::vector<void*> out_;
+  std::vector<OpDesc> descs_;  // copies of the peers' published descriptors (after arrival)
+  bool any_staged_ = false;
+  // Staging of this rank's own buffers.
+  struct Bounce* bounce_ = nullptr;
+  void* user_out_ = nullptr;
+  uint64_t out_bytes_ = 0;
+  bool out_staged_ = false;
+  bool arrived_ = false;
+  bool release_bounce_ = false;
+};
+
+// A bounce buffer: a memfd of the fabric's own, exported to every peer when created.
+struct Bounce {
+  uint64_t id;
+  int fd;
+  char* base;
+  size_t size;
+  bool busy;
+};
+
+class ShmFabric {
+ public:
+  // The connected fabric, or nullptr (single process, or init() not called).
+  static ShmFabric* active() { return active_.load(std::memory_order_acquire); }
+  static ShmFabric& instance();
+
+  // Bootstrap, step 1: listen on a unix socket in `dir`; returns its path (or an error).
+  std::string listen(const std::string& dir, int proc, std::string* path);
+  // Step 2: connect to every peer (paths by process index), share the control segment, start
+  // the receiver thread and the registration callbacks. Step 3 (after every process returned
+  // from connect): unlink_socket().
+  std::string connect(int proc, int nprocs, const std::vector<std::string>& paths, RegMode mode);
+  void unlink_socket();
+
+  RegMode mode() const { return mode_; }
+  int proc() const { return proc_; }
+  int nprocs() const { return nprocs_; }
+  ShmControl* control() const { return ctl_; }
+
+  // Rendezvous: finds or claims the slot of this call. nullptr and *err on failure.
+  std::unique_ptr<ShmTeam> join(int64_t run_id, int64_t op_id, const Placement& pl,
+                                const char* op_name, std::string* err);
+  void leave(ShmSlot* slot);
+
+  // Registration. Sends the segment to every peer unless already done. `critical`: called by a
+  // collective (counted as registration on the critical path).
+  std::string export_segment(uint64_t id, int fd, size_t size, bool critical);
+  void unexport_segment(uint64_t id);
+  // Address in this process of (proc, seg) + off, waiting up to the deadline for the receiver
+  // thread to map it. nullptr on timeout (err filled).
+  char* translate(int proc, uint64_t seg, uint64_t off, uint64_t bytes, Clock::time_point deadline,
+                  std::string* err);
+  bool peer_alive(int proc) const;
+  std::string dead_peers() const;
+
+  Bounce* acquire_bounce(size_t bytes, bool critical, std::string* err);
+  void release_bounce(Bounce* b);
+
+  // The allocator's C API, found with dlsym (null members when libstrata_alloc is not loaded).
+  struct AllocApi {
+    strata_alloc_lookup_fn lookup = nullptr;
+    strata_alloc_set_callback_fn set_new_cb = nullptr;
+    strata_alloc_set_callback_fn set_free_cb = nullptr;
+    strata_alloc_stats_fn stats = nullptr;
+    strata_alloc_active_fn active = nullptr;
+  };
+  static const AllocApi& alloc();
+
+ private:
+  ShmFabric() = default;
+  void receiver_main();
+  std::string send_fd(int peer, uint32_t type, uint64_t id, uint64_t size, int fd);
+  static std::atomic<ShmFabric*> active_;
+
+  int proc_ = -1, nprocs_ = 0;
+  RegMode mode_ = RegMode::kOnAlloc;
+  int listen_fd_ = -1;
+  std::string socket_path_;
+  std::vector<int> links_;  // socket per peer process (-1 for self)
+  std::unique_ptr<std::atomic<bool>[]> alive_;
+  ShmControl* ctl_ = nullptr;
+  std::thread receiver_;
+
+  // Exported segments of this process (id -> size). export_mu_ also serializes all sends.
+  std::mutex export_mu_;
+  std::unordered_map<uint64_t, size_t> exported_;
+
+  // Peer segments mapped here: (proc, id) -> (base, size).
+  mutable std::shared_mutex map_mu_;
+  std::condition_variable_any map_cv_;
+  std::map<std::pair<int, uint64_t>, std::pair<char*, size_t>> mapped_;
+
+  std::mutex bounce_mu_;
+  std::vector<std::unique_ptr<Bounce>> bounces_;
+  uint64_t next_bounce_id_ = 1;
+
+  // Occurrence counting, as the in-process fabric does: (run id, partition) -> op id -> count.
+  uint64_t next_occurrence(int64_t run_id, int64_t partition, int64_t op_id);
+  std::mutex occ_mu_;
+  std::map<std::pair<int64_t, int64_t>, std::unordered_map<int64_t, uint64_t>> occurrences_;
+  int64_t max_run_id_ = 0;
+};
+
+}  // namespace strata

@@ -1,0 +1,420 @@
+// Links between the processes of the shared-memory fabric (unix SOCK_SEQPACKET, full mesh) and
+// registration: exporting segments' file descriptors to every peer, mapping peers' segments.
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "fabric/inproc.h"
+#include "fabric/shm.h"
+#include "fabric/stats.h"
+
+namespace strata {
+namespace {
+
+enum MsgType : uint32_t { kHello = 1, kControl = 2, kNewSeg = 3, kFreeSeg = 4 };
+
+struct LinkMsg {
+  uint32_t type;
+  int32_t from;
+  uint64_t id;
+  uint64_t size;
+};
+
+std::string errno_str(const char* what) { return std::string(what) + ": " + strerror(errno); }
+
+// Receives one message and, if it carries one, a file descriptor (-1 otherwise).
+// Returns bytes received (0: peer closed), or -1 with errno.
+ssize_t recv_msg(int sock, LinkMsg* m, int* fd) {
+  *fd = -1;
+  iovec iov{m, sizeof(*m)};
+  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))];
+  msghdr h{};
+  h.msg_iov = &iov;
+  h.msg_iovlen = 1;
+  h.msg_control = ctrl;
+  h.msg_controllen = sizeof(ctrl);
+  ssize_t n;
+  do n = recvmsg(sock, &h, MSG_CMSG_CLOEXEC); while (n < 0 && errno == EINTR);
+  if (n <= 0) return n;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&h); c; c = CMSG_NXTHDR(&h, c))
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
+      std::memcpy(fd, CMSG_DATA(c), sizeof(int));
+  if (n != sizeof(*m)) {
+    if (*fd >= 0) close(*fd);
+    errno = EPROTO;
+    return -1;
+  }
+  return n;
+}
+
+bool send_msg(int sock, const LinkMsg& m, int fd) {
+  iovec iov{const_cast<LinkMsg*>(&m), sizeof(m)};
+  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))];
+  msghdr h{};
+  h.msg_iov = &iov;
+  h.msg_iovlen = 1;
+  if (fd >= 0) {
+    std::memset(ctrl, 0, sizeof(ctrl));
+    h.msg_control = ctrl;
+    h.msg_controllen = sizeof(ctrl);
+    cmsghdr* c = CMSG_FIRSTHDR(&h);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  }
+  ssize_t n;
+  do n = sendmsg(sock, &h, MSG_NOSIGNAL); while (n < 0 && errno == EINTR);
+  return n == static_cast<ssize_t>(sizeof(m));
+}
+
+bool prefault_enabled() {
+  const char* v = std::getenv("STRATA_PREFAULT");
+  return v && *v && std::strcmp(v, "0") != 0;
+}
+
+void on_new_segment(const strata_seg_info* info, void* user) {
+  auto* f = static_cast<ShmFabric*>(user);
+  if (f->mode() != RegMode::kOnAlloc) return;  // on_use: exported when a collective meets it
+  std::string err = f->export_segment(info->segment_id, info->fd, info->size, false);
+  if (!err.empty()) std::fprintf(stderr, "strata_jax: registering a segment failed: %s\n",
+                                 err.c_str());
+}
+
+void on_free_segment(const strata_seg_info* info, void* user) {
+  static_cast<ShmFabric*>(user)->unexport_segment(info->segment_id);
+}
+
+}  // namespace
+
+const ShmFabric::AllocApi& ShmFabric::alloc() {
+  static const AllocApi api = [] {
+    AllocApi a;
+    a.lookup = reinterpret_cast<strata_alloc_lookup_fn>(dlsym(RTLD_DEFAULT, "strata_alloc_lookup"));
+    a.set_new_cb = reinterpret_cast<strata_alloc_set_callback_fn>(
+        dlsym(RTLD_DEFAULT, "strata_alloc_set_new_segment_callback"));
+    a.set_free_cb = reinterpret_cast<strata_alloc_set_callback_fn>(
+        dlsym(RTLD_DEFAULT, "strata_alloc_set_free_segment_callback"));
+    a.stats = reinterpret_cast<strata_alloc_stats_fn>(dlsym(RTLD_DEFAULT, "strata_alloc_stats"));
+    a.active = reinterpret_cast<strata_alloc_active_fn>(dlsym(RTLD_DEFAULT, "strata_alloc_active"));
+    // Without the malloc interposer the pool serves nothing: treat the allocator as absent.
+    if (!a.active || !a.active()) a.lookup = nullptr;
+    return a;
+  }();
+  return api;
+}
+
+std::string ShmFabric::listen(const std::string& dir, int proc, std::string* path) {
+  if (active()) return "the shared-memory fabric is already connected";
+  std::string p = dir + "/fabric-" + std::to_string(proc) + ".sock";
+  sockaddr_un addr{};
+  if (p.size() >= sizeof(addr.sun_path))
+    return "socket path too long for a unix socket (" + p + "); set STRATA_RUN_DIR or TMPDIR "
+           "to a shorter folder";
+  int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (s < 0) return errno_str("socket");
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, p.c_str(), p.size() + 1);
+  unlink(p.c_str());
+  if (bind(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(s, 128) != 0) {
+    std::string e = errno_str(("bind/listen " + p).c_str());
+    close(s);
+    return e;
+  }
+  listen_fd_ = s;
+  socket_path_ = p;
+  *path = p;
+  return {};
+}
+
+void ShmFabric::unlink_socket() {
+  if (!socket_path_.empty()) unlink(socket_path_.c_str());
+  socket_path_.clear();
+  if (listen_fd_ >= 0) close(listen_fd_);
+  listen_fd_ = -1;
+}
+
+std::string ShmFabric::connect(int proc, int nprocs, const std::vector<std::string>& paths,
+                               RegMode mode) {
+  if (active()) return "the shared-memory fabric is already connected";
+  if (listen_fd_ < 0) return "internal error: listen() first";
+  if (static_cast<int>(paths.size()) != nprocs || proc < 0 || proc >= nprocs)
+    return "internal error: bad process table";
+  proc_ = proc;
+  nprocs_ = nprocs;
+  mode_ = mode;
+  links_.assign(nprocs, -1);
+  const auto deadline = Clock::now() + std::chrono::milliseconds(settings().timeout_ms.load());
+  // Connect to every higher process (a pending connection completes without accept()), then
+  // accept every lower one: no ordering between processes can deadlock.
+  for (int j = proc + 1; j < nprocs; ++j) {
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, paths[j].c_str(), sizeof(addr.sun_path) - 1);
+    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (s < 0) return errno_str("socket");
+    while (::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      if ((errno != ECONNREFUSED && errno != ENOENT && errno != EAGAIN) ||
+          Clock::now() > deadline) {
+        std::string e = errno_str(("connect to process " + std::to_string(j) + " at " +
+                                   paths[j]).c_str());
+        close(s);
+        return e;
+      }
+      usleep(1000);
+    }
+    if (!send_msg(s, LinkMsg{kHello, proc, 0, 0}, -1)) return errno_str("hello");
+    links_[j] = s;
+  }
+  for (int k = 0; k < proc; ++k) {
+    pollfd pf{listen_fd_, POLLIN, 0};
+    int left = static_cast<int>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count());
+    if (left <= 0 || poll(&pf, 1, left) <= 0)
+      return "timed out waiting for lower-numbered processes to connect";
+    int a = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (a < 0) return errno_str("accept");
+    ucred cred{};
+    socklen_t len = sizeof(cred);
+    if (getsockopt(a, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.uid != getuid()) {
+      close(a);
+      return "a process of another user connected to the fabric socket; refused";
+    }
+    LinkMsg m{};
+    int fd;
+    if (recv_msg(a, &m, &fd) <= 0 || m.type != kHello || m.from < 0 || m.from >= proc ||
+        links_[m.from] >= 0) {
+      if (fd >= 0) close(fd);
+      close(a);
+      return "bad hello on the fabric socket";
+    }
+    links_[m.from] = a;
+  }
+  // The control segment: made by process 0, mapped by everyone.
+  int cfd = -1;
+  const size_t csize = (sizeof(ShmControl) + 4095) & ~size_t{4095};
+  if (proc == 0) {
+    cfd = static_cast<int>(syscall(SYS_memfd_create, "strata_control", MFD_CLOEXEC));
+    if (cfd < 0 || ftruncate(cfd, static_cast<off_t>(csize)) != 0)
+      return errno_str("control segment");
+  } else {
+    LinkMsg m{};
+    if (recv_msg(links_[0], &m, &cfd) <= 0 || m.type != kControl || cfd < 0 || m.size != csize)
+      return "did not receive the control segment from process 0 (a different strata_jax "
+             "version?)";
+  }
+  void* base = mmap(nullptr, csize, PROT_READ | PROT_WRITE, MAP_SHARED, cfd, 0);
+  if (base == MAP_FAILED) return errno_str("mmap control segment");
+  ctl_ = static_cast<ShmControl*>(base);
+  if (proc == 0) {
+    pthread_mutexattr_t at;
+    pthread_mutexattr_init(&at);
+    pthread_mutexattr_setpshared(&at, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&at, PTHREAD_MUTEX_ROBUST);
+    pthread_mutex_init(&ctl_->mu, &at);
+    pthread_mutexattr_destroy(&at);
+    ctl_->nprocs = static_cast<uint32_t>(nprocs);
+    ctl_->magic = kShmMagic;  // before the fd leaves this process: sendmsg orders it
+    for (int j = 1; j < nprocs; ++j)
+      if (!send_msg(links_[j], LinkMsg{kControl, 0, 0, csize}, cfd))
+        return errno_str("sending the control segment");
+  } else if (ctl_->magic != kShmMagic || ctl_->nprocs != static_cast<uint32_t>(nprocs)) {
+    return "the control segment from process 0 is not a strata_jax fabric";
+  }
+  close(cfd);
+  alive_.reset(new std::atomic<bool>[nprocs]);
+  for (int j = 0; j < nprocs; ++j) alive_[j].store(true, std::memory_order_relaxed);
+  receiver_ = std::thread([this] { receiver_main(); });
+  receiver_.detach();
+  active_.store(this, std::memory_order_release);
+  // Registration-on-allocation: the allocator calls back for every segment that exists now and
+  // every later one. on_use installs them too, so freed segments that a collective exported are
+  // unmapped on the peers. staging never exports allocator memory.
+  const AllocApi& api = alloc();
+  if (mode != RegMode::kStaging && api.lookup && api.set_new_cb && api.set_free_cb) {
+    api.set_free_cb(on_free_segment, this);
+    api.set_new_cb(on_new_segment, this);
+  }
+  // One bounce buffer registered now, off the critical path, for small unshareable buffers.
+  std::string err;
+  Bounce* b = acquire_bounce(1, /*critical=*/false, &err);
+  if (!b) return err;
+  release_bounce(b);
+  return {};
+}
+
+std::string ShmFabric::send_fd(int peer, uint32_t type, uint64_t id, uint64_t size, int fd) {
+  if (!alive_[peer].load(std::memory_order_acquire)) return {};
+  if (!send_msg(links_[peer], LinkMsg{type, proc_, id, size}, fd)) {
+    if (errno == EPIPE || errno == ECONNRESET || errno == ECONNREFUSED) {
+      alive_[peer].store(false, std::memory_order_release);
+      return {};  // a dead peer needs no memory; its collectives fail with a timeout
+    }
+    return errno_str(("sending a segment to process " + std::to_string(peer)).c_str());
+  }
+  return {};
+}
+
+std::string ShmFabric::export_segment(uint64_t id, int fd, size_t size, bool critical) {
+  const auto t0 = Clock::now();
+  std::lock_guard<std::mutex> lock(export_mu_);
+  if (exported_.count(id)) return {};
+  for (int j = 0; j < nprocs_; ++j) {
+    if (j == proc_) continue;
+    std::string err = send_fd(j, kNewSeg, id, size, fd);
+    if (!err.empty()) return err;
+  }
+  exported_.emplace(id, size);
+  stats().exported_segments.fetch_add(1, std::memory_order_relaxed);
+  stats().exported_bytes.fetch_add(size, std::memory_order_relaxed);
+  const uint64_t ns = static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+  (critical ? stats().reg_critical : stats().reg_offpath).fetch_add(1, std::memory_order_relaxed);
+  (critical ? stats().reg_critical_ns : stats().reg_offpath_ns)
+      .fetch_add(ns, std::memory_order_relaxed);
+  return {};
+}
+
+void ShmFabric::unexport_segment(uint64_t id) {
+  std::lock_guard<std::mutex> lock(export_mu_);
+  auto it = exported_.find(id);
+  if (it == exported_.end()) return;
+  stats().exported_segments.fetch_sub(1, std::memory_order_relaxed);
+  stats().exported_bytes.fetch_sub(it->second, std::memory_order_relaxed);
+  exported_.erase(it);
+  for (int j = 0; j < nprocs_; ++j)
+    if (j != proc_) send_fd(j, kFreeSeg, id, 0, -1);
+}
+
+bool ShmFabric::peer_alive(int proc) const {
+  return alive_ && alive_[proc].load(std::memory_order_acquire);
+}
+
+std::string ShmFabric::dead_peers() const {
+  std::string s;
+  for (int j = 0; j < nprocs_; ++j)
+    if (j != proc_ && !peer_alive(j)) s += (s.empty() ? "" : ", ") + std::to_string(j);
+  return s;
+}
+
+char* ShmFabric::translate(int proc, uint64_t seg, uint64_t off, uint64_t bytes,
+                           Clock::time_point deadline, std::string* err) {
+  const auto key = std::make_pair(proc, seg);
+  {
+    std::shared_lock<std::shared_mutex> lock(map_mu_);
+    auto it = mapped_.find(key);
+    if (it != mapped_.end()) {
+      if (off + bytes > it->second.second) {
+        *err = "a peer's buffer lies outside its segment (internal error)";
+        return nullptr;
+      }
+      return it->second.first + off;
+    }
+  }
+  // Not mapped yet: the owner sent it just now (on_use, or a segment younger than the
+  // allocator thread's last round); the receiver thread maps it. Counted as a registration on
+  // the critical path.
+  const auto t0 = Clock::now();
+  std::unique_lock<std::shared_mutex> lock(map_mu_);
+  auto it = mapped_.end();
+  map_cv_.wait_until(lock, deadline, [&] {
+    it = mapped_.find(key);
+    return it != mapped_.end() || !peer_alive(proc);
+  });
+  const uint64_t ns = static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+  stats().reg_critical.fetch_add(1, std::memory_order_relaxed);
+  stats().reg_critical_ns.fetch_add(ns, std::memory_order_relaxed);
+  if (it == mapped_.end()) {
+    *err = "segment " + std::to_string(seg) + " of process " + std::to_string(proc) +
+           (peer_alive(proc) ? " was never registered here (timed out)"
+                             : ": the process disconnected (exited or killed)");
+    return nullptr;
+  }
+  if (off + bytes > it->second.second) {
+    *err = "a peer's buffer lies outside its segment (internal error)";
+    return nullptr;
+  }
+  return it->second.first + off;
+}
+
+void ShmFabric::receiver_main() {
+  sigset_t all;
+  sigfillset(&all);
+  pthread_sigmask(SIG_BLOCK, &all, nullptr);  // signals belong to the application's threads
+  const bool prefault = prefault_enabled();
+  std::vector<pollfd> fds;
+  std::vector<int> who;
+  for (int j = 0; j < nprocs_; ++j)
+    if (j != proc_) {
+      fds.push_back(pollfd{links_[j], POLLIN, 0});
+      who.push_back(j);
+    }
+  while (!fds.empty()) {
+    if (poll(fds.data(), fds.size(), -1) < 0) {
+      if (errno == EINTR) continue;
+      std::fprintf(stderr, "strata_jax: fabric receiver: poll: %s\n", strerror(errno));
+      return;
+    }
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if (!fds[i].revents) continue;
+      LinkMsg m{};
+      int fd = -1;
+      ssize_t n = (fds[i].revents & POLLIN) ? recv_msg(fds[i].fd, &m, &fd) : 0;
+      if (n <= 0) {  // closed: the peer exited or was killed
+        alive_[who[i]].store(false, std::memory_order_release);
+        {
+          std::lock_guard<std::shared_mutex> lock(map_mu_);  // waiters re-check liveness
+        }
+        map_cv_.notify_all();
+        fds.erase(fds.begin() + i);
+        who.erase(who.begin() + i);
+        --i;
+        continue;
+      }
+      if (m.type == kNewSeg && fd >= 0) {
+        void* base = mmap(nullptr, m.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        close(fd);
+        if (base == MAP_FAILED) {
+          std::fprintf(stderr, "strata_jax: mapping a segment of process %d failed: %s\n",
+                       who[i], strerror(errno));
+          continue;
+        }
+#ifdef MADV_POPULATE_WRITE
+        if (prefault) madvise(base, m.size, MADV_POPULATE_WRITE);
+#endif
+        {
+          std::lock_guard<std::shared_mutex> lock(map_mu_);
+          mapped_[{who[i], m.id}] = {static_cast<char*>(base), m.size};
+        }
+        map_cv_.notify_all();
+        stats().mapped_segments.fetch_add(1, std::memory_order_relaxed);
+        stats().mapped_bytes.fetch_add(m.size, std::memory_order_relaxed);
+      } else if (m.type == kFreeSeg) {
+        std::lock_guard<std::shared_mutex> lock(map_mu_);
+        auto it = mapped_.find({who[i], m.id});
+        if (it != mapped_.end()) {
+          munmap(it->second.first, it->second.second);
+          stats().mapped_segments.fetch_sub(1, std::memory_order_relaxed);
+          stats().mapped_bytes.fetch_sub(it->second.second, std::memory_order_relaxed);
+          mapped_.erase(it);
+        }
+      } else if (fd >= 0) {
+        close(fd);
+      }
+    }
+  }
+}
+
+}  // namespace strata
