@@ -21,6 +21,7 @@ from strata_jax._src.collectives import (  # noqa: E402
     psum,
     psum_scatter,
 )
+from strata_jax import moe  # noqa: E402
 from strata_jax._src.runtime import (  # noqa: E402
     comm_stats,
     get_timeout,
@@ -46,4 +47,5 @@ __all__ = [
     "set_two_shot_threshold",
     "get_two_shot_threshold",
     "comm_stats",
+    "moe",
 ]
