@@ -153,8 +153,8 @@ ffi::Error MoeCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyBuffer weig
                  });
 }
 
-// values [E_local, C] f32 (this rank's per-slot values), slots [N, K] i32 (this rank's plan),
-// topk_idx [T, K] i32 -> out [T, K] f32: each choice's slot value, read from the expert's rank.
+// values [E_local, C] f32 or f64 (this rank's per-slot values), slots [N, K] i32 (this rank's plan),
+// topk_idx [T, K] i32 -> out [T, K] (values' dtype): each choice's slot value, read from the expert's rank.
 ffi::Error MoeGatherImpl(ffi::RunId run, ffi::AnyBuffer values, ffi::AnyBuffer slots,
                          ffi::AnyBuffer topk_idx, ffi::AnyBuffer pid,
                          ffi::Result<ffi::AnyBuffer> out, int64_t op_id, I64s mesh_shape,
@@ -162,8 +162,9 @@ ffi::Error MoeGatherImpl(ffi::RunId run, ffi::AnyBuffer values, ffi::AnyBuffer s
   const char* name = "moe.combine (weights cotangent)";
   auto vd = values.dimensions(), sd = slots.dimensions(), td = topk_idx.dimensions();
   if (vd.size() != 2 || sd.size() != 2 || td.size() != 2 ||
-      values.element_type() != ffi::DataType::F32 ||
-      out->element_type() != ffi::DataType::F32 || !is_i32(slots) || !is_i32(topk_idx) ||
+      (values.element_type() != ffi::DataType::F32 &&
+       values.element_type() != ffi::DataType::F64) ||
+      out->element_type() != values.element_type() || !is_i32(slots) || !is_i32(topk_idx) ||
       sd[1] != td[1] || out->element_count() != topk_idx.element_count())
     return invalid(name, "internal error: operand shapes or dtypes do not match the plan");
   moe::MoeShape s;
@@ -171,13 +172,14 @@ ffi::Error MoeGatherImpl(ffi::RunId run, ffi::AnyBuffer values, ffi::AnyBuffer s
   s.topk = td[1];
   s.local_experts = vd[0];
   s.capacity = vd[1];
+  s.dtype = static_cast<int32_t>(values.element_type());
   if (out->size_bytes() == 0) return ffi::Error::Success();
   moe::MoeBufs bufs;
-  bufs.values = static_cast<const float*>(values.untyped_data());
+  bufs.values = values.untyped_data();
   bufs.slots = static_cast<const int32_t*>(slots.untyped_data());
   OpDesc d;
   d.kind = kMoeGather;
-  d.dtype = static_cast<int32_t>(ffi::DataType::F32);
+  d.dtype = s.dtype;
   d.in_bytes = values.size_bytes();
   d.out_bytes = out->size_bytes();
   return run_moe(name, run, op_id, pid, mesh_shape, axes, d, &bufs, out->untyped_data(),
@@ -188,7 +190,7 @@ ffi::Error MoeGatherImpl(ffi::RunId run, ffi::AnyBuffer values, ffi::AnyBuffer s
                             "group size";
                    return moe::gather_values(
                        t, s, static_cast<const int32_t*>(topk_idx.untyped_data()),
-                       static_cast<float*>(out->untyped_data()));
+                       out->untyped_data());
                  });
 }
 

@@ -89,22 +89,32 @@ std::string combine(Team& t, const MoeShape& s, const void* expert_y, const int3
   return {};
 }
 
-std::string gather_values(Team& t, const MoeShape& s, const int32_t* topk_idx, float* out) {
+namespace {
+template <class V>
+void gather_typed(Team& t, const MoeShape& s, const int32_t* topk_idx, V* out) {
   const int64_t El = s.local_experts, K = s.topk;
   const int64_t E = El * t.size();
   const int64_t base = static_cast<int64_t>(t.rank()) * s.tokens;
   for (int64_t tok = 0; tok < s.tokens; ++tok) {
     for (int64_t k = 0; k < K; ++k) {
       const int32_t e = topk_idx[tok * K + k];
-      float v = 0.0f;
+      V v = 0;
       if (e >= 0 && e < E) {
         const MoeBufs& p = peer(t, static_cast<int>(e / El));
         const int32_t slot = p.slots[(base + tok) * K + k];
-        if (slot >= 0) v = p.values[slot];
+        if (slot >= 0) v = static_cast<const V*>(p.values)[slot];
       }
       out[tok * K + k] = v;
     }
   }
+}
+}  // namespace
+
+std::string gather_values(Team& t, const MoeShape& s, const int32_t* topk_idx, void* out) {
+  if (static_cast<DT>(s.dtype) == DT::F64)
+    gather_typed(t, s, topk_idx, static_cast<double*>(out));
+  else
+    gather_typed(t, s, topk_idx, static_cast<float*>(out));
   return {};
 }
 

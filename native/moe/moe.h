@@ -39,7 +39,7 @@ struct MoeBufs {
   const void* x = nullptr;         // dispatch: [T, H] source rows
   const float* weights = nullptr;  // weighted dispatch and combine: [T, K] float32
   const void* partials = nullptr;  // combine: [N, H] per-token partial sums (phase 1 output)
-  const float* values = nullptr;   // gather: [E_local * C] float32
+  const void* values = nullptr;    // gather: [E_local * C] float32 or float64 (s.dtype)
   const int32_t* slots = nullptr;  // combine, gather: this rank's slots plan [N, K]
   const int32_t* rows = nullptr;   // combine: this rank's rows plan [N]
 };
@@ -72,9 +72,9 @@ std::string dispatch(Team& t, const MoeShape& s, const int32_t* slots, const int
 std::string combine(Team& t, const MoeShape& s, const void* expert_y, const int32_t* slots,
                     const int32_t* rows, void* partials, void* y);
 
-// out[T, K] = for each choice e = topk_idx[t, k] >= 0, the value of the token's slot on the
+// out[T, K] (float32 or float64, as the values) = for each choice e = topk_idx[t, k] >= 0, the value of the token's slot on the
 // expert's rank (read from that rank's MoeBufs::slots and ::values); 0 for -1 or dropped.
-std::string gather_values(Team& t, const MoeShape& s, const int32_t* topk_idx, float* out);
+std::string gather_values(Team& t, const MoeShape& s, const int32_t* topk_idx, void* out);
 
 }  // namespace moe
 }  // namespace strata

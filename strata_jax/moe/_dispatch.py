@@ -172,12 +172,12 @@ mlir.register_lowering(
     platform="cpu",
 )
 
-# gather_p(values [E_local, C] f32, slots [N, K], topk_idx [T, K]) -> [T, K] f32
+# gather_p(values [E_local, C] f32/f64, slots [N, K], topk_idx [T, K]) -> [T, K] values' dtype
 moe_gather_p = core.Primitive("strata_moe_gather")
 
 
 def _gather_abstract_eval(values, slots, idx, *, axes):
-    return _out_aval(values, idx.shape, jnp.float32, (values, slots, idx), axes), _effects(axes)
+    return _out_aval(values, idx.shape, values.dtype, (values, slots, idx), axes), _effects(axes)
 
 
 moe_gather_p.def_effectful_abstract_eval(_gather_abstract_eval)
@@ -254,8 +254,8 @@ def _combine_rows_bwd(res, ct):
     # d w[t, k] = <ct[t], expert_y[slot(t, k)]>: dispatch ct, dot on the expert rank, and
     # read each choice's scalar back from the expert's rank.
     ct_rows = _bind_dispatch(ct, _no_weights(layout), layout, False)
-    dots = jnp.einsum("ech,ech->ec", ct_rows.astype(jnp.float32),
-                      expert_y.astype(jnp.float32))
+    acc = jnp.float64 if expert_y.dtype == jnp.float64 else jnp.float32
+    dots = jnp.einsum("ech,ech->ec", ct_rows.astype(acc), expert_y.astype(acc))
     d_w = _bind_gather(dots, layout).astype(weights.dtype)
     return d_ey, d_w, None
 
