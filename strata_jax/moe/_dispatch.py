@@ -77,7 +77,9 @@ class MoELayout:
     """Everything :func:`combine` (and the backward passes) need about one dispatch.
 
     A registered pytree: it can cross ``jax.jit``/``scan``/``custom_vjp`` boundaries and several
-    layouts may be alive at once (two dispatches in flight before their combines).
+    layouts may be alive at once (two dispatches in flight before their combines). To return
+    it from ``jax.shard_map``, note that ``dropped`` is 0-d (give it its own out_spec or
+    reshape it). Not batchable with ``jax.vmap`` (the primitives have no batching rule).
 
     Attributes (per rank; R ranks, T tokens, K choices, E experts, E_local = E // R, C slots):
       recv_counts: [E_local] int32, rows in use per local expert (rows [0, count) of recv_x).
@@ -387,7 +389,7 @@ def dispatch(x, topk_idx, *, num_experts: int, axis_name: AxisName,
       :func:`combine`. With check_vma both are typed varying over ``axis_name``.
 
     Raises:
-      ValueError: E not divisible by R, non-positive capacity, bad shapes or dtypes.
+      ValueError: E not divisible by R, negative capacity, bad shapes or dtypes.
       NameError: ``axis_name`` not bound by an enclosing shard_map.
 
     A token's row crosses the fabric at most once per destination rank (pulled from x's own
@@ -408,7 +410,8 @@ def dispatch(x, topk_idx, *, num_experts: int, axis_name: AxisName,
     recv_counts, recv_dropped, dropped, slots, rows = _plan(idx, num_experts, capacity, axes)
     layout = MoELayout(recv_counts=recv_counts, recv_dropped=recv_dropped, dropped=dropped,
                        slots=slots, rows=rows, topk_idx=idx, unique=_first_occurrence(idx),
-                       num_experts=int(num_experts), capacity=capacity, axis_name=axis_name)
+                       num_experts=int(num_experts), capacity=capacity,
+                       axis_name=tuple(axis_name) if isinstance(axis_name, list) else axis_name)
     return _dispatch_rows(_pvary_missing(x, axes), layout), layout
 
 
