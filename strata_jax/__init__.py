@@ -21,6 +21,7 @@ from strata_jax._src.collectives import (  # noqa: E402
     psum,
     psum_scatter,
 )
+from strata_jax import moe  # noqa: E402
 from strata_jax._src.fabric import init, memory_stats  # noqa: E402
 from strata_jax._src.runtime import (  # noqa: E402
     comm_stats,
@@ -49,4 +50,5 @@ __all__ = [
     "comm_stats",
     "init",
     "memory_stats",
+    "moe",
 ]

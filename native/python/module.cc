@@ -9,6 +9,7 @@
 #include "fabric/shm.h"
 #include "fabric/stats.h"
 #include "ffi/handlers.h"
+#include "ffi/moe_handlers.h"
 
 namespace nb = nanobind;
 
@@ -29,6 +30,9 @@ NB_MODULE(_strata, m) {
     d["strata_all_to_all"] = capsule(strata::AllToAllHandler);
     d["strata_permute"] = capsule(strata::PermuteHandler);
     d["strata_broadcast"] = capsule(strata::BroadcastHandler);
+    d["strata_moe_dispatch"] = capsule(strata::MoeDispatchHandler);
+    d["strata_moe_combine"] = capsule(strata::MoeCombineHandler);
+    d["strata_moe_gather"] = capsule(strata::MoeGatherHandler);
     return d;
   });
   m.def(
@@ -48,6 +52,7 @@ NB_MODULE(_strata, m) {
     d["one_shot_all_reduce"] = s.one_shot.load(std::memory_order_relaxed);
     d["two_shot_all_reduce"] = s.two_shot.load(std::memory_order_relaxed);
     d["timeouts"] = s.timeouts.load(std::memory_order_relaxed);
+    d["moe_calls"] = s.moe_calls.load(std::memory_order_relaxed);
     return d;
   });
 

@@ -1,0 +1,297 @@
+"""MoE dispatch/combine: strata_jax.moe against XLA pipelines built on jax.lax.all_to_all.
+
+DeepEP-like shapes scaled to this machine (defaults: T=1024 tokens per rank, H=1024, E=32
+experts, top-K=4, R=8 in-process CPU devices, float32), uniform random routing. Implementations,
+all inside ``jax.jit(jax.shard_map(...))`` over one mesh axis of R devices:
+
+* ``strata``: :func:`strata_jax.moe.dispatch` / :func:`strata_jax.moe.combine` (routing plan in
+  JAX, rows pulled zero-copy from the peers' buffers, combine reduced on the expert ranks first).
+* ``gshard``: the GShard formulation (Lepikhin et al. 2020): one-hot dispatch tensor
+  [T, E, C_src] (C_src = ceil(capacity_factor * T * K / E) slots per source rank and expert),
+  ``einsum('tec,th->ech')``, ``jax.lax.all_to_all`` to the expert ranks, the reverse
+  ``all_to_all`` and ``einsum('tec,ech->th')`` with the weighted combine tensor.
+* ``xla-gather`` (``--impl`` to include it; on by default): the same all_to_all pipeline with
+  index gathers instead of one-hot einsums (what a tuned JAX MoE does), a stronger baseline.
+
+strata's capacity is R * C_src per expert, so ``recv_x`` has the same shape [E/R, R*C_src, H] in
+every implementation; with the default capacity factor nothing is dropped and the outputs of all
+implementations must agree (checked on every run; drops are reported).
+
+Timed phases (medians of --iters blocking calls after --warmup, implementations interleaved
+round-robin): ``dispatch`` (x, routing -> recv_x), ``combine`` (expert rows, weights -> y) and
+``d+c`` (one program: dispatch, a per-expert scale as the "expert", combine). Bandwidth: token
+bytes moved per rank / time, where bytes = (token, destination rank) pairs * H * itemsize (the
+rows a DeepEP-style dispatch sends and a combine receives), averaged over ranks.
+
+Usage::
+
+    python benchmarks/moe.py                       # defaults above
+    python benchmarks/moe.py --tokens 512 --hidden 2048 --experts 64 --topk 8 --dtype bfloat16
+    python benchmarks/moe.py --devices 4 --impl strata,xla-gather --iters 20
+
+By default the script re-runs itself under ``LD_PRELOAD=libstrata_alloc.so`` (the deployment
+shape, as ``strata-launch`` does), which serves every implementation's large XLA buffers from
+reused, already-registered memory; ``--no-preload`` measures plain glibc (fresh pages each call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+IMPLS = ("strata", "gshard", "xla-gather")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=1024, help="tokens per rank T (1024)")
+    p.add_argument("--hidden", type=int, default=1024, help="hidden size H (1024)")
+    p.add_argument("--experts", type=int, default=32, help="experts E, divisible by R (32)")
+    p.add_argument("--topk", type=int, default=4, help="experts per token K (4)")
+    p.add_argument("--devices", type=int, default=8, help="in-process CPU devices R (8)")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 (float32)")
+    p.add_argument("--capacity-factor", type=float, default=1.5,
+                   help="slots per (source rank, expert) = ceil(cf * T * K / E) (1.5)")
+    p.add_argument("--impl", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
+    p.add_argument("--iters", type=int, default=10, help="timed calls per phase (10)")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up calls per phase (2)")
+    p.add_argument("--no-preload", action="store_true",
+                   help="do not re-run under LD_PRELOAD=libstrata_alloc.so (registration-on-"
+                        "allocation pool; without it every large XLA buffer is fresh mmapped "
+                        "pages and page faults dominate every implementation)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for CSV/JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    impls = C.parse_list(args.impl, IMPLS)
+    if not args.no_preload and "strata_alloc" not in os.environ.get("LD_PRELOAD", ""):
+        from strata_jax.launch import alloc_library_path  # no jax backend created yet
+
+        lib = alloc_library_path()
+        if lib:  # the allocator must be loaded at process start: re-run under it
+            pre = os.environ.get("LD_PRELOAD")
+            os.environ["LD_PRELOAD"] = f"{lib}:{pre}" if pre else lib
+            os.execv(sys.executable, [sys.executable, *sys.argv])
+        print("# warning    : libstrata_alloc.so not found; running without it", file=sys.stderr)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = (
+            f"{flags} --xla_force_host_platform_device_count={args.devices}")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    import strata_jax as sj  # before jax creates its backend
+
+    R, T, H, E, K = args.devices, args.tokens, args.hidden, args.experts, args.topk
+    if E % R:
+        raise SystemExit(f"--experts {E} must be divisible by --devices {R}")
+    if len(jax.devices()) < R:
+        raise SystemExit(f"need {R} devices, have {len(jax.devices())}")
+    el = E // R
+    cs = math.ceil(args.capacity_factor * T * K / E)  # slots per (source rank, expert)
+    cap = R * cs
+    dt = jnp.dtype(args.dtype)
+    mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
+    spec = P("ep")
+
+    rng = np.random.default_rng(args.seed)
+    # uniform routing, K distinct experts per token (as a softmax top-k gives)
+    idx = np.argsort(rng.random((R * T, E)), axis=1)[:, :K].astype(np.int32)
+    w = rng.random((R * T, K)).astype(np.float32)
+    w /= w.sum(1, keepdims=True)
+    x = jnp.asarray(rng.standard_normal((R * T, H)), dt)
+    scale = jnp.asarray(rng.uniform(0.5, 1.5, E), dt)
+    ey = jnp.asarray(rng.standard_normal((E, cap, H)), dt)
+    wj = jnp.asarray(w, dt)
+
+    def expert_scale(recv):  # the "expert": row-wise, so padding rows stay irrelevant
+        s = jax.lax.dynamic_slice(scale, (jax.lax.axis_index("ep") * el,), (el,))
+        return recv * s[:, None, None]
+
+    def smap(body, n_in, out_specs):
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * n_in,
+                                     out_specs=out_specs))
+
+    # ---- strata ----------------------------------------------------------------------
+    def s_dispatch(x, i):
+        recv, lay = sj.moe.dispatch(x, i, num_experts=E, axis_name="ep", capacity=cap)
+        return recv, dataclasses.replace(lay, dropped=lay.dropped[None])  # rank-1 to leave
+
+    def s_combine(e, lay, w):
+        return sj.moe.combine(e, dataclasses.replace(lay, dropped=lay.dropped[0]), w)
+
+    def s_full(x, i, w):
+        recv, lay = sj.moe.dispatch(x, i, num_experts=E, axis_name="ep", capacity=cap)
+        return sj.moe.combine(expert_scale(recv), lay, w), lay.dropped[None]
+
+    # ---- GShard (one-hot einsums) and xla-gather, both over jax.lax.all_to_all ---------
+    def positions(i):
+        """[T, E] position of each token in its expert's per-source block, kept mask."""
+        onehot = jax.nn.one_hot(i, E, dtype=jnp.int32).sum(1)  # [T, E] (distinct ids)
+        pos = jnp.cumsum(onehot, axis=0) - onehot
+        keep = (onehot > 0) & (pos < cs)
+        return pos, keep
+
+    def to_experts(xd):  # [E, cs, H] per source -> [E/R, R*cs, H] per expert rank
+        y = jax.lax.all_to_all(xd.reshape(R, el, cs, H), "ep", 0, 0, tiled=True)
+        return y.transpose(1, 0, 2, 3).reshape(el, R * cs, H)
+
+    def from_experts(e):  # [E/R, R*cs, H] -> [E, cs, H] back at the source
+        y = e.reshape(el, R, cs, H).transpose(1, 0, 2, 3)
+        return jax.lax.all_to_all(y, "ep", 0, 0, tiled=True).reshape(E, cs, H)
+
+    def g_tensors(i, w):
+        pos, keep = positions(i)
+        disp = jax.nn.one_hot(jnp.where(keep, pos, cs), cs, dtype=dt)  # [T, E, cs]
+        we = jnp.zeros((T, E), w.dtype).at[jnp.arange(T)[:, None], i].add(w)
+        return disp, disp * we[:, :, None]
+
+    def g_dispatch(x, i):
+        disp, _ = g_tensors(i, jnp.ones(i.shape, dt))  # weights unused here
+        return to_experts(jnp.einsum("tec,th->ech", disp, x))
+
+    def g_combine(e, i, w):
+        _, comb = g_tensors(i, w)
+        return jnp.einsum("tec,ech->th", comb, from_experts(e))
+
+    def g_full(x, i, w):
+        disp, comb = g_tensors(i, w)
+        recv = to_experts(jnp.einsum("tec,th->ech", disp, x))
+        return jnp.einsum("tec,ech->th", comb, from_experts(expert_scale(recv)))
+
+    def x_slots(i):
+        pos, keep = positions(i)
+        flat = jnp.take_along_axis(jnp.where(keep, jnp.arange(E) * cs + pos, -1), i, axis=1)
+        src = jnp.full((E * cs,), T, jnp.int32)
+        tok = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[:, None], flat.shape)
+        src = src.at[jnp.where(flat >= 0, flat, E * cs)].set(tok, mode="drop")
+        return flat, src
+
+    def x_dispatch(x, i):
+        _, src = x_slots(i)
+        xp = jnp.concatenate([x, jnp.zeros((1, H), x.dtype)])
+        return to_experts(xp[src].reshape(E, cs, H))
+
+    def x_combine(e, i, w):
+        flat, _ = x_slots(i)
+        back = from_experts(e).reshape(E * cs, H)
+        back = jnp.concatenate([back, jnp.zeros((1, H), back.dtype)])
+        rows = back[jnp.where(flat >= 0, flat, E * cs)]  # [T, K, H]
+        return jnp.einsum("tk,tkh->th", w, rows)
+
+    def x_full(x, i, w):
+        return x_combine(expert_scale(x_dispatch(x, i)), i, w)
+
+    fns: dict[str, object] = {}
+    lay_spec = None
+    if "strata" in impls:
+        f_sd = smap(s_dispatch, 2, spec)
+        _, lay = f_sd(x, idx)
+        lay_spec = jax.tree.map(lambda _: spec, lay)
+        f_sc = jax.jit(jax.shard_map(s_combine, mesh=mesh, in_specs=(spec, lay_spec, spec),
+                                     out_specs=spec))
+        f_sf = smap(s_full, 3, (spec, spec))
+        fns["strata dispatch"] = lambda: f_sd(x, idx)[0]
+        fns["strata combine"] = lambda: f_sc(ey, lay, wj)
+        fns["strata d+c"] = lambda: f_sf(x, idx, wj)[0]
+    if "gshard" in impls:
+        f_gd, f_gc, f_gf = smap(g_dispatch, 2, spec), smap(g_combine, 3, spec), smap(
+            g_full, 3, spec)
+        fns["gshard dispatch"] = lambda: f_gd(x, idx)
+        fns["gshard combine"] = lambda: f_gc(ey, idx, wj)
+        fns["gshard d+c"] = lambda: f_gf(x, idx, wj)
+    if "xla-gather" in impls:
+        f_xd, f_xc, f_xf = smap(x_dispatch, 2, spec), smap(x_combine, 3, spec), smap(
+            x_full, 3, spec)
+        fns["xla-gather dispatch"] = lambda: f_xd(x, idx)
+        fns["xla-gather combine"] = lambda: f_xc(ey, idx, wj)
+        fns["xla-gather d+c"] = lambda: f_xf(x, idx, wj)
+
+    # ---- bytes and reference --------------------------------------------------------
+    dest = idx // el
+    pairs = sum(len(set(row.tolist())) for row in dest)  # (token, destination rank) pairs
+    bytes_per_rank = pairs * H * dt.itemsize / R
+    src_pos = np.zeros((R, E), np.int64)
+    drops_src = 0
+    for g in range(R * T):
+        for e in idx[g]:
+            s = g // T
+            drops_src += src_pos[s, e] >= cs
+            src_pos[s, e] += 1
+    ref = np.zeros((R * T, H), np.float64)
+    xs, sc = np.asarray(x, np.float64), np.asarray(scale, np.float64)
+    wf = np.asarray(wj, np.float64)
+    for k in range(K):
+        ref += (wf[:, k] * sc[idx[:, k]])[:, None] * xs
+
+    info = C.machine_info()
+    C.print_machine(info)
+    print(f"# moe        : R={R} T={T}/rank H={H} E={E} K={K} dtype={dt.name} "
+          f"capacity={cap} per expert (= R * {cs}, cf {args.capacity_factor}), "
+          f"{pairs / (R * T):.2f} destination ranks per token")
+    print(f"# bytes      : {C.format_size(bytes_per_rank)} of token rows per rank per phase; "
+          f"impls {', '.join(impls)}; {args.iters} iters after {args.warmup} warm-up")
+
+    times, outs = C.time_interleaved(fns, args.iters, args.warmup)
+    med = {k: C.median(v) for k, v in times.items()}
+
+    tol = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}.get(dt.name, 1e-4)
+    checks = {}
+    for name in impls:
+        y = np.asarray(outs[f"{name} d+c"], np.float64)
+        checks[name] = float(np.abs(y - ref).max() / max(1e-30, np.abs(ref).max()))
+    strata_drops = int(np.asarray(f_sf(x, idx, wj)[1]).sum()) if "strata" in impls else 0
+
+    table = C.Table([C.Column("impl", 10), C.Column("phase", 8),
+                     C.Column("time(ms)", 9, ".2f"), C.Column("GB/s/rank", 9, ".2f"),
+                     C.Column("vs strata", 9, ".2f")])
+    for line in table.header_lines():
+        print(line)
+    rows = []
+    for name in impls:
+        for phase in ("dispatch", "combine", "d+c"):
+            t = med[f"{name} {phase}"]
+            nbytes = bytes_per_rank * (2 if phase == "d+c" else 1)
+            st = med.get(f"strata {phase}")
+            ratio = t / st if st else None
+            print(table.row([name, phase, t * 1e3, nbytes / t / 1e9, ratio]))
+            rows.append(dict(impl=name, phase=phase, time_ms=t * 1e3,
+                             gbps_per_rank=nbytes / t / 1e9, slowdown_vs_strata=ratio))
+    print("# check      : max |y - dense reference| / max |reference| = "
+          + ", ".join(f"{k} {v:.2e}" for k, v in checks.items())
+          + f" (tolerance {tol:g}); drops: strata {strata_drops}, per-source-capacity "
+          f"pipelines {int(drops_src)}")
+    if "strata" in impls:
+        for other in impls:
+            if other != "strata":
+                r = med[f"{other} d+c"] / med["strata d+c"]
+                verdict = "meets" if r >= 1.5 else "misses"
+                print(f"# goal       : strata dispatch+combine is {r:.2f}x {other} "
+                      f"({verdict} the 1.5x goal)")
+    ok = all(v <= tol for k, v in checks.items()) and strata_drops == 0 and drops_src == 0
+    C.write_csv(args.out / "moe.csv", rows)
+    C.write_json(args.out / "moe.json", dict(machine=info, args=vars(args), rows=rows,
+                                              checks=checks))
+    if not ok:
+        print("# RESULT MISMATCH or drops: see the check line above", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+#include "ffi/moe_handlers.h"
+
+#include <string>
+#include <vector>
+
+#include "coll/kernels.h"
+#include "fabric/inproc.h"
+#include "fabric/stats.h"
+#include "moe/moe.h"
+
+namespace ffi = xla::ffi;
+
+namespace strata {
+namespace {
+
+using I64s = ffi::Span<const int64_t>;
+
+enum MoeOpKind : int32_t { kMoeDispatch = 101, kMoeCombine, kMoeGather };
+
+ffi::Error to_error(const std::string& msg) {
+  if (msg.find("timed out") != std::string::npos) {
+    stats().timeouts.fetch_add(1, std::memory_order_relaxed);
+    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg);
+  }
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg);
+}
+
+ffi::Error invalid(const char* name, const std::string& what) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string("strata_jax ") + name + ": " +
+                                                          what);
+}
+
+// Joins the call like run_collective in ffi/handlers.cc: placement from the partition-id
+// operand, arrival (publishing this rank's MoeBufs), the body, departure. After departure no
+// peer reads this rank's buffers any more.
+template <class Body>
+ffi::Error run_moe(const char* name, ffi::RunId run, int64_t op_id, ffi::AnyBuffer pid,
+                   I64s mesh_shape, I64s axes, OpDesc desc, const moe::MoeBufs* bufs, void* out,
+                   Body body) {
+  if (pid.element_type() != ffi::DataType::U32 || pid.element_count() != 1)
+    return invalid(name, "internal error: partition id operand must be a u32 scalar");
+  Placement pl;
+  std::string err =
+      place(*static_cast<const uint32_t*>(pid.untyped_data()),
+            std::vector<int64_t>(mesh_shape.begin(), mesh_shape.end()),
+            std::vector<int64_t>(axes.begin(), axes.end()), &pl);
+  if (!err.empty()) return invalid(name, err);
+  desc.name = name;
+  stats().moe_calls.fetch_add(1, std::memory_order_relaxed);
+  auto team = InProcFabric::instance().join(run.run_id, op_id, pl, name);
+  err = team->arrive(desc, bufs, out);
+  if (err.empty()) err = body(*team);
+  if (err.empty()) err = team->depart();
+  if (!err.empty()) return to_error(err);
+  return ffi::Error::Success();
+}
+
+bool is_i32(ffi::AnyBuffer b) { return b.element_type() == ffi::DataType::S32; }
+
+// x [T, H], weights [T, K] f32 (empty unless weighted), slots [N, K] i32, counts [E_local] i32
+// -> out [E_local, C, H].
+ffi::Error MoeDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer weights,
+                           ffi::AnyBuffer slots, ffi::AnyBuffer counts, ffi::AnyBuffer pid,
+                           ffi::Result<ffi::AnyBuffer> out, int64_t op_id, I64s mesh_shape,
+                           I64s axes, int64_t weighted) {
+  const char* name = "moe.dispatch";
+  const int32_t dt = static_cast<int32_t>(x.element_type());
+  if (!moe::row_dtype_supported(dt))
+    return invalid(name, std::string("unsupported dtype ") + dtype_name(dt));
+  auto xd = x.dimensions(), sd = slots.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || sd.size() != 2 || od.size() != 3 || !is_i32(slots) || !is_i32(counts) ||
+      out->element_type() != x.element_type() || counts.element_count() != size_t(od[0]) ||
+      od[2] != xd[1] ||
+      (weighted && (weights.element_type() != ffi::DataType::F32 ||
+                    weights.element_count() != size_t(xd[0] * sd[1]))))
+    return invalid(name, "internal error: operand shapes or dtypes do not match the plan");
+  moe::MoeShape s;
+  s.tokens = xd[0];
+  s.hidden = xd[1];
+  s.topk = sd[1];
+  s.local_experts = od[0];
+  s.capacity = od[1];
+  s.dtype = dt;
+  s.esize = dtype_size(dt);
+  if (out->size_bytes() == 0) return ffi::Error::Success();  // same on every rank
+  moe::MoeBufs bufs;
+  bufs.x = x.untyped_data();
+  bufs.weights = weighted ? static_cast<const float*>(weights.untyped_data()) : nullptr;
+  OpDesc d;
+  d.kind = kMoeDispatch;
+  d.dtype = dt;
+  d.aux = weighted * 1'000'000 + s.topk;
+  d.in_bytes = x.size_bytes();
+  d.out_bytes = out->size_bytes();
+  return run_moe(name, run, op_id, pid, mesh_shape, axes, d, &bufs, out->untyped_data(),
+                 [&](Team& t) -> std::string {
+                   s.ranks = t.size();
+                   if (sd[0] != s.ranks * s.tokens)
+                     return "strata_jax moe.dispatch: internal error: plan has the wrong "
+                            "number of tokens";
+                   return moe::dispatch(t, s, static_cast<const int32_t*>(slots.untyped_data()),
+                                        static_cast<const int32_t*>(counts.untyped_data()),
+                                        weighted != 0, out->untyped_data());
+                 });
+}
+
+// expert_y [E_local, C, H], weights [T, K] f32, slots [N, K] i32, rows [N] i32
+// -> y [T, H], partials [J, H] (scratch the peers read in phase 2).
+ffi::Error MoeCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyBuffer weights,
+                          ffi::AnyBuffer slots, ffi::AnyBuffer rows, ffi::AnyBuffer pid,
+                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> partials,
+                          int64_t op_id, I64s mesh_shape, I64s axes) {
+  const char* name = "moe.combine";
+  const int32_t dt = static_cast<int32_t>(ey.element_type());
+  if (!moe::row_dtype_supported(dt))
+    return invalid(name, std::string("unsupported dtype ") + dtype_name(dt));
+  auto ed = ey.dimensions(), wd = weights.dimensions(), sd = slots.dimensions(),
+       yd = y->dimensions(), pd = partials->dimensions();
+  if (ed.size() != 3 || wd.size() != 2 || sd.size() != 2 || yd.size() != 2 || pd.size() != 2 ||
+      weights.element_type() != ffi::DataType::F32 || !is_i32(slots) || !is_i32(rows) ||
+      y->element_type() != ey.element_type() || partials->element_type() != ey.element_type() ||
+      yd[0] != wd[0] || yd[1] != ed[2] || sd[1] != wd[1] || pd[1] != ed[2] ||
+      rows.element_count() != size_t(sd[0]))
+    return invalid(name, "internal error: operand shapes or dtypes do not match the plan");
+  moe::MoeShape s;
+  s.tokens = wd[0];
+  s.topk = wd[1];
+  s.hidden = ed[2];
+  s.local_experts = ed[0];
+  s.capacity = ed[1];
+  s.dtype = dt;
+  s.esize = dtype_size(dt);
+  if (y->size_bytes() == 0 && partials->size_bytes() == 0) return ffi::Error::Success();
+  moe::MoeBufs bufs;
+  bufs.weights = static_cast<const float*>(weights.untyped_data());
+  bufs.partials = partials->untyped_data();
+  bufs.slots = static_cast<const int32_t*>(slots.untyped_data());
+  bufs.rows = static_cast<const int32_t*>(rows.untyped_data());
+  OpDesc d;
+  d.kind = kMoeCombine;
+  d.dtype = dt;
+  d.aux = s.topk;
+  d.in_bytes = ey.size_bytes();
+  d.out_bytes = y->size_bytes();
+  return run_moe(name, run, op_id, pid, mesh_shape, axes, d, &bufs, y->untyped_data(),
+                 [&](Team& t) -> std::string {
+                   s.ranks = t.size();
+                   if (sd[0] != s.ranks * s.tokens)
+                     return "strata_jax moe.combine: internal error: plan does not match the "
+                            "group size";
+                   return moe::combine(t, s, ey.untyped_data(), bufs.slots, bufs.rows,
+                                       partials->untyped_data(), y->untyped_data());
+                 });
+}
+
+// values [E_local, C] f32 or f64 (this rank's per-slot values), slots [N, K] i32 (this rank's plan),
+// topk_idx [T, K] i32 -> out [T, K] (values' dtype): each choice's slot value, read from the expert's rank.
+ffi::Error MoeGatherImpl(ffi::RunId run, ffi::AnyBuffer values, ffi::AnyBuffer slots,
+                         ffi::AnyBuffer topk_idx, ffi::AnyBuffer pid,
+                         ffi::Result<ffi::AnyBuffer> out, int64_t op_id, I64s mesh_shape,
+                         I64s axes) {
+  const char* name = "moe.combine (weights cotangent)";
+  auto vd = values.dimensions(), sd = slots.dimensions(), td = topk_idx.dimensions();
+  if (vd.size() != 2 || sd.size() != 2 || td.size() != 2 ||
+      (values.element_type() != ffi::DataType::F32 &&
+       values.element_type() != ffi::DataType::F64) ||
+      out->element_type() != values.element_type() || !is_i32(slots) || !is_i32(topk_idx) ||
+      sd[1] != td[1] || out->element_count() != topk_idx.element_count())
+    return invalid(name, "internal error: operand shapes or dtypes do not match the plan");
+  moe::MoeShape s;
+  s.tokens = td[0];
+  s.topk = td[1];
+  s.local_experts = vd[0];
+  s.capacity = vd[1];
+  s.dtype = static_cast<int32_t>(values.element_type());
+  if (out->size_bytes() == 0) return ffi::Error::Success();
+  moe::MoeBufs bufs;
+  bufs.values = values.untyped_data();
+  bufs.slots = static_cast<const int32_t*>(slots.untyped_data());
+  OpDesc d;
+  d.kind = kMoeGather;
+  d.dtype = s.dtype;
+  d.in_bytes = values.size_bytes();
+  d.out_bytes = out->size_bytes();
+  return run_moe(name, run, op_id, pid, mesh_shape, axes, d, &bufs, out->untyped_data(),
+                 [&](Team& t) -> std::string {
+                   s.ranks = t.size();
+                   if (sd[0] != s.ranks * s.tokens)
+                     return "strata_jax moe.combine: internal error: plan does not match the "
+                            "group size";
+                   return moe::gather_values(
+                       t, s, static_cast<const int32_t*>(topk_idx.untyped_data()),
+                       out->untyped_data());
+                 });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeDispatchHandler, MoeDispatchImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("op_id")
+                                  .Attr<I64s>("mesh_shape")
+                                  .Attr<I64s>("axes")
+                                  .Attr<int64_t>("weighted"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeCombineHandler, MoeCombineImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("op_id")
+                                  .Attr<I64s>("mesh_shape")
+                                  .Attr<I64s>("axes"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGatherHandler, MoeGatherImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("op_id")
+                                  .Attr<I64s>("mesh_shape")
+                                  .Attr<I64s>("axes"));
+
+}  // namespace strata

@@ -1,0 +1,120 @@
+// Dispatch: every destination rank pulls the rows of the tokens routed to its experts straight
+// from the source ranks' x buffers (DeepEP's dispatch, pull-style over a shared address space).
+#include <cstring>
+#include <vector>
+
+#include "coll/kernels.h"
+#include "moe/moe.h"
+#include "moe/rows.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace strata {
+namespace moe {
+namespace {
+
+using DT = xla::ffi::DataType;
+
+template <class F>
+void with_row_type(int32_t dtype, F&& f) {
+  switch (static_cast<DT>(dtype)) {
+    case DT::F32: return f(float{});
+    case DT::F64: return f(double{});
+    case DT::BF16: return f(bf16{});
+    case DT::F16: return f(f16{});
+    default: return;
+  }
+}
+
+const MoeBufs& peer(Team& t, int j) { return *static_cast<const MoeBufs*>(t.peer_in(j)); }
+
+// Unweighted: the first kept slot of a token gets the row from the source (the one fabric
+// crossing); the token's other slots on this rank copy it locally.
+void dispatch_copy(Team& t, const MoeShape& s, const int32_t* slots, char* out) {
+  const int64_t N = s.ranks * s.tokens, K = s.topk, rb = s.row_bytes();
+  for (int64_t g = 0; g < N; ++g) {
+    const int32_t* sl = slots + g * K;
+    int32_t first = -1;
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t slot = sl[k];
+      if (slot < 0) continue;
+      if (first < 0) {
+        first = slot;
+        const int src = static_cast<int>(g / s.tokens);
+        const char* row = static_cast<const char*>(peer(t, src).x) + (g % s.tokens) * rb;
+        copy_bytes(out + slot * rb, row, rb);
+      } else if (slot != first) {
+        copy_bytes(out + slot * rb, out + first * rb, rb);
+      }
+    }
+  }
+}
+
+// Weighted (the cotangent of combine w.r.t. expert_y): slot row = (sum of the token's weights
+// naming the slot's expert) * x row. The source row is read once into an accumulator-typed
+// buffer, then scaled into each slot.
+template <class T>
+void dispatch_weighted(Team& t, const MoeShape& s, const int32_t* slots, char* out) {
+  using Acc = typename Elem<T>::Acc;
+  const int64_t N = s.ranks * s.tokens, K = s.topk, H = s.hidden, rb = s.row_bytes();
+  std::vector<Acc> row(H);
+  for (int64_t g = 0; g < N; ++g) {
+    const int32_t* sl = slots + g * K;
+    bool any = false;
+    for (int64_t k = 0; k < K; ++k) any |= sl[k] >= 0;
+    if (!any) continue;
+    const int src = static_cast<int>(g / s.tokens);
+    const int64_t tok = g % s.tokens;
+    const MoeBufs& p = peer(t, src);
+    load_row<T>(row.data(), reinterpret_cast<const T*>(static_cast<const char*>(p.x) + tok * rb),
+                H);
+    const float* w = p.weights + tok * K;
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t slot = sl[k];
+      if (slot < 0) continue;
+      bool seen = false;  // a token naming one expert twice: its slot gets the summed weight
+      for (int64_t j = 0; j < k; ++j) seen |= sl[j] == slot;
+      if (seen) continue;
+      Acc wsum = 0;
+      for (int64_t j = k; j < K; ++j)
+        if (sl[j] == slot) wsum += static_cast<Acc>(w[j]);
+      store_scaled<T>(reinterpret_cast<T*>(out + slot * rb), row.data(), wsum, H);
+    }
+  }
+}
+
+}  // namespace
+
+bool row_dtype_supported(int32_t dtype) {
+  switch (static_cast<DT>(dtype)) {
+    case DT::F32:
+    case DT::F64:
+    case DT::BF16:
+    case DT::F16: return true;
+    default: return false;
+  }
+}
+
+std::string dispatch(Team& t, const MoeShape& s, const int32_t* slots, const int32_t* counts,
+                     bool weighted, void* out_v) {
+  char* out = static_cast<char*>(out_v);
+  const int64_t rb = s.row_bytes();
+  // Rows of expert e are [0, counts[e]) by construction of the plan; zero the rest first so
+  // the copies below stay the only writes of the used rows.
+  for (int64_t e = 0; e < s.local_experts; ++e) {
+    int64_t used = counts[e];
+    if (used < 0 || used > s.capacity)
+      return "strata_jax moe.dispatch: internal error: receive count out of range";
+    std::memset(out + (e * s.capacity + used) * rb, 0, (s.capacity - used) * rb);
+  }
+  if (weighted) {
+    with_row_type(s.dtype, [&](auto tag) {
+      dispatch_weighted<decltype(tag)>(t, s, slots, out);
+    });
+  } else {
+    dispatch_copy(t, s, slots, out);
+  }
+  return {};
+}
+
+}  // namespace moe
+}  // namespace strata

@@ -1,0 +1,8 @@
+"""Expert-parallel MoE token routing over strata's fabric (DeepEP-style dispatch/combine).
+
+See :mod:`strata_jax.moe._dispatch` for the algorithm and semantics.
+"""
+
+from strata_jax.moe._dispatch import MoELayout, combine, dispatch, dispatch_layout
+
+__all__ = ["MoELayout", "dispatch", "dispatch_layout", "combine"]
