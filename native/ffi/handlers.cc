@@ -7,13 +7,12 @@
 #include "fabric/inproc.h"
 #include "fabric/shm.h"
 #include "fabric/stats.h"
+#include "ffi/common.h"
 
 namespace ffi = xla::ffi;
 
 namespace strata {
 namespace {
-
-using I64s = ffi::Span<const int64_t>;
 
 enum OpKind : int32_t {
   kAllReduce = 1,
@@ -23,24 +22,6 @@ enum OpKind : int32_t {
   kPermute,
   kBroadcast
 };
-
-ffi::Error to_error(const std::string& msg) {
-  if (msg.find("timed out") != std::string::npos) {
-    stats().timeouts.fetch_add(1, std::memory_order_relaxed);
-    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg);
-  }
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg);
-}
-
-// Where this device sits in the collective: from its partition id (an operand computed by
-// the program itself, so it is right for any device assignment) and the mesh.
-std::string placement(ffi::AnyBuffer pid, I64s mesh_shape, I64s axes, Placement* pl) {
-  if (pid.element_type() != ffi::DataType::U32 || pid.element_count() != 1)
-    return "internal error: partition id operand must be a u32 scalar";
-  const uint32_t p = *static_cast<const uint32_t*>(pid.untyped_data());
-  return place(p, std::vector<int64_t>(mesh_shape.begin(), mesh_shape.end()),
-               std::vector<int64_t>(axes.begin(), axes.end()), pl);
-}
 
 template <class Body>
 ffi::Error run_collective(const char* name, ffi::RunId run, int64_t op_id, ffi::AnyBuffer pid,
@@ -52,26 +33,8 @@ ffi::Error run_collective(const char* name, ffi::RunId run, int64_t op_id, ffi::
   if (desc.in_bytes == 0 && desc.out_bytes == 0) return ffi::Error::Success();
   desc.name = name;
   stats().calls.fetch_add(1, std::memory_order_relaxed);
-  if (ShmFabric* shm = ShmFabric::active()) {
-    // Several processes: every call goes through the shared-memory fabric, which also reaches
-    // this process's own devices directly (a handler cannot tell from the mesh alone which
-    // processes a group spans: that needs the program's device assignment).
-    auto team = shm->join(run.run_id, op_id, pl, name, &err);
-    if (!team) return to_error(err);
-    err = team->arrive(desc, in, out);
-    if (!err.empty()) return to_error(err);
-    err = body(*team, pl);
-    std::string derr = team->depart();  // always: peers may still be using this rank's buffers
-    if (err.empty()) err = derr;
-    if (!err.empty()) return to_error(err);
-    return ffi::Error::Success();
-  }
-  auto team = InProcFabric::instance().join(run.run_id, op_id, pl, name);
-  err = team->arrive(desc, in, out);
-  if (err.empty()) err = body(*team, pl);
-  if (err.empty()) err = team->depart();
-  if (!err.empty()) return to_error(err);
-  return ffi::Error::Success();
+  return join_and_run(name, run.run_id, op_id, pl, desc, in, out, /*cross_process=*/true,
+                      [&](Team& t) { return body(t, pl); });
 }
 
 ffi::Error check_dtype(const char* name, ffi::AnyBuffer x, bool reduce, ReduceOp op) {

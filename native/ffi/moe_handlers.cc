@@ -6,6 +6,7 @@
 #include "coll/kernels.h"
 #include "fabric/inproc.h"
 #include "fabric/stats.h"
+#include "ffi/common.h"
 #include "moe/moe.h"
 
 namespace ffi = xla::ffi;
@@ -13,46 +14,27 @@ namespace ffi = xla::ffi;
 namespace strata {
 namespace {
 
-using I64s = ffi::Span<const int64_t>;
 
 enum MoeOpKind : int32_t { kMoeDispatch = 101, kMoeCombine, kMoeGather };
-
-ffi::Error to_error(const std::string& msg) {
-  if (msg.find("timed out") != std::string::npos) {
-    stats().timeouts.fetch_add(1, std::memory_order_relaxed);
-    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg);
-  }
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg);
-}
 
 ffi::Error invalid(const char* name, const std::string& what) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string("strata_jax ") + name + ": " +
                                                           what);
 }
 
-// Joins the call like run_collective in ffi/handlers.cc: placement from the partition-id
-// operand, arrival (publishing this rank's MoeBufs), the body, departure. After departure no
-// peer reads this rank's buffers any more.
+// Joins the call like run_collective in ffi/handlers.cc; arrival publishes this rank's
+// MoeBufs (a block of pointers only meaningful in this address space: in-process fabric only).
 template <class Body>
 ffi::Error run_moe(const char* name, ffi::RunId run, int64_t op_id, ffi::AnyBuffer pid,
                    I64s mesh_shape, I64s axes, OpDesc desc, const moe::MoeBufs* bufs, void* out,
                    Body body) {
-  if (pid.element_type() != ffi::DataType::U32 || pid.element_count() != 1)
-    return invalid(name, "internal error: partition id operand must be a u32 scalar");
   Placement pl;
-  std::string err =
-      place(*static_cast<const uint32_t*>(pid.untyped_data()),
-            std::vector<int64_t>(mesh_shape.begin(), mesh_shape.end()),
-            std::vector<int64_t>(axes.begin(), axes.end()), &pl);
+  std::string err = placement(pid, mesh_shape, axes, &pl);
   if (!err.empty()) return invalid(name, err);
   desc.name = name;
   stats().moe_calls.fetch_add(1, std::memory_order_relaxed);
-  auto team = InProcFabric::instance().join(run.run_id, op_id, pl, name);
-  err = team->arrive(desc, bufs, out);
-  if (err.empty()) err = body(*team);
-  if (err.empty()) err = team->depart();
-  if (!err.empty()) return to_error(err);
-  return ffi::Error::Success();
+  return join_and_run(name, run.run_id, op_id, pl, desc, bufs, out, /*cross_process=*/false,
+                      body);
 }
 
 bool is_i32(ffi::AnyBuffer b) { return b.element_type() == ffi::DataType::S32; }
