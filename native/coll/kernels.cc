@@ -7,6 +7,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "coll/elem.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace strata {
@@ -14,57 +15,8 @@ namespace {
 
 using DT = xla::ffi::DataType;
 
-// ---- 16-bit float formats, accumulated in float32 ----
-struct bf16 {
-  uint16_t bits;
-};
-struct f16 {
-  uint16_t bits;
-};
-
-inline float to_f32(bf16 v) {
-  uint32_t u = static_cast<uint32_t>(v.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline bf16 from_f32_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{static_cast<uint16_t>((u >> 16) | 0x40)};
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-  return bf16{static_cast<uint16_t>(u >> 16)};
-}
-inline float to_f32(f16 v) {
-  _Float16 h;
-  std::memcpy(&h, &v.bits, 2);
-  return static_cast<float>(h);
-}
-inline f16 from_f32_f16(float f) {
-  _Float16 h = static_cast<_Float16>(f);  // round to nearest even
-  f16 r;
-  std::memcpy(&r.bits, &h, 2);
-  return r;
-}
-
 template <class T>
-struct Traits {
-  using Acc = T;
-  static Acc load(T v) { return v; }
-  static T store(Acc v) { return v; }
-};
-template <>
-struct Traits<bf16> {
-  using Acc = float;
-  static Acc load(bf16 v) { return to_f32(v); }
-  static bf16 store(float v) { return from_f32_bf16(v); }
-};
-template <>
-struct Traits<f16> {
-  using Acc = float;
-  static Acc load(f16 v) { return to_f32(v); }
-  static f16 store(float v) { return from_f32_f16(v); }
-};
+using Traits = Elem<T>;
 
 template <class A>
 inline A op_sum(A a, A b) {
