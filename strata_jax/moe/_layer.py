@@ -32,11 +32,12 @@ def route(x: jax.Array, router_w: jax.Array, top_k: int) -> tuple[jax.Array, jax
       top_k: experts per token K (<= E).
 
     Returns:
-      ``(topk_idx [T, K] int32, topk_weights [T, K] float32)``: the K most probable experts
+      ``(topk_idx [T, K] int32, topk_weights [T, K])``: the K most probable experts
       (``jax.lax.top_k`` order, distinct) and their softmax probabilities renormalized to sum
-      to one. Logits and softmax are computed in float32 whatever x's dtype.
+      to one. Logits, softmax and weights are float32 (float64 for float64 x).
     """
-    logits = jnp.dot(x, router_w.astype(x.dtype), preferred_element_type=jnp.float32)
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    logits = jnp.dot(x, router_w.astype(x.dtype), preferred_element_type=acc)
     probs = jax.nn.softmax(logits, axis=-1)
     top_p, top_i = jax.lax.top_k(probs, top_k)
     return top_i.astype(jnp.int32), top_p / top_p.sum(axis=-1, keepdims=True)

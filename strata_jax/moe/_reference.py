@@ -190,10 +190,12 @@ def combine(expert_y: jax.Array, layout: DispatchLayout, topk_weights: jax.Array
         raise ValueError(f"expert_y must be [E_local={e_local}, C={layout.capacity}, H], "
                          f"got {expert_y.shape}")
     full = jax.lax.all_gather(expert_y, layout.axis_name, axis=0, tiled=True)  # [E, C, H]
-    valid = pos >= 0
-    rows = full[jnp.maximum(idx, 0), jnp.maximum(pos, 0)]  # [T, K, H]
+    # Row C of every expert is a zero row: -1 slots and dropped pairs read it (C may be 0).
+    full = jnp.pad(full, ((0, 0), (0, 1), (0, 0)))
+    cap = layout.capacity
+    rows = full[jnp.maximum(idx, 0), jnp.where(pos >= 0, pos, cap)]  # [T, K, H]
     acc = jnp.promote_types(expert_y.dtype, jnp.float32)
-    w = jnp.where(valid, topk_weights, 0).astype(acc)
+    w = jnp.where(pos >= 0, topk_weights, 0).astype(acc)
     return jnp.einsum("tk,tkh->th", w, rows.astype(acc)).astype(expert_y.dtype)
 
 
