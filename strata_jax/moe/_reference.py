@@ -40,19 +40,24 @@ __all__ = ["DispatchLayout", "dispatch", "combine", "dispatch_layout"]
 class DispatchLayout:
     """What :func:`dispatch` tells :func:`combine`, plus counts for the caller.
 
+    The count fields have the names of ``strata_jax.moe.MoELayout``'s; the rest differ.
+
     Attributes:
       topk_idx: [T, K] int32, the routing given to dispatch.
       positions: [T, K] int32, row of slot (t, k) in its expert's buffer; -1 where the slot is
         -1 or the pair was dropped.
       recv_counts: [E_local] int32, rows filled in each local expert's buffer (<= capacity).
-      num_dropped: [] int32, (token, expert) pairs dropped at this rank's experts.
+      recv_dropped: [E_local] int32, (token, expert) pairs routed to each local expert that
+        did not fit in the capacity.
+      dropped: [] int32, ``recv_dropped.sum()`` (psum it over the axis for the global count).
       num_experts, axis_name, capacity: static; ``capacity`` is the resolved C.
     """
 
     topk_idx: jax.Array
     positions: jax.Array
     recv_counts: jax.Array
-    num_dropped: jax.Array
+    recv_dropped: jax.Array
+    dropped: jax.Array
     num_experts: int = dataclasses.field(metadata=dict(static=True))
     axis_name: AxisName = dataclasses.field(metadata=dict(static=True))
     capacity: int = dataclasses.field(metadata=dict(static=True))
@@ -158,7 +163,8 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, *, num_experts: int, axis_name: 
         topk_idx=idx,
         positions=positions,
         recv_counts=jnp.minimum(mine, cap).astype(jnp.int32),
-        num_dropped=jnp.maximum(mine - cap, 0).sum().astype(jnp.int32),
+        recv_dropped=jnp.maximum(mine - cap, 0).astype(jnp.int32),
+        dropped=jnp.maximum(mine - cap, 0).sum().astype(jnp.int32),
         num_experts=num_experts,
         axis_name=axis_name,
         capacity=cap,
