@@ -23,7 +23,14 @@ shared and drifts, and this cancels the drift out of the ratio), every step is j
 blocked until done; the table reports the median step time after ``--warmup`` steps. The loss
 curves of all implementations must agree to ``--tol`` (float32 round-off grows over training);
 the script exits 1 otherwise. Capacity defaults to "nothing dropped" (``capacity=None``),
-where strata and GShard have identical semantics (see ``moe_mlp``'s docstring).
+where strata and GShard have identical semantics (see ``moe_mlp``'s docstring); with
+``--capacity``/``--capacity-factor`` GShard drops per source rank and strata over all sources,
+so their curves differ by design and are reported, not checked.
+
+Defaults (seq 128, 2 sequences per device, d_model 128, 2 layers, 8 experts top-2, 150 steps)
+take about two minutes for both implementations on 2 cores. Without drops GShard's one-hot
+tensors are [T, E, T] per rank, quadratic in the tokens per device T, which is why the batch
+per device is small; ``--capacity-factor`` shows the capped regime.
 
 Output: progress bar (tqdm) with the losses, a table, ``<out>/train_moe.png`` (loss curves,
 matplotlib Agg) and ``<out>/train_moe.json`` (all numbers and the machine).
@@ -436,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
                        1e3 * row["p90_step_s"], row["compile_s"], row["speedup_vs_xla"]]))
 
     ok = True
+    capacity_set = args.capacity is not None or args.capacity_factor is not None
     names = list(runs)
     diffs = {}
     for a in names:
@@ -445,10 +453,13 @@ def main(argv: list[str] | None = None) -> int:
             diffs[f"{a}-{b}"] = {"max_abs": float(d.max()), "at_step": at,
                                  "first10_max_abs": float(d[:10].max())}
             good = d.max() <= args.tol
-            ok &= bool(good)
+            if capacity_set and "xla" in (a, b):
+                verdict = "not checked (capacity set: GShard drops per source, strata globally)"
+            else:
+                ok &= bool(good)
+                verdict = "OK" if good else "FAILED"
             say(f"# loss curves {a} vs {b}: max |diff| {d.max():.2e} at step {at} "
-                f"(first 10 steps {d[:10].max():.2e}); tolerance {args.tol:g}: "
-                f"{'OK' if good else 'FAILED'}")
+                f"(first 10 steps {d[:10].max():.2e}); tolerance {args.tol:g}: {verdict}")
     if "strata" in runs and base:
         s = runs[base]["median_s"] / runs["strata"]["median_s"]
         say(f"# speed: strata step {s:.2f}x the xla step (goal >= 1.3x: "
