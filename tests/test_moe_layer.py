@@ -1,0 +1,366 @@
+"""moe_mlp (strata, xla/GShard, reference) against a dense single-device oracle, and the
+pure-JAX reference dispatch/combine against numpy loops.
+
+The oracle runs every token through its top-k experts on one device with the full expert
+weights, applying the capacity rule of the implementation under test: strata's (capacity per
+expert over all source ranks, (source rank, token) order) or GShard's (ceil(C / R) per source).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _util import mesh1d
+from jax.sharding import PartitionSpec as P
+
+from strata_jax.moe import _reference as ref
+from strata_jax.moe._layer import moe_mlp, route
+
+R = 8
+
+
+def _has_native() -> bool:
+    try:
+        from strata_jax.moe import combine, dispatch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+NATIVE = _has_native()
+needs_native = pytest.mark.skipif(not NATIVE, reason="strata_jax.moe.dispatch not built yet")
+LAYER_IMPLS = [
+    pytest.param("strata", marks=needs_native),
+    "xla",
+    "reference",
+]
+TOL = {"float32": 2e-5, "float64": 1e-11, "bfloat16": 4e-2, "float16": 4e-3}
+
+
+# ------------------------------------------------------------------------------------------------
+# Oracle
+# ------------------------------------------------------------------------------------------------
+
+
+def _keep_mask(topk_idx, num_experts, capacity, rule, nranks):
+    """[N, E] 0/1: which (token, expert) pairs survive capacity, tokens in global order."""
+    n = topk_idx.shape[0]
+    t = n // nranks
+    mask = jax.nn.one_hot(topk_idx, num_experts, dtype=jnp.int32).sum(1).clip(0, 1)
+    if capacity is None:
+        return mask
+    if rule == "global":
+        pos = jnp.cumsum(mask, 0) - mask
+        return mask * (pos < capacity)
+    per = mask.reshape(nranks, t, num_experts)  # GShard: per source rank
+    pos = jnp.cumsum(per, 1) - per
+    return (per * (pos < min(t, math.ceil(capacity / nranks)))).reshape(n, num_experts)
+
+
+def dense_moe(x, router_w, w1, w2, *, top_k, capacity=None, rule="global", nranks=R,
+              activation=jax.nn.gelu):
+    """Every token of every rank ([R*T, H]) through its experts, on one device."""
+    idx, w = route(x, router_w, top_k)
+    keep = _keep_mask(idx, router_w.shape[1], capacity, rule, nranks)
+    slot_keep = jnp.take_along_axis(keep, idx, axis=1).astype(w.dtype)
+    h = activation(jnp.einsum("th,tkhf->tkf", x, w1[idx].astype(x.dtype)))
+    out = jnp.einsum("tkf,tkfh->tkh", h, w2[idx].astype(x.dtype))
+    return jnp.einsum("tk,tkh->th", (w * slot_keep).astype(x.dtype), out).astype(x.dtype)
+
+
+def sharded_moe(impl, *, num_experts, top_k, capacity=None, n=R):
+    def body(x, rw, w1, w2):
+        return moe_mlp(x, rw, w1, w2, num_experts=num_experts, top_k=top_k, axis_name="x",
+                       capacity=capacity, impl=impl)
+
+    return jax.shard_map(body, mesh=mesh1d(n), in_specs=(P("x"), P(), P("x"), P("x")),
+                         out_specs=P("x"), check_vma=True)
+
+
+def _params(rng, t, h, f, e, dtype, n=R):
+    x = rng.standard_normal((n * t, h)).astype(np.float32)
+    rw = rng.standard_normal((h, e)).astype(np.float32)
+    w1 = (rng.standard_normal((e, h, f)) / np.sqrt(h)).astype(np.float32)
+    w2 = (rng.standard_normal((e, f, h)) / np.sqrt(f)).astype(np.float32)
+    return tuple(jnp.asarray(a, dtype) for a in (x, rw, w1, w2))
+
+
+def _close(got, want, dtype, msg=""):
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    assert got.shape == want.shape, msg
+    tol = TOL[str(jnp.dtype(dtype))]
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale, err_msg=msg)
+
+
+# ------------------------------------------------------------------------------------------------
+# moe_mlp
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", LAYER_IMPLS)
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_output_matches_dense(impl, dtype, rng):
+    e, k, t, h, f = 16, 2, 13, 16, 24  # T not divisible by anything useful
+    args = _params(rng, t, h, f, e, dtype)
+    got = jax.jit(sharded_moe(impl, num_experts=e, top_k=k))(*args)
+    assert got.dtype == jnp.dtype(dtype)
+    if dtype == "bfloat16":  # oracle in float32 on the same (rounded) values
+        want = dense_moe(*(a.astype(jnp.float32) for a in args), top_k=k)
+    else:
+        want = dense_moe(*args, top_k=k)
+    _close(got, want, dtype, f"{impl} {dtype}")
+
+
+@pytest.mark.parametrize("impl", LAYER_IMPLS)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_gradients_match_dense(impl, dtype, rng):
+    e, k, t, h, f = 8, 2, 10, 8, 12
+    args = _params(rng, t, h, f, e, dtype)
+    ct = jnp.asarray(rng.standard_normal((R * t, h)), dtype)
+    moe = sharded_moe(impl, num_experts=e, top_k=k)
+    got = jax.jit(jax.grad(lambda *a: (moe(*a) * ct).sum(), argnums=(0, 1, 2, 3)))(*args)
+    want = jax.grad(lambda *a: (dense_moe(*a, top_k=k) * ct).sum(), argnums=(0, 1, 2, 3))(*args)
+    for name, g, w in zip(("x", "router_w", "w1", "w2"), got, want, strict=True):
+        assert g.dtype == jnp.dtype(dtype)
+        _close(g, w, dtype, f"{impl} d/d{name}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_impls_agree_with_each_other(dtype, rng):
+    """Outputs and all gradients of every available impl equal one another (capacity None)."""
+    e, k, t, h, f = 16, 4, 9, 8, 16
+    args = _params(rng, t, h, f, e, dtype)
+    ct = jnp.asarray(rng.standard_normal((R * t, h)), dtype)
+    impls = ["xla", "reference"] + (["strata"] if NATIVE else [])
+    res = {}
+    for impl in impls:
+        moe = sharded_moe(impl, num_experts=e, top_k=k)
+        res[impl] = jax.jit(jax.value_and_grad(lambda *a, moe=moe: (moe(*a) * ct).sum(),
+                                               argnums=(0, 1, 2, 3)))(*args)
+    first = impls[0]
+    for impl in impls[1:]:
+        _close(res[impl][0], res[first][0], dtype, f"{impl} vs {first}: output")
+        for name, g, w in zip(("x", "router_w", "w1", "w2"), res[impl][1], res[first][1],
+                              strict=True):
+            _close(g, w, dtype, f"{impl} vs {first}: d/d{name}")
+
+
+def _skewed_params(rng, t, h, f, e, dtype, hot=(0, 1)):
+    """Parameters whose router sends almost every token to the experts ``hot`` (rank 0)."""
+    x, rw, w1, w2 = (np.array(a, np.float32) for a in _params(rng, t, h, f, e, "float32"))
+    x[:, 0] = 3.0 + np.abs(x[:, 0])
+    rw[0, :] = -2.0
+    rw[0, list(hot)] = 4.0
+    return tuple(jnp.asarray(a, dtype) for a in (x, rw, w1, w2))
+
+
+@pytest.mark.parametrize("impl,rule", [pytest.param("strata", "global", marks=needs_native),
+                                       ("reference", "global"), ("xla", "per_source")])
+@pytest.mark.parametrize("capacity", [0, 5, 24])
+def test_capacity_drops_skewed(impl, rule, capacity, rng):
+    """Skewed routing past capacity: each impl drops exactly what its rule says."""
+    e, k, t, h, f = 8, 2, 11, 8, 12
+    args = _skewed_params(rng, t, h, f, e, "float32")
+    idx, _ = route(args[0], args[1], k)
+    assert (np.asarray(idx) < 2).mean() > 0.9, "routing is not skewed"
+    ct = jnp.asarray(rng.standard_normal((R * t, h)), jnp.float32)
+    moe = sharded_moe(impl, num_experts=e, top_k=k, capacity=capacity)
+    got = jax.jit(jax.value_and_grad(lambda *a: (moe(*a) * ct).sum(), argnums=(1, 2, 3)))(*args)
+    oracle = lambda *a: (dense_moe(*a, top_k=k, capacity=capacity, rule=rule) * ct).sum()
+    want = jax.value_and_grad(oracle, argnums=(1, 2, 3))(*args)
+    _close(got[0], want[0], "float32", f"{impl} loss")
+    for g, w in zip(got[1], want[1], strict=True):
+        _close(g, w, "float32", f"{impl} grads")
+    y = jax.jit(moe)(*args)
+    _close(y, dense_moe(*args, top_k=k, capacity=capacity, rule=rule), "float32", "output")
+
+
+def test_xla_and_strata_semantics_agree_when_nothing_drops(rng):
+    """With a capacity no source and no expert exceeds, GShard and strata rules coincide."""
+    e, k, t, h, f = 8, 1, 6, 8, 8
+    args = _params(rng, t, h, f, e, "float32")
+    cap = R * t  # C_src = t: nothing can drop under either rule
+    a = jax.jit(sharded_moe("xla", num_experts=e, top_k=k, capacity=cap))(*args)
+    b = jax.jit(sharded_moe("reference", num_experts=e, top_k=k, capacity=cap))(*args)
+    _close(a, b, "float32")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_fewer_ranks_several_experts_each(n, rng):
+    e, k, t, h, f = 8, 3, 7, 8, 8
+    args = _params(rng, t, h, f, e, "float32", n=n)
+    want = dense_moe(*args, top_k=k, nranks=n)
+    for impl in ["xla", "reference"] + (["strata"] if NATIVE else []):
+        got = jax.jit(sharded_moe(impl, num_experts=e, top_k=k, n=n))(*args)
+        _close(got, want, "float32", impl)
+
+
+def test_errors(rng):
+    args = _params(rng, 4, 8, 8, 8, "float32")
+    with pytest.raises(ValueError, match="impl"):
+        sharded_moe("nccl", num_experts=8, top_k=2)(*args)
+    with pytest.raises(ValueError, match="multiple"):
+        sharded_moe("xla", num_experts=12, top_k=2)(*_params(rng, 4, 8, 8, 16, "float32"))
+    with pytest.raises(ValueError, match="top_k"):
+        sharded_moe("xla", num_experts=8, top_k=9)(*args)
+    if not NATIVE:
+        with pytest.raises(NotImplementedError, match="impl='reference'"):
+            sharded_moe("strata", num_experts=8, top_k=2)(*args)
+
+
+# ------------------------------------------------------------------------------------------------
+# The reference dispatch/combine (the oracle itself) against numpy loops
+# ------------------------------------------------------------------------------------------------
+
+
+def numpy_dispatch_combine(x, idx, w, expert_scale, num_experts, nranks, capacity):
+    """Loops: recv[rank][e_local][row], per-rank counts/drops, and y with y_e = scale_e * x."""
+    n, h = x.shape
+    t = n // nranks
+    e_local = num_experts // nranks
+    cap = nranks * t if capacity is None else capacity
+    recv = np.zeros((nranks, e_local, cap, h), x.dtype)
+    fill = np.zeros(num_experts, int)
+    row = {}
+    for g in range(n):  # (source rank, token) order
+        for e in dict.fromkeys(int(v) for v in idx[g] if v >= 0):
+            if fill[e] < cap:
+                recv[e // e_local, e % e_local, fill[e]] = x[g]
+                row[(g, e)] = fill[e]
+            fill[e] += 1
+    y = np.zeros_like(x)
+    for g in range(n):
+        for kk, e in enumerate(idx[g]):
+            if e >= 0 and (g, int(e)) in row:
+                y[g] += w[g, kk] * expert_scale[e] * x[g]
+    counts = np.minimum(fill, cap).reshape(nranks, e_local)
+    dropped = np.maximum(fill - cap, 0).reshape(nranks, e_local).sum(1)
+    return recv, counts, dropped, y
+
+
+def _dc_impls():
+    out = [("reference", ref.dispatch, ref.combine)]
+    if NATIVE:
+        from strata_jax.moe import combine, dispatch
+
+        out.append(("strata", dispatch, combine))
+    return out
+
+
+def _run_dc(dispatch, combine, x, idx, w, scale, num_experts, capacity, n=R):
+    e_local = num_experts // n
+
+    def body(x, idx, w, scale):
+        recv, layout = dispatch(x, idx, num_experts=num_experts, axis_name="x", capacity=capacity)
+        y = combine(recv * scale[:, None, None], layout, w)
+        return recv[None], layout.recv_counts[None], layout.dropped[None], y
+
+    f = jax.shard_map(body, mesh=mesh1d(n), in_specs=(P("x"), P("x"), P("x"), P("x")),
+                      out_specs=(P("x"), P("x"), P("x"), P("x")), check_vma=True)
+    scale_sharded = jnp.asarray(scale, x.dtype)
+    assert scale_sharded.shape == (n * e_local,)
+    return [np.asarray(a) for a in jax.jit(f)(x, idx, w, scale_sharded)]
+
+
+@pytest.mark.parametrize("capacity", [None, 3, 0])
+def test_reference_dispatch_combine_random_routing(capacity, rng):
+    """Random routing with -1 slots and duplicates; layout, counts, drops, combine."""
+    e, k, t, h = 16, 3, 5, 4
+    x = rng.standard_normal((R * t, h)).astype(np.float32)
+    idx = rng.integers(-1, e, size=(R * t, k)).astype(np.int32)
+    idx[0] = [2, 2, -1]  # duplicate and -1
+    idx[1] = -1  # no expert at all
+    w = rng.random((R * t, k)).astype(np.float32)
+    scale = rng.standard_normal(e).astype(np.float32)
+    want = numpy_dispatch_combine(x, idx, w, scale, e, R, capacity)
+    for name, dispatch, combine in _dc_impls():
+        got = _run_dc(dispatch, combine, x, idx, w, scale, e, capacity)
+        np.testing.assert_array_equal(got[0], want[0], err_msg=f"{name} recv_x")
+        np.testing.assert_array_equal(got[1], want[1], err_msg=f"{name} recv_counts")
+        np.testing.assert_array_equal(got[2], want[2], err_msg=f"{name} dropped")
+        np.testing.assert_allclose(got[3], want[3], rtol=1e-5, atol=1e-6, err_msg=f"{name} y")
+
+
+def test_reference_weights_applied_once():
+    """Edge case 15: 0.3*c1*x + 0.7*c2*x; [e, e] gives (w1+w2)*c_e*x; -1 gives nothing."""
+    e, h = 8, 4
+    x = np.zeros((R, h), np.float32)
+    x[0] = [1, 2, 3, 4]
+    idx = np.full((R, 2), -1, np.int32)
+    w = np.zeros((R, 2), np.float32)
+    scale = np.arange(1, e + 1, dtype=np.float32)
+    cases = [([1, 6], [0.3, 0.7], 0.3 * 2 + 0.7 * 7), ([5, 5], [0.3, 0.7], 1.0 * 6),
+             ([4, -1], [0.3, 0.7], 0.3 * 5), ([-1, -1], [0.3, 0.7], 0.0)]
+    for sel, ww, coef in cases:
+        idx[0], w[0] = sel, ww
+        for name, dispatch, combine in _dc_impls():
+            y = _run_dc(dispatch, combine, x, idx, w, scale, e, None)[3]
+            np.testing.assert_allclose(y[0], coef * x[0], rtol=1e-6, err_msg=f"{name} {sel}")
+            np.testing.assert_array_equal(y[1:], 0)
+
+
+def test_reference_two_dispatches_in_flight(rng):
+    """Edge case 16: dispatch A, dispatch B, combine A, combine B == sequential results."""
+    e, k, t, h = 8, 2, 6, 4
+    x = jnp.asarray(rng.standard_normal((R * t, h)), jnp.float32)
+    ia = jnp.asarray(rng.integers(0, e, (R * t, k)), jnp.int32)
+    ib = jnp.asarray(rng.integers(0, e, (R * t, k)), jnp.int32)
+    w = jnp.asarray(rng.random((R * t, k)), jnp.float32)
+    for name, dispatch, combine in _dc_impls():
+        def body(x, ia, ib, w, dispatch=dispatch, combine=combine):
+            ra, la = dispatch(x, ia, num_experts=e, axis_name="x")
+            rb, lb = dispatch(2 * x, ib, num_experts=e, axis_name="x")
+            return combine(ra, la, w), combine(rb * 3, lb, w)
+
+        def seq(x, ia, ib, w, dispatch=dispatch, combine=combine):
+            ra, la = dispatch(x, ia, num_experts=e, axis_name="x")
+            ya = combine(ra, la, w)
+            rb, lb = dispatch(2 * x, ib, num_experts=e, axis_name="x")
+            return ya, combine(rb * 3, lb, w)
+
+        spec = dict(mesh=mesh1d(), in_specs=(P("x"),) * 4, out_specs=(P("x"), P("x")))
+        got = jax.jit(jax.shard_map(body, **spec))(x, ia, ib, w)
+        want = jax.jit(jax.shard_map(seq, **spec))(x, ia, ib, w)
+        for g, ww in zip(got, want, strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(ww), rtol=1e-6, err_msg=name)
+        oracle = numpy_dispatch_combine(np.asarray(2 * x), np.asarray(ib), np.asarray(w),
+                                        np.full(e, 3.0, np.float32), e, R, None)[3]
+        np.testing.assert_allclose(np.asarray(got[1]), oracle, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# The main job, tiny: runs end to end and the loss curves agree
+# ------------------------------------------------------------------------------------------------
+
+
+def test_train_moe_smoke(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    impls = "reference,xla" + (",strata" if NATIVE else "")
+    cmd = [sys.executable, str(root / "benchmarks" / "train_moe.py"), "--impl", impls,
+           "--devices", "4", "--steps", "4", "--warmup", "1", "--seq", "16", "--batch", "2",
+           "--d-model", "16", "--heads", "2", "--d-ff", "16", "--experts", "8",
+           "--no-progress", "--out", str(tmp_path)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env.pop("XLA_FLAGS", None)
+    env.pop("PJRT_NPROC", None)
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = json.loads((tmp_path / "train_moe.json").read_text())
+    losses = out["losses"]
+    assert set(losses) == set(impls.split(","))
+    for name, curve in losses.items():
+        assert len(curve) == 4 and all(np.isfinite(curve)), name
+        np.testing.assert_allclose(curve, losses["xla"], atol=1e-4, err_msg=name)
