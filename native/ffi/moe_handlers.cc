@@ -39,7 +39,12 @@ ffi::Error run_moe(const char* name, ffi::RunId run, int64_t op_id, ffi::AnyBuff
 
 bool is_i32(ffi::AnyBuffer b) { return b.element_type() == ffi::DataType::S32; }
 
-// x [T, H], weights [T, K] f32 (empty unless weighted), slots [N, K] i32, counts [E_local] i32
+// Weights come in the rows' accumulator type: float64 for float64 rows, float32 otherwise.
+ffi::DataType acc_type(ffi::DataType rows) {
+  return rows == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
+}
+
+// x [T, H], weights [T, K] (f64 for f64 rows, else f32) (empty unless weighted), slots [N, K] i32, counts [E_local] i32
 // -> out [E_local, C, H].
 ffi::Error MoeDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer weights,
                            ffi::AnyBuffer slots, ffi::AnyBuffer counts, ffi::AnyBuffer pid,
@@ -53,7 +58,7 @@ ffi::Error MoeDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer weig
   if (xd.size() != 2 || sd.size() != 2 || od.size() != 3 || !is_i32(slots) || !is_i32(counts) ||
       out->element_type() != x.element_type() || counts.element_count() != size_t(od[0]) ||
       od[2] != xd[1] ||
-      (weighted && (weights.element_type() != ffi::DataType::F32 ||
+      (weighted && (weights.element_type() != acc_type(x.element_type()) ||
                     weights.element_count() != size_t(xd[0] * sd[1]))))
     return invalid(name, "internal error: operand shapes or dtypes do not match the plan");
   moe::MoeShape s;
@@ -67,7 +72,7 @@ ffi::Error MoeDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer weig
   if (out->size_bytes() == 0) return ffi::Error::Success();  // same on every rank
   moe::MoeBufs bufs;
   bufs.x = x.untyped_data();
-  bufs.weights = weighted ? static_cast<const float*>(weights.untyped_data()) : nullptr;
+  bufs.weights = weighted ? weights.untyped_data() : nullptr;
   OpDesc d;
   d.kind = kMoeDispatch;
   d.dtype = dt;
@@ -86,7 +91,7 @@ ffi::Error MoeDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer weig
                  });
 }
 
-// expert_y [E_local, C, H], weights [T, K] f32, slots [N, K] i32, rows [N] i32
+// expert_y [E_local, C, H], weights [T, K] (f64 for f64 rows, else f32), slots [N, K] i32, rows [N] i32
 // -> y [T, H], partials [J, H] (scratch the peers read in phase 2).
 ffi::Error MoeCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyBuffer weights,
                           ffi::AnyBuffer slots, ffi::AnyBuffer rows, ffi::AnyBuffer pid,
@@ -99,7 +104,7 @@ ffi::Error MoeCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyBuffer weig
   auto ed = ey.dimensions(), wd = weights.dimensions(), sd = slots.dimensions(),
        yd = y->dimensions(), pd = partials->dimensions();
   if (ed.size() != 3 || wd.size() != 2 || sd.size() != 2 || yd.size() != 2 || pd.size() != 2 ||
-      weights.element_type() != ffi::DataType::F32 || !is_i32(slots) || !is_i32(rows) ||
+      weights.element_type() != acc_type(ey.element_type()) || !is_i32(slots) || !is_i32(rows) ||
       y->element_type() != ey.element_type() || partials->element_type() != ey.element_type() ||
       yd[0] != wd[0] || yd[1] != ed[2] || sd[1] != wd[1] || pd[1] != ed[2] ||
       rows.element_count() != size_t(sd[0]))

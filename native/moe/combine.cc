@@ -27,7 +27,8 @@ void partial_sums(Team& t, const MoeShape& s, const T* ey, const int32_t* slots,
     const int32_t j = rows[g];
     if (j < 0) continue;
     const int32_t* sl = slots + g * K;
-    const float* w = peer(t, static_cast<int>(g / s.tokens)).weights + (g % s.tokens) * K;
+    const Acc* w = static_cast<const Acc*>(peer(t, static_cast<int>(g / s.tokens)).weights) +
+                   (g % s.tokens) * K;
     std::fill(acc.begin(), acc.end(), Acc(0));
     for (int64_t k = 0; k < K; ++k)
       if (sl[k] >= 0) axpy<T>(acc.data(), ey + sl[k] * H, static_cast<Acc>(w[k]), H);

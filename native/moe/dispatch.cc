@@ -67,7 +67,7 @@ void dispatch_weighted(Team& t, const MoeShape& s, const int32_t* slots, char* o
     const MoeBufs& p = peer(t, src);
     load_row<T>(row.data(), reinterpret_cast<const T*>(static_cast<const char*>(p.x) + tok * rb),
                 H);
-    const float* w = p.weights + tok * K;
+    const Acc* w = static_cast<const Acc*>(p.weights) + tok * K;
     for (int64_t k = 0; k < K; ++k) {
       const int32_t slot = sl[k];
       if (slot < 0) continue;

@@ -37,7 +37,9 @@ namespace moe {
 // registration table (they all point into XLA buffers of rank j).
 struct MoeBufs {
   const void* x = nullptr;         // dispatch: [T, H] source rows
-  const float* weights = nullptr;  // weighted dispatch and combine: [T, K] float32
+  // weighted dispatch and combine: [T, K] in the rows' accumulator type (float64 for float64
+  // rows, float32 otherwise), so float64 models are weighted in float64.
+  const void* weights = nullptr;
   const void* partials = nullptr;  // combine: [N, H] per-token partial sums (phase 1 output)
   const void* values = nullptr;    // gather: [E_local * C] float32 or float64 (s.dtype)
   const int32_t* slots = nullptr;  // combine, gather: this rank's slots plan [N, K]

@@ -4,5 +4,6 @@ See :mod:`strata_jax.moe._dispatch` for the algorithm and semantics.
 """
 
 from strata_jax.moe._dispatch import MoELayout, combine, dispatch, dispatch_layout
+from strata_jax.moe._layer import moe_mlp
 
-__all__ = ["MoELayout", "dispatch", "dispatch_layout", "combine"]
+__all__ = ["MoELayout", "dispatch", "dispatch_layout", "combine", "moe_mlp"]

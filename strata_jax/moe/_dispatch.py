@@ -133,7 +133,7 @@ def _lower(target: str, api: str):
     return lower
 
 
-# dispatch_p(x [T, H], weights [T, K] f32 or [0, K], slots [N, K], counts [E_local])
+# dispatch_p(x [T, H], weights [T, K] (accumulator dtype) or [0, K], slots [N, K], counts [E_local])
 #   -> recv [E_local, C, H] (x's dtype)
 moe_dispatch_p = core.Primitive("strata_moe_dispatch")
 
@@ -153,7 +153,7 @@ mlir.register_lowering(
     platform="cpu",
 )
 
-# combine_p(expert_y [E_local, C, H], weights [T, K] f32, slots [N, K], rows [N])
+# combine_p(expert_y [E_local, C, H], weights [T, K] (accumulator dtype), slots [N, K], rows [N])
 #   -> (y [T, H], partials [J, H]); partials is scratch the peers read in phase 2.
 moe_combine_p = core.Primitive("strata_moe_combine")
 moe_combine_p.multiple_results = True
@@ -232,7 +232,7 @@ def _dispatch_rows_fwd(x, layout):
 def _dispatch_rows_bwd(layout, ct):
     # Transpose of dispatch: each token sums the cotangent rows of its (distinct, kept) slots,
     # i.e. a combine with unit weights on the first occurrence of every expert.
-    unit = layout.unique.astype(jnp.float32)
+    unit = layout.unique.astype(_acc_dtype(ct.dtype))
     return _bind_combine(ct, unit, layout), None
 
 
@@ -241,7 +241,7 @@ _dispatch_rows.defvjp(_dispatch_rows_fwd, _dispatch_rows_bwd)
 
 @jax.custom_vjp
 def _combine_rows(expert_y, weights, layout: MoELayout):
-    return _bind_combine(expert_y, weights.astype(jnp.float32), layout)
+    return _bind_combine(expert_y, weights.astype(_acc_dtype(expert_y.dtype)), layout)
 
 
 def _combine_rows_fwd(expert_y, weights, layout):
@@ -250,9 +250,9 @@ def _combine_rows_fwd(expert_y, weights, layout):
 
 def _combine_rows_bwd(res, ct):
     expert_y, weights, layout = res
-    w32 = weights.astype(jnp.float32)
+    w_acc = weights.astype(_acc_dtype(ct.dtype))
     # d expert_y[slot] = (sum of the token's weights naming the slot's expert) * ct[token]
-    d_ey = _bind_dispatch(ct, w32, layout, True)
+    d_ey = _bind_dispatch(ct, w_acc, layout, True)
     # d w[t, k] = <ct[t], expert_y[slot(t, k)]>: dispatch ct, dot on the expert rank, and
     # read each choice's scalar back from the expert's rank.
     ct_rows = _bind_dispatch(ct, _no_weights(layout), layout, False)
@@ -263,6 +263,11 @@ def _combine_rows_bwd(res, ct):
 
 
 _combine_rows.defvjp(_combine_rows_fwd, _combine_rows_bwd)
+
+
+def _acc_dtype(dtype):
+    """Accumulator (and weight) dtype of rows of `dtype`: float64 for float64, else float32."""
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
 
 
 def _no_weights(layout: MoELayout):
