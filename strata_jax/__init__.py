@@ -10,6 +10,7 @@ from strata_jax._src import runtime as _runtime
 
 _runtime.configure_launch_threads()
 
+from strata_jax import moe  # noqa: E402
 from strata_jax._src.collectives import (  # noqa: E402
     all_gather,
     all_to_all,
@@ -21,7 +22,6 @@ from strata_jax._src.collectives import (  # noqa: E402
     psum,
     psum_scatter,
 )
-from strata_jax import moe  # noqa: E402
 from strata_jax._src.fabric import init, memory_stats  # noqa: E402
 from strata_jax._src.runtime import (  # noqa: E402
     comm_stats,

@@ -12,7 +12,6 @@ by the program itself, and the mesh shape, so groups over any subset of a multi-
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -45,7 +44,21 @@ __all__ = [
 # Shared helpers
 # --------------------------------------------------------------------------------------
 
-_op_ids = itertools.count(1)
+def next_op_id(ctx) -> int:
+    """A per-program index of strata calls, the op id half of a call's rendezvous key.
+
+    The key is (run id, op id, occurrence, group): the run id is unique per execution and equal
+    on every device and process of it, so op ids only need to be unique within one program.
+    Counting per lowered module (not per Python process) keeps them equal across processes
+    even when the processes lower different numbers of other programs.
+    """
+    # ModuleContext has slots; its primitive-lowering cache is one dict shared by every
+    # context of the module, so it can hold the counter under a private key.
+    cache = ctx.module_context.cached_primitive_lowerings
+    key = ("strata_jax", "op_counter")
+    cache[key] = cache.get(key, 0) + 1
+    return cache[key]
+
 
 
 def _axes(axis_name: AxisName) -> tuple:
@@ -147,7 +160,7 @@ def _ffi_call_lowering(target: str, api: str):
         pid = hlo.partition_id()
         sub = ctx.replace(avals_in=[*ctx.avals_in, core.ShapedArray((), np.uint32)])
         return rule(
-            sub, x, pid, op_id=next(_op_ids), mesh_shape=mesh_shape, axes=axes_idx, **attrs
+            sub, x, pid, op_id=next_op_id(ctx), mesh_shape=mesh_shape, axes=axes_idx, **attrs
         )
 
     return lower

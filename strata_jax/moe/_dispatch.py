@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from typing import Any
 
 import jax
@@ -52,6 +51,7 @@ from strata_jax._src.collectives import (
     _pvary_missing,
     _vma_on,
     all_gather,
+    next_op_id,
 )
 
 AxisName = Any
@@ -59,7 +59,6 @@ AxisName = Any
 __all__ = ["MoELayout", "dispatch", "dispatch_layout", "combine"]
 
 _FLOATS = (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16)
-_op_ids = itertools.count(1_000_000)  # distinct from the collectives' op ids
 
 
 # --------------------------------------------------------------------------------------
@@ -127,7 +126,7 @@ def _lower(target: str, api: str):
         runtime.native()
         mesh_shape, axes_idx = _mesh_placement(ctx, axes, api)
         sub = ctx.replace(avals_in=[*ctx.avals_in, core.ShapedArray((), np.uint32)])
-        return rule(sub, *args, hlo.partition_id(), op_id=next(_op_ids), mesh_shape=mesh_shape,
+        return rule(sub, *args, hlo.partition_id(), op_id=next_op_id(ctx), mesh_shape=mesh_shape,
                     axes=axes_idx, **attrs)
 
     return lower
