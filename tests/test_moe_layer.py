@@ -17,6 +17,7 @@ import pytest
 from _util import mesh1d
 from jax.sharding import PartitionSpec as P
 
+import strata_jax
 from strata_jax.moe import _reference as ref
 from strata_jax.moe._layer import moe_mlp, route
 
@@ -352,8 +353,10 @@ def test_train_moe_smoke(tmp_path):
            "--devices", "4", "--steps", "4", "--warmup", "1", "--seq", "16", "--batch", "2",
            "--d-model", "16", "--heads", "2", "--d-ff", "16", "--experts", "8",
            "--no-progress", "--out", str(tmp_path)]
+    # The script imports the same strata_jax as this test (installed, or built in place).
+    pkg_parent = str(Path(strata_jax.__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+        [pkg_parent] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     env.pop("XLA_FLAGS", None)
     env.pop("PJRT_NPROC", None)
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)

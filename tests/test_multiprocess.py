@@ -15,8 +15,11 @@ from pathlib import Path
 
 import pytest
 
+import strata_jax
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+PKG_PARENT = str(Path(strata_jax.__file__).resolve().parent.parent)
 SCRIPTS = HERE / "mp_scripts"
 
 
@@ -35,7 +38,9 @@ def _launch(
         if not k.startswith(("STRATA_", "XLA_FLAGS", "JAX_", "LD_PRELOAD"))
     }
     env["STRATA_REGISTRATION"] = mode
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    # The ranks import the same strata_jax as this test process: the installed package (with
+    # its native extension), or the source tree when it was built in place.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PKG_PARENT, env.get("PYTHONPATH")]))
     if tmpdir is not None:
         env["TMPDIR"] = str(tmpdir)
     cmd = [
@@ -51,7 +56,10 @@ def _launch(
         str(SCRIPTS / script),
         *args,
     ]
-    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    # cwd is not the source root: `python -m` puts cwd first on sys.path, which would shadow
+    # the installed package with the unbuilt source folder.
+    return subprocess.run(cmd, env=env, cwd=PKG_PARENT, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def _require_allocator() -> None:
