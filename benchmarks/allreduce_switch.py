@@ -42,23 +42,27 @@ def main(argv: list[str] | None = None) -> int:
     jax.config.update("jax_num_cpu_devices", args.devices)
     n = args.devices
     mesh = Mesh(np.array(jax.devices()[:n]), ("x",))
-    f = jax.jit(jax.shard_map(lambda v: sj.psum(v, "x"), mesh=mesh, in_specs=P("x"),
-                              out_specs=P("x")))
+    f = jax.jit(
+        jax.shard_map(lambda v: sj.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    )
     rng = np.random.default_rng(0)
     sizes = []
     s = args.min_bytes
     while s <= args.max_bytes:
         sizes.append(s)
         s *= args.factor
-    print(f"# all-reduce switch point, {n} in-process devices, float32, median of "
-          f"{args.iters} interleaved calls")
+    print(
+        f"# all-reduce switch point, {n} in-process devices, float32, median of "
+        f"{args.iters} interleaved calls"
+    )
     print(f"# {'bytes':>10} {'one-shot us':>12} {'two-shot us':>12} {'two/one':>8}")
     wins = []
     old = sj.get_two_shot_threshold()
     try:
         for size in sizes:
-            x = jax.device_put(rng.standard_normal(n * size // 4).astype(np.float32),
-                               NamedSharding(mesh, P("x")))
+            x = jax.device_put(
+                rng.standard_normal(n * size // 4).astype(np.float32), NamedSharding(mesh, P("x"))
+            )
             times: dict[int, list[float]] = {0: [], 1: []}
             for i in range(args.iters + 5):
                 for mode in (0, 1):
@@ -73,8 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         sj.set_two_shot_threshold(old)
     switch = next((sizes[i] for i in range(len(sizes)) if all(wins[i:])), None)
-    print(f"# two-shot wins from {switch} bytes per rank upward" if switch else
-          "# two-shot never wins at every larger size in this range")
+    print(
+        f"# two-shot wins from {switch} bytes per rank upward"
+        if switch
+        else "# two-shot never wins at every larger size in this range"
+    )
     return 0
 
 

@@ -41,17 +41,27 @@ print("completed", float(y[0]), f"{time.time() - t:.2f}s", "PJRT_NPROC=",
 """
 
 
-def run_case(name: str, env_extra: dict[str, str], devices: int, calls: int,
-             timeout: float) -> str:
+def run_case(name: str, env_extra: dict[str, str], devices: int, calls: int, timeout: float) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "XLA_FLAGS")}
     env.update(env_extra)
     t = time.time()
     try:
-        p = subprocess.run([sys.executable, "-c", CHILD, str(devices), str(calls)], env=env,
-                           capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(
+            [sys.executable, "-c", CHILD, str(devices), str(calls)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         out = (p.stdout + p.stderr).strip().splitlines()
-        last = next((line for line in reversed(out) if "completed" in line or "arrived" in line
-                     or "Error" in line), out[-1] if out else "")
+        last = next(
+            (
+                line
+                for line in reversed(out)
+                if "completed" in line or "arrived" in line or "Error" in line
+            ),
+            out[-1] if out else "",
+        )
         verdict = "ok" if p.returncode == 0 else f"exit {p.returncode}"
         return f"{name:<38} {verdict:<8} {time.time() - t:6.1f}s  {last[:110]}"
     except subprocess.TimeoutExpired:
@@ -65,8 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=90.0)
     args = ap.parse_args(argv)
     n = args.devices
-    print(f"# {args.calls} chained jax.lax.psum calls on {n} in-process CPU devices, one block "
-          f"at the end ({os.cpu_count()} cores)")
+    print(
+        f"# {args.calls} chained jax.lax.psum calls on {n} in-process CPU devices, one block "
+        f"at the end ({os.cpu_count()} cores)"
+    )
     cases = [
         ("jax.lax, PJRT_NPROC unset", {}),
         (f"jax.lax, PJRT_NPROC={n}", {"PJRT_NPROC": str(n)}),

@@ -51,23 +51,31 @@ IMPLS = ("strata", "gshard", "xla-gather")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--tokens", type=int, default=1024, help="tokens per rank T (1024)")
     p.add_argument("--hidden", type=int, default=1024, help="hidden size H (1024)")
     p.add_argument("--experts", type=int, default=32, help="experts E, divisible by R (32)")
     p.add_argument("--topk", type=int, default=4, help="experts per token K (4)")
     p.add_argument("--devices", type=int, default=8, help="in-process CPU devices R (8)")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 (float32)")
-    p.add_argument("--capacity-factor", type=float, default=1.5,
-                   help="slots per (source rank, expert) = ceil(cf * T * K / E) (1.5)")
+    p.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=1.5,
+        help="slots per (source rank, expert) = ceil(cf * T * K / E) (1.5)",
+    )
     p.add_argument("--impl", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
     p.add_argument("--iters", type=int, default=10, help="timed calls per phase (10)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up calls per phase (2)")
-    p.add_argument("--no-preload", action="store_true",
-                   help="do not re-run under LD_PRELOAD=libstrata_alloc.so (registration-on-"
-                        "allocation pool; without it every large XLA buffer is fresh mmapped "
-                        "pages and page faults dominate every implementation)")
+    p.add_argument(
+        "--no-preload",
+        action="store_true",
+        help="do not re-run under LD_PRELOAD=libstrata_alloc.so (registration-on-"
+        "allocation pool; without it every large XLA buffer is fresh mmapped "
+        "pages and page faults dominate every implementation)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for CSV/JSON")
     return p.parse_args(argv)
@@ -87,8 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("# warning    : libstrata_alloc.so not found; running without it", file=sys.stderr)
     flags = os.environ.get("XLA_FLAGS", "")
     if "--xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = (
-            f"{flags} --xla_force_host_platform_device_count={args.devices}")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -124,8 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return recv * s[:, None, None]
 
     def smap(body, n_in, out_specs):
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * n_in,
-                                     out_specs=out_specs))
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * n_in, out_specs=out_specs))
 
     # ---- strata ----------------------------------------------------------------------
     def s_dispatch(x, i):
@@ -203,21 +209,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         f_sd = smap(s_dispatch, 2, spec)
         _, lay = f_sd(x, idx)
         lay_spec = jax.tree.map(lambda _: spec, lay)
-        f_sc = jax.jit(jax.shard_map(s_combine, mesh=mesh, in_specs=(spec, lay_spec, spec),
-                                     out_specs=spec))
+        f_sc = jax.jit(
+            jax.shard_map(s_combine, mesh=mesh, in_specs=(spec, lay_spec, spec), out_specs=spec)
+        )
         f_sf = smap(s_full, 3, (spec, spec))
         fns["strata dispatch"] = lambda: f_sd(x, idx)[0]
         fns["strata combine"] = lambda: f_sc(ey, lay, wj)
         fns["strata d+c"] = lambda: f_sf(x, idx, wj)[0]
     if "gshard" in impls:
-        f_gd, f_gc, f_gf = smap(g_dispatch, 2, spec), smap(g_combine, 3, spec), smap(
-            g_full, 3, spec)
+        f_gd, f_gc, f_gf = (
+            smap(g_dispatch, 2, spec),
+            smap(g_combine, 3, spec),
+            smap(g_full, 3, spec),
+        )
         fns["gshard dispatch"] = lambda: f_gd(x, idx)
         fns["gshard combine"] = lambda: f_gc(ey, idx, wj)
         fns["gshard d+c"] = lambda: f_gf(x, idx, wj)
     if "xla-gather" in impls:
-        f_xd, f_xc, f_xf = smap(x_dispatch, 2, spec), smap(x_combine, 3, spec), smap(
-            x_full, 3, spec)
+        f_xd, f_xc, f_xf = (
+            smap(x_dispatch, 2, spec),
+            smap(x_combine, 3, spec),
+            smap(x_full, 3, spec),
+        )
         fns["xla-gather dispatch"] = lambda: f_xd(x, idx)
         fns["xla-gather combine"] = lambda: f_xc(ey, idx, wj)
         fns["xla-gather d+c"] = lambda: f_xf(x, idx, wj)
@@ -241,11 +254,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     info = C.machine_info()
     C.print_machine(info)
-    print(f"# moe        : R={R} T={T}/rank H={H} E={E} K={K} dtype={dt.name} "
-          f"capacity={cap} per expert (= R * {cs}, cf {args.capacity_factor}), "
-          f"{pairs / (R * T):.2f} destination ranks per token")
-    print(f"# bytes      : {C.format_size(bytes_per_rank)} of token rows per rank per phase; "
-          f"impls {', '.join(impls)}; {args.iters} iters after {args.warmup} warm-up")
+    print(
+        f"# moe        : R={R} T={T}/rank H={H} E={E} K={K} dtype={dt.name} "
+        f"capacity={cap} per expert (= R * {cs}, cf {args.capacity_factor}), "
+        f"{pairs / (R * T):.2f} destination ranks per token"
+    )
+    print(
+        f"# bytes      : {C.format_size(bytes_per_rank)} of token rows per rank per phase; "
+        f"impls {', '.join(impls)}; {args.iters} iters after {args.warmup} warm-up"
+    )
 
     times, outs = C.time_interleaved(fns, args.iters, args.warmup)
     med = {k: C.median(v) for k, v in times.items()}
@@ -257,9 +274,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         checks[name] = float(np.abs(y - ref).max() / max(1e-30, np.abs(ref).max()))
     strata_drops = int(np.asarray(f_sf(x, idx, wj)[1]).sum()) if "strata" in impls else 0
 
-    table = C.Table([C.Column("impl", 10), C.Column("phase", 8),
-                     C.Column("time(ms)", 9, ".2f"), C.Column("GB/s/rank", 9, ".2f"),
-                     C.Column("vs strata", 9, ".2f")])
+    table = C.Table(
+        [
+            C.Column("impl", 10),
+            C.Column("phase", 8),
+            C.Column("time(ms)", 9, ".2f"),
+            C.Column("GB/s/rank", 9, ".2f"),
+            C.Column("vs strata", 9, ".2f"),
+        ]
+    )
     for line in table.header_lines():
         print(line)
     rows = []
@@ -270,23 +293,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             st = med.get(f"strata {phase}")
             ratio = t / st if st else None
             print(table.row([name, phase, t * 1e3, nbytes / t / 1e9, ratio]))
-            rows.append(dict(impl=name, phase=phase, time_ms=t * 1e3,
-                             gbps_per_rank=nbytes / t / 1e9, slowdown_vs_strata=ratio))
-    print("# check      : max |y - dense reference| / max |reference| = "
-          + ", ".join(f"{k} {v:.2e}" for k, v in checks.items())
-          + f" (tolerance {tol:g}); drops: strata {strata_drops}, per-source-capacity "
-          f"pipelines {int(drops_src)}")
+            rows.append(
+                dict(
+                    impl=name,
+                    phase=phase,
+                    time_ms=t * 1e3,
+                    gbps_per_rank=nbytes / t / 1e9,
+                    slowdown_vs_strata=ratio,
+                )
+            )
+    print(
+        "# check      : max |y - dense reference| / max |reference| = "
+        + ", ".join(f"{k} {v:.2e}" for k, v in checks.items())
+        + f" (tolerance {tol:g}); drops: strata {strata_drops}, per-source-capacity "
+        f"pipelines {int(drops_src)}"
+    )
     if "strata" in impls:
         for other in impls:
             if other != "strata":
                 r = med[f"{other} d+c"] / med["strata d+c"]
                 verdict = "meets" if r >= 1.5 else "misses"
-                print(f"# goal       : strata dispatch+combine is {r:.2f}x {other} "
-                      f"({verdict} the 1.5x goal)")
+                print(
+                    f"# goal       : strata dispatch+combine is {r:.2f}x {other} "
+                    f"({verdict} the 1.5x goal)"
+                )
     ok = all(v <= tol for k, v in checks.items()) and strata_drops == 0 and drops_src == 0
     C.write_csv(args.out / "moe.csv", rows)
-    C.write_json(args.out / "moe.json", dict(machine=info, args=vars(args), rows=rows,
-                                              checks=checks))
+    C.write_json(
+        args.out / "moe.json", dict(machine=info, args=vars(args), rows=rows, checks=checks)
+    )
     if not ok:
         print("# RESULT MISMATCH or drops: see the check line above", file=sys.stderr)
         return 1

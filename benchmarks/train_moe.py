@@ -55,26 +55,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = p.add_argument_group("run")
-    g.add_argument("--impl", default="strata,xla",
-                   help=f"comma list of {IMPLS} (or 'all'); the first is the ratio's numerator "
-                        "baseline partner of 'xla'")
-    g.add_argument("--devices", type=int, default=8,
-                   help="in-process CPU devices (per process under strata_jax.launch: "
-                        "taken from the launcher)")
+    g.add_argument(
+        "--impl",
+        default="strata,xla",
+        help=f"comma list of {IMPLS} (or 'all'); the first is the ratio's numerator "
+        "baseline partner of 'xla'",
+    )
+    g.add_argument(
+        "--devices",
+        type=int,
+        default=8,
+        help="in-process CPU devices (per process under strata_jax.launch: "
+        "taken from the launcher)",
+    )
     g.add_argument("--steps", type=int, default=150)
     g.add_argument("--warmup", type=int, default=10, help="steps left out of the timing")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--reduce", choices=("auto", "strata", "xla"), default="auto",
-                   help="gradient all-reduce: auto = strata for strata/reference, jax.lax for xla")
-    g.add_argument("--no-check-vma", dest="check_vma", action="store_false",
-                   help="shard_map(check_vma=False)")
-    g.add_argument("--tol", type=float, default=2e-3,
-                   help="max |loss_a - loss_b| over all steps allowed between implementations")
+    g.add_argument(
+        "--reduce",
+        choices=("auto", "strata", "xla"),
+        default="auto",
+        help="gradient all-reduce: auto = strata for strata/reference, jax.lax for xla",
+    )
+    g.add_argument(
+        "--no-check-vma", dest="check_vma", action="store_false", help="shard_map(check_vma=False)"
+    )
+    g.add_argument(
+        "--tol",
+        type=float,
+        default=2e-3,
+        help="max |loss_a - loss_b| over all steps allowed between implementations",
+    )
     g.add_argument("--out", type=Path, default=Path("bench_out"))
     g.add_argument("--no-progress", dest="progress", action="store_false")
     g = p.add_argument_group("data")
-    g.add_argument("--data", type=Path, default=None,
-                   help="a text/binary file to train on (bytes); default: pydoc_data.topics")
+    g.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="a text/binary file to train on (bytes); default: pydoc_data.topics",
+    )
     g.add_argument("--seq", type=int, default=128, help="tokens (bytes) per sequence")
     g.add_argument("--batch", type=int, default=2, help="sequences per device per step")
     g = p.add_argument_group("model")
@@ -84,11 +104,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--experts", type=int, default=8, help="experts per MoE layer (all ranks)")
     g.add_argument("--top-k", type=int, default=2)
     g.add_argument("--d-ff", type=int, default=256, help="hidden width of each expert")
-    g.add_argument("--capacity", type=int, default=None,
-                   help="rows per expert over all ranks (default: nothing dropped)")
-    g.add_argument("--capacity-factor", type=float, default=None,
-                   help="capacity = ceil(f * R * T * K / E) (overrides --capacity); strata and "
-                        "xla may then drop different tokens")
+    g.add_argument(
+        "--capacity",
+        type=int,
+        default=None,
+        help="rows per expert over all ranks (default: nothing dropped)",
+    )
+    g.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=None,
+        help="capacity = ceil(f * R * T * K / E) (overrides --capacity); strata and "
+        "xla may then drop different tokens",
+    )
     g = p.add_argument_group("optimizer")
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     g.add_argument("--lr", type=float, default=3e-3)
@@ -96,8 +124,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--b1", type=float, default=0.9)
     g.add_argument("--b2", type=float, default=0.99)
     args = p.parse_args(argv)
-    args.impls = (list(IMPLS) if args.impl == "all"
-                  else list(dict.fromkeys(s.strip() for s in args.impl.split(",") if s.strip())))
+    args.impls = (
+        list(IMPLS)
+        if args.impl == "all"
+        else list(dict.fromkeys(s.strip() for s in args.impl.split(",") if s.strip()))
+    )
     bad = [i for i in args.impls if i not in IMPLS]
     if bad or not args.impls:
         p.error(f"--impl: unknown {bad}; choose from {IMPLS} or 'all'")
@@ -132,8 +163,9 @@ def start_runtime(args: argparse.Namespace):
     else:  # launcher present, strata's multi-process runtime not (yet): plain jax.distributed
         jax.config.update("jax_num_cpu_devices", denv["local_device_count"])
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(denv["coordinator_address"], denv["num_processes"],
-                                   denv["process_id"])
+        jax.distributed.initialize(
+            denv["coordinator_address"], denv["num_processes"], denv["process_id"]
+        )
     return strata_jax, jax
 
 
@@ -192,17 +224,21 @@ def init_params(args: argparse.Namespace):
     }
     experts = []
     for _ in range(L):
-        dense["layers"].append({
-            "ln1": np.ones(d, np.float32),
-            "wqkv": normal((d, 3 * d), d ** -0.5),
-            "wo": normal((d, d), (d * 2 * L) ** -0.5),
-            "ln2": np.ones(d, np.float32),
-            "router": normal((d, e), d ** -0.5),
-        })
-        experts.append({
-            "w1": normal((e, d, f), d ** -0.5),
-            "w2": normal((e, f, d), (f * 2 * L) ** -0.5),
-        })
+        dense["layers"].append(
+            {
+                "ln1": np.ones(d, np.float32),
+                "wqkv": normal((d, 3 * d), d**-0.5),
+                "wo": normal((d, d), (d * 2 * L) ** -0.5),
+                "ln2": np.ones(d, np.float32),
+                "router": normal((d, e), d**-0.5),
+            }
+        )
+        experts.append(
+            {
+                "w1": normal((e, d, f), d**-0.5),
+                "w2": normal((e, f, d), (f * 2 * L) ** -0.5),
+            }
+        )
     return dense, experts
 
 
@@ -215,8 +251,7 @@ def make_loss(args: argparse.Namespace, impl: str, nranks: int, axis: str):
 
     if args.capacity_factor is not None:
         t = args.batch * args.seq
-        capacity = max(1, math.ceil(args.capacity_factor * nranks * t * args.top_k
-                                    / args.experts))
+        capacity = max(1, math.ceil(args.capacity_factor * nranks * t * args.top_k / args.experts))
     else:
         capacity = args.capacity
     heads = args.heads
@@ -241,8 +276,17 @@ def make_loss(args: argparse.Namespace, impl: str, nranks: int, axis: str):
         for p, ex in zip(dense["layers"], experts, strict=True):
             x = x + attention(rms(x, p["ln1"]), p)
             h = rms(x, p["ln2"]).reshape(b * s, -1)
-            y = moe_mlp(h, p["router"], ex["w1"], ex["w2"], num_experts=args.experts,
-                        top_k=args.top_k, axis_name=axis, capacity=capacity, impl=impl)
+            y = moe_mlp(
+                h,
+                p["router"],
+                ex["w1"],
+                ex["w2"],
+                num_experts=args.experts,
+                top_k=args.top_k,
+                axis_name=axis,
+                capacity=capacity,
+                impl=impl,
+            )
             x = x + y.reshape(b, s, -1)
         logits = rms(x, dense["ln_f"]) @ dense["embed"].T
         logp = jax.nn.log_softmax(logits, axis=-1)
@@ -278,8 +322,9 @@ def make_step(args: argparse.Namespace, impl: str, mesh, axis: str):
         v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, v, grads)
         t = (step + 1).astype(jnp.float32)
         c1, c2 = 1 - b1**t, 1 - b2**t
-        params = jax.tree.map(lambda p, m, v: p - lr * (m / c1) / (jnp.sqrt(v / c2) + 1e-8),
-                              params, m, v)
+        params = jax.tree.map(
+            lambda p, m, v: p - lr * (m / c1) / (jnp.sqrt(v / c2) + 1e-8), params, m, v
+        )
         return params, m, v
 
     def body(state, tokens):
@@ -352,20 +397,29 @@ def main(argv: list[str] | None = None) -> int:
     n_dense = sum(a.size for a in jax.tree.leaves(dense_np))
     n_exp = sum(a.size for a in jax.tree.leaves(experts_np))
     say(f"# data       : {corpus_name}, {corpus.size:,} bytes")
-    say(f"# model      : byte-level decoder, {args.layers} layers, d_model {args.d_model}, "
+    say(
+        f"# model      : byte-level decoder, {args.layers} layers, d_model {args.d_model}, "
         f"{args.heads} heads, MoE {args.experts} experts top-{args.top_k} d_ff {args.d_ff}; "
-        f"{n_dense:,} replicated + {n_exp:,} expert params (float32)")
-    say(f"# parallelism: {nranks} devices on axis '{axis}' ({jax.process_count()} process(es)): "
+        f"{n_dense:,} replicated + {n_exp:,} expert params (float32)"
+    )
+    say(
+        f"# parallelism: {nranks} devices on axis '{axis}' ({jax.process_count()} process(es)): "
         f"data parallel ({args.batch} x {args.seq} tokens per device) and expert parallel "
-        f"({args.experts // nranks} expert(s) per device)")
-    say(f"# training   : {args.steps} steps, {args.optimizer} lr {args.lr} (warm-up "
+        f"({args.experts // nranks} expert(s) per device)"
+    )
+    say(
+        f"# training   : {args.steps} steps, {args.optimizer} lr {args.lr} (warm-up "
         f"{args.lr_warmup}), seed {args.seed}, {tokens_per_step:,} tokens/step, "
-        f"check_vma={args.check_vma}")
+        f"check_vma={args.check_vma}"
+    )
 
     def put(tree, spec):
         return jax.tree.map(
-            lambda a: jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec),
-                                                   lambda idx, a=a: a[idx]), tree)
+            lambda a: jax.make_array_from_callback(
+                a.shape, NamedSharding(mesh, spec), lambda idx, a=a: a[idx]
+            ),
+            tree,
+        )
 
     def fresh_state():
         dense = put(dense_np, P())
@@ -380,26 +434,41 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, dict[str, Any]] = {}
     for impl in args.impls:
         body, reduce, capacity = make_step(args, impl, mesh, axis)
-        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(axis)),
-                                   out_specs=(specs, P()), check_vma=args.check_vma),
-                     donate_argnums=0)
+        fn = jax.jit(
+            jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=(specs, P(axis)),
+                out_specs=(specs, P()),
+                check_vma=args.check_vma,
+            ),
+            donate_argnums=0,
+        )
         state = fresh_state()
-        tok0 = jax.make_array_from_callback(data.shape[1:], tok_sharding,
-                                            lambda idx: data[0][idx])
+        tok0 = jax.make_array_from_callback(data.shape[1:], tok_sharding, lambda idx: data[0][idx])
         t0 = time.perf_counter()
         compiled = fn.lower(state, tok0).compile()
-        runs[impl] = {"fn": compiled, "state": state, "losses": [], "times": [],
-                      "compile_s": time.perf_counter() - t0, "reduce": reduce}
-        say(f"# {impl:<10} : compiled in {runs[impl]['compile_s']:.1f} s (MoE "
+        runs[impl] = {
+            "fn": compiled,
+            "state": state,
+            "losses": [],
+            "times": [],
+            "compile_s": time.perf_counter() - t0,
+            "reduce": reduce,
+        }
+        say(
+            f"# {impl:<10} : compiled in {runs[impl]['compile_s']:.1f} s (MoE "
             f"{'strata_jax.moe' if impl == 'strata' else 'GShard one-hot + jax.lax.all_to_all' if impl == 'xla' else 'pure-JAX reference'}; "  # noqa: E501
             f"grad all-reduce {'strata_jax.pmean' if reduce == 'strata' else 'jax.lax.pmean'}; "
-            f"capacity {capacity if capacity is not None else 'None (no drops)'})")
+            f"capacity {capacity if capacity is not None else 'None (no drops)'})"
+        )
 
     bar = C.progress(args.steps, desc="train", enable=args.progress and lead)
     t_start = time.perf_counter()
     for i in range(args.steps):
-        tok = jax.make_array_from_callback(data.shape[1:], tok_sharding,
-                                           lambda idx, i=i: data[i][idx])
+        tok = jax.make_array_from_callback(
+            data.shape[1:], tok_sharding, lambda idx, i=i: data[i][idx]
+        )
         for r in runs.values():
             t0 = time.perf_counter()
             r["state"], loss = r["fn"](r["state"], tok)
@@ -414,56 +483,95 @@ def main(argv: list[str] | None = None) -> int:
     # ---- results -------------------------------------------------------------------------------
     base = "xla" if "xla" in runs else None
     rows = []
-    table = C.Table([
-        C.Column("impl", 10), C.Column("steps", 6), C.Column("first loss", 10, ".4f"),
-        C.Column("final loss", 10, ".4f"), C.Column("tokens/s", 10, ",.0f"),
-        C.Column("median ms", 10, ".1f"), C.Column("p10 ms", 8, ".1f"),
-        C.Column("p90 ms", 8, ".1f"), C.Column("compile s", 9, ".1f"),
-        C.Column("vs xla", 7, ".2f"),
-    ])
+    table = C.Table(
+        [
+            C.Column("impl", 10),
+            C.Column("steps", 6),
+            C.Column("first loss", 10, ".4f"),
+            C.Column("final loss", 10, ".4f"),
+            C.Column("tokens/s", 10, ",.0f"),
+            C.Column("median ms", 10, ".1f"),
+            C.Column("p10 ms", 8, ".1f"),
+            C.Column("p90 ms", 8, ".1f"),
+            C.Column("compile s", 9, ".1f"),
+            C.Column("vs xla", 7, ".2f"),
+        ]
+    )
     for r in runs.values():
-        t = np.array(r["times"][args.warmup:])
+        t = np.array(r["times"][args.warmup :])
         r["median_s"] = float(np.median(t))
         r["p10_s"], r["p90_s"] = (float(v) for v in np.percentile(t, [10, 90]))
     for impl, r in runs.items():
         ratio = runs[base]["median_s"] / r["median_s"] if base else None
-        rows.append({"impl": impl, "steps": args.steps, "first_loss": r["losses"][0],
-                     "final_loss": r["losses"][-1], "tokens_per_s": tokens_per_step / r["median_s"],
-                     "median_step_s": r["median_s"], "p10_step_s": r["p10_s"],
-                     "p90_step_s": r["p90_s"], "compile_s": r["compile_s"],
-                     "speedup_vs_xla": ratio, "grad_reduce": r["reduce"]})
+        rows.append(
+            {
+                "impl": impl,
+                "steps": args.steps,
+                "first_loss": r["losses"][0],
+                "final_loss": r["losses"][-1],
+                "tokens_per_s": tokens_per_step / r["median_s"],
+                "median_step_s": r["median_s"],
+                "p10_step_s": r["p10_s"],
+                "p90_step_s": r["p90_s"],
+                "compile_s": r["compile_s"],
+                "speedup_vs_xla": ratio,
+                "grad_reduce": r["reduce"],
+            }
+        )
     say("")
-    say(f"# step time: median of steps {args.warmup}..{args.steps - 1}, each jitted whole and "
-        f"blocked; implementations stepped in turns; wall {wall:.0f} s")
+    say(
+        f"# step time: median of steps {args.warmup}..{args.steps - 1}, each jitted whole and "
+        f"blocked; implementations stepped in turns; wall {wall:.0f} s"
+    )
     for line in table.header_lines():
         say(line)
     for row in rows:
-        say(table.row([row["impl"], row["steps"], row["first_loss"], row["final_loss"],
-                       row["tokens_per_s"], 1e3 * row["median_step_s"], 1e3 * row["p10_step_s"],
-                       1e3 * row["p90_step_s"], row["compile_s"], row["speedup_vs_xla"]]))
+        say(
+            table.row(
+                [
+                    row["impl"],
+                    row["steps"],
+                    row["first_loss"],
+                    row["final_loss"],
+                    row["tokens_per_s"],
+                    1e3 * row["median_step_s"],
+                    1e3 * row["p10_step_s"],
+                    1e3 * row["p90_step_s"],
+                    row["compile_s"],
+                    row["speedup_vs_xla"],
+                ]
+            )
+        )
 
     ok = True
     capacity_set = args.capacity is not None or args.capacity_factor is not None
     names = list(runs)
     diffs = {}
     for a in names:
-        for b in names[names.index(a) + 1:]:
+        for b in names[names.index(a) + 1 :]:
             d = np.abs(np.array(runs[a]["losses"]) - np.array(runs[b]["losses"]))
             at = int(d.argmax())
-            diffs[f"{a}-{b}"] = {"max_abs": float(d.max()), "at_step": at,
-                                 "first10_max_abs": float(d[:10].max())}
+            diffs[f"{a}-{b}"] = {
+                "max_abs": float(d.max()),
+                "at_step": at,
+                "first10_max_abs": float(d[:10].max()),
+            }
             good = d.max() <= args.tol
             if capacity_set and "xla" in (a, b):
                 verdict = "not checked (capacity set: GShard drops per source, strata globally)"
             else:
                 ok &= bool(good)
                 verdict = "OK" if good else "FAILED"
-            say(f"# loss curves {a} vs {b}: max |diff| {d.max():.2e} at step {at} "
-                f"(first 10 steps {d[:10].max():.2e}); tolerance {args.tol:g}: {verdict}")
+            say(
+                f"# loss curves {a} vs {b}: max |diff| {d.max():.2e} at step {at} "
+                f"(first 10 steps {d[:10].max():.2e}); tolerance {args.tol:g}: {verdict}"
+            )
     if "strata" in runs and base:
         s = runs[base]["median_s"] / runs["strata"]["median_s"]
-        say(f"# speed: strata step {s:.2f}x the xla step (goal >= 1.3x: "
-            f"{'met' if s >= 1.3 else 'not met'})")
+        say(
+            f"# speed: strata step {s:.2f}x the xla step (goal >= 1.3x: "
+            f"{'met' if s >= 1.3 else 'not met'})"
+        )
 
     if lead:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -471,12 +579,18 @@ def main(argv: list[str] | None = None) -> int:
         if _plot(png, runs):
             say(f"# wrote {png}")
         js = args.out / "train_moe.json"
-        C.write_json(js, {
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "machine": info, "corpus": corpus_name, "results": rows, "loss_diffs": diffs,
-            "losses": {k: r["losses"] for k, r in runs.items()},
-            "step_times_s": {k: r["times"] for k, r in runs.items()},
-        })
+        C.write_json(
+            js,
+            {
+                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                "machine": info,
+                "corpus": corpus_name,
+                "results": rows,
+                "loss_diffs": diffs,
+                "losses": {k: r["losses"] for k, r in runs.items()},
+                "step_times_s": {k: r["times"] for k, r in runs.items()},
+            },
+        )
         say(f"# wrote {js}")
     return 0 if ok else 1
 

@@ -11,10 +11,21 @@ from jax.sharding import PartitionSpec as P
 import strata_jax as sj
 
 ALL_DTYPES = [
-    "float32", "float64", "bfloat16", "float16",
-    "int8", "int16", "int32", "int64",
-    "uint8", "uint16", "uint32", "uint64",
-    "bool", "complex64", "complex128",
+    "float32",
+    "float64",
+    "bfloat16",
+    "float16",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "bool",
+    "complex64",
+    "complex128",
 ]
 FLOAT_DTYPES = ["float32", "float64", "bfloat16", "float16"]
 
@@ -44,8 +55,9 @@ def shard_run(body, mesh, x, in_specs=None, out_specs=None, check_vma=True):
     names = mesh.axis_names
     in_specs = P(names) if in_specs is None else in_specs
     out_specs = P(names) if out_specs is None else out_specs
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                              check_vma=check_vma))
+    f = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+    )
     return np.asarray(f(x))
 
 
@@ -55,12 +67,21 @@ def assert_close(got, want, dtype, nranks=8, msg=""):
     assert got.dtype == want.dtype, f"{msg}: dtype {got.dtype} != {want.dtype}"
     dt = jnp.dtype(dtype)
     if jnp.issubdtype(dt, jnp.inexact):
-        tol = {"bfloat16": 2e-2, "float16": 4e-3, "float32": 1e-5, "float64": 1e-12,
-               "complex64": 1e-5, "complex128": 1e-12}[str(dt)] * nranks
-        np.testing.assert_allclose(got.astype(np.complex128 if jnp.issubdtype(
-            dt, jnp.complexfloating) else np.float64), want.astype(
-            np.complex128 if jnp.issubdtype(dt, jnp.complexfloating) else np.float64),
-            rtol=tol, atol=tol, err_msg=msg)
+        tol = {
+            "bfloat16": 2e-2,
+            "float16": 4e-3,
+            "float32": 1e-5,
+            "float64": 1e-12,
+            "complex64": 1e-5,
+            "complex128": 1e-12,
+        }[str(dt)] * nranks
+        np.testing.assert_allclose(
+            got.astype(np.complex128 if jnp.issubdtype(dt, jnp.complexfloating) else np.float64),
+            want.astype(np.complex128 if jnp.issubdtype(dt, jnp.complexfloating) else np.float64),
+            rtol=tol,
+            atol=tol,
+            err_msg=msg,
+        )
     else:
         np.testing.assert_array_equal(got, want, err_msg=msg)
 

@@ -101,8 +101,15 @@ def test_psum_scatter(rng, dtype, dim, tiled):
     shape = (8, 16, 8) if tiled else (8, 8, 8)
     x = random_array(rng, (8, *shape[1:]), dtype)
     # jax.lax.psum_scatter rejects negative dimensions on CPU; strata accepts them (case 8).
-    compare(lambda impl: lambda v: impl.psum_scatter(
-        v, "x", scatter_dimension=dim if impl is sj else dim % 2, tiled=tiled), x, dtype)
+    compare(
+        lambda impl: (
+            lambda v: impl.psum_scatter(
+                v, "x", scatter_dimension=dim if impl is sj else dim % 2, tiled=tiled
+            )
+        ),
+        x,
+        dtype,
+    )
 
 
 @pytest.mark.parametrize("n", [8, 8 * 1001, 8 * 65537])
@@ -118,9 +125,19 @@ def test_all_to_all(rng, dtype, split, concat, tiled):
     shape = [3, 5, 7]
     shape[split] = 8 if not tiled else 16
     x = random_array(rng, (8, *shape), dtype)
-    compare(lambda impl: lambda v: impl.all_to_all(
-        v, "x", split if impl is sj else split % 3, concat if impl is sj else concat % 3,
-        tiled=tiled), x, dtype)
+    compare(
+        lambda impl: (
+            lambda v: impl.all_to_all(
+                v,
+                "x",
+                split if impl is sj else split % 3,
+                concat if impl is sj else concat % 3,
+                tiled=tiled,
+            )
+        ),
+        x,
+        dtype,
+    )
 
 
 @pytest.mark.parametrize("n", [0, 8 * 129, 8 * 65537])
@@ -206,8 +223,13 @@ def test_2d_ppermute(rng, axes):
 def test_2d_pbroadcast(rng):
     m = mesh2d()
     x = random_array(rng, (8, 9), "float32")
-    got = shard_run(per_rank(lambda v: sj.pbroadcast(v, "b", 2)), m, x, in_specs=P(("a", "b")),
-                    out_specs=P(("a", "b")))
+    got = shard_run(
+        per_rank(lambda v: sj.pbroadcast(v, "b", 2)),
+        m,
+        x,
+        in_specs=P(("a", "b")),
+        out_specs=P(("a", "b")),
+    )
     want = np.concatenate([np.broadcast_to(x[4 * a + 2], (4, 9)) for a in range(2)])
     np.testing.assert_array_equal(got, want)
 
@@ -224,9 +246,11 @@ def test_large_psum_64mib(rng):
 def test_axis_index_groups_is_a_clear_error(rng):
     x = random_array(rng, (8, 4), "float32")
     with pytest.raises(NotImplementedError, match="axis_index_groups"):
-        shard_run(per_rank(lambda v: sj.psum(v, "x", axis_index_groups=[[0, 1, 2, 3],
-                                                                       [4, 5, 6, 7]])),
-                  mesh1d(), x)
+        shard_run(
+            per_rank(lambda v: sj.psum(v, "x", axis_index_groups=[[0, 1, 2, 3], [4, 5, 6, 7]])),
+            mesh1d(),
+            x,
+        )
 
 
 def test_unbound_axis_is_name_error():

@@ -14,9 +14,14 @@ import strata_jax as sj
 
 
 def run(body, x, n=8, check_vma=True, out_specs=None):
-    return shard_run(body, mesh1d(n), x, in_specs=P("x"),
-                     out_specs=P("x") if out_specs is None else out_specs,
-                     check_vma=check_vma)
+    return shard_run(
+        body,
+        mesh1d(n),
+        x,
+        in_specs=P("x"),
+        out_specs=P("x") if out_specs is None else out_specs,
+        check_vma=check_vma,
+    )
 
 
 # 1. Max/min start values -----------------------------------------------------------------
@@ -68,18 +73,24 @@ def test_03_bool():
     y = np.zeros((8, 3), bool)
     y[2, 0] = True  # OR: any True -> True ; AND: all True needed
     y[:, 1] = True
-    np.testing.assert_array_equal(run(lambda v: sj.pmax(v, "x"), y),
-                                  np.tile([True, True, False], (8, 1)))
-    np.testing.assert_array_equal(run(lambda v: sj.pmin(v, "x"), y),
-                                  np.tile([False, True, False], (8, 1)))
+    np.testing.assert_array_equal(
+        run(lambda v: sj.pmax(v, "x"), y), np.tile([True, True, False], (8, 1))
+    )
+    np.testing.assert_array_equal(
+        run(lambda v: sj.pmin(v, "x"), y), np.tile([False, True, False], (8, 1))
+    )
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 def test_03_no_crash_for_any_dtype(rng, dtype):
     x = random_array(rng, (8, 3), dtype)
-    for body in (lambda v: sj.psum(v, "x"), lambda v: sj.all_gather(v, "x", tiled=True),
-                 lambda v: sj.ppermute(v, "x", [(0, 1)]), lambda v: sj.pbroadcast(v, "x", 1),
-                 lambda v: sj.all_to_all(jnp.tile(v, 8), "x", 0, 0, tiled=True)):
+    for body in (
+        lambda v: sj.psum(v, "x"),
+        lambda v: sj.all_gather(v, "x", tiled=True),
+        lambda v: sj.ppermute(v, "x", [(0, 1)]),
+        lambda v: sj.pbroadcast(v, "x", 1),
+        lambda v: sj.all_to_all(jnp.tile(v, 8), "x", 0, 0, tiled=True),
+    ):
         run(body, x.reshape(-1) if x.ndim > 1 else x)
 
 
@@ -110,11 +121,11 @@ def test_05_all_to_all_after_transpose(rng):
     got = shard_run(body, mesh1d(), x.reshape(64, 6), in_specs=P("x"), out_specs=P("x"))
     want = np.concatenate([np.stack([x[j][i] for j in range(8)]) for i in range(8)])
     np.testing.assert_array_equal(got, want)
-    eager = jax.shard_map(body, mesh=mesh1d(), in_specs=P("x"), out_specs=P("x"))(
-        x.reshape(64, 6))
+    eager = jax.shard_map(body, mesh=mesh1d(), in_specs=P("x"), out_specs=P("x"))(x.reshape(64, 6))
     np.testing.assert_array_equal(np.asarray(eager), want)
-    lax = shard_run(lambda v: jax.lax.all_to_all(v.T, "x", 1, 0, tiled=False), mesh1d(),
-                    x.reshape(64, 6))
+    lax = shard_run(
+        lambda v: jax.lax.all_to_all(v.T, "x", 1, 0, tiled=False), mesh1d(), x.reshape(64, 6)
+    )
     np.testing.assert_array_equal(lax, want)
 
 
@@ -146,27 +157,35 @@ def test_07_all_to_all_shapes(rng):
     assert ti.shape == (8, 1, 512)
     for i in range(8):
         for j in range(8):
-            np.testing.assert_array_equal(ti[i][0, 64 * j:64 * j + 64], x[j][i, :])
+            np.testing.assert_array_equal(ti[i][0, 64 * j : 64 * j + 64], x[j][i, :])
 
 
 # 8. Negative axes, out-of-range axes, empty axis tuple -----------------------------------
 def test_08_axes(rng):
     x = rng.standard_normal((8, 3, 16)).astype(np.float32)
-    a = shard_run(lambda v: sj.psum_scatter(v[0], "x", scatter_dimension=-1, tiled=True)[None],
-                  mesh1d(), x)
-    b = shard_run(lambda v: sj.psum_scatter(v[0], "x", scatter_dimension=1, tiled=True)[None],
-                  mesh1d(), x)
+    a = shard_run(
+        lambda v: sj.psum_scatter(v[0], "x", scatter_dimension=-1, tiled=True)[None], mesh1d(), x
+    )
+    b = shard_run(
+        lambda v: sj.psum_scatter(v[0], "x", scatter_dimension=1, tiled=True)[None], mesh1d(), x
+    )
     np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="out of range"):
-        shard_run(lambda v: sj.psum_scatter(v[0], "x", scatter_dimension=2, tiled=True)[None],
-                  mesh1d(), x)
+        shard_run(
+            lambda v: sj.psum_scatter(v[0], "x", scatter_dimension=2, tiled=True)[None], mesh1d(), x
+        )
     with pytest.raises(ValueError, match="out of range"):
         shard_run(lambda v: sj.all_gather(v[0], "x", axis=5)[None], mesh1d(), x)
     with pytest.raises(ValueError, match="out of range"):
         shard_run(lambda v: sj.all_to_all(v[0], "x", 3, 0)[None], mesh1d(), x)
-    for fn in (lambda v: sj.psum(v, ()), lambda v: sj.all_gather(v, ()),
-               lambda v: sj.psum_scatter(v, ()), lambda v: sj.all_to_all(v, (), 0, 0),
-               lambda v: sj.ppermute(v, (), []), lambda v: sj.pmax(v, ())):
+    for fn in (
+        lambda v: sj.psum(v, ()),
+        lambda v: sj.all_gather(v, ()),
+        lambda v: sj.psum_scatter(v, ()),
+        lambda v: sj.all_to_all(v, (), 0, 0),
+        lambda v: sj.ppermute(v, (), []),
+        lambda v: sj.pmax(v, ()),
+    ):
         np.testing.assert_array_equal(shard_run(fn, mesh1d(), x), x)
 
 
@@ -175,13 +194,13 @@ def test_09_gradient_of_replicated_weight():
     mesh = mesh1d(2)
 
     def local(w, d):
-        return jax.grad(lambda w: sj.psum((w ** 2 + 1) * d, "x").sum())(w)
+        return jax.grad(lambda w: sj.psum((w**2 + 1) * d, "x").sum())(w)
 
     f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x")), out_specs=P()))
     g = f(jnp.float32(1.0), jnp.array([0.0, 1.0], jnp.float32))
     assert float(g) == 2.0
     # the same as without sharding
-    assert float(jax.grad(lambda w: jnp.sum((w ** 2 + 1) * jnp.array([0.0, 1.0])))(1.0)) == 2.0
+    assert float(jax.grad(lambda w: jnp.sum((w**2 + 1) * jnp.array([0.0, 1.0])))(1.0)) == 2.0
 
 
 def test_09_pmean_gradient_is_mean_of_local_gradients(rng):
@@ -213,8 +232,14 @@ def test_10_tiled_all_gather_under_vmap(rng):
 def test_11_back_to_back_fresh_inputs(rng, nbytes):
     mesh = mesh1d()
     n = nbytes // 4
-    f = jax.jit(jax.shard_map(lambda v: (sj.psum(v, "x"), sj.all_gather(v[:8], "x")),
-                              mesh=mesh, in_specs=P("x"), out_specs=(P("x"), P("x"))))
+    f = jax.jit(
+        jax.shard_map(
+            lambda v: (sj.psum(v, "x"), sj.all_gather(v[:8], "x")),
+            mesh=mesh,
+            in_specs=P("x"),
+            out_specs=(P("x"), P("x")),
+        )
+    )
     iters = 1000 if nbytes < 65536 else 12
     sh = NamedSharding(mesh, P("x"))
     for _ in range(iters):
@@ -223,8 +248,7 @@ def test_11_back_to_back_fresh_inputs(rng, nbytes):
         s = np.asarray(s).reshape(8, n)
         np.testing.assert_array_equal(s[0], x.reshape(8, n).sum(0))
         np.testing.assert_array_equal(s[5], s[0])
-        np.testing.assert_array_equal(np.asarray(g).reshape(8, 8, 8)[2],
-                                      x.reshape(8, n)[:, :8])
+        np.testing.assert_array_equal(np.asarray(g).reshape(8, 8, 8)[2], x.reshape(8, n)[:, :8])
 
 
 def test_11_many_iterations_below_and_above_two_shot(rng):
@@ -238,22 +262,27 @@ def test_11_many_iterations_below_and_above_two_shot(rng):
         def local(v, length=length):
             def step(c, _):
                 return c, sj.psum(c, "x")[:4]
+
             _, ys = jax.lax.scan(step, v, None, length=length)
             return ys[None]
 
-        f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
-                                  check_vma=False))
+        f = jax.jit(
+            jax.shard_map(local, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
+        )
         ys = np.asarray(f(x))
         want = x.reshape(8, n).sum(0)[:4]
         assert np.all(ys == want), "a scan iteration returned a wrong sum"
 
 
 # 12. Zero-sized pieces -------------------------------------------------------------------
-@pytest.mark.parametrize("op", ["psum", "pmax", "pmean", "all_gather", "psum_scatter",
-                                "all_to_all", "ppermute", "pbroadcast"])
+@pytest.mark.parametrize(
+    "op",
+    ["psum", "pmax", "pmean", "all_gather", "psum_scatter", "all_to_all", "ppermute", "pbroadcast"],
+)
 def test_12_zero_size_arrays(op):
     body = {
-        "psum": lambda v: sj.psum(v, "x"), "pmax": lambda v: sj.pmax(v, "x"),
+        "psum": lambda v: sj.psum(v, "x"),
+        "pmax": lambda v: sj.pmax(v, "x"),
         "pmean": lambda v: sj.pmean(v, "x"),
         "all_gather": lambda v: sj.all_gather(v, "x", tiled=True),
         "psum_scatter": lambda v: sj.psum_scatter(v, "x", tiled=True),
@@ -282,7 +311,7 @@ def test_12_all_to_all_with_zero_counts_per_peer(rng):
     for i in range(4):
         for j in range(4):
             np.testing.assert_array_equal(got[i][j], x[j][i])
-            assert np.all(got[i][j][counts[j][i]:] == 0)
+            assert np.all(got[i][j][counts[j][i] :] == 0)
 
 
 # 13. Program order -----------------------------------------------------------------------
@@ -298,8 +327,9 @@ def test_13_rank_dependent_sequences_keep_order(rng):
         return b[:1] * 0 + b[jax.lax.axis_index("x")]
 
     jitted = shard_run(body, mesh1d(), x, check_vma=False)
-    eager = np.asarray(jax.shard_map(body, mesh=mesh1d(), in_specs=P("x"), out_specs=P("x"),
-                                     check_vma=False)(x))
+    eager = np.asarray(
+        jax.shard_map(body, mesh=mesh1d(), in_specs=P("x"), out_specs=P("x"), check_vma=False)(x)
+    )
     r = np.arange(8)
     a = np.where(r % 2 == 1, x * 2, x + 1).sum()
     np.testing.assert_array_equal(jitted, a + x)

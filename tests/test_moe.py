@@ -77,18 +77,23 @@ def ref_forward(x, ey, w, src, cidx):
 
 def strata_fn(n, num_experts, capacity, check_vma=True):
     def body(x, idx, w, ey):
-        recv, lay = sj.moe.dispatch(x, idx, num_experts=num_experts, axis_name="x",
-                                    capacity=capacity)
+        recv, lay = sj.moe.dispatch(
+            x, idx, num_experts=num_experts, axis_name="x", capacity=capacity
+        )
         y = sj.moe.combine(ey, lay, w)
         return recv, y, lay.recv_counts, lay.dropped[None], lay.recv_dropped
 
     spec = P("x")
-    return jax.jit(jax.shard_map(body, mesh=mesh1d(n), in_specs=(spec,) * 4,
-                                 out_specs=(spec,) * 5, check_vma=check_vma))
+    return jax.jit(
+        jax.shard_map(
+            body, mesh=mesh1d(n), in_specs=(spec,) * 4, out_specs=(spec,) * 5, check_vma=check_vma
+        )
+    )
 
 
-def check(rng, n, t, h, num_experts, k, capacity, dtype, idx=None, w=None, check_vma=True,
-          grads=True):
+def check(
+    rng, n, t, h, num_experts, k, capacity, dtype, idx=None, w=None, check_vma=True, grads=True
+):
     """Runs dispatch + combine (and their gradients) and compares with the reference."""
     dt = jnp.dtype(dtype)
     if idx is None:
@@ -111,8 +116,7 @@ def check(rng, n, t, h, num_experts, k, capacity, dtype, idx=None, w=None, check
     np.testing.assert_allclose(np.asarray(y, np.float64), np.asarray(r_y), rtol=tol, atol=tol)
     np.testing.assert_array_equal(np.asarray(got_counts), counts)
     np.testing.assert_array_equal(np.asarray(got_rdrop), dropped)
-    np.testing.assert_array_equal(np.asarray(got_dropped),
-                                  dropped.reshape(n, -1).sum(1))
+    np.testing.assert_array_equal(np.asarray(got_dropped), dropped.reshape(n, -1).sum(1))
     if not grads:
         return
     acc = jnp.float64 if dt == jnp.float64 else jnp.float32
@@ -122,15 +126,21 @@ def check(rng, n, t, h, num_experts, k, capacity, dtype, idx=None, w=None, check
     def loss(fwd):
         def run(x, ey, wj):
             a, b = fwd(x, ey, wj)
-            return ((a.astype(cr.dtype) * cr).sum() + (b.astype(cr.dtype) * cy).sum())
+            return (a.astype(cr.dtype) * cr).sum() + (b.astype(cr.dtype) * cy).sum()
+
         return jax.grad(run, argnums=(0, 1, 2))(x, ey, wj)
 
     got = loss(lambda x, ey, wj: f(x, idx, wj, ey)[:2])
     want = loss(lambda x, ey, wj: ref_forward(x, ey, wj, src, cidx))
     for name, a, b in zip(("x", "expert_y", "weights"), got, want, strict=True):
         assert a.dtype == b.dtype == dt, name
-        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
-                                   rtol=tol * 4, atol=tol * 4, err_msg=f"d/d{name}")
+        np.testing.assert_allclose(
+            np.asarray(a, np.float64),
+            np.asarray(b, np.float64),
+            rtol=tol * 4,
+            atol=tol * 4,
+            err_msg=f"d/d{name}",
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -141,8 +151,17 @@ def check(rng, n, t, h, num_experts, k, capacity, dtype, idx=None, w=None, check
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("n", [8, 4])
 def test_random_routing(rng, n, check_vma):
-    check(rng, n, t=7, h=5, num_experts=2 * n, k=3, capacity=None, dtype="float32",
-          check_vma=check_vma)
+    check(
+        rng,
+        n,
+        t=7,
+        h=5,
+        num_experts=2 * n,
+        k=3,
+        capacity=None,
+        dtype="float32",
+        check_vma=check_vma,
+    )
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])
@@ -182,18 +201,22 @@ def test_layout_counts_and_dispatch_layout(rng):
         per_rank, per_expert, in_rank = sj.moe.dispatch_layout(i, num_experts, "x")
         return per_rank[None], per_expert[None], in_rank
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh1d(n), in_specs=P("x"),
-                              out_specs=(P("x"), P("x"), P("x"))))
+    f = jax.jit(
+        jax.shard_map(body, mesh=mesh1d(n), in_specs=P("x"), out_specs=(P("x"), P("x"), P("x")))
+    )
     per_rank, per_expert, in_rank = (np.asarray(a) for a in f(idx))
     el = num_experts // n
     for s in range(n):
-        mine = idx[s * t:(s + 1) * t]
-        want_in = np.array([[any(0 <= e < num_experts and e // el == r for e in row)
-                             for r in range(n)] for row in mine])
-        np.testing.assert_array_equal(in_rank[s * t:(s + 1) * t], want_in)
+        mine = idx[s * t : (s + 1) * t]
+        want_in = np.array(
+            [
+                [any(0 <= e < num_experts and e // el == r for e in row) for r in range(n)]
+                for row in mine
+            ]
+        )
+        np.testing.assert_array_equal(in_rank[s * t : (s + 1) * t], want_in)
         np.testing.assert_array_equal(per_rank[s], want_in.sum(0))
-        want_e = np.array([sum(e in set(row.tolist()) for row in mine)
-                           for e in range(num_experts)])
+        want_e = np.array([sum(e in set(row.tolist()) for row in mine) for e in range(num_experts)])
         np.testing.assert_array_equal(per_expert[s], want_e)
     assert per_rank.dtype == np.int32 and per_expert.dtype == np.int32
 
@@ -203,22 +226,25 @@ def test_errors():
     idx = jnp.zeros((8 * 4, 2), jnp.int32)
 
     def run(body, *args):
-        f = jax.shard_map(body, mesh=mesh1d(8), in_specs=(P("x"),) * len(args),
-                          out_specs=P("x"))
+        f = jax.shard_map(body, mesh=mesh1d(8), in_specs=(P("x"),) * len(args), out_specs=P("x"))
         return jax.jit(f).lower(*args)
 
     with pytest.raises(ValueError, match="not divisible"):
         run(lambda a, b: sj.moe.dispatch(a, b, num_experts=12, axis_name="x")[0], x, idx)
     with pytest.raises(ValueError, match="x must be a float"):
-        run(lambda a, b: sj.moe.dispatch(a.astype(jnp.int32), b, num_experts=8,
-                                         axis_name="x")[0], x, idx)
+        run(
+            lambda a, b: sj.moe.dispatch(a.astype(jnp.int32), b, num_experts=8, axis_name="x")[0],
+            x,
+            idx,
+        )
     with pytest.raises(ValueError, match="tokens"):
         run(lambda a, b: sj.moe.dispatch(a[:2], b, num_experts=8, axis_name="x")[0], x, idx)
     with pytest.raises(ValueError, match="topk_idx"):
         run(lambda a, b: sj.moe.dispatch(a, b[:, 0], num_experts=8, axis_name="x")[0], x, idx)
     with pytest.raises(ValueError, match="capacity"):
-        run(lambda a, b: sj.moe.dispatch(a, b, num_experts=8, axis_name="x",
-                                         capacity=-1)[0], x, idx)
+        run(
+            lambda a, b: sj.moe.dispatch(a, b, num_experts=8, axis_name="x", capacity=-1)[0], x, idx
+        )
 
     def bad_combine(a, b):
         r, lay = sj.moe.dispatch(a, b, num_experts=8, axis_name="x", capacity=4)
@@ -251,11 +277,10 @@ def test_14_empty_source_and_destination_ranks(rng):
     n, t, k, num_experts = 4, 6, 2, 8
     el = num_experts // n
     idx = rng.integers(0, 3 * el, (n * t, k)).astype(np.int32)  # ranks 0..2 only
-    idx[2 * t:3 * t] = -1  # rank 2 sends nothing
-    check(rng, n, t, h=5, num_experts=num_experts, k=k, capacity=None, dtype="float32",
-          idx=idx)
+    idx[2 * t : 3 * t] = -1  # rank 2 sends nothing
+    check(rng, n, t, h=5, num_experts=num_experts, k=k, capacity=None, dtype="float32", idx=idx)
     src, _, counts, _ = ref_plan(idx, num_experts, n * t)
-    assert counts[3 * el:].sum() == 0  # rank 3 receives zero rows
+    assert counts[3 * el :].sum() == 0  # rank 3 receives zero rows
 
 
 def test_14_zero_tokens_everywhere():
@@ -327,8 +352,9 @@ def test_16_two_dispatches_in_flight(rng):
         return ya, yb
 
     def run(body):
-        f = jax.jit(jax.shard_map(body, mesh=mesh1d(n), in_specs=(P("x"),) * 4,
-                                  out_specs=(P("x"), P("x"))))
+        f = jax.jit(
+            jax.shard_map(body, mesh=mesh1d(n), in_specs=(P("x"),) * 4, out_specs=(P("x"), P("x")))
+        )
         out = f(x, ia, ib, w)
         g = jax.grad(lambda x, w: sum(o.sum() for o in f(x, ia, ib, w)), (0, 1))(x, w)
         return [np.asarray(v) for v in (*out, *g)]
@@ -339,7 +365,7 @@ def test_16_two_dispatches_in_flight(rng):
     # and against the dense reference
     for idx, scale, y in ((ia, 1.0, got[0]), (ib, 3.0, got[1])):
         src, cidx, _, _ = ref_plan(idx, num_experts, n * t)
-        ey = expert(ref_forward(x * scale, jnp.zeros((num_experts, n * t, h)), w, src,
-                                cidx)[0]).reshape(num_experts, n * t, h)
-        np.testing.assert_allclose(y, ref_forward(x, ey, w, src, cidx)[1], rtol=1e-5,
-                                   atol=1e-5)
+        ey = expert(
+            ref_forward(x * scale, jnp.zeros((num_experts, n * t, h)), w, src, cidx)[0]
+        ).reshape(num_experts, n * t, h)
+        np.testing.assert_allclose(y, ref_forward(x, ey, w, src, cidx)[1], rtol=1e-5, atol=1e-5)

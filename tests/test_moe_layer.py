@@ -62,8 +62,9 @@ def _keep_mask(topk_idx, num_experts, capacity, rule, nranks):
     return (per * (pos < min(t, math.ceil(capacity / nranks)))).reshape(n, num_experts)
 
 
-def dense_moe(x, router_w, w1, w2, *, top_k, capacity=None, rule="global", nranks=R,
-              activation=jax.nn.gelu):
+def dense_moe(
+    x, router_w, w1, w2, *, top_k, capacity=None, rule="global", nranks=R, activation=jax.nn.gelu
+):
     """Every token of every rank ([R*T, H]) through its experts, on one device."""
     idx, w = route(x, router_w, top_k)
     keep = _keep_mask(idx, router_w.shape[1], capacity, rule, nranks)
@@ -75,11 +76,25 @@ def dense_moe(x, router_w, w1, w2, *, top_k, capacity=None, rule="global", nrank
 
 def sharded_moe(impl, *, num_experts, top_k, capacity=None, n=R):
     def body(x, rw, w1, w2):
-        return moe_mlp(x, rw, w1, w2, num_experts=num_experts, top_k=top_k, axis_name="x",
-                       capacity=capacity, impl=impl)
+        return moe_mlp(
+            x,
+            rw,
+            w1,
+            w2,
+            num_experts=num_experts,
+            top_k=top_k,
+            axis_name="x",
+            capacity=capacity,
+            impl=impl,
+        )
 
-    return jax.shard_map(body, mesh=mesh1d(n), in_specs=(P("x"), P(), P("x"), P("x")),
-                         out_specs=P("x"), check_vma=True)
+    return jax.shard_map(
+        body,
+        mesh=mesh1d(n),
+        in_specs=(P("x"), P(), P("x"), P("x")),
+        out_specs=P("x"),
+        check_vma=True,
+    )
 
 
 def _params(rng, t, h, f, e, dtype, n=R):
@@ -142,13 +157,15 @@ def test_impls_agree_with_each_other(dtype, rng):
     res = {}
     for impl in impls:
         moe = sharded_moe(impl, num_experts=e, top_k=k)
-        res[impl] = jax.jit(jax.value_and_grad(lambda *a, moe=moe: (moe(*a) * ct).sum(),
-                                               argnums=(0, 1, 2, 3)))(*args)
+        res[impl] = jax.jit(
+            jax.value_and_grad(lambda *a, moe=moe: (moe(*a) * ct).sum(), argnums=(0, 1, 2, 3))
+        )(*args)
     first = impls[0]
     for impl in impls[1:]:
         _close(res[impl][0], res[first][0], dtype, f"{impl} vs {first}: output")
-        for name, g, w in zip(("x", "router_w", "w1", "w2"), res[impl][1], res[first][1],
-                              strict=True):
+        for name, g, w in zip(
+            ("x", "router_w", "w1", "w2"), res[impl][1], res[first][1], strict=True
+        ):
             _close(g, w, dtype, f"{impl} vs {first}: d/d{name}")
 
 
@@ -161,8 +178,14 @@ def _skewed_params(rng, t, h, f, e, dtype, hot=(0, 1)):
     return tuple(jnp.asarray(a, dtype) for a in (x, rw, w1, w2))
 
 
-@pytest.mark.parametrize("impl,rule", [pytest.param("strata", "global", marks=needs_native),
-                                       ("reference", "global"), ("xla", "per_source")])
+@pytest.mark.parametrize(
+    "impl,rule",
+    [
+        pytest.param("strata", "global", marks=needs_native),
+        ("reference", "global"),
+        ("xla", "per_source"),
+    ],
+)
 @pytest.mark.parametrize("capacity", [0, 5, 24])
 def test_capacity_drops_skewed(impl, rule, capacity, rng):
     """Skewed routing past capacity: each impl drops exactly what its rule says."""
@@ -262,8 +285,13 @@ def _run_dc(dispatch, combine, x, idx, w, scale, num_experts, capacity, n=R):
         y = combine(recv * scale[:, None, None], layout, w)
         return recv[None], layout.recv_counts[None], layout.dropped[None], y
 
-    f = jax.shard_map(body, mesh=mesh1d(n), in_specs=(P("x"), P("x"), P("x"), P("x")),
-                      out_specs=(P("x"), P("x"), P("x"), P("x")), check_vma=True)
+    f = jax.shard_map(
+        body,
+        mesh=mesh1d(n),
+        in_specs=(P("x"), P("x"), P("x"), P("x")),
+        out_specs=(P("x"), P("x"), P("x"), P("x")),
+        check_vma=True,
+    )
     scale_sharded = jnp.asarray(scale, x.dtype)
     assert scale_sharded.shape == (n * e_local,)
     return [np.asarray(a) for a in jax.jit(f)(x, idx, w, scale_sharded)]
@@ -296,8 +324,12 @@ def test_reference_weights_applied_once():
     idx = np.full((R, 2), -1, np.int32)
     w = np.zeros((R, 2), np.float32)
     scale = np.arange(1, e + 1, dtype=np.float32)
-    cases = [([1, 6], [0.3, 0.7], 0.3 * 2 + 0.7 * 7), ([5, 5], [0.3, 0.7], 1.0 * 6),
-             ([4, -1], [0.3, 0.7], 0.3 * 5), ([-1, -1], [0.3, 0.7], 0.0)]
+    cases = [
+        ([1, 6], [0.3, 0.7], 0.3 * 2 + 0.7 * 7),
+        ([5, 5], [0.3, 0.7], 1.0 * 6),
+        ([4, -1], [0.3, 0.7], 0.3 * 5),
+        ([-1, -1], [0.3, 0.7], 0.0),
+    ]
     for sel, ww, coef in cases:
         idx[0], w[0] = sel, ww
         for name, dispatch, combine in _dc_impls():
@@ -314,6 +346,7 @@ def test_reference_two_dispatches_in_flight(rng):
     ib = jnp.asarray(rng.integers(0, e, (R * t, k)), jnp.int32)
     w = jnp.asarray(rng.random((R * t, k)), jnp.float32)
     for name, dispatch, combine in _dc_impls():
+
         def body(x, ia, ib, w, dispatch=dispatch, combine=combine):
             ra, la = dispatch(x, ia, num_experts=e, axis_name="x")
             rb, lb = dispatch(2 * x, ib, num_experts=e, axis_name="x")
@@ -330,8 +363,15 @@ def test_reference_two_dispatches_in_flight(rng):
         want = jax.jit(jax.shard_map(seq, **spec))(x, ia, ib, w)
         for g, ww in zip(got, want, strict=True):
             np.testing.assert_allclose(np.asarray(g), np.asarray(ww), rtol=1e-6, err_msg=name)
-        oracle = numpy_dispatch_combine(np.asarray(2 * x), np.asarray(ib), np.asarray(w),
-                                        np.full(e, 3.0, np.float32), e, R, None)[3]
+        oracle = numpy_dispatch_combine(
+            np.asarray(2 * x),
+            np.asarray(ib),
+            np.asarray(w),
+            np.full(e, 3.0, np.float32),
+            e,
+            R,
+            None,
+        )[3]
         np.testing.assert_allclose(np.asarray(got[1]), oracle, rtol=1e-5, atol=1e-6)
 
 
@@ -349,14 +389,41 @@ def test_train_moe_smoke(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     impls = "reference,xla" + (",strata" if NATIVE else "")
-    cmd = [sys.executable, str(root / "benchmarks" / "train_moe.py"), "--impl", impls,
-           "--devices", "4", "--steps", "4", "--warmup", "1", "--seq", "16", "--batch", "2",
-           "--d-model", "16", "--heads", "2", "--d-ff", "16", "--experts", "8",
-           "--no-progress", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        str(root / "benchmarks" / "train_moe.py"),
+        "--impl",
+        impls,
+        "--devices",
+        "4",
+        "--steps",
+        "4",
+        "--warmup",
+        "1",
+        "--seq",
+        "16",
+        "--batch",
+        "2",
+        "--d-model",
+        "16",
+        "--heads",
+        "2",
+        "--d-ff",
+        "16",
+        "--experts",
+        "8",
+        "--no-progress",
+        "--out",
+        str(tmp_path),
+    ]
     # The script imports the same strata_jax as this test (installed, or built in place).
     pkg_parent = str(Path(strata_jax.__file__).resolve().parent.parent)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [pkg_parent] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [pkg_parent] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        ),
+    )
     env.pop("XLA_FLAGS", None)
     env.pop("PJRT_NPROC", None)
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)

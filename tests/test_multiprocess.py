@@ -58,8 +58,9 @@ def _launch(
     ]
     # cwd is not the source root: `python -m` puts cwd first on sys.path, which would shadow
     # the installed package with the unbuilt source folder.
-    return subprocess.run(cmd, env=env, cwd=PKG_PARENT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        cmd, env=env, cwd=PKG_PARENT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _require_allocator() -> None:

@@ -28,15 +28,32 @@ def test_stress_under_sanitizer(tmp_path, sanitizer):
     for d in ("coll", "fabric", "sync"):
         srcs += sorted(glob.glob(os.path.join(ROOT, "native", d, "*.cc")))
     exe = str(tmp_path / "stress")
-    cmd = [cxx, "-std=c++17", "-O1", "-g", f"-fsanitize={sanitizer}", "-fno-omit-frame-pointer",
-           "-I", os.path.join(ROOT, "native"), "-isystem", _ffi_include(), *srcs, "-o", exe,
-           "-lpthread"]
+    cmd = [
+        cxx,
+        "-std=c++17",
+        "-O1",
+        "-g",
+        f"-fsanitize={sanitizer}",
+        "-fno-omit-frame-pointer",
+        "-I",
+        os.path.join(ROOT, "native"),
+        "-isystem",
+        _ffi_include(),
+        *srcs,
+        "-o",
+        exe,
+        "-lpthread",
+    ]
     build = subprocess.run(cmd, capture_output=True, text=True)
     if build.returncode != 0 and "cannot find" in build.stderr and "san" in build.stderr:
         pytest.skip(f"sanitizer runtime not installed: {build.stderr[-200:]}")
     assert build.returncode == 0, build.stderr[-3000:]
-    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0",
-               TSAN_OPTIONS="halt_on_error=1", UBSAN_OPTIONS="halt_on_error=1")
+    env = dict(
+        os.environ,
+        ASAN_OPTIONS="detect_leaks=1:abort_on_error=0",
+        TSAN_OPTIONS="halt_on_error=1",
+        UBSAN_OPTIONS="halt_on_error=1",
+    )
     env.pop("LD_PRELOAD", None)
     run = subprocess.run([exe, "25"], capture_output=True, text=True, env=env, timeout=240)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]

@@ -17,22 +17,24 @@ import strata_jax as sj
 
 
 def smap(f, mesh, in_specs, out_specs, check_vma=True):
-    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                                 check_vma=check_vma))
+    return jax.jit(
+        jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+    )
 
 
 LOSSES = {
     "psum": lambda impl, w, d: impl.psum(jnp.sum(jnp.sin(w) * d), "x"),
     "pmean": lambda impl, w, d: impl.pmean(jnp.sum(jnp.sin(w) * d), "x"),
-    "all_gather": lambda impl, w, d: jnp.sum(impl.all_gather(jnp.sin(w) * d, "x", tiled=True)
-                                             ** 2),
+    "all_gather": lambda impl, w, d: jnp.sum(impl.all_gather(jnp.sin(w) * d, "x", tiled=True) ** 2),
     "psum_scatter": lambda impl, w, d: jnp.sum(
-        impl.psum_scatter(jnp.sin(w) * d, "x", tiled=True) ** 3),
+        impl.psum_scatter(jnp.sin(w) * d, "x", tiled=True) ** 3
+    ),
     "all_to_all": lambda impl, w, d: jnp.sum(
-        impl.all_to_all(jnp.sin(w) * d, "x", 0, 0, tiled=True) * jnp.arange(16.0)),
+        impl.all_to_all(jnp.sin(w) * d, "x", 0, 0, tiled=True) * jnp.arange(16.0)
+    ),
     "ppermute": lambda impl, w, d: jnp.sum(
-        impl.ppermute(jnp.sin(w) * d, "x", [(i, (i + 3) % 8) for i in range(8)])
-        * jnp.arange(16.0)),
+        impl.ppermute(jnp.sin(w) * d, "x", [(i, (i + 3) % 8) for i in range(8)]) * jnp.arange(16.0)
+    ),
 }
 
 
@@ -44,9 +46,11 @@ def test_grad_matches_jax_lax(rng, op, check_vma):
     mesh = mesh1d()
     grads = {}
     for name, impl in IMPLS.items():
+
         def local(w, d, impl=impl):
             g = jax.grad(lambda w: LOSSES[op](impl, w, d))(w)
             return g[None]
+
         f = smap(local, mesh, (P(), P("x")), P("x"), check_vma=check_vma)
         grads[name] = np.asarray(f(w, d))
     np.testing.assert_allclose(grads["strata"], grads["xla"], rtol=1e-5, atol=1e-5)
@@ -60,8 +64,7 @@ def test_pbroadcast_grad(rng):
     def local(x, c):
         return jax.grad(lambda x: sj.psum(jnp.sum(c * sj.pbroadcast(x, "x", 2)), "x"))(x)
 
-    g = np.asarray(smap(local, mesh1d(), (P("x"), P("x")), P("x"))(x.reshape(-1),
-                                                                     c.reshape(-1)))
+    g = np.asarray(smap(local, mesh1d(), (P("x"), P("x")), P("x"))(x.reshape(-1), c.reshape(-1)))
     g = g.reshape(8, 5)
     np.testing.assert_allclose(g[2], c.sum(0), rtol=1e-5, atol=1e-5)
     assert np.all(g[np.arange(8) != 2] == 0)
@@ -74,9 +77,11 @@ def test_jvp_matches_jax_lax(rng, op):
     d = rng.standard_normal((8 * 16,)).astype(np.float32)
     outs = {}
     for name, impl in IMPLS.items():
+
         def local(w, t, d, impl=impl):
             _, tan = jax.jvp(lambda w: LOSSES[op](impl, w, d), (w,), (t,))
             return jnp.reshape(tan, (1,))
+
         outs[name] = np.asarray(smap(local, mesh1d(), (P(), P(), P("x")), P("x"))(w, t, d))
     np.testing.assert_allclose(outs["strata"], outs["xla"], rtol=1e-5, atol=1e-5)
 
@@ -87,14 +92,19 @@ def test_vmap_of_shard_map_psum_over_tuple(rng):
     x = rng.standard_normal((3, 8, 5)).astype(np.float32)
     res = {}
     for name, impl in IMPLS.items():
-        f = jax.shard_map(lambda v, impl=impl: impl.psum(v, ("a", "b")), mesh=mesh,
-                          in_specs=P(("a", "b")), out_specs=P())
+        f = jax.shard_map(
+            lambda v, impl=impl: impl.psum(v, ("a", "b")),
+            mesh=mesh,
+            in_specs=P(("a", "b")),
+            out_specs=P(),
+        )
         res[name] = np.asarray(jax.jit(jax.vmap(f))(x))
     np.testing.assert_allclose(res["strata"], res["xla"], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("op", ["all_gather", "psum_scatter", "all_to_all", "ppermute", "psum",
-                                "pmax"])
+@pytest.mark.parametrize(
+    "op", ["all_gather", "psum_scatter", "all_to_all", "ppermute", "psum", "pmax"]
+)
 @pytest.mark.parametrize("in_axes", [0, 1])
 def test_vmap_inside_shard_map(rng, op, in_axes):
     bodies = {
@@ -108,8 +118,10 @@ def test_vmap_inside_shard_map(rng, op, in_axes):
     x = rng.standard_normal((8 * 8, 16) if in_axes == 0 else (16, 8 * 8)).astype(np.float32)
     res = {}
     for name, impl in IMPLS.items():
+
         def local(v, impl=impl):
             return jax.vmap(lambda u: bodies[op](impl, u), in_axes=in_axes)(v)
+
         spec = P("x") if in_axes == 0 else P(None, "x")
         res[name] = np.asarray(smap(local, mesh1d(), spec, P("x"), check_vma=False)(x))
     np.testing.assert_allclose(res["strata"], res["xla"], rtol=1e-5, atol=1e-5)
@@ -119,12 +131,16 @@ def test_grad_of_vmap_of_all_gather(rng):
     x = rng.standard_normal((8 * 2, 3)).astype(np.float32)
     res = {}
     for name, impl in IMPLS.items():
+
         def local(v, impl=impl):
             def loss(v):
-                g = jax.vmap(lambda u: impl.all_gather(u, "x", tiled=True), in_axes=1,
-                             out_axes=1)(v)
+                g = jax.vmap(lambda u: impl.all_gather(u, "x", tiled=True), in_axes=1, out_axes=1)(
+                    v
+                )
                 return jnp.sum(jnp.sin(g) * jnp.arange(g.size).reshape(g.shape))
+
             return jax.grad(loss)(v)
+
         res[name] = np.asarray(smap(local, mesh1d(), P("x"), P("x"))(x))
     np.testing.assert_allclose(res["strata"], res["xla"], rtol=1e-5, atol=1e-5)
 
@@ -136,8 +152,7 @@ def test_vmap_with_named_axis_psum(rng):
     want = jax.vmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")(x)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     got = jax.vmap(lambda v: sj.pmax(v, "i"), axis_name="i")(x)
-    np.testing.assert_array_equal(got, jax.vmap(lambda v: jax.lax.pmax(v, "i"),
-                                                axis_name="i")(x))
+    np.testing.assert_array_equal(got, jax.vmap(lambda v: jax.lax.pmax(v, "i"), axis_name="i")(x))
 
 
 def test_scan_cond_while_program_order(rng):
@@ -145,12 +160,17 @@ def test_scan_cond_while_program_order(rng):
     x = rng.standard_normal((8 * 4,)).astype(np.float32)
     res = {}
     for name, impl in IMPLS.items():
+
         def local(v, impl=impl):
             def step(c, i):
-                c = jax.lax.cond(i % 2 == 0,
-                                 lambda c: impl.psum(c, "x") / 8.0,
-                                 lambda c: impl.all_gather(c, "x", tiled=True)[:4] + 1.0, c)
+                c = jax.lax.cond(
+                    i % 2 == 0,
+                    lambda c: impl.psum(c, "x") / 8.0,
+                    lambda c: impl.all_gather(c, "x", tiled=True)[:4] + 1.0,
+                    c,
+                )
                 return c, impl.pmax(jnp.sum(c), "x")
+
             c, ys = jax.lax.scan(step, v, jnp.arange(5))
 
             def cond(s):
@@ -159,8 +179,10 @@ def test_scan_cond_while_program_order(rng):
             def body(s):
                 k, c = s
                 return k + 1, impl.ppermute(c, "x", [(j, (j + 1) % 8) for j in range(8)]) * 0.5
+
             _, c = jax.lax.while_loop(cond, body, (0, c))
             return jnp.concatenate([c, jnp.broadcast_to(ys[:4], (4,))])
+
         res[name] = np.asarray(smap(local, mesh1d(), P("x"), P("x"), check_vma=False)(x))
     np.testing.assert_allclose(res["strata"], res["xla"], rtol=1e-5, atol=1e-5)
 
@@ -171,6 +193,7 @@ def test_rank_dependent_trip_count(rng):
     x = rng.integers(1, 6, size=(8,)).astype(np.int32)
     res = {}
     for name, impl in IMPLS.items():
+
         def local(v, impl=impl):
             n = impl.pmax(v[0], "x")  # agree on the trip count
 
@@ -178,8 +201,10 @@ def test_rank_dependent_trip_count(rng):
                 k, acc = s
                 acc = acc + impl.psum(jnp.where(k < v[0], 1, 0).astype(jnp.int32), "x")
                 return k + 1, acc
+
             _, acc = jax.lax.while_loop(lambda s: s[0] < n, body, (0, jnp.int32(0)))
             return jnp.reshape(acc, (1,))
+
         res[name] = np.asarray(smap(local, mesh1d(), P("x"), P("x"), check_vma=False)(x))
     np.testing.assert_array_equal(res["strata"], res["xla"])
     assert res["strata"][0] == x.sum()
@@ -190,7 +215,7 @@ CHAINED = {
     "pmean": lambda v: sj.pmean(v, "x"),
     "pmax": lambda v: sj.pmax(v, "x") + 0.0,
     "pmin": lambda v: sj.pmin(v, "x") + 0.0,
-    "all_gather": lambda v: sj.all_gather(v, "x", tiled=True)[:v.shape[0]] + 1.0,
+    "all_gather": lambda v: sj.all_gather(v, "x", tiled=True)[: v.shape[0]] + 1.0,
     "psum_scatter": lambda v: jnp.tile(sj.psum_scatter(v, "x", tiled=True), 8) / 8.0,
     "all_to_all": lambda v: sj.all_to_all(v, "x", 0, 0, tiled=True) + 1.0,
     "ppermute": lambda v: sj.ppermute(v, "x", [(i, (i + 1) % 8) for i in range(8)]) + 1.0,
@@ -208,7 +233,8 @@ def test_1000_chained_calls_dispatched_ahead(op):
         y = f(y)
     y = np.asarray(y)
     want = {"psum": 1.0, "pmean": 1.0, "pmax": 1.0, "pmin": 1.0, "psum_scatter": 1.0}.get(
-        op, 1001.0)
+        op, 1001.0
+    )
     np.testing.assert_array_equal(y, np.full_like(y, want))
 
 
@@ -217,9 +243,11 @@ def test_timeout_names_missing_ranks():
     old = sj.get_timeout()
     sj.set_timeout(1.5)
     try:
+
         def local(v):
             idx = jax.lax.axis_index("x")
             return jax.lax.cond(idx == 0, lambda u: sj.psum(u, "x"), lambda u: u, v)
+
         f = smap(local, mesh1d(), P("x"), P("x"), check_vma=False)
         with pytest.raises(Exception, match=r"psum.*timed out.*rank\(s\) \[1, 2, 3, 4, 5, 6, 7\]"):
             np.asarray(f(jnp.ones(8, jnp.float32)))
@@ -235,10 +263,11 @@ def test_mismatched_collectives_fail_cleanly():
     old = sj.get_timeout()
     sj.set_timeout(1.5)
     try:
+
         def local(v):
             idx = jax.lax.axis_index("x")
-            return jax.lax.cond(idx < 4, lambda u: sj.psum(u, "x"),
-                                lambda u: sj.pmax(u, "x"), v)
+            return jax.lax.cond(idx < 4, lambda u: sj.psum(u, "x"), lambda u: sj.pmax(u, "x"), v)
+
         f = smap(local, mesh1d(), P("x"), P("x"), check_vma=False)
         with pytest.raises(Exception, match="strata_jax"):
             np.asarray(f(jnp.ones(8, jnp.float32)))

@@ -44,6 +44,7 @@ __all__ = [
 # Shared helpers
 # --------------------------------------------------------------------------------------
 
+
 def next_op_id(ctx) -> int:
     """A per-program index of strata calls, the op id half of a call's rendezvous key.
 
@@ -58,7 +59,6 @@ def next_op_id(ctx) -> int:
     key = ("strata_jax", "op_counter")
     cache[key] = cache.get(key, 0) + 1
     return cache[key]
-
 
 
 def _axes(axis_name: AxisName) -> tuple:
@@ -322,8 +322,9 @@ mlir.register_lowering(all_reduce_p, _all_reduce_lowering, platform="cpu")
 all_gather_p = core.Primitive("strata_all_gather")
 
 
-def all_gather(x, axis_name: AxisName, *, axis_index_groups=None, axis: int = 0,
-               tiled: bool = False):
+def all_gather(
+    x, axis_name: AxisName, *, axis_index_groups=None, axis: int = 0, tiled: bool = False
+):
     """Gathers ``x`` from every rank of ``axis_name``; drop-in for :func:`jax.lax.all_gather`.
 
     Args:
@@ -350,8 +351,10 @@ def all_gather(x, axis_name: AxisName, *, axis_index_groups=None, axis: int = 0,
         v = jnp.asarray(v)
         _check_axis_names(axes, "all_gather")
         if tiled and v.ndim == 0:
-            raise ValueError("tiled all_gather of a 0-d array is undefined; use tiled=False "
-                             "or reshape x to (1,) first.")
+            raise ValueError(
+                "tiled all_gather of a 0-d array is undefined; use tiled=False "
+                "or reshape x to (1,) first."
+            )
         ax = _canon_axis(axis, v.ndim if tiled else v.ndim + 1, "axis")
         if not tiled:
             v = jnp.expand_dims(v, ax)
@@ -380,7 +383,8 @@ def _all_gather_batcher(axis_data, vals_in, dims_in, *, axes, axis_size):
         if axes != (axis_data.name,):
             raise NotImplementedError(
                 "strata_jax.all_gather over a vmapped axis together with mesh axes is not "
-                "supported; gather the vmapped axis with jnp first.")
+                "supported; gather the vmapped axis with jnp first."
+            )
         if d is None:
             v = jnp.broadcast_to(v[None], (axis_size, *v.shape))
             d = 0
@@ -398,7 +402,8 @@ def _all_gather_batcher(axis_data, vals_in, dims_in, *, axes, axis_size):
 mlir.register_lowering(
     all_gather_p,
     lambda ctx, x, *, axes, axis_size: _ffi_call_lowering("strata_all_gather", "all_gather")(
-        ctx, x, axes=axes),
+        ctx, x, axes=axes
+    ),
     platform="cpu",
 )
 all_gather_p.def_effectful_abstract_eval(_all_gather_abstract_eval)
@@ -413,8 +418,14 @@ batching.fancy_primitive_batchers[all_gather_p] = _all_gather_batcher
 reduce_scatter_p = core.Primitive("strata_reduce_scatter")
 
 
-def psum_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, axis_index_groups=None,
-                 tiled: bool = False):
+def psum_scatter(
+    x,
+    axis_name: AxisName,
+    *,
+    scatter_dimension: int = 0,
+    axis_index_groups=None,
+    tiled: bool = False,
+):
     """Sum over ``axis_name`` and scatter; drop-in for :func:`jax.lax.psum_scatter`.
 
     Args:
@@ -447,12 +458,16 @@ def psum_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, axis_ind
         d = _canon_axis(scatter_dimension, v.ndim, "scatter_dimension")
         n = _axis_size(axes)
         if tiled and v.shape[d] % n:
-            raise ValueError(f"psum_scatter(tiled=True): dimension {d} of size {v.shape[d]} "
-                             f"is not divisible by the axis size {n}.")
+            raise ValueError(
+                f"psum_scatter(tiled=True): dimension {d} of size {v.shape[d]} "
+                f"is not divisible by the axis size {n}."
+            )
         if not tiled and v.shape[d] != n:
-            raise ValueError(f"psum_scatter(tiled=False): dimension {d} has size "
-                             f"{v.shape[d]} but must equal the axis size {n}; pass "
-                             "tiled=True to scatter blocks.")
+            raise ValueError(
+                f"psum_scatter(tiled=False): dimension {d} has size "
+                f"{v.shape[d]} but must equal the axis size {n}; pass "
+                "tiled=True to scatter blocks."
+            )
         v = _pvary_missing(v, axes)
         y = reduce_scatter_p.bind(jnp.moveaxis(v, d, 0), axes=axes, axis_size=n)
         y = jnp.moveaxis(y, 0, d)
@@ -465,8 +480,7 @@ def _reduce_scatter_abstract_eval(aval, *, axes, axis_size):
     _check_axis_names(axes, "psum_scatter")
     _require_varying("psum_scatter", aval, axes)
     if aval.shape[0] % axis_size:
-        raise ValueError(f"psum_scatter: leading size {aval.shape[0]} not divisible by "
-                         f"{axis_size}")
+        raise ValueError(f"psum_scatter: leading size {aval.shape[0]} not divisible by {axis_size}")
     return aval.update(shape=(aval.shape[0] // axis_size, *aval.shape[1:])), _effects(axes)
 
 
@@ -479,7 +493,8 @@ def _reduce_scatter_batcher(axis_data, vals_in, dims_in, *, axes, axis_size):
     if axis_data.name in axes:
         raise NotImplementedError(
             "strata_jax.psum_scatter over a vmapped axis name is not supported; use jnp on "
-            "the batch dimension.")
+            "the batch dimension."
+        )
     if d is None:
         return reduce_scatter_p.bind(v, axes=axes, axis_size=axis_size), None
     v = jnp.moveaxis(v, d, 1)
@@ -488,8 +503,9 @@ def _reduce_scatter_batcher(axis_data, vals_in, dims_in, *, axes, axis_size):
 
 mlir.register_lowering(
     reduce_scatter_p,
-    lambda ctx, x, *, axes, axis_size: _ffi_call_lowering(
-        "strata_reduce_scatter", "psum_scatter")(ctx, x, axes=axes, reduce=np.int32(0)),
+    lambda ctx, x, *, axes, axis_size: _ffi_call_lowering("strata_reduce_scatter", "psum_scatter")(
+        ctx, x, axes=axes, reduce=np.int32(0)
+    ),
     platform="cpu",
 )
 reduce_scatter_p.def_effectful_abstract_eval(_reduce_scatter_abstract_eval)
@@ -504,8 +520,15 @@ batching.fancy_primitive_batchers[reduce_scatter_p] = _reduce_scatter_batcher
 all_to_all_p = core.Primitive("strata_all_to_all")
 
 
-def all_to_all(x, axis_name: AxisName, split_axis: int, concat_axis: int, *,
-               axis_index_groups=None, tiled: bool = False):
+def all_to_all(
+    x,
+    axis_name: AxisName,
+    split_axis: int,
+    concat_axis: int,
+    *,
+    axis_index_groups=None,
+    tiled: bool = False,
+):
     """All-to-all over ``axis_name``; drop-in for :func:`jax.lax.all_to_all`.
 
     Args:
@@ -539,13 +562,17 @@ def all_to_all(x, axis_name: AxisName, split_axis: int, concat_axis: int, *,
         c = _canon_axis(concat_axis, v.ndim, "concat_axis")
         if tiled:
             if v.shape[s] % n:
-                raise ValueError(f"all_to_all: split_axis {s} of size {v.shape[s]} is not "
-                                 f"divisible by the axis size {n}.")
+                raise ValueError(
+                    f"all_to_all: split_axis {s} of size {v.shape[s]} is not "
+                    f"divisible by the axis size {n}."
+                )
             v = _pvary_missing(v, axes)
             return all_to_all_p.bind(v, axes=axes, split_axis=s, concat_axis=c, axis_size=n)
         if v.shape[s] != n:
-            raise ValueError(f"all_to_all(tiled=False): split_axis {s} has size {v.shape[s]} "
-                             f"but must equal the axis size {n}.")
+            raise ValueError(
+                f"all_to_all(tiled=False): split_axis {s} has size {v.shape[s]} "
+                f"but must equal the axis size {n}."
+            )
         # Untiled = tiled on x with a unit axis inserted where the new axis will appear.
         ins = c if c <= s else c + 1
         s2 = s + 1 if c <= s else s
@@ -561,37 +588,43 @@ def _all_to_all_abstract_eval(aval, *, axes, split_axis, concat_axis, axis_size)
     _require_varying("all_to_all", aval, axes)
     shape = list(aval.shape)
     if shape[split_axis] % axis_size:
-        raise ValueError(f"all_to_all: split_axis size {shape[split_axis]} not divisible by "
-                         f"{axis_size}")
+        raise ValueError(
+            f"all_to_all: split_axis size {shape[split_axis]} not divisible by {axis_size}"
+        )
     shape[split_axis] //= axis_size
     shape[concat_axis] *= axis_size
     return aval.update(shape=tuple(shape)), _effects(axes)
 
 
 def _all_to_all_transpose(ct, x, *, axes, split_axis, concat_axis, axis_size):
-    return [all_to_all_p.bind(ct, axes=axes, split_axis=concat_axis, concat_axis=split_axis,
-                              axis_size=axis_size)]
+    return [
+        all_to_all_p.bind(
+            ct, axes=axes, split_axis=concat_axis, concat_axis=split_axis, axis_size=axis_size
+        )
+    ]
 
 
-def _all_to_all_batcher(axis_data, vals_in, dims_in, *, axes, split_axis, concat_axis,
-                        axis_size):
+def _all_to_all_batcher(axis_data, vals_in, dims_in, *, axes, split_axis, concat_axis, axis_size):
     (v,), (d,) = vals_in, dims_in
     if axis_data.name in axes:
         raise NotImplementedError(
-            "strata_jax.all_to_all over a vmapped axis name is not supported.")
+            "strata_jax.all_to_all over a vmapped axis name is not supported."
+        )
     if d is None:
-        return all_to_all_p.bind(v, axes=axes, split_axis=split_axis, concat_axis=concat_axis,
-                                 axis_size=axis_size), None
+        return all_to_all_p.bind(
+            v, axes=axes, split_axis=split_axis, concat_axis=concat_axis, axis_size=axis_size
+        ), None
     v = jnp.moveaxis(v, d, 0)
-    return all_to_all_p.bind(v, axes=axes, split_axis=split_axis + 1,
-                             concat_axis=concat_axis + 1, axis_size=axis_size), 0
+    return all_to_all_p.bind(
+        v, axes=axes, split_axis=split_axis + 1, concat_axis=concat_axis + 1, axis_size=axis_size
+    ), 0
 
 
 mlir.register_lowering(
     all_to_all_p,
     lambda ctx, x, *, axes, split_axis, concat_axis, axis_size: _ffi_call_lowering(
-        "strata_all_to_all", "all_to_all")(ctx, x, axes=axes, split_axis=int(split_axis),
-                                           concat_axis=int(concat_axis)),
+        "strata_all_to_all", "all_to_all"
+    )(ctx, x, axes=axes, split_axis=int(split_axis), concat_axis=int(concat_axis)),
     platform="cpu",
 )
 all_to_all_p.def_effectful_abstract_eval(_all_to_all_abstract_eval)
@@ -661,8 +694,9 @@ def _ppermute_batcher(axis_data, vals_in, dims_in, *, axes, perm):
     if axis_data.name not in axes:
         return ppermute_p.bind(v, axes=axes, perm=perm), d
     if axes != (axis_data.name,):
-        raise NotImplementedError("strata_jax.ppermute over a vmapped axis together with "
-                                  "mesh axes is not supported.")
+        raise NotImplementedError(
+            "strata_jax.ppermute over a vmapped axis together with mesh axes is not supported."
+        )
     if d is None:
         v = jnp.broadcast_to(v[None], (axis_data.size, *v.shape))
         d = 0
@@ -751,8 +785,9 @@ def _pbroadcast_batcher(axis_data, vals_in, dims_in, *, axes, source):
     if axis_data.name not in axes:
         return pbroadcast_p.bind(v, axes=axes, source=source), d
     if axes != (axis_data.name,):
-        raise NotImplementedError("strata_jax.pbroadcast over a vmapped axis together with "
-                                  "mesh axes is not supported.")
+        raise NotImplementedError(
+            "strata_jax.pbroadcast over a vmapped axis together with mesh axes is not supported."
+        )
     if d is None:
         return v, None
     return jnp.take(v, np.full(axis_data.size, source), axis=d), d
@@ -764,6 +799,7 @@ batching.fancy_primitive_batchers[pbroadcast_p] = _pbroadcast_batcher
 mlir.register_lowering(
     pbroadcast_p,
     lambda ctx, x, *, axes, source: _ffi_call_lowering("strata_broadcast", "pbroadcast")(
-        ctx, x, axes=axes, root=int(source)),
+        ctx, x, axes=axes, root=int(source)
+    ),
     platform="cpu",
 )

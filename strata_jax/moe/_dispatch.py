@@ -126,8 +126,15 @@ def _lower(target: str, api: str):
         runtime.native()
         mesh_shape, axes_idx = _mesh_placement(ctx, axes, api)
         sub = ctx.replace(avals_in=[*ctx.avals_in, core.ShapedArray((), np.uint32)])
-        return rule(sub, *args, hlo.partition_id(), op_id=next_op_id(ctx), mesh_shape=mesh_shape,
-                    axes=axes_idx, **attrs)
+        return rule(
+            sub,
+            *args,
+            hlo.partition_id(),
+            op_id=next_op_id(ctx),
+            mesh_shape=mesh_shape,
+            axes=axes_idx,
+            **attrs,
+        )
 
     return lower
 
@@ -138,8 +145,9 @@ moe_dispatch_p = core.Primitive("strata_moe_dispatch")
 
 
 def _dispatch_abstract_eval(x, w, slots, counts, *, axes, capacity, weighted):
-    out = _out_aval(x, (counts.shape[0], capacity, x.shape[1]), x.dtype,
-                    (x, w, slots, counts), axes)
+    out = _out_aval(
+        x, (counts.shape[0], capacity, x.shape[1]), x.dtype, (x, w, slots, counts), axes
+    )
     return out, _effects(axes)
 
 
@@ -147,8 +155,8 @@ moe_dispatch_p.def_effectful_abstract_eval(_dispatch_abstract_eval)
 mlir.register_lowering(
     moe_dispatch_p,
     lambda ctx, x, w, slots, counts, *, axes, capacity, weighted: _lower(
-        "strata_moe_dispatch", "moe.dispatch")(ctx, x, w, slots, counts, axes=axes,
-                                               weighted=np.int64(weighted)),
+        "strata_moe_dispatch", "moe.dispatch"
+    )(ctx, x, w, slots, counts, axes=axes, weighted=np.int64(weighted)),
     platform="cpu",
 )
 
@@ -168,8 +176,9 @@ def _combine_abstract_eval(ey, w, slots, rows, *, axes, num_rows):
 moe_combine_p.def_effectful_abstract_eval(_combine_abstract_eval)
 mlir.register_lowering(
     moe_combine_p,
-    lambda ctx, ey, w, slots, rows, *, axes, num_rows: _lower(
-        "strata_moe_combine", "moe.combine")(ctx, ey, w, slots, rows, axes=axes),
+    lambda ctx, ey, w, slots, rows, *, axes, num_rows: _lower("strata_moe_combine", "moe.combine")(
+        ctx, ey, w, slots, rows, axes=axes
+    ),
     platform="cpu",
 )
 
@@ -185,17 +194,20 @@ moe_gather_p.def_effectful_abstract_eval(_gather_abstract_eval)
 mlir.register_lowering(
     moe_gather_p,
     lambda ctx, values, slots, idx, *, axes: _lower("strata_moe_gather", "moe.combine")(
-        ctx, values, slots, idx, axes=axes),
+        ctx, values, slots, idx, axes=axes
+    ),
     platform="cpu",
 )
 
 
 def _bind_dispatch(x, w, layout: MoELayout, weighted: bool):
     axes = _axes(layout.axis_name)
-    x, w, slots, counts = (_pvary_missing(v, axes)
-                           for v in (x, w, layout.slots, layout.recv_counts))
-    return moe_dispatch_p.bind(x, w, slots, counts, axes=axes, capacity=layout.capacity,
-                               weighted=weighted)
+    x, w, slots, counts = (
+        _pvary_missing(v, axes) for v in (x, w, layout.slots, layout.recv_counts)
+    )
+    return moe_dispatch_p.bind(
+        x, w, slots, counts, axes=axes, capacity=layout.capacity, weighted=weighted
+    )
 
 
 def _bind_combine(ey, w, layout: MoELayout):
@@ -209,8 +221,7 @@ def _bind_combine(ey, w, layout: MoELayout):
 
 def _bind_gather(values, layout: MoELayout):
     axes = _axes(layout.axis_name)
-    values, slots, idx = (_pvary_missing(v, axes)
-                          for v in (values, layout.slots, layout.topk_idx))
+    values, slots, idx = (_pvary_missing(v, axes) for v in (values, layout.slots, layout.topk_idx))
     return moe_gather_p.bind(values, slots, idx, axes=axes)
 
 
@@ -295,22 +306,31 @@ def _check(name: str, axes: tuple, num_experts: int, topk_idx, x=None):
     _check_axis_names(axes, f"moe.{name}")
     r = _axis_size(axes)
     if not isinstance(num_experts, (int, np.integer)) or num_experts <= 0:
-        raise ValueError(f"strata_jax.moe.{name}: num_experts must be a positive int, got "
-                         f"{num_experts!r}.")
+        raise ValueError(
+            f"strata_jax.moe.{name}: num_experts must be a positive int, got {num_experts!r}."
+        )
     if num_experts % r:
-        raise ValueError(f"strata_jax.moe.{name}: num_experts={num_experts} is not divisible "
-                         f"by the size {r} of axis {axes}; every rank must hold the same "
-                         "number of experts.")
+        raise ValueError(
+            f"strata_jax.moe.{name}: num_experts={num_experts} is not divisible "
+            f"by the size {r} of axis {axes}; every rank must hold the same "
+            "number of experts."
+        )
     if topk_idx.ndim != 2 or not jnp.issubdtype(topk_idx.dtype, jnp.integer):
-        raise ValueError(f"strata_jax.moe.{name}: topk_idx must be an integer array [T, K], "
-                         f"got {topk_idx.dtype}{list(topk_idx.shape)}.")
+        raise ValueError(
+            f"strata_jax.moe.{name}: topk_idx must be an integer array [T, K], "
+            f"got {topk_idx.dtype}{list(topk_idx.shape)}."
+        )
     if x is not None:
         if x.ndim != 2 or x.dtype not in [jnp.dtype(d) for d in _FLOATS]:
-            raise ValueError(f"strata_jax.moe.{name}: x must be a float32/float64/bfloat16/"
-                             f"float16 array [T, H], got {x.dtype}{list(x.shape)}.")
+            raise ValueError(
+                f"strata_jax.moe.{name}: x must be a float32/float64/bfloat16/"
+                f"float16 array [T, H], got {x.dtype}{list(x.shape)}."
+            )
         if x.shape[0] != topk_idx.shape[0]:
-            raise ValueError(f"strata_jax.moe.{name}: x has {x.shape[0]} tokens but topk_idx "
-                             f"has {topk_idx.shape[0]}.")
+            raise ValueError(
+                f"strata_jax.moe.{name}: x has {x.shape[0]} tokens but topk_idx "
+                f"has {topk_idx.shape[0]}."
+            )
     return r
 
 
@@ -337,8 +357,9 @@ def dispatch_layout(topk_idx, num_experts: int, axis_name: AxisName):
     el = num_experts // r
     idx = _sanitize(topk_idx, num_experts)
     uniq = _first_occurrence(idx)
-    per_expert = (jax.nn.one_hot(jnp.where(uniq, idx, -1), num_experts, dtype=jnp.int32)
-                  .sum(axis=(0, 1)))
+    per_expert = jax.nn.one_hot(jnp.where(uniq, idx, -1), num_experts, dtype=jnp.int32).sum(
+        axis=(0, 1)
+    )
     dest = jnp.where(idx >= 0, idx // el, -1)
     in_rank = jnp.any(dest[:, :, None] == jnp.arange(r, dtype=jnp.int32), axis=1)
     per_rank = in_rank.sum(0, dtype=jnp.int32)
@@ -355,8 +376,9 @@ def _plan(idx, num_experts: int, capacity: int, axes: tuple):
     le = g_idx - me * el  # local expert id where the expert lives here
     here = (g_idx >= 0) & (le >= 0) & (le < el)  # includes repeated choices
     le_c = jnp.clip(le, 0, el - 1)
-    onehot = ((le_c[:, :, None] == jnp.arange(el, dtype=jnp.int32))
-              & (here & g_uniq)[:, :, None]).sum(1, dtype=jnp.int32)  # [N, E_local] 0/1
+    onehot = (
+        (le_c[:, :, None] == jnp.arange(el, dtype=jnp.int32)) & (here & g_uniq)[:, :, None]
+    ).sum(1, dtype=jnp.int32)  # [N, E_local] 0/1
     pos = jnp.cumsum(onehot, axis=0, dtype=jnp.int32) - onehot  # exclusive count, g order
     total = onehot.sum(0, dtype=jnp.int32)
     recv_counts = jnp.minimum(total, capacity)
@@ -368,8 +390,7 @@ def _plan(idx, num_experts: int, capacity: int, axes: tuple):
     return recv_counts, recv_dropped, recv_dropped.sum(dtype=jnp.int32), slots, rows
 
 
-def dispatch(x, topk_idx, *, num_experts: int, axis_name: AxisName,
-             capacity: int | None = None):
+def dispatch(x, topk_idx, *, num_experts: int, axis_name: AxisName, capacity: int | None = None):
     """Sends every token to the ranks of its experts (DeepEP's ``dispatch``).
 
     Call inside :func:`jax.shard_map` over ``axis_name`` (size R); differentiable w.r.t. ``x``.
@@ -407,15 +428,25 @@ def dispatch(x, topk_idx, *, num_experts: int, axis_name: AxisName,
     if capacity is None:
         capacity = r * t
     if not isinstance(capacity, (int, np.integer)) or capacity < 0:
-        raise ValueError(f"strata_jax.moe.dispatch: capacity must be a non-negative int or "
-                         f"None, got {capacity!r}.")
+        raise ValueError(
+            f"strata_jax.moe.dispatch: capacity must be a non-negative int or "
+            f"None, got {capacity!r}."
+        )
     capacity = int(capacity)
     idx = _pvary_missing(_sanitize(topk_idx, num_experts), axes)
     recv_counts, recv_dropped, dropped, slots, rows = _plan(idx, num_experts, capacity, axes)
-    layout = MoELayout(recv_counts=recv_counts, recv_dropped=recv_dropped, dropped=dropped,
-                       slots=slots, rows=rows, topk_idx=idx, unique=_first_occurrence(idx),
-                       num_experts=int(num_experts), capacity=capacity,
-                       axis_name=tuple(axis_name) if isinstance(axis_name, list) else axis_name)
+    layout = MoELayout(
+        recv_counts=recv_counts,
+        recv_dropped=recv_dropped,
+        dropped=dropped,
+        slots=slots,
+        rows=rows,
+        topk_idx=idx,
+        unique=_first_occurrence(idx),
+        num_experts=int(num_experts),
+        capacity=capacity,
+        axis_name=tuple(axis_name) if isinstance(axis_name, list) else axis_name,
+    )
     return _dispatch_rows(_pvary_missing(x, axes), layout), layout
 
 
@@ -442,8 +473,10 @@ def combine(expert_y, layout: MoELayout, topk_weights):
     so the token's rank pulls one partial row per destination rank and sums them (phase 2).
     """
     if not isinstance(layout, MoELayout):
-        raise ValueError("strata_jax.moe.combine: layout must be the MoELayout returned by "
-                         f"strata_jax.moe.dispatch, got {type(layout).__name__}.")
+        raise ValueError(
+            "strata_jax.moe.combine: layout must be the MoELayout returned by "
+            f"strata_jax.moe.dispatch, got {type(layout).__name__}."
+        )
     axes = _axes(layout.axis_name)
     _check_axis_names(axes, "moe.combine")
     expert_y = jnp.asarray(expert_y)
@@ -452,15 +485,20 @@ def combine(expert_y, layout: MoELayout, topk_weights):
     t, k = layout.topk_idx.shape
     want = (layout.num_experts // r, layout.capacity)
     if expert_y.ndim != 3 or tuple(expert_y.shape[:2]) != want:
-        raise ValueError(f"strata_jax.moe.combine: expert_y must have shape "
-                         f"[{want[0]}, {want[1]}, H] (E_local, capacity), got "
-                         f"{list(expert_y.shape)}.")
+        raise ValueError(
+            f"strata_jax.moe.combine: expert_y must have shape "
+            f"[{want[0]}, {want[1]}, H] (E_local, capacity), got "
+            f"{list(expert_y.shape)}."
+        )
     if expert_y.dtype not in [jnp.dtype(d) for d in _FLOATS]:
-        raise ValueError(f"strata_jax.moe.combine: expert_y must be float32/float64/bfloat16/"
-                         f"float16, got {expert_y.dtype}.")
+        raise ValueError(
+            f"strata_jax.moe.combine: expert_y must be float32/float64/bfloat16/"
+            f"float16, got {expert_y.dtype}."
+        )
     if topk_weights.shape != (t, k) or not jnp.issubdtype(topk_weights.dtype, jnp.floating):
-        raise ValueError(f"strata_jax.moe.combine: topk_weights must be a float array "
-                         f"[{t}, {k}] like topk_idx, got {topk_weights.dtype}"
-                         f"{list(topk_weights.shape)}.")
-    return _combine_rows(_pvary_missing(expert_y, axes), _pvary_missing(topk_weights, axes),
-                         layout)
+        raise ValueError(
+            f"strata_jax.moe.combine: topk_weights must be a float array "
+            f"[{t}, {k}] like topk_idx, got {topk_weights.dtype}"
+            f"{list(topk_weights.shape)}."
+        )
+    return _combine_rows(_pvary_missing(expert_y, axes), _pvary_missing(topk_weights, axes), layout)

@@ -43,8 +43,9 @@ def route(x: jax.Array, router_w: jax.Array, top_k: int) -> tuple[jax.Array, jax
     return top_i.astype(jnp.int32), top_p / top_p.sum(axis=-1, keepdims=True)
 
 
-def _experts(h: jax.Array, w1: jax.Array, w2: jax.Array,
-             activation: Callable[[jax.Array], jax.Array]) -> jax.Array:
+def _experts(
+    h: jax.Array, w1: jax.Array, w2: jax.Array, activation: Callable[[jax.Array], jax.Array]
+) -> jax.Array:
     """[E_local, N, H] -> [E_local, N, H]: one two-layer MLP per local expert, batched."""
     a = activation(jnp.einsum("enh,ehf->enf", h, w1.astype(h.dtype)))
     return jnp.einsum("enf,efh->enh", a, w2.astype(h.dtype))
@@ -120,8 +121,10 @@ def moe_mlp(
     t, h = x.shape
     nranks = jax.lax.axis_size(axis_name)
     if num_experts <= 0 or num_experts % nranks:
-        raise ValueError(f"num_experts={num_experts} must be a positive multiple of the size "
-                         f"{nranks} of axis {axis_name!r}")
+        raise ValueError(
+            f"num_experts={num_experts} must be a positive multiple of the size "
+            f"{nranks} of axis {axis_name!r}"
+        )
     e_local = num_experts // nranks
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
@@ -130,23 +133,32 @@ def moe_mlp(
     if w1.ndim != 3 or w1.shape[:2] != (e_local, h):
         raise ValueError(f"w1 must be [E_local={e_local}, H={h}, F], got {w1.shape}")
     if w2.shape != (e_local, w1.shape[2], h):
-        raise ValueError(f"w2 must be [E_local={e_local}, F={w1.shape[2]}, H={h}], "
-                         f"got {w2.shape}")
+        raise ValueError(f"w2 must be [E_local={e_local}, F={w1.shape[2]}, H={h}], got {w2.shape}")
     if capacity is not None and capacity < 0:
         raise ValueError(f"capacity must be >= 0 or None, got {capacity}")
 
     topk_idx, topk_w = route(x, router_w, top_k)
 
     if impl == "xla":
-        return _gshard(x, topk_idx, topk_w, w1, w2, num_experts=num_experts,
-                       axis_name=axis_name, capacity=capacity, activation=activation)
+        return _gshard(
+            x,
+            topk_idx,
+            topk_w,
+            w1,
+            w2,
+            num_experts=num_experts,
+            axis_name=axis_name,
+            capacity=capacity,
+            activation=activation,
+        )
 
     if impl == "strata":
         dispatch, combine = _native_ops()
     else:
         from strata_jax.moe._reference import combine, dispatch  # noqa: PLC0415
-    recv, layout = dispatch(x, topk_idx, num_experts=num_experts, axis_name=axis_name,
-                            capacity=capacity)
+    recv, layout = dispatch(
+        x, topk_idx, num_experts=num_experts, axis_name=axis_name, capacity=capacity
+    )
     expert_y = _experts(recv, w1, w2, activation)
     return combine(expert_y, layout, topk_w).astype(x.dtype)
 

@@ -63,18 +63,21 @@ class DispatchLayout:
     capacity: int = dataclasses.field(metadata=dict(static=True))
 
 
-def _check(x_shape: tuple[int, ...] | None, topk_idx: jax.Array, num_experts: int,
-           nranks: int) -> None:
+def _check(
+    x_shape: tuple[int, ...] | None, topk_idx: jax.Array, num_experts: int, nranks: int
+) -> None:
     if topk_idx.ndim != 2:
         raise ValueError(f"topk_idx must be [T, K], got shape {topk_idx.shape}")
     if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
         raise TypeError(f"topk_idx must be an integer array, got {topk_idx.dtype}")
     if x_shape is not None and (len(x_shape) != 2 or x_shape[0] != topk_idx.shape[0]):
-        raise ValueError(f"x must be [T, H] with T = topk_idx.shape[0] = {topk_idx.shape[0]}, "
-                         f"got {x_shape}")
+        raise ValueError(
+            f"x must be [T, H] with T = topk_idx.shape[0] = {topk_idx.shape[0]}, got {x_shape}"
+        )
     if num_experts <= 0 or num_experts % nranks:
-        raise ValueError(f"num_experts={num_experts} must be a positive multiple of the axis "
-                         f"size {nranks}")
+        raise ValueError(
+            f"num_experts={num_experts} must be a positive multiple of the axis size {nranks}"
+        )
 
 
 def _membership(topk_idx: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
@@ -107,8 +110,14 @@ def dispatch_layout(topk_idx: jax.Array, num_experts: int, axis_name: AxisName):
     return in_rank.sum(0, dtype=jnp.int32), per_expert, in_rank
 
 
-def dispatch(x: jax.Array, topk_idx: jax.Array, *, num_experts: int, axis_name: AxisName,
-             capacity: int | None = None) -> tuple[jax.Array, DispatchLayout]:
+def dispatch(
+    x: jax.Array,
+    topk_idx: jax.Array,
+    *,
+    num_experts: int,
+    axis_name: AxisName,
+    capacity: int | None = None,
+) -> tuple[jax.Array, DispatchLayout]:
     """Sends each token to the ranks of its experts (reference implementation).
 
     Args:
@@ -152,10 +161,10 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, *, num_experts: int, axis_name: 
     # buffers of all ranks onto the experts' owners: rows are disjoint, so the sum is exact.
     dest = jnp.where(slot_keep & first, safe * cap + slot_pos, num_experts * cap)
     rows = jnp.broadcast_to(x[:, None, :], (t, idx.shape[1], h)).reshape(-1, h)
-    send = jnp.zeros((num_experts * cap, h), x.dtype).at[dest.reshape(-1)].add(
-        rows, mode="drop")
-    recv = jax.lax.psum_scatter(send.reshape(num_experts, cap, h), axis_name,
-                                scatter_dimension=0, tiled=True)
+    send = jnp.zeros((num_experts * cap, h), x.dtype).at[dest.reshape(-1)].add(rows, mode="drop")
+    recv = jax.lax.psum_scatter(
+        send.reshape(num_experts, cap, h), axis_name, scatter_dimension=0, tiled=True
+    )
 
     counts = flat.sum(0)  # [E]
     mine = jax.lax.dynamic_slice_in_dim(counts, rank * e_local, e_local)
@@ -193,8 +202,9 @@ def combine(expert_y: jax.Array, layout: DispatchLayout, topk_weights: jax.Array
     nranks = jax.lax.axis_size(layout.axis_name)
     e_local = layout.num_experts // nranks
     if expert_y.ndim != 3 or expert_y.shape[:2] != (e_local, layout.capacity):
-        raise ValueError(f"expert_y must be [E_local={e_local}, C={layout.capacity}, H], "
-                         f"got {expert_y.shape}")
+        raise ValueError(
+            f"expert_y must be [E_local={e_local}, C={layout.capacity}, H], got {expert_y.shape}"
+        )
     full = jax.lax.all_gather(expert_y, layout.axis_name, axis=0, tiled=True)  # [E, C, H]
     # Row C of every expert is a zero row: -1 slots and dropped pairs read it (C may be 0).
     full = jnp.pad(full, ((0, 0), (0, 1), (0, 0)))
@@ -210,7 +220,8 @@ def default_capacity(num_tokens: int, nranks: int) -> int:
     return nranks * num_tokens
 
 
-def capacity_from_factor(factor: float, num_tokens: int, nranks: int, num_experts: int,
-                         top_k: int) -> int:
+def capacity_from_factor(
+    factor: float, num_tokens: int, nranks: int, num_experts: int, top_k: int
+) -> int:
     """``ceil(factor * R * T * K / E)``: rows per expert for a capacity factor."""
     return max(1, math.ceil(factor * nranks * num_tokens * top_k / num_experts))
