@@ -334,3 +334,26 @@ def test_13_rank_dependent_sequences_keep_order(rng):
     a = np.where(r % 2 == 1, x * 2, x + 1).sum()
     np.testing.assert_array_equal(jitted, a + x)
     np.testing.assert_array_equal(eager, jitted)
+
+
+def test_bad_arguments_fail_at_trace_time():
+    x = np.arange(8, dtype=np.float32)
+    with pytest.raises(ValueError, match="outside"):
+        run(lambda v: sj.ppermute(v, "x", [(0, 9)]), x)
+    with pytest.raises(ValueError, match="repeat"):
+        run(lambda v: sj.psum(v, ("x", "x")), x)
+    with pytest.raises(ValueError, match="repeats a source"):
+        run(lambda v: sj.ppermute(v, "x", [(0, 1), (0, 2)]), x)
+    # negative indices count from the end, as in jax.lax.ppermute
+    got = run(lambda v: sj.ppermute(v, "x", [(-1, 0)]), x)
+    want = run(lambda v: jax.lax.ppermute(v, "x", [(7, 0)]), x)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("op", ["pmax", "pmin"])
+def test_pmax_pmin_are_not_differentiable_like_jax_lax(op):
+    x = np.arange(8, dtype=np.float32)
+    with pytest.raises(NotImplementedError, match="Differentiation rule"):
+        run(lambda v: jax.grad(lambda u: getattr(sj, op)(u, "x").sum())(v), x)
+    with pytest.raises(NotImplementedError, match="Differentiation rule"):
+        run(lambda v: jax.jvp(lambda u: getattr(sj, op)(u, "x"), (v,), (v,))[1], x)

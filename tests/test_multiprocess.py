@@ -115,13 +115,29 @@ def test_timeout_then_sigkill_leaves_nothing():
 
     tmp = Path(tempfile.mkdtemp(prefix="strata-t-", dir="/tmp"))  # short: socket paths
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    r = _launch(2, "timeout_then_kill.py", tmpdir=tmp, timeout=120)
-    out = r.stdout + r.stderr
-    assert "TIMEOUT-OK" in out, out[-3000:]
-    assert "rank 1 was killed by SIGKILL" in out, out[-3000:]
-    assert r.returncode != 0
-    left = list(tmp.iterdir())
-    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        r = _launch(2, "timeout_then_kill.py", tmpdir=tmp, timeout=120)
+        out = r.stdout + r.stderr
+        assert "TIMEOUT-OK" in out, out[-3000:]
+        assert "rank 1 was killed by SIGKILL" in out, out[-3000:]
+        assert r.returncode != 0
+        left = list(tmp.iterdir())
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     assert left == [], f"left behind: {left}"
     shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     assert shm_after <= shm_before, f"left in /dev/shm: {shm_after - shm_before}"
+
+
+def test_uncaught_exception_on_one_rank_stops_everyone_quickly():
+    """A Python exception on rank 1 ends the job within seconds and names rank 1 (without
+    strata's excepthook the rank would hang in jax.distributed's shutdown)."""
+    import time
+
+    t = time.time()
+    r = _launch(4, "raise_on_rank1.py", timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    assert "boom on rank 1" in out, out[-3000:]
+    assert "rank 1 exited with code 1" in out, out[-3000:]
+    assert time.time() - t < 60, f"took {time.time() - t:.0f} s"

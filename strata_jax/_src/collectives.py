@@ -75,6 +75,8 @@ def _no_groups(axis_index_groups, api: str) -> None:
 
 
 def _check_axis_names(axes: tuple, api: str) -> None:
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"strata_jax.{api}: axis names {axes} repeat a name; name each axis once.")
     env = core.get_axis_env()
     for name in axes:
         if isinstance(name, int):
@@ -309,8 +311,23 @@ def _all_reduce_lowering(ctx, x, *, axes, reduce, invariant):
     return lower(ctx, x, axes=axes, reduce=np.int32(_REDUCE_CODES[reduce]))
 
 
+def _all_reduce_jvp(primals, tangents, *, axes, reduce, invariant):
+    if reduce != "sum":
+        raise NotImplementedError(
+            f"Differentiation rule for strata_jax.p{reduce} is not implemented (jax.lax.p{reduce} "
+            f"has none either); differentiate p{reduce}(stop_gradient(x)) or write the "
+            "selection with psum."
+        )
+    (x,), (t,) = primals, tangents
+    out = all_reduce_p.bind(x, axes=axes, reduce=reduce, invariant=invariant)
+    if type(t) is ad.Zero:
+        return out, ad.Zero(core.typeof(out).to_tangent_aval())
+    return out, all_reduce_p.bind(t, axes=axes, reduce=reduce, invariant=invariant)
+
+
 all_reduce_p.def_effectful_abstract_eval(_all_reduce_abstract_eval)
 ad.deflinear2(all_reduce_p, _all_reduce_transpose)
+ad.primitive_jvps[all_reduce_p] = _all_reduce_jvp
 batching.fancy_primitive_batchers[all_reduce_p] = _all_reduce_batcher
 mlir.register_lowering(all_reduce_p, _all_reduce_lowering, platform="cpu")
 
@@ -640,8 +657,14 @@ ppermute_p = core.Primitive("strata_ppermute")
 
 
 def _check_perm(perm, n: int) -> tuple:
-    # Indices are taken modulo the group size, as jax.lax.ppermute does.
-    perm = tuple((int(s) % n, int(d) % n) for s, d in perm)
+    perm = tuple((int(s), int(d)) for s, d in perm)
+    bad = [i for pair in perm for i in pair if not -n <= i < n]
+    if bad:
+        raise ValueError(
+            f"ppermute: perm {perm} has indices {bad} outside [-{n}, {n}) for an axis of size {n}."
+        )
+    # Negative indices count from the end, as jax.lax.ppermute does.
+    perm = tuple((s % n, d % n) for s, d in perm)
     srcs = [s for s, _ in perm]
     dsts = [d for _, d in perm]
     if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):

@@ -38,6 +38,33 @@ def _cluster_size() -> int:
     return 1
 
 
+def _exit_on_uncaught_exception() -> None:
+    """Under the launcher, an uncaught exception ends the rank at once (exit code 1).
+
+    A normal interpreter exit runs jax.distributed's shutdown, which waits for every other
+    process: a rank that raised would then hang until its peers finish or time out, and the
+    launcher could not see the failure and stop the others. Printing the traceback and calling
+    os._exit lets the launcher name the failed rank and stop the rest within seconds.
+    """
+    import os
+    import sys
+    import traceback
+
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        try:
+            (previous if previous is not sys.__excepthook__ else traceback.print_exception)(
+                exc_type, exc, tb
+            )
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    sys.excepthook = hook
+
+
 def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
     """Initializes ``jax.distributed`` (if needed) and connects the shared-memory fabric.
 
@@ -91,6 +118,8 @@ def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
     from strata_jax import launch
 
     env = launch.distributed_env()
+    if env is not None:
+        _exit_on_uncaught_exception()
     if not jax.distributed.is_initialized() and env is not None:
         jax.config.update("jax_num_cpu_devices", env["local_device_count"])
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
