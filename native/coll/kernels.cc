@@ -1,6 +1,7 @@
 #include "coll/kernels.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include <emmintrin.h>
@@ -177,8 +178,19 @@ void reduce_n_to(int32_t dtype, ReduceOp op, const void* const* srcs, int n, voi
   }
 }
 
+namespace {
+size_t stream_bytes() {
+  // STRATA_STREAM_BYTES overrides the streaming-store threshold (for measurements).
+  static const size_t v = [] {
+    const char* e = std::getenv("STRATA_STREAM_BYTES");
+    return e ? static_cast<size_t>(std::atoll(e)) : kStreamBytes;
+  }();
+  return v;
+}
+}  // namespace
+
 void copy_bytes(void* dst, const void* src, size_t bytes) {
-  if (bytes < kStreamBytes) {
+  if (bytes < stream_bytes()) {
     if (bytes) std::memcpy(dst, src, bytes);
     return;
   }
