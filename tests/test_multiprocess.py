@@ -3,7 +3,8 @@
 Each case launches one script (tests/mp_scripts/) that batches many checks, because a process
 with jax takes seconds to start: every collective against numpy on 2 and 4 processes and on
 2 processes x 2 devices (a 2x2 mesh mixing local and remote peers), the three registration
-modes bit for bit, a peer that never arrives, and clean-up after SIGKILL of a rank.
+modes bit for bit, MoE dispatch/combine with gradients, a peer that never arrives, and
+clean-up after SIGKILL of a rank.
 """
 
 from __future__ import annotations
@@ -107,6 +108,18 @@ def test_two_processes_two_devices_each(digests):
     r = _launch(2, "check_collectives.py", str(digests), devices=2)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("OK 110 checks") == 2, r.stdout[-2000:]
+
+
+@pytest.mark.parametrize(
+    "nproc,devices,mode", [(2, 1, "on_alloc"), (2, 2, "on_alloc"), (2, 1, "staging")]
+)
+def test_moe_dispatch_combine_across_processes(nproc, devices, mode):
+    """moe.dispatch/combine and their gradients (the weights cotangent goes through the
+    gather op) across processes, against numpy; 2x2 mixes local and remote peers."""
+    _require_allocator()
+    r = _launch(nproc, "check_moe.py", devices=devices, mode=mode)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.count(f"OK moe {15 * devices} checks") == nproc, r.stdout[-2000:]
 
 
 def test_timeout_then_sigkill_leaves_nothing():

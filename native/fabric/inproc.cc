@@ -169,4 +169,13 @@ std::string InProcTeam::arrive(const OpDesc& desc, const void* in, void* out) {
   return {};
 }
 
+std::string InProcTeam::arrive_multi(const OpDesc& desc, const BufRef* bufs, int nbufs) {
+  if (nbufs > kMaxBufs) return fail("internal error: too many buffers for arrive_multi");
+  auto& me = slot_->peers[rank_];
+  for (int i = 0; i < kMaxBufs; ++i)
+    me.bufs[i] = i < nbufs && bufs[i].bytes ? bufs[i].ptr : nullptr;
+  // arrive()'s barrier (acq_rel) publishes the pointers stored above to every peer.
+  return arrive(desc, nullptr, nullptr);
+}
+
 }  // namespace strata

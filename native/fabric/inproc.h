@@ -48,6 +48,7 @@ struct CallSlot {
   struct Peer {
     const void* in = nullptr;
     void* out = nullptr;
+    const void* bufs[kMaxBufs] = {};  // arrive_multi's buffers (published like `in`)
     OpDesc desc;
     // Number of barriers this rank has entered. Written by the rank (release), read by the
     // timeout path to name the missing ranks.
@@ -73,10 +74,13 @@ class InProcTeam final : public Team {
   int size() const override { return size_; }
   const void* peer_in(int j) const override { return slot_->peers[j].in; }
   void* peer_out(int j) const override { return slot_->peers[j].out; }
+  const void* peer_buf(int j, int i) const override { return slot_->peers[j].bufs[i]; }
   const OpDesc& peer_desc(int j) const override { return slot_->peers[j].desc; }
   std::string barrier(const char* phase) override;
   // Publishes this rank's buffers and waits for every peer to arrive; checks that all agree.
   std::string arrive(const OpDesc& desc, const void* in, void* out);
+  // The same with up to kMaxBufs buffers (one address space: published as they are).
+  std::string arrive_multi(const OpDesc& desc, const BufRef* bufs, int nbufs);
   // Final barrier: after it no peer touches this rank's buffers any more.
   std::string depart() { return barrier("depart"); }
 

@@ -209,7 +209,8 @@ ShmTeam::ShmTeam(ShmFabric* f, ShmSlot* slot, const Placement& pl, const char* o
       partition_(pl.partition),
       op_name_(op_name),
       in_(pl.size, nullptr),
-      out_(pl.size, nullptr) {}
+      out_(pl.size, nullptr),
+      bufs_(static_cast<size_t>(pl.size) * kMaxBufs, nullptr) {}
 
 ShmTeam::~ShmTeam() {
   // A bounce buffer is reused only when every peer is known to be done with it; after a failed
@@ -266,6 +267,24 @@ std::string ShmTeam::barrier(const char* phase) {
   os << ". A peer never reached this collective: check that every device executes the same "
         "sequence of collectives, or raise strata_jax.set_timeout().";
   return fail(os.str());
+}
+
+std::string ShmTeam::check_peers(const OpDesc& desc) const {
+  for (int j = 0; j < size_; ++j) {
+    const ShmPeer& o = slot_->peers[j];
+    if (o.kind != desc.kind || o.dtype != desc.dtype || o.reduce != desc.reduce ||
+        o.aux != desc.aux || o.in_bytes != desc.in_bytes || o.out_bytes != desc.out_bytes) {
+      std::ostringstream os;
+      os << "strata_jax " << op_name_ << ": ranks disagree on the collective (rank " << rank_
+         << ": dtype " << desc.dtype << ", " << desc.in_bytes << " B in, " << desc.out_bytes
+         << " B out; rank " << j << ": kind " << o.kind << ", dtype " << o.dtype << ", "
+         << o.in_bytes << " B in, " << o.out_bytes
+         << " B out). Every rank of a group must call the same collective with the same shape "
+            "and dtype.";
+      return os.str();
+    }
+  }
+  return {};
 }
 
 std::string ShmTeam::arrive(const OpDesc& desc, const void* in, void* out) {
@@ -334,20 +353,8 @@ std::string ShmTeam::arrive(const OpDesc& desc, const void* in, void* out) {
   err = barrier("arrive");
   if (!err.empty()) return err;  // a peer may still come and touch the bounce: keep it busy
   release_bounce_ = true;
-  for (int j = 0; j < size_; ++j) {
-    const ShmPeer& o = slot_->peers[j];
-    if (o.kind != desc.kind || o.dtype != desc.dtype || o.reduce != desc.reduce ||
-        o.aux != desc.aux || o.in_bytes != desc.in_bytes || o.out_bytes != desc.out_bytes) {
-      std::ostringstream os;
-      os << "strata_jax " << op_name_ << ": ranks disagree on the collective (rank " << rank_
-         << ": dtype " << desc.dtype << ", " << desc.in_bytes << " B in, " << desc.out_bytes
-         << " B out; rank " << j << ": kind " << o.kind << ", dtype " << o.dtype << ", "
-         << o.in_bytes << " B in, " << o.out_bytes
-         << " B out). Every rank of a group must call the same collective with the same shape "
-            "and dtype.";
-      return os.str();  // every rank sees the same descriptors and fails here
-    }
-  }
+  err = check_peers(desc);
+  if (!err.empty()) return err;  // every rank sees the same descriptors and fails here
   release_bounce_ = false;  // from here on a peer may already be using it
   descs_.assign(size_, desc);
   for (int j = 0; j < size_; ++j) {
@@ -373,6 +380,98 @@ std::string ShmTeam::arrive(const OpDesc& desc, const void* in, void* out) {
   return {};
 }
 
+std::string ShmTeam::arrive_multi(const OpDesc& desc, const BufRef* bufs, int nbufs) {
+  if (nbufs > kMaxBufs)
+    return fail(std::string("strata_jax ") + op_name_ + ": internal error: too many buffers");
+  const auto deadline = Clock::now() + std::chrono::milliseconds(settings().timeout_ms.load());
+  const auto& api = ShmFabric::alloc();
+  const bool staging = f_->mode() == RegMode::kStaging;
+  // As in arrive(): a buffer inside an allocator segment is shared as it is (its segment
+  // exported if needed); any other is staged at its offset in one bounce buffer.
+  strata_seg_info seg[kMaxBufs] = {};
+  bool ok[kMaxBufs] = {};
+  uint64_t stage_off[kMaxBufs] = {};
+  size_t room = 0;
+  std::string err;
+  for (int i = 0; i < nbufs; ++i) {
+    const BufRef& b = bufs[i];
+    ok[i] = b.bytes == 0 || (!staging && api.lookup && api.lookup(b.ptr, b.bytes, &seg[i]));
+    if (ok[i] && b.bytes && err.empty())
+      err = f_->export_segment(seg[i].segment_id, seg[i].fd, seg[i].size, true);
+    if (!ok[i]) {
+      stage_off[i] = room;
+      room += align_up(b.bytes);
+    }
+  }
+  if (!err.empty()) return fail(std::string("strata_jax ") + op_name_ + ": " + err);
+
+  ShmPeer& me = slot_->peers[rank_];
+  me.proc = f_->proc();
+  me.kind = desc.kind;
+  me.dtype = desc.dtype;
+  me.reduce = desc.reduce;
+  me.aux = desc.aux;
+  me.algo = desc.algo;
+  me.in_bytes = desc.in_bytes;  // compared by check_peers; in/out themselves are not published
+  me.out_bytes = desc.out_bytes;
+  me.in_seg = me.out_seg = me.in_off = me.out_off = me.in_ptr = me.out_ptr = 0;
+  if (room) {
+    bounce_ = f_->acquire_bounce(room, true, &err);
+    if (!bounce_) return fail(std::string("strata_jax ") + op_name_ + ": " + err);
+    any_staged_ = true;
+    stats().staged_calls.fetch_add(1, std::memory_order_relaxed);
+  }
+  for (int i = 0; i < kMaxBufs; ++i) {
+    const bool used = i < nbufs && bufs[i].bytes;
+    me.buf_bytes[i] = used ? bufs[i].bytes : 0;
+    me.buf_seg[i] = me.buf_off[i] = me.buf_ptr[i] = 0;
+    if (!used) continue;
+    const BufRef& b = bufs[i];
+    if (ok[i]) {
+      me.buf_seg[i] = seg[i].segment_id;
+      me.buf_off[i] = seg[i].offset;
+      me.buf_ptr[i] = reinterpret_cast<uintptr_t>(b.ptr);
+      continue;
+    }
+    char* staged = bounce_->base + stage_off[i];
+    if (b.written) {
+      copy_back_.push_back(CopyBack{const_cast<void*>(b.ptr), stage_off[i], b.bytes});
+    } else {
+      copy_bytes(staged, b.ptr, b.bytes);
+    }
+    stats().staged_bytes.fetch_add(b.bytes, std::memory_order_relaxed);
+    me.buf_seg[i] = bounce_->id;
+    me.buf_off[i] = stage_off[i];
+    me.buf_ptr[i] = reinterpret_cast<uintptr_t>(staged);
+  }
+  // The barrier's fetch_add(acq_rel) publishes the fields above and the staged copies.
+  err = barrier("arrive");
+  if (!err.empty()) return err;  // a peer may still come and touch the bounce: keep it busy
+  release_bounce_ = true;
+  err = check_peers(desc);
+  if (!err.empty()) return err;  // every rank sees the same descriptors and fails here
+  release_bounce_ = false;  // from here on a peer may already be using it
+  descs_.assign(size_, desc);
+  for (int j = 0; j < size_; ++j) {
+    const ShmPeer& o = slot_->peers[j];
+    descs_[j].algo = o.algo;
+    for (int i = 0; i < kMaxBufs; ++i) {
+      if (!o.buf_bytes[i]) continue;
+      if (o.buf_seg[i] & kBounceIdBit) any_staged_ = true;
+      const void*& dst = bufs_[static_cast<size_t>(j) * kMaxBufs + i];
+      if (o.proc == f_->proc()) {
+        dst = reinterpret_cast<const void*>(o.buf_ptr[i]);
+        continue;
+      }
+      dst = f_->translate(o.proc, o.buf_seg[i], o.buf_off[i], o.buf_bytes[i], deadline, &err);
+      if (!dst) return fail(std::string("strata_jax ") + op_name_ + ": " + err);
+    }
+  }
+  arrived_ = true;
+  release_bounce_ = true;
+  return {};
+}
+
 std::string ShmTeam::depart() {
   if (!arrived_) return {};
   std::string err = barrier("depart");
@@ -384,6 +483,8 @@ std::string ShmTeam::depart() {
     copy_bytes(user_out_, bounce_->base + (slot_->peers[rank_].out_off), out_bytes_);
     stats().staged_bytes.fetch_add(out_bytes_, std::memory_order_relaxed);
   }
+  // After the final barrier no peer reads this rank's staged buffers any more.
+  for (const CopyBack& c : copy_back_) copy_bytes(c.dst, bounce_->base + c.off, c.bytes);
   return {};
 }
 

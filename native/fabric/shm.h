@@ -63,6 +63,8 @@ struct ShmPeer {
   uint64_t in_bytes, out_bytes;
   uint64_t in_seg, in_off, out_seg, out_off;  // where peers find the buffers (seg 0: none)
   uint64_t in_ptr, out_ptr;                   // the same, as addresses in the owner process
+  // arrive_multi's buffers, published like in/out (bytes 0: not published).
+  uint64_t buf_seg[kMaxBufs], buf_off[kMaxBufs], buf_ptr[kMaxBufs], buf_bytes[kMaxBufs];
   // Barriers this rank entered (release), read by the timeout path to name missing ranks.
   std::atomic<uint32_t> reached;
   int32_t algo;  // the rank's algorithm proposal (OpDesc::algo); everyone follows rank 0's
@@ -100,11 +102,16 @@ class ShmTeam final : public Team {
   int size() const override { return size_; }
   const void* peer_in(int j) const override { return in_[j]; }
   void* peer_out(int j) const override { return out_[j]; }
+  const void* peer_buf(int j, int i) const override { return bufs_[j * kMaxBufs + i]; }
   const OpDesc& peer_desc(int j) const override { return descs_[j]; }
   std::string barrier(const char* phase) override;
   // Stages what cannot be shared, publishes this rank's buffers, waits for every peer, checks
   // that all agree and translates the peers' buffers into local addresses.
   std::string arrive(const OpDesc& desc, const void* in, void* out);
+  // The same for up to kMaxBufs buffers (no in/out): each buffer is shared zero-copy when the
+  // allocator owns it, else staged through one bounce buffer (copied in at arrival, or, when
+  // `written`, copied back to the caller's buffer at departure).
+  std::string arrive_multi(const OpDesc& desc, const BufRef* bufs, int nbufs);
   // Final barrier, then copies a staged output to the caller's buffer. Always call it once
   // arrive() returned (also after an error), so no peer still touches this rank's memory.
   std::string depart();
@@ -113,6 +120,7 @@ class ShmTeam final : public Team {
 
  private:
   std::string fail(const std::string& msg);
+  std::string check_peers(const OpDesc& desc) const;
   std::string publish(const void* p, uint64_t bytes, bool is_out, uint64_t* seg, uint64_t* off,
                       uint64_t* ptr);
   ShmFabric* f_;
@@ -123,6 +131,12 @@ class ShmTeam final : public Team {
   const char* op_name_;
   std::vector<const void*> in_;
   std::vector<void*> out_;
+  std::vector<const void*> bufs_;  // [rank * kMaxBufs + i]: arrive_multi's buffers, local
+  struct CopyBack {
+    void* dst;
+    uint64_t off, bytes;
+  };
+  std::vector<CopyBack> copy_back_;  // staged `written` buffers, copied back at departure
   std::vector<OpDesc> descs_;  // copies of the peers' published descriptors (after arrival)
   bool any_staged_ = false;
   // Staging of this rank's own buffers.

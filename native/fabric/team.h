@@ -27,6 +27,17 @@ struct OpDesc {
   }
 };
 
+// One of several buffers a rank publishes for operators that need more than one input (MoE).
+// `written`: the owner writes it during the call (through peer_buf(rank(), i)) and peers read it
+// after a barrier; a fabric that stages it copies it back to `ptr` at departure instead of
+// copying it in at arrival.
+struct BufRef {
+  const void* ptr = nullptr;
+  uint64_t bytes = 0;  // 0: not published (peer_buf returns nullptr)
+  bool written = false;
+};
+constexpr int kMaxBufs = 4;  // buffers per rank for arrive_multi
+
 class Team {
  public:
   virtual ~Team() = default;
@@ -34,6 +45,11 @@ class Team {
   virtual int size() const = 0;
   virtual const void* peer_in(int j) const = 0;
   virtual void* peer_out(int j) const = 0;
+  // Address in this process of buffer i (0 <= i < kMaxBufs) published by rank j through
+  // arrive_multi (valid after it returned; nullptr if not published). For j == rank() this is
+  // where this rank must write a `written` buffer so that peers see it (a bounce buffer when
+  // the fabric staged it).
+  virtual const void* peer_buf(int j, int i) const = 0;
   // The descriptor rank j published at arrival (valid after arrive()).
   virtual const OpDesc& peer_desc(int j) const = 0;
   // Barrier across the team: every write any rank made before it is visible to every rank

@@ -35,15 +35,16 @@ inline std::string placement(xla::ffi::AnyBuffer pid, I64s mesh_shape, I64s axes
                std::vector<int64_t>(axes.begin(), axes.end()), pl);
 }
 
-// Joins call (run, op_id, occurrence, group) on the fabric, publishes (in, out), runs
-// body(Team&) -> error string, and always departs (peers may still read this rank's buffers).
-// `cross_process` says whether the operator supports the shared-memory fabric; one that does
-// not fails clearly when several processes are connected instead of waiting for peers that
-// cannot arrive.
-template <class Body>
-xla::ffi::Error join_and_run(const char* name, int64_t run_id, int64_t op_id,
-                             const Placement& pl, const OpDesc& desc, const void* in, void* out,
-                             bool cross_process, Body body) {
+// Joins call (run, op_id, occurrence, group) on the fabric, publishes this rank's buffers with
+// arrive(Team&) -> error string (a generic lambda: called with the InProcTeam or the ShmTeam),
+// runs body(Team&) -> error string, and always departs (peers may still read this rank's
+// buffers). `cross_process` says whether the operator supports the shared-memory fabric; one
+// that does not fails clearly when several processes are connected instead of waiting for
+// peers that cannot arrive.
+template <class Arrive, class Body>
+xla::ffi::Error join_and_run_with(const char* name, int64_t run_id, int64_t op_id,
+                                  const Placement& pl, bool cross_process, Arrive arrive,
+                                  Body body) {
   std::string err;
   if (ShmFabric* shm = ShmFabric::active()) {
     if (!cross_process)
@@ -55,7 +56,7 @@ xla::ffi::Error join_and_run(const char* name, int64_t run_id, int64_t op_id,
     // processes a group spans: that needs the program's device assignment).
     auto team = shm->join(run_id, op_id, pl, name, &err);
     if (!team) return to_error(err);
-    err = team->arrive(desc, in, out);
+    err = arrive(*team);
     if (!err.empty()) return to_error(err);
     err = body(*team);
     std::string derr = team->depart();
@@ -64,11 +65,31 @@ xla::ffi::Error join_and_run(const char* name, int64_t run_id, int64_t op_id,
     return xla::ffi::Error::Success();
   }
   auto team = InProcFabric::instance().join(run_id, op_id, pl, name);
-  err = team->arrive(desc, in, out);
+  err = arrive(*team);
   if (err.empty()) err = body(*team);
   if (err.empty()) err = team->depart();
   if (!err.empty()) return to_error(err);
   return xla::ffi::Error::Success();
+}
+
+// The usual case: one input and one output buffer per rank.
+template <class Body>
+xla::ffi::Error join_and_run(const char* name, int64_t run_id, int64_t op_id,
+                             const Placement& pl, const OpDesc& desc, const void* in, void* out,
+                             bool cross_process, Body body) {
+  return join_and_run_with(
+      name, run_id, op_id, pl, cross_process,
+      [&](auto& team) { return team.arrive(desc, in, out); }, body);
+}
+
+// Several buffers per rank (Team::peer_buf); the output is this rank's alone, not published.
+template <class Body>
+xla::ffi::Error join_and_run_multi(const char* name, int64_t run_id, int64_t op_id,
+                                   const Placement& pl, const OpDesc& desc, const BufRef* bufs,
+                                   int nbufs, Body body) {
+  return join_and_run_with(
+      name, run_id, op_id, pl, /*cross_process=*/true,
+      [&](auto& team) { return team.arrive_multi(desc, bufs, nbufs); }, body);
 }
 
 }  // namespace strata

@@ -14,7 +14,6 @@ namespace ffi = xla::ffi;
 namespace strata {
 namespace {
 
-
 enum MoeOpKind : int32_t { kMoeDispatch = 101, kMoeCombine, kMoeGather };
 
 ffi::Error invalid(const char* name, const std::string& what) {
@@ -22,19 +21,19 @@ ffi::Error invalid(const char* name, const std::string& what) {
                                                           what);
 }
 
-// Joins the call like run_collective in ffi/handlers.cc; arrival publishes this rank's
-// MoeBufs (a block of pointers only meaningful in this address space: in-process fabric only).
+// Joins the call like run_collective in ffi/handlers.cc; arrival publishes this rank's buffers
+// (Team::arrive_multi; the kernels find the peers' ones with Team::peer_buf), so MoE runs on
+// the in-process and the shared-memory fabric alike.
 template <class Body>
 ffi::Error run_moe(const char* name, ffi::RunId run, int64_t op_id, ffi::AnyBuffer pid,
-                   I64s mesh_shape, I64s axes, OpDesc desc, const moe::MoeBufs* bufs, void* out,
+                   I64s mesh_shape, I64s axes, OpDesc desc, const BufRef* bufs, int nbufs,
                    Body body) {
   Placement pl;
   std::string err = placement(pid, mesh_shape, axes, &pl);
   if (!err.empty()) return invalid(name, err);
   desc.name = name;
   stats().moe_calls.fetch_add(1, std::memory_order_relaxed);
-  return join_and_run(name, run.run_id, op_id, pl, desc, bufs, out, /*cross_process=*/false,
-                      body);
+  return join_and_run_multi(name, run.run_id, op_id, pl, desc, bufs, nbufs, body);
 }
 
 bool is_i32(ffi::AnyBuffer b) { return b.element_type() == ffi::DataType::S32; }
@@ -70,16 +69,17 @@ ffi::Error MoeDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer weig
   s.dtype = dt;
   s.esize = dtype_size(dt);
   if (out->size_bytes() == 0) return ffi::Error::Success();  // same on every rank
-  moe::MoeBufs bufs;
-  bufs.x = x.untyped_data();
-  bufs.weights = weighted ? weights.untyped_data() : nullptr;
+  BufRef bufs[moe::kDispBufs];
+  bufs[moe::kDispX] = BufRef{x.untyped_data(), x.size_bytes(), false};
+  if (weighted)
+    bufs[moe::kDispWeights] = BufRef{weights.untyped_data(), weights.size_bytes(), false};
   OpDesc d;
   d.kind = kMoeDispatch;
   d.dtype = dt;
   d.aux = weighted * 1'000'000 + s.topk;
   d.in_bytes = x.size_bytes();
   d.out_bytes = out->size_bytes();
-  return run_moe(name, run, op_id, pid, mesh_shape, axes, d, &bufs, out->untyped_data(),
+  return run_moe(name, run, op_id, pid, mesh_shape, axes, d, bufs, moe::kDispBufs,
                  [&](Team& t) -> std::string {
                    s.ranks = t.size();
                    if (sd[0] != s.ranks * s.tokens)
@@ -118,25 +118,26 @@ ffi::Error MoeCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyBuffer weig
   s.dtype = dt;
   s.esize = dtype_size(dt);
   if (y->size_bytes() == 0 && partials->size_bytes() == 0) return ffi::Error::Success();
-  moe::MoeBufs bufs;
-  bufs.weights = static_cast<const float*>(weights.untyped_data());
-  bufs.partials = partials->untyped_data();
-  bufs.slots = static_cast<const int32_t*>(slots.untyped_data());
-  bufs.rows = static_cast<const int32_t*>(rows.untyped_data());
+  BufRef bufs[moe::kCombBufs];
+  bufs[moe::kCombWeights] = BufRef{weights.untyped_data(), weights.size_bytes(), false};
+  bufs[moe::kCombPartials] = BufRef{partials->untyped_data(), partials->size_bytes(), true};
+  bufs[moe::kCombRows] = BufRef{rows.untyped_data(), rows.size_bytes(), false};
   OpDesc d;
   d.kind = kMoeCombine;
   d.dtype = dt;
   d.aux = s.topk;
   d.in_bytes = ey.size_bytes();
   d.out_bytes = y->size_bytes();
-  return run_moe(name, run, op_id, pid, mesh_shape, axes, d, &bufs, y->untyped_data(),
+  return run_moe(name, run, op_id, pid, mesh_shape, axes, d, bufs, moe::kCombBufs,
                  [&](Team& t) -> std::string {
                    s.ranks = t.size();
                    if (sd[0] != s.ranks * s.tokens)
                      return "strata_jax moe.combine: internal error: plan does not match the "
                             "group size";
-                   return moe::combine(t, s, ey.untyped_data(), bufs.slots, bufs.rows,
-                                       partials->untyped_data(), y->untyped_data());
+                   return moe::combine(t, s, ey.untyped_data(),
+                                       static_cast<const int32_t*>(slots.untyped_data()),
+                                       static_cast<const int32_t*>(rows.untyped_data()),
+                                       y->untyped_data());
                  });
 }
 
@@ -161,15 +162,15 @@ ffi::Error MoeGatherImpl(ffi::RunId run, ffi::AnyBuffer values, ffi::AnyBuffer s
   s.capacity = vd[1];
   s.dtype = static_cast<int32_t>(values.element_type());
   if (out->size_bytes() == 0) return ffi::Error::Success();
-  moe::MoeBufs bufs;
-  bufs.values = values.untyped_data();
-  bufs.slots = static_cast<const int32_t*>(slots.untyped_data());
+  BufRef bufs[moe::kGathBufs];
+  bufs[moe::kGathValues] = BufRef{values.untyped_data(), values.size_bytes(), false};
+  bufs[moe::kGathSlots] = BufRef{slots.untyped_data(), slots.size_bytes(), false};
   OpDesc d;
   d.kind = kMoeGather;
   d.dtype = s.dtype;
   d.in_bytes = values.size_bytes();
   d.out_bytes = out->size_bytes();
-  return run_moe(name, run, op_id, pid, mesh_shape, axes, d, &bufs, out->untyped_data(),
+  return run_moe(name, run, op_id, pid, mesh_shape, axes, d, bufs, moe::kGathBufs,
                  [&](Team& t) -> std::string {
                    s.ranks = t.size();
                    if (sd[0] != s.ranks * s.tokens)

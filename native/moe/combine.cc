@@ -13,7 +13,6 @@ namespace {
 
 using DT = xla::ffi::DataType;
 
-const MoeBufs& peer(Team& t, int j) { return *static_cast<const MoeBufs*>(t.peer_in(j)); }
 
 // Phase 1 on this (expert) rank: partials[rows[g]] = sum_k w_g[k] * expert_y[slots[g, k]] for
 // every global token g with a kept slot here.
@@ -27,8 +26,9 @@ void partial_sums(Team& t, const MoeShape& s, const T* ey, const int32_t* slots,
     const int32_t j = rows[g];
     if (j < 0) continue;
     const int32_t* sl = slots + g * K;
-    const Acc* w = static_cast<const Acc*>(peer(t, static_cast<int>(g / s.tokens)).weights) +
-                   (g % s.tokens) * K;
+    const Acc* w =
+        static_cast<const Acc*>(t.peer_buf(static_cast<int>(g / s.tokens), kCombWeights)) +
+        (g % s.tokens) * K;
     std::fill(acc.begin(), acc.end(), Acc(0));
     for (int64_t k = 0; k < K; ++k)
       if (sl[k] >= 0) axpy<T>(acc.data(), ey + sl[k] * H, static_cast<Acc>(w[k]), H);
@@ -46,14 +46,15 @@ void reduce_partials(Team& t, const MoeShape& s, T* y) {
   std::vector<const T*> parts(R);
   std::vector<const int32_t*> rows(R);
   for (int64_t r = 0; r < R; ++r) {
-    parts[r] = static_cast<const T*>(peer(t, static_cast<int>(r)).partials);
-    rows[r] = peer(t, static_cast<int>(r)).rows + base;
+    parts[r] = static_cast<const T*>(t.peer_buf(static_cast<int>(r), kCombPartials));
+    rows[r] = static_cast<const int32_t*>(t.peer_buf(static_cast<int>(r), kCombRows));
+    if (rows[r]) rows[r] += base;
   }
   std::vector<Acc> acc(H);
   for (int64_t tok = 0; tok < s.tokens; ++tok) {
     std::fill(acc.begin(), acc.end(), Acc(0));
     for (int64_t r = 0; r < R; ++r) {
-      const int32_t j = rows[r][tok];
+      const int32_t j = rows[r] ? rows[r][tok] : -1;
       if (j >= 0) add<T>(acc.data(), parts[r] + int64_t(j) * H, H);
     }
     store_row<T>(y + tok * H, acc.data(), H);
@@ -74,11 +75,12 @@ void with_row_type(int32_t dtype, F&& f) {
 }  // namespace
 
 std::string combine(Team& t, const MoeShape& s, const void* expert_y, const int32_t* slots,
-                    const int32_t* rows, void* partials, void* y) {
+                    const int32_t* rows, void* y) {
+  // Where peers see this rank's partials (its own buffer, or its bounce copy when staged).
+  void* partials = const_cast<void*>(t.peer_buf(t.rank(), kCombPartials));
   with_row_type(s.dtype, [&](auto tag) {
     using T = decltype(tag);
-    partial_sums<T>(t, s, static_cast<const T*>(expert_y), slots, rows,
-                    static_cast<T*>(partials));
+    partial_sums<T>(t, s, static_cast<const T*>(expert_y), slots, rows, static_cast<T*>(partials));
   });
   // Every rank's partials are complete and visible after this barrier (acq_rel arrivals).
   std::string err = t.barrier("combine partials");
@@ -101,9 +103,10 @@ void gather_typed(Team& t, const MoeShape& s, const int32_t* topk_idx, V* out) {
       const int32_t e = topk_idx[tok * K + k];
       V v = 0;
       if (e >= 0 && e < E) {
-        const MoeBufs& p = peer(t, static_cast<int>(e / El));
-        const int32_t slot = p.slots[(base + tok) * K + k];
-        if (slot >= 0) v = static_cast<const V*>(p.values)[slot];
+        const int owner = static_cast<int>(e / El);
+        const int32_t slot =
+            static_cast<const int32_t*>(t.peer_buf(owner, kGathSlots))[(base + tok) * K + k];
+        if (slot >= 0) v = static_cast<const V*>(t.peer_buf(owner, kGathValues))[slot];
       }
       out[tok * K + k] = v;
     }

@@ -25,7 +25,6 @@ void with_row_type(int32_t dtype, F&& f) {
   }
 }
 
-const MoeBufs& peer(Team& t, int j) { return *static_cast<const MoeBufs*>(t.peer_in(j)); }
 
 // Unweighted: the first kept slot of a token gets the row from the source (the one fabric
 // crossing); the token's other slots on this rank copy it locally.
@@ -40,7 +39,7 @@ void dispatch_copy(Team& t, const MoeShape& s, const int32_t* slots, char* out) 
       if (first < 0) {
         first = slot;
         const int src = static_cast<int>(g / s.tokens);
-        const char* row = static_cast<const char*>(peer(t, src).x) + (g % s.tokens) * rb;
+        const char* row = static_cast<const char*>(t.peer_buf(src, kDispX)) + (g % s.tokens) * rb;
         copy_bytes(out + slot * rb, row, rb);
       } else if (slot != first) {
         copy_bytes(out + slot * rb, out + first * rb, rb);
@@ -64,10 +63,9 @@ void dispatch_weighted(Team& t, const MoeShape& s, const int32_t* slots, char* o
     if (!any) continue;
     const int src = static_cast<int>(g / s.tokens);
     const int64_t tok = g % s.tokens;
-    const MoeBufs& p = peer(t, src);
-    load_row<T>(row.data(), reinterpret_cast<const T*>(static_cast<const char*>(p.x) + tok * rb),
-                H);
-    const Acc* w = static_cast<const Acc*>(p.weights) + tok * K;
+    const char* x = static_cast<const char*>(t.peer_buf(src, kDispX));
+    load_row<T>(row.data(), reinterpret_cast<const T*>(x + tok * rb), H);
+    const Acc* w = static_cast<const Acc*>(t.peer_buf(src, kDispWeights)) + tok * K;
     for (int64_t k = 0; k < K; ++k) {
       const int32_t slot = sl[k];
       if (slot < 0) continue;

@@ -31,19 +31,26 @@
 namespace strata {
 namespace moe {
 
-// What every rank publishes at arrival (Team::peer_in(j) points at rank j's MoeBufs, which
-// lives on rank j's handler stack until its departure barrier). On the in-process fabric the
-// pointers are directly usable; a cross-process Team must translate each of them through its
-// registration table (they all point into XLA buffers of rank j).
-struct MoeBufs {
-  const void* x = nullptr;         // dispatch: [T, H] source rows
-  // weighted dispatch and combine: [T, K] in the rows' accumulator type (float64 for float64
-  // rows, float32 otherwise), so float64 models are weighted in float64.
-  const void* weights = nullptr;
-  const void* partials = nullptr;  // combine: [N, H] per-token partial sums (phase 1 output)
-  const void* values = nullptr;    // gather: [E_local * C] float32 or float64 (s.dtype)
-  const int32_t* slots = nullptr;  // combine, gather: this rank's slots plan [N, K]
-  const int32_t* rows = nullptr;   // combine: this rank's rows plan [N]
+// The buffers every rank publishes at arrival (Team::arrive_multi), by index for
+// Team::peer_buf(j, i). peer_buf translates each into this process's address space, so the same
+// kernels run on the in-process and the shared-memory fabric.
+enum DispatchBuf : int {
+  kDispX = 0,        // [T, H] source rows
+  kDispWeights = 1,  // weighted only: [T, K] in the rows' accumulator type (f64 for f64 rows,
+                     // f32 otherwise), so float64 models are weighted in float64
+  kDispBufs = 2,
+};
+enum CombineBuf : int {
+  kCombWeights = 0,   // [T, K] accumulator type, read by the expert ranks in phase 1
+  kCombPartials = 1,  // [J, H] per-token partial sums: written by the owner in phase 1
+                      // (through peer_buf(rank, kCombPartials)), read by the sources in phase 2
+  kCombRows = 2,      // [N] int32: the owner's rows plan
+  kCombBufs = 3,
+};
+enum GatherBuf : int {
+  kGathValues = 0,  // [E_local * C] float32 or float64 (s.dtype)
+  kGathSlots = 1,   // [N, K] int32: the owner's slots plan
+  kGathBufs = 2,
 };
 
 struct MoeShape {
@@ -63,19 +70,19 @@ bool row_dtype_supported(int32_t dtype);
 
 // out[E_local, C, H] on this rank: slot rows filled from the sources' x (weighted: scaled by
 // the sum of the token's weights that name the slot's expert, read from the source's
-// weights), rows past counts[e] zeroed. Reads peers' MoeBufs::x (and ::weights).
+// weights), rows past counts[e] zeroed. Reads the peers' kDispX (and kDispWeights).
 std::string dispatch(Team& t, const MoeShape& s, const int32_t* slots, const int32_t* counts,
                      bool weighted, void* out);
 
 // Phase 1: partials[rows[g]] = sum_k w_g[k] * expert_y[slots[g, k]] (weights read from the
 // source); barrier; phase 2: y[t] = sum over ranks r, in rank order, of partials_r[rows_r[g]]
-// for g = me * T + t. `partials` [J, H] is this rank's scratch and `slots`/`rows` its plan;
-// all three must be the buffers published in MoeBufs.
+// for g = me * T + t. `slots`/`rows` are this rank's plan; the partials are this rank's
+// published kCombPartials buffer (written through peer_buf(rank, kCombPartials)).
 std::string combine(Team& t, const MoeShape& s, const void* expert_y, const int32_t* slots,
-                    const int32_t* rows, void* partials, void* y);
+                    const int32_t* rows, void* y);
 
 // out[T, K] (float32 or float64, as the values) = for each choice e = topk_idx[t, k] >= 0, the value of the token's slot on the
-// expert's rank (read from that rank's MoeBufs::slots and ::values); 0 for -1 or dropped.
+// expert's rank (read from that rank's kGathSlots and kGathValues); 0 for -1 or dropped.
 std::string gather_values(Team& t, const MoeShape& s, const int32_t* topk_idx, void* out);
 
 }  // namespace moe
