@@ -61,16 +61,6 @@ void reduce_partials(Team& t, const MoeShape& s, T* y) {
   }
 }
 
-template <class F>
-void with_row_type(int32_t dtype, F&& f) {
-  switch (static_cast<DT>(dtype)) {
-    case DT::F32: return f(float{});
-    case DT::F64: return f(double{});
-    case DT::BF16: return f(bf16{});
-    case DT::F16: return f(f16{});
-    default: return;
-  }
-}
 
 }  // namespace
 

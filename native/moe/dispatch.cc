@@ -14,16 +14,6 @@ namespace {
 
 using DT = xla::ffi::DataType;
 
-template <class F>
-void with_row_type(int32_t dtype, F&& f) {
-  switch (static_cast<DT>(dtype)) {
-    case DT::F32: return f(float{});
-    case DT::F64: return f(double{});
-    case DT::BF16: return f(bf16{});
-    case DT::F16: return f(f16{});
-    default: return;
-  }
-}
 
 
 // Unweighted: the first kept slot of a token gets the row from the source (the one fabric

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "coll/elem.h"
+#include "xla/ffi/api/ffi.h"
 
 namespace strata {
 namespace moe {
@@ -12,6 +13,19 @@ namespace moe {
 using strata::bf16;
 using strata::Elem;
 using strata::f16;
+
+// Calls f(T{}) with T the C++ row type of an XLA FFI float dtype (no call if unsupported).
+template <class F>
+void with_row_type(int32_t dtype, F&& f) {
+  using DT = xla::ffi::DataType;
+  switch (static_cast<DT>(dtype)) {
+    case DT::F32: return f(float{});
+    case DT::F64: return f(double{});
+    case DT::BF16: return f(bf16{});
+    case DT::F16: return f(f16{});
+    default: return;
+  }
+}
 
 // acc[i] += w * row[i]
 template <class T>
