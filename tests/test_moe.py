@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from _util import mesh1d
 from jax.sharding import PartitionSpec as P
+from moe_reference import ref_plan
 
 import strata_jax as sj
 
@@ -23,38 +24,6 @@ TOL = {"float32": 2e-5, "float64": 1e-12, "bfloat16": 3e-2, "float16": 4e-3}
 # --------------------------------------------------------------------------------------
 # Reference
 # --------------------------------------------------------------------------------------
-
-
-def ref_plan(idx: np.ndarray, num_experts: int, capacity: int):
-    """idx [N, K] global choices -> (src [E, C] token or -1, cidx [N, K] flat slot or -1,
-    counts [E], dropped [E])."""
-    n, k = idx.shape
-    lists: list[list[int]] = [[] for _ in range(num_experts)]
-    slot: dict[tuple[int, int], int] = {}
-    for g in range(n):
-        seen = set()
-        for j in range(k):
-            e = int(idx[g, j])
-            if e < 0 or e >= num_experts or e in seen:
-                continue
-            seen.add(e)
-            p = len(lists[e])
-            lists[e].append(g)
-            if p < capacity:
-                slot[(g, e)] = p
-    src = np.full((num_experts, capacity), -1, np.int64)
-    for e in range(num_experts):
-        for p, g in enumerate(lists[e][:capacity]):
-            src[e, p] = g
-    cidx = np.full((n, k), -1, np.int64)
-    for g in range(n):
-        for j in range(k):
-            e = int(idx[g, j])
-            if (g, e) in slot:
-                cidx[g, j] = e * capacity + slot[(g, e)]
-    counts = np.array([min(len(v), capacity) for v in lists], np.int32)
-    dropped = np.array([max(0, len(v) - capacity) for v in lists], np.int32)
-    return src, cidx, counts, dropped
 
 
 def ref_forward(x, ey, w, src, cidx):

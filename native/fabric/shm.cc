@@ -269,6 +269,18 @@ std::string ShmTeam::barrier(const char* phase) {
   return fail(os.str());
 }
 
+std::string ShmTeam::arrival_barrier(const OpDesc& desc) {
+  std::string err = barrier("arrive");
+  if (!err.empty()) return err;  // a peer may still come and touch the bounce: keep it busy
+  release_bounce_ = true;
+  err = check_peers(desc);
+  if (!err.empty()) return err;  // every rank sees the same descriptors and fails here
+  release_bounce_ = false;  // from here on a peer may already be using it
+  descs_.assign(size_, desc);
+  for (int j = 0; j < size_; ++j) descs_[j].algo = slot_->peers[j].algo;
+  return {};
+}
+
 std::string ShmTeam::check_peers(const OpDesc& desc) const {
   for (int j = 0; j < size_; ++j) {
     const ShmPeer& o = slot_->peers[j];
@@ -350,16 +362,10 @@ std::string ShmTeam::arrive(const OpDesc& desc, const void* in, void* out) {
       me.out_ptr = reinterpret_cast<uintptr_t>(bounce_->base + in_room);
     }
   }
-  err = barrier("arrive");
-  if (!err.empty()) return err;  // a peer may still come and touch the bounce: keep it busy
-  release_bounce_ = true;
-  err = check_peers(desc);
-  if (!err.empty()) return err;  // every rank sees the same descriptors and fails here
-  release_bounce_ = false;  // from here on a peer may already be using it
-  descs_.assign(size_, desc);
+  err = arrival_barrier(desc);
+  if (!err.empty()) return err;
   for (int j = 0; j < size_; ++j) {
     const ShmPeer& o = slot_->peers[j];
-    descs_[j].algo = o.algo;
     if ((o.in_seg | o.out_seg) & kBounceIdBit) any_staged_ = true;
     if (o.proc == f_->proc()) {
       in_[j] = reinterpret_cast<const void*>(o.in_ptr);
@@ -445,16 +451,10 @@ std::string ShmTeam::arrive_multi(const OpDesc& desc, const BufRef* bufs, int nb
     me.buf_ptr[i] = reinterpret_cast<uintptr_t>(staged);
   }
   // The barrier's fetch_add(acq_rel) publishes the fields above and the staged copies.
-  err = barrier("arrive");
-  if (!err.empty()) return err;  // a peer may still come and touch the bounce: keep it busy
-  release_bounce_ = true;
-  err = check_peers(desc);
-  if (!err.empty()) return err;  // every rank sees the same descriptors and fails here
-  release_bounce_ = false;  // from here on a peer may already be using it
-  descs_.assign(size_, desc);
+  err = arrival_barrier(desc);
+  if (!err.empty()) return err;
   for (int j = 0; j < size_; ++j) {
     const ShmPeer& o = slot_->peers[j];
-    descs_[j].algo = o.algo;
     for (int i = 0; i < kMaxBufs; ++i) {
       if (!o.buf_bytes[i]) continue;
       if (o.buf_seg[i] & kBounceIdBit) any_staged_ = true;

@@ -121,6 +121,9 @@ class ShmTeam final : public Team {
  private:
   std::string fail(const std::string& msg);
   std::string check_peers(const OpDesc& desc) const;
+  // The arrival barrier shared by arrive() and arrive_multi(): waits for every peer's published
+  // entry, checks that all agree on the op and copies the peers' descriptors.
+  std::string arrival_barrier(const OpDesc& desc);
   std::string publish(const void* p, uint64_t bytes, bool is_out, uint64_t* seg, uint64_t* off,
                       uint64_t* ptr);
   ShmFabric* f_;

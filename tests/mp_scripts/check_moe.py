@@ -10,11 +10,15 @@ small buffers (staged through bounce buffers). Exits non-zero on the first misma
 
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
 
 import strata_jax as sj
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from moe_reference import ref_plan  # noqa: E402  (tests/moe_reference.py)
 
 info = sj.init()
 
@@ -28,34 +32,6 @@ R = len(devs)
 mesh = Mesh(np.array(devs), ("x",))
 spec = P("x")
 checks = 0
-
-
-def ref_plan(idx: np.ndarray, num_experts: int, capacity: int):
-    """idx [N, K] -> (src [E, C] token or -1, cidx [N, K] flat slot or -1)."""
-    n, k = idx.shape
-    lists: list[list[int]] = [[] for _ in range(num_experts)]
-    slot: dict[tuple[int, int], int] = {}
-    for g in range(n):
-        seen = set()
-        for j in range(k):
-            e = int(idx[g, j])
-            if e < 0 or e in seen:
-                continue
-            seen.add(e)
-            if len(lists[e]) < capacity:
-                slot[(g, e)] = len(lists[e])
-            lists[e].append(g)
-    src = np.full((num_experts, capacity), -1, np.int64)
-    for e in range(num_experts):
-        for p, g in enumerate(lists[e][:capacity]):
-            src[e, p] = g
-    cidx = np.full((n, k), -1, np.int64)
-    for g in range(n):
-        for j in range(k):
-            e = int(idx[g, j])
-            if (g, e) in slot:
-                cidx[g, j] = e * capacity + slot[(g, e)]
-    return src, cidx
 
 
 def put(a: np.ndarray):
@@ -85,7 +61,7 @@ def case(seed: int, t: int, h: int, k: int, experts_per_rank: int, capacity) -> 
     ey = rng.standard_normal((e, cap, h)).astype(np.float32)
     cr = rng.standard_normal((e, cap, h)).astype(np.float32)
     cy = rng.standard_normal((n, h)).astype(np.float32)
-    src, cidx = ref_plan(idx, e, cap)
+    src, cidx, _, _ = ref_plan(idx, e, cap)
 
     # Reference forward and gradients of L = sum(recv * cr) + sum(y * cy).
     x64, ey64 = x.astype(np.float64), ey.reshape(-1, h).astype(np.float64)
