@@ -1,0 +1,227 @@
+"""The DLRM step of benchmarks/train_recsys.py against an unsharded single-device reference.
+
+The reference holds every table whole on one device, pools each bag with a plain masked sum,
+differentiates the global mean loss with ``jax.grad`` and applies row-wise Adagrad to the dense
+table gradient (an untouched row has a zero gradient, so its accumulator and weights stay as
+they are: the same as updating only the touched rows). Drops: the reference keeps, per source
+device and owner, the first ``capacity`` valid ids in (sample, table, position) order (counted
+here in numpy with the ownership rule written out), which is the step's documented rule; the
+step's reported drop count must equal the reference's.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import strata_jax
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import recsys_model as rm  # noqa: E402
+
+R = 4
+AXIS = "x"
+ROWS = (300, 200)
+DIM = 8
+B = 6  # samples per device
+L = 4  # ids per bag at most
+STEPS = 5
+CFG = rm.ModelConfig(rows=ROWS, dim=DIM, dense_features=5, bottom=(16,), top=(16,))
+
+
+def _owner(t: np.ndarray, i: np.ndarray, sharding: str) -> np.ndarray:
+    return i % R if sharding == "row" else t % R
+
+
+def _keep_mask(ids: np.ndarray, capacity: int, sharding: str) -> np.ndarray:
+    """[R * B, T, L] bool: the ids the step keeps (first `capacity` per source and owner)."""
+    keep = np.zeros(ids.shape, bool)
+    for r in range(R):
+        used = np.zeros(R, int)
+        for b in range(r * B, (r + 1) * B):
+            for t in range(ids.shape[1]):
+                for j in range(ids.shape[2]):
+                    i = ids[b, t, j]
+                    if i < 0:
+                        continue
+                    o = _owner(np.array(t), np.array(i), sharding)
+                    if used[o] < capacity:
+                        keep[b, t, j] = True
+                    used[o] += 1
+    return keep
+
+
+def _ref_logits(dense, x, pooled):
+    h = x
+    for p in dense["bottom"]:
+        h = jax.nn.relu(h @ p["w"] + p["b"])
+    z = jnp.concatenate([h[:, None], pooled], axis=1)
+    n = z.shape[1]
+    feats = [h] + [jnp.sum(z[:, i] * z[:, j], -1, keepdims=True) for i in range(n) for j in range(i + 1, n)]
+    g = jnp.concatenate(feats, axis=-1)
+    for k, p in enumerate(dense["top"]):
+        g = g @ p["w"] + p["b"]
+        if k < len(dense["top"]) - 1:
+            g = jax.nn.relu(g)
+    return g[:, 0]
+
+
+def _reference(dense, tables, batches, keeps, sc: rm.StepConfig):
+    """Plain single-device training; returns (losses, dense, tables)."""
+    dense = jax.tree.map(jnp.asarray, dense)
+    tables = [jnp.asarray(t) for t in tables]
+    dacc = jax.tree.map(jnp.zeros_like, dense)
+    tacc = [jnp.zeros(t.shape[0], jnp.float32) for t in tables]
+
+    def loss_fn(dense, tables, x, ids, keep, y):
+        pooled = jnp.stack(
+            [
+                jnp.sum(
+                    jnp.where(keep[:, t, :, None], tables[t][jnp.maximum(ids[:, t], 0)], 0.0), 1
+                )
+                for t in range(len(tables))
+            ],
+            axis=1,
+        )
+        z = _ref_logits(dense, x, pooled)
+        return jnp.mean(jnp.log1p(jnp.exp(-jnp.abs(z))) + jnp.maximum(z, 0) - y * z)
+
+    grad = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))
+    losses = []
+    for (x, ids, y), keep in zip(batches, keeps, strict=True):
+        loss, (gd, gt) = grad(dense, tables, x, ids, keep, y)
+        losses.append(float(loss))
+        dacc = jax.tree.map(lambda a, g: a + g * g, dacc, gd)
+        dense = jax.tree.map(
+            lambda p, g, a: p - sc.lr_dense * g / (jnp.sqrt(a) + sc.eps), dense, gd, dacc
+        )
+        for t in range(len(tables)):
+            tacc[t] = tacc[t] + jnp.mean(gt[t] * gt[t], -1)
+            tables[t] = tables[t] - sc.lr_sparse * gt[t] / (jnp.sqrt(tacc[t])[:, None] + sc.eps)
+    return losses, dense, tables
+
+
+def _batches(rng, kind: str):
+    out = []
+    for _ in range(STEPS):
+        x = rng.standard_normal((R * B, CFG.dense_features)).astype(np.float32)
+        ids = np.stack([rng.integers(0, n, (R * B, L)) for n in ROWS], axis=1).astype(np.int32)
+        ids[rng.random(ids.shape) < 0.3] = -1
+        if kind == "skew":  # every id owned by device 1 (row sharding: id % R == 1)
+            ids = np.where(ids >= 0, (ids // R) * R + 1, -1)
+            ids = np.where(ids < np.array(ROWS)[None, :, None], ids, 1).astype(np.int32)
+        if kind == "empty":  # empty bags: a whole sample, a whole table on a device, a device
+            ids[0] = -1
+            ids[B : 2 * B, 1] = -1
+            ids[2 * B : 3 * B] = -1
+        y = (rng.random(R * B) < 0.4).astype(np.float32)
+        out.append((x, ids, y))
+    return out
+
+
+def _run_sharded(coll, sharding, capacity, batches, seed=0):
+    mesh = Mesh(np.array(jax.devices()[:R]), (AXIS,))
+    layout = rm.Layout(ROWS, R, sharding)
+    sc = rm.StepConfig(capacity=capacity, lr_sparse=0.1, lr_dense=0.05)
+    fn = rm.make_sharded_step(CFG, layout, sc, mesh, AXIS, coll)
+    state = rm.initial_state(CFG, layout, seed, mesh, AXIS)
+    shard = NamedSharding(mesh, P(AXIS))
+    losses, drops, logits = [], [], []
+    for batch in batches:
+        state, (loss, lg, dropped) = fn(state, tuple(jax.device_put(a, shard) for a in batch))
+        losses.append(float(loss))
+        drops.append(int(dropped))
+        logits.append(np.asarray(lg))
+    return losses, drops, state, layout, sc
+
+
+def _check(coll, sharding, capacity, batches, expect_drops):
+    losses, drops, state, layout, sc = _run_sharded(coll, sharding, capacity, batches)
+    dense0, tables0 = rm.init_params(CFG, 0)
+    keeps = [_keep_mask(ids, capacity, sharding) for _, ids, _ in batches]
+    want_drops = [int(((ids >= 0) & ~k).sum()) for (_, ids, _), k in zip(batches, keeps)]
+    assert drops == want_drops
+    assert (sum(drops) > 0) == expect_drops
+    ref_losses, ref_dense, ref_tables = _reference(dense0, tables0, batches, keeps, sc)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for got, want in zip(jax.tree.leaves(state[0]), jax.tree.leaves(ref_dense), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+    # Tables: row i of table t must sit on its owner at the documented local row.
+    glob = np.asarray(state[2])
+    rpr = layout.rows_per_rank
+    assert glob.shape == (R * rpr, DIM)
+    off = 0
+    for t, n in enumerate(ROWS):
+        i = np.arange(n)
+        if sharding == "row":
+            where = (i % R) * rpr + off + i // R
+            off += -(-n // R)
+        else:
+            where = (t % R) * rpr + sum(ROWS[u] for u in range(t) if u % R == t % R) + i
+        np.testing.assert_allclose(glob[where], np.asarray(ref_tables[t]), rtol=1e-4, atol=1e-6)
+        # rows no batch touched keep their initial values exactly
+        touched = np.zeros(n, bool)
+        for (_, ids, _), k in zip(batches, keeps, strict=True):
+            touched[ids[:, t][k[:, t]]] = True
+        np.testing.assert_array_equal(glob[where][~touched], tables0[t][~touched])
+
+
+@pytest.mark.parametrize("impl", ["strata", "xla"])
+@pytest.mark.parametrize("drops", [False, True], ids=["no_drops", "drops"])
+def test_matches_unsharded_reference(rng, impl, drops):
+    coll = strata_jax if impl == "strata" else jax.lax
+    batches = _batches(rng, "uniform")
+    capacity = 3 if drops else B * len(ROWS) * L
+    _check(coll, "row", capacity, batches, expect_drops=drops)
+
+
+@pytest.mark.parametrize("drops", [False, True], ids=["no_drops", "drops"])
+def test_all_ids_on_one_device(rng, drops):
+    batches = _batches(rng, "skew")
+    for _, ids, _ in batches:
+        assert set(np.unique(ids[ids >= 0] % R)) == {1}
+    capacity = 7 if drops else B * len(ROWS) * L
+    _check(strata_jax, "row", capacity, batches, expect_drops=drops)
+
+
+def test_empty_bags(rng):
+    batches = _batches(rng, "empty")
+    _check(strata_jax, "row", B * len(ROWS) * L, batches, expect_drops=False)
+
+
+def test_table_sharding(rng):
+    _check(strata_jax, "table", 10, _batches(rng, "uniform"), expect_drops=True)
+
+
+def test_route_layout():
+    """One device's routing by hand: send buffer, slots, bag of each slot, drop count."""
+    layout = rm.Layout((8, 8), 2, "row")
+    # B = 2 samples, T = 2 tables, L = 3; bags b * T + t = 0, 1, 2, 3
+    ids = np.array([[[1, 2, 3], [4, -1, -1]], [[-1, -1, -1], [5, 7, 6]]], np.int32)
+    rt = jax.jit(lambda a: rm.route(a, layout, 3))(ids)
+    # owner 0 gets (in order) bag0:2, bag1:4, bag3:6 ; owner 1 gets bag0:1,3, bag3:5,7 (7 dropped)
+    # local rows: table 0 offset 0, table 1 offset 4; local = off + i // 2
+    send = np.asarray(rt["send"]).reshape(2, 3, 2)
+    np.testing.assert_array_equal(send[0], [[1, 0], [4 + 2, 1], [4 + 3, 2]])
+    np.testing.assert_array_equal(send[1], [[0, 0], [1, 0], [4 + 2, 1]])
+    np.testing.assert_array_equal(np.asarray(rt["slot_bag"]).reshape(2, 3), [[0, 1, 3], [0, 3, 4]])
+    assert int(rt["dropped"]) == 1
+
+
+def test_auc():
+    rng = np.random.default_rng(0)
+    y = rng.random(300) < 0.3
+    s = np.round(rng.standard_normal(300) + y, 1)  # ties included
+    pos, neg = s[y], s[~y]
+    want = ((pos[:, None] > neg[None]).sum() + 0.5 * (pos[:, None] == neg[None]).sum()) / (
+        pos.size * neg.size
+    )
+    assert rm.auc(y, s) == pytest.approx(want, abs=1e-12)
+    assert np.isnan(rm.auc(np.zeros(3), np.arange(3)))
