@@ -237,41 +237,39 @@ def route(ids: Any, layout: Layout, capacity: int) -> dict[str, Any]:
     [R * slots] int32 (the bag b * T + t that each (destination, slot) belongs to; B * T when
     unused) and ``dropped`` (int32 scalar: valid ids beyond a destination's capacity).
     """
+    import jax
     import jax.numpy as jnp
 
     B, T, L = ids.shape
     R, C = layout.nranks, capacity
-    S = min(C, B * T)
-    n = B * T * L
-    flat = ids.reshape(n).astype(jnp.int32)
-    table = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :, None], ids.shape).reshape(n)
-    bag = jnp.arange(n, dtype=jnp.int32) // L  # = b * T + t
+    BT = B * T
+    S = min(C, BT)
+    flat = ids.reshape(BT, L).astype(jnp.int32)  # row g = b * T + t is bag g
+    table = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :, None], ids.shape)
     valid = flat >= 0
-    owner, local = layout.place(table, jnp.where(valid, flat, 0))
-    owner = jnp.where(valid, owner, R).astype(jnp.int32)
-    # Group by (owner, bag), keeping (sample, table, position) order inside: a stable sort.
-    order = jnp.argsort(owner * (B * T) + bag, stable=True)
-    so, sbag, slocal = owner[order], bag[order], local[order].astype(jnp.int32)
-    counts = jnp.bincount(owner, length=R + 1)
-    starts = (jnp.cumsum(counts) - counts).astype(jnp.int32)  # [R + 1]
-    i = jnp.arange(n, dtype=jnp.int32)
-    first = jnp.minimum(starts[so], n - 1)
-    pos = i - starts[so]
-    kept = (so < R) & (pos < C)
-    new_bag = jnp.concatenate([jnp.ones(1, bool), (so[1:] != so[:-1]) | (sbag[1:] != sbag[:-1])])
-    nb = jnp.cumsum(new_bag.astype(jnp.int32))
-    slot = nb - nb[first]
-    dest = jnp.where(kept, so * C + pos, R * C)
+    owner, local = layout.place(table.reshape(BT, L), jnp.where(valid, flat, 0))
+    owner = jnp.where(valid, owner, R).astype(jnp.int32)  # R: no destination
+    # Position of each id among those its source sends to the same owner, in (bag, position)
+    # order, from prefix sums (an argsort of the ids would cost ~10x more on XLA CPU).
+    onehot = jax.nn.one_hot(owner, R + 1, dtype=jnp.int32)  # [BT, L, R + 1]
+    in_bag = jnp.cumsum(onehot, axis=1) - onehot  # earlier ids of the same bag, per owner
+    count = jnp.sum(onehot, axis=1)  # [BT, R + 1]
+    before = jnp.cumsum(count, axis=0) - count  # ids of earlier bags, per owner
+    pos = jnp.take_along_axis(in_bag + before[:, None, :], owner[..., None], axis=-1)[..., 0]
+    kept = valid & (pos < C)
+    # Bag g has a slot at owner d if any of its ids to d was kept: slots numbered in bag order.
+    has = (count[:, :R] > 0) & (before[:, :R] < C)  # [BT, R]
+    slot_of = jnp.cumsum(has.astype(jnp.int32), axis=0) - 1
+    slot = jnp.take_along_axis(slot_of, jnp.minimum(owner, R - 1), axis=1)  # [BT, L]
+    dest = jnp.where(kept, owner * C + pos, R * C).reshape(-1)
     send = (
         jnp.full((R * C, 2), -1, jnp.int32)
         .at[dest]
-        .set(jnp.stack([slocal, slot], axis=-1), mode="drop")
+        .set(jnp.stack([local.astype(jnp.int32), slot], axis=-1).reshape(-1, 2), mode="drop")
     )
-    slot_bag = (
-        jnp.full((R * S,), B * T, jnp.int32)
-        .at[jnp.where(kept, so * S + slot, R * S)]
-        .set(sbag, mode="drop")
-    )
+    where = jnp.where(has, jnp.arange(R, dtype=jnp.int32)[None, :] * S + slot_of, R * S)
+    bag = jnp.broadcast_to(jnp.arange(BT, dtype=jnp.int32)[:, None], (BT, R))
+    slot_bag = jnp.full((R * S,), BT, jnp.int32).at[where.reshape(-1)].set(bag.reshape(-1), mode="drop")
     dropped = jnp.sum(valid.astype(jnp.int32)) - jnp.sum(kept.astype(jnp.int32))
     return {"send": send, "slot_bag": slot_bag, "dropped": dropped}
 
@@ -347,14 +345,18 @@ def make_train_step(
         g_slots = jnp.where(used[:, None], g_bags[jnp.where(used, rt["slot_bag"], 0)], 0.0)
         g_recv = coll.all_to_all(g_slots, axis, 0, 0, tiled=True)  # [R * S, dim] by source
         g_ids = jnp.where(rvalid[:, None], g_recv[jnp.where(rvalid, seg, 0)], 0.0)
-        key = jnp.where(rvalid, rows, rpr)
-        uniq, inv = jnp.unique(key, return_inverse=True, size=R * C, fill_value=rpr)
-        g_rows = jax.ops.segment_sum(g_ids, inv.reshape(-1), num_segments=R * C)
-        acc = table_acc.at[uniq].get(mode="fill", fill_value=0.0) + jnp.mean(
-            g_rows * g_rows, axis=-1
+        # Duplicates of a row: sum their gradients at the row's first place in sorted order
+        # (sort + binary search: jnp.unique's argsort costs ~10x more on XLA CPU), then every
+        # copy computes the same new row and accumulator and writes it (identical values).
+        key = jnp.where(rvalid, rows, rpr)  # rpr: padding, out of range, writes dropped
+        first = jnp.searchsorted(jnp.sort(key), key, side="left").astype(jnp.int32)
+        g_row = jax.ops.segment_sum(g_ids, first, num_segments=R * C)[first]
+        acc = table_acc.at[key].get(mode="fill", fill_value=0.0) + jnp.mean(g_row * g_row, -1)
+        table_acc = table_acc.at[key].set(acc, mode="drop")
+        new_rows = table.at[key].get(mode="fill", fill_value=0.0) - lr_s * g_row / (
+            jnp.sqrt(acc)[:, None] + eps
         )
-        table_acc = table_acc.at[uniq].set(acc, mode="drop")
-        table = table.at[uniq].add(-lr_s * g_rows / (jnp.sqrt(acc)[:, None] + eps), mode="drop")
+        table = table.at[key].set(new_rows, mode="drop")
 
         dropped = coll.psum(rt["dropped"], axis)
         return (dense, dense_acc, table, table_acc), (loss, logits, dropped)

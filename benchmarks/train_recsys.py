@@ -1,0 +1,420 @@
+"""Recommendation training (DLRM) with sharded embedding tables, strata against XLA, side by side.
+
+The paper's third production workload. A DLRM (bottom MLP, sum-pooled embedding bags, pairwise
+dot interaction, top MLP, sigmoid + binary cross-entropy; Naumov et al. 2019) is trained with
+its embedding tables row-sharded (``--sharding table``: table-wise) over one mesh axis and its
+MLPs data parallel. Every step sends each sample's ids to the devices that own their rows with
+``all_to_all``, pools on the owner, brings the pooled embeddings back with ``all_to_all``, sends
+the embedding gradients the reverse way and updates only the touched rows (row-wise Adagrad);
+dense gradients are averaged with ``pmean``. The step itself is ``benchmarks/recsys_model.py``
+(tests/test_recsys.py checks it against an unsharded single-device reference). The same model,
+seed and batches run once per ``--impl``:
+
+* ``strata``: ``strata_jax.all_to_all``, ``strata_jax.pmean``, ``strata_jax.psum``;
+* ``xla``: ``jax.lax.all_to_all``, ``jax.lax.pmean``, ``jax.lax.psum``.
+
+Run (8 in-process CPU devices)::
+
+    python benchmarks/train_recsys.py                       # strata vs xla, defaults
+    python benchmarks/train_recsys.py --data day_0.tsv      # a Criteo-format TSV
+    python -m strata_jax.launch -n 4 benchmarks/train_recsys.py   # one device per process
+
+The implementations are stepped in turns (step i of each, then step i+1 of each: the machine
+drifts, and this cancels the drift out of the ratio), every step is jitted whole and blocked
+until done; the table reports the median step time after ``--warmup`` steps. The exchanges are
+capacity-padded per destination (``--capacity-factor``, or ``--capacity`` ids); ids beyond a
+destination's capacity are dropped and the drops are counted every step and reported (both
+implementations drop the same ids: the routing is shared). Loss curves must agree to ``--tol``
+(the all_to_alls are exact; only the pmean's summation order may differ); the script exits 1
+otherwise.
+
+Data: by default a synthetic click log (fixed seed): ids per table from a bounded Zipf law
+(``--zipf``), bags of ``--min-bag``..``--max-bag`` ids, labels from a hidden logistic model, so
+AUC rises above 0.5 as the model learns the hot ids. ``--data FILE`` reads a Criteo TSV (label,
+13 integers, 26 hex categoricals; one table per categorical, ids hashed modulo ``--rows``).
+Loss and AUC are printed every ``--eval-every`` steps; the AUC is progressive validation: the
+predictions each step made on its batch *before* training on it, over the last window.
+
+Output: progress bar (tqdm), a table, ``<out>/train_recsys.png`` (loss curves, matplotlib
+Agg) and ``<out>/train_recsys.json`` (all numbers and the machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+import recsys_model as rm  # noqa: E402
+from train_moe import start_runtime  # noqa: E402
+
+IMPLS = ("strata", "xla")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in C.parse_list(text) if v) if text else ()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("run")
+    g.add_argument("--impl", default="strata,xla", help=f"comma list of {IMPLS}")
+    g.add_argument(
+        "--devices",
+        type=int,
+        default=8,
+        help="in-process CPU devices (per process under strata_jax.launch: from the launcher)",
+    )
+    g.add_argument("--steps", type=int, default=100)
+    g.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
+    g.add_argument("--eval-every", type=int, default=10, help="loss/AUC line every N steps")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--no-check-vma", dest="check_vma", action="store_false", help="shard_map(check_vma=False)"
+    )
+    g.add_argument(
+        "--tol", type=float, default=1e-4, help="max |loss_strata - loss_xla| over all steps"
+    )
+    g.add_argument("--out", type=Path, default=Path("bench_out"))
+    g.add_argument("--no-progress", dest="progress", action="store_false")
+    g = p.add_argument_group("data")
+    g.add_argument(
+        "--data", type=Path, default=None, help="Criteo-format TSV (default: synthetic Zipf log)"
+    )
+    g.add_argument("--batch", type=int, default=1024, help="samples per device per step")
+    g.add_argument("--min-bag", type=int, default=1, help="fewest ids per bag (synthetic)")
+    g.add_argument("--max-bag", type=int, default=20, help="most ids per bag (synthetic)")
+    g.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the ids")
+    g = p.add_argument_group("model")
+    g.add_argument("--tables", type=int, default=8, help="embedding tables (Criteo: 26)")
+    g.add_argument(
+        "--rows",
+        default="100000",
+        help="rows per table: one number for all, or a comma list (one per table)",
+    )
+    g.add_argument("--dim", type=int, default=64, help="embedding width")
+    g.add_argument("--bottom", default="128", help="bottom MLP hidden widths (comma list)")
+    g.add_argument("--top", default="256,128", help="top MLP hidden widths (comma list)")
+    g.add_argument("--sharding", choices=rm.SHARDINGS, default="row")
+    g.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=1.5,
+        help="ids per destination = ceil(f * batch * mean bag * tables per owner)",
+    )
+    g.add_argument(
+        "--capacity", type=int, default=None, help="ids per destination (overrides the factor)"
+    )
+    g = p.add_argument_group("optimizer (Adagrad; row-wise on the tables)")
+    g.add_argument("--lr-sparse", type=float, default=0.05)
+    g.add_argument("--lr-dense", type=float, default=0.01)
+    args = p.parse_args(argv)
+    try:
+        args.impls = C.parse_list(args.impl, IMPLS)
+    except ValueError as e:
+        p.error(f"--impl: {e}")
+    if not args.impls:
+        p.error("--impl: empty")
+    if args.steps <= args.warmup:
+        p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    if args.data is not None:
+        args.tables = rm.CriteoTSV.CATS
+        args.max_bag = 1
+    rows = _ints(args.rows)
+    if len(rows) == 1:
+        rows = rows * args.tables
+    if len(rows) != args.tables:
+        p.error(f"--rows: {len(rows)} values for {args.tables} tables")
+    args.rows_t = rows
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    strata_jax, jax = start_runtime(args)
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    lead = jax.process_index() == 0
+    say = print if lead else (lambda *a, **k: None)
+    axis = "x"
+    mesh = Mesh(np.array(jax.devices()), (axis,))
+    R = mesh.shape[axis]
+    B = args.batch
+    global_batch = B * R
+
+    # ---- data ----------------------------------------------------------------------------------
+    if args.data is None:
+        data: Any = rm.SyntheticClicks(
+            args.rows_t, 13, args.min_bag, args.max_bag, args.zipf, args.seed
+        )
+        data_name = (
+            f"synthetic click log: Zipf({args.zipf}) ids, bags of {args.min_bag}..{args.max_bag} "
+            f"ids, labels from a hidden logistic model, seed {args.seed}"
+        )
+    else:
+        data = rm.CriteoTSV(args.data, args.rows_t, args.steps * global_batch, global_batch)
+        data_name = f"{args.data} (Criteo TSV), {len(data):,} samples read"
+
+    cfg = rm.ModelConfig(
+        rows=args.rows_t,
+        dim=args.dim,
+        dense_features=data.dense_features,
+        bottom=_ints(args.bottom),
+        top=_ints(args.top),
+    )
+    layout = rm.Layout(cfg.rows, R, args.sharding)
+    capacity = args.capacity or rm.capacity_for(
+        B, cfg.tables, data.mean_bag, layout, args.capacity_factor
+    )
+    sc = rm.StepConfig(capacity=capacity, lr_sparse=args.lr_sparse, lr_dense=args.lr_dense)
+    slots = min(capacity, B * cfg.tables)
+
+    info = C.machine_info()
+    C.print_machine(info, say)
+    dense_np, _ = rm.init_params(cfg, args.seed)
+    n_dense = sum(a.size for a in jax.tree.leaves(dense_np))
+    n_emb = sum(cfg.rows) * cfg.dim
+    say(f"# data       : {data_name}")
+    say(
+        f"# model      : DLRM, {cfg.tables} tables x {cfg.dim} "
+        f"({'rows ' + str(cfg.rows[0]) if len(set(cfg.rows)) == 1 else 'rows ' + str(cfg.rows)}"
+        f"), bottom MLP {cfg.dense_features}-{'-'.join(map(str, cfg.bottom))}-{cfg.dim}, dot "
+        f"interaction, top MLP {cfg.interaction_width}-{'-'.join(map(str, cfg.top))}-1; "
+        f"{n_emb:,} embedding + {n_dense:,} dense params (float32)"
+    )
+    say(
+        f"# parallelism: {R} devices on axis '{axis}' ({jax.process_count()} process(es)): "
+        f"tables {args.sharding}-sharded ({layout.rows_per_rank:,} rows per device), MLPs data "
+        f"parallel ({B} samples per device, {global_batch:,} per step)"
+    )
+    say(
+        f"# exchange   : per device and step, all_to_all of [{R} x {capacity}, 2] int32 ids "
+        f"(capacity {capacity} ids per destination), of [{R} x {slots}, {cfg.dim}] f32 pooled "
+        f"embeddings back, of the same gradients forward again; pmean of "
+        f"{n_dense + 1:,} f32 (dense grads + loss)"
+    )
+    say(
+        f"# training   : {args.steps} steps, Adagrad (row-wise on tables, lr {args.lr_sparse}; "
+        f"dense lr {args.lr_dense}), seed {args.seed}, check_vma={args.check_vma}"
+    )
+
+    shard = NamedSharding(mesh, P(axis))
+    local_devs = [(i, d) for i, d in enumerate(mesh.devices.flat) if d.process_index == jax.process_index()]
+
+    def put_batch(step: int):
+        """This process's devices' samples of global batch ``step`` as global arrays."""
+        parts = {i: data.batch(step, i, B) for i, _ in local_devs}
+        arrays = []
+        for k in range(3):
+            shape = (global_batch, *parts[local_devs[0][0]][k].shape[1:])
+            bufs = [jax.device_put(parts[i][k], d) for i, d in local_devs]
+            arrays.append(jax.make_array_from_single_device_arrays(shape, shard, bufs))
+        return tuple(arrays), {i: parts[i][2] for i, _ in local_devs}
+
+    runs: dict[str, dict[str, Any]] = {}
+    batch0, _ = put_batch(0)
+    for impl in args.impls:
+        coll = strata_jax if impl == "strata" else jax.lax
+        fn = rm.make_sharded_step(cfg, layout, sc, mesh, axis, coll, args.check_vma)
+        state = rm.initial_state(cfg, layout, args.seed, mesh, axis)
+        t0 = time.perf_counter()
+        compiled = fn.lower(state, batch0).compile()
+        runs[impl] = {
+            "fn": compiled,
+            "state": state,
+            "losses": [],
+            "times": [],
+            "drops": [],
+            "scores": [],
+            "auc": [],
+            "compile_s": time.perf_counter() - t0,
+        }
+        name = "strata_jax" if impl == "strata" else "jax.lax"
+        say(
+            f"# {impl:<10} : compiled in {runs[impl]['compile_s']:.1f} s ({name}.all_to_all x3, "
+            f"{name}.pmean, {name}.psum)"
+        )
+
+    labels_window: list[np.ndarray] = []
+    bar = C.progress(args.steps, desc="train", enable=args.progress and lead)
+    t_start = time.perf_counter()
+    for i in range(args.steps):
+        batch, labels = put_batch(i)
+        labels_window.append(np.concatenate([labels[k] for k, _ in local_devs]))
+        for r in runs.values():
+            t0 = time.perf_counter()
+            r["state"], (loss, logits, dropped) = r["fn"](r["state"], batch)
+            jax.block_until_ready((r["state"], loss, logits, dropped))
+            r["times"].append(time.perf_counter() - t0)
+            r["losses"].append(float(np.asarray(loss.addressable_data(0))))
+            r["drops"].append(int(np.asarray(dropped.addressable_data(0))))
+            r["scores"].append(np.concatenate([np.asarray(s.data) for s in _in_order(logits)]))
+        if (i + 1) % args.eval_every == 0 or i + 1 == args.steps:
+            y = multihost_utils.process_allgather(np.concatenate(labels_window)).ravel()
+            parts = []
+            for k, r in runs.items():
+                s = multihost_utils.process_allgather(np.concatenate(r["scores"])).ravel()
+                r["auc"].append((i + 1, rm.auc(y, s)))
+                r["scores"] = []
+                window = r["losses"][-len(labels_window) :]
+                parts.append(
+                    f"{k} loss {np.mean(window):.4f} AUC {r['auc'][-1][1]:.4f} "
+                    f"drops {sum(r['drops'][-len(labels_window):])}"
+                )
+            labels_window = []
+            bar.write(f"  step {i + 1:>5}: " + " | ".join(parts) + "  (means over the window)")
+        bar.set_postfix_str(" ".join(f"{k} {r['losses'][-1]:.4f}" for k, r in runs.items()))
+        bar.update(1)
+    bar.close()
+    wall = time.perf_counter() - t_start
+
+    # ---- results -------------------------------------------------------------------------------
+    base = "xla" if "xla" in runs else None
+    table = C.Table(
+        [
+            C.Column("impl", 8),
+            C.Column("steps", 6),
+            C.Column("first loss", 10, ".4f"),
+            C.Column("final loss", 10, ".4f"),
+            C.Column("final AUC", 9, ".4f"),
+            C.Column("drops", 8),
+            C.Column("samples/s", 10, ",.0f"),
+            C.Column("median ms", 10, ".1f"),
+            C.Column("p10 ms", 8, ".1f"),
+            C.Column("p90 ms", 8, ".1f"),
+            C.Column("compile s", 9, ".1f"),
+            C.Column("xla/this", 8, ".2f"),
+        ]
+    )
+    rows = []
+    for impl, r in runs.items():
+        t = np.array(r["times"][args.warmup :])
+        r["median_s"] = float(np.median(t))
+        p10, p90 = (float(v) for v in np.percentile(t, [10, 90]))
+        rows.append(
+            {
+                "impl": impl,
+                "steps": args.steps,
+                "first_loss": r["losses"][0],
+                "final_loss": r["losses"][-1],
+                "final_auc": r["auc"][-1][1],
+                "drops": sum(r["drops"]),
+                "samples_per_s": global_batch / r["median_s"],
+                "median_step_s": r["median_s"],
+                "p10_step_s": p10,
+                "p90_step_s": p90,
+                "compile_s": r["compile_s"],
+            }
+        )
+    for row in rows:
+        row["xla_over_this"] = runs[base]["median_s"] / row["median_step_s"] if base else None
+    total_ids = sum(int((data.batch(0, d, B)[1] >= 0).sum()) for d in range(min(R, 2))) / min(R, 2)
+    say("")
+    say(
+        f"# step time: median of steps {args.warmup}..{args.steps - 1}, each jitted whole and "
+        f"blocked; implementations stepped in turns; wall {wall:.0f} s. xla/this = xla's median "
+        f"step time / this one's (above 1: faster than xla)"
+    )
+    for line in table.header_lines():
+        say(line)
+    for row in rows:
+        say(table.row([row[k] for k in (
+            "impl", "steps", "first_loss", "final_loss", "final_auc", "drops", "samples_per_s",
+        )] + [1e3 * row["median_step_s"], 1e3 * row["p10_step_s"], 1e3 * row["p90_step_s"],
+              row["compile_s"], row["xla_over_this"]]))
+
+    ok = True
+    drops = runs[args.impls[0]]["drops"]
+    say(
+        f"# drops: {sum(drops):,} ids dropped over {args.steps} steps (about {total_ids:,.0f} ids "
+        f"per device per step; capacity {capacity} per destination)"
+        + ("" if sum(drops) == 0 else ": raise --capacity-factor to drop none")
+    )
+    diffs = {}
+    if len(runs) == 2:
+        a, b = args.impls
+        d = np.abs(np.array(runs[a]["losses"]) - np.array(runs[b]["losses"]))
+        same_drops = runs[a]["drops"] == runs[b]["drops"]
+        good = bool(d.max() <= args.tol) and same_drops
+        ok &= good
+        diffs = {"max_abs": float(d.max()), "at_step": int(d.argmax()), "same_drops": same_drops}
+        say(
+            f"# loss curves {a} vs {b}: max |diff| {d.max():.2e} at step {int(d.argmax())}; "
+            f"tolerance {args.tol:g}; drops per step {'equal' if same_drops else 'DIFFER'}: "
+            f"{'OK' if good else 'FAILED'}"
+        )
+    if "strata" in runs and base:
+        s = runs[base]["median_s"] / runs["strata"]["median_s"]
+        word = "faster" if s >= 1 else "slower"
+        say(
+            f"# speed: strata's median step {1e3 * runs['strata']['median_s']:.1f} ms vs xla's "
+            f"{1e3 * runs[base]['median_s']:.1f} ms: strata {max(s, 1 / s):.2f}x {word} "
+            f"(goal: strata >= 1.3x faster: {'met' if s >= 1.3 else 'not met'})"
+        )
+
+    if lead:
+        args.out.mkdir(parents=True, exist_ok=True)
+        png = args.out / "train_recsys.png"
+        if _plot(png, runs):
+            say(f"# wrote {png}")
+        js = args.out / "train_recsys.json"
+        C.write_json(
+            js,
+            {
+                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                "machine": info,
+                "data": data_name,
+                "capacity": capacity,
+                "results": rows,
+                "loss_diff": diffs,
+                "losses": {k: r["losses"] for k, r in runs.items()},
+                "auc": {k: r["auc"] for k, r in runs.items()},
+                "drops": {k: r["drops"] for k, r in runs.items()},
+                "step_times_s": {k: r["times"] for k, r in runs.items()},
+            },
+        )
+        say(f"# wrote {js}")
+    return 0 if ok else 1
+
+
+def _in_order(arr: Any) -> list[Any]:
+    """This process's shards of a P(axis) array, in mesh (global index) order."""
+    return sorted(arr.addressable_shards, key=lambda s: s.index[0].start or 0)
+
+
+def _plot(path: Path, runs: dict[str, dict[str, Any]]) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for (k, r), style in zip(runs.items(), ("-", "--"), strict=False):
+        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], style, label=k, lw=1.2)
+        xs, ys = zip(*r["auc"], strict=True) if r["auc"] else ((), ())
+        ax2.plot(xs, ys, style, marker="o", markersize=3, label=k, lw=1.2)
+    ax.set(xlabel="step", ylabel="loss (binary cross-entropy, nats)", title="training loss")
+    ax2.set(xlabel="step", ylabel="AUC (progressive, per window)", title="AUC")
+    for a in (ax, ax2):
+        a.grid(True, alpha=0.3)
+        a.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+if __name__ == "__main__":
+    sys.exit(main())
