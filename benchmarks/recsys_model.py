@@ -217,9 +217,7 @@ def bce_with_logits(logits: Any, labels: Any) -> Any:
 # --------------------------------------------------------------------------------------------------
 
 
-def capacity_for(
-    batch: int, tables: int, mean_bag: float, layout: Layout, factor: float
-) -> int:
+def capacity_for(batch: int, tables: int, mean_bag: float, layout: Layout, factor: float) -> int:
     """Ids per destination: ``ceil(factor * B * mean_bag * tables on the busiest owner)``.
 
     Row sharding spreads every table over R owners (T / R tables' worth each); table sharding
@@ -269,7 +267,9 @@ def route(ids: Any, layout: Layout, capacity: int) -> dict[str, Any]:
     )
     where = jnp.where(has, jnp.arange(R, dtype=jnp.int32)[None, :] * S + slot_of, R * S)
     bag = jnp.broadcast_to(jnp.arange(BT, dtype=jnp.int32)[:, None], (BT, R))
-    slot_bag = jnp.full((R * S,), BT, jnp.int32).at[where.reshape(-1)].set(bag.reshape(-1), mode="drop")
+    slot_bag = (
+        jnp.full((R * S,), BT, jnp.int32).at[where.reshape(-1)].set(bag.reshape(-1), mode="drop")
+    )
     dropped = jnp.sum(valid.astype(jnp.int32)) - jnp.sum(kept.astype(jnp.int32))
     return {"send": send, "slot_bag": slot_bag, "dropped": dropped}
 
@@ -282,9 +282,7 @@ class StepConfig:
     eps: float = 1e-8
 
 
-def make_train_step(
-    cfg: ModelConfig, layout: Layout, step_cfg: StepConfig, axis: str, coll: Any
-):
+def make_train_step(cfg: ModelConfig, layout: Layout, step_cfg: StepConfig, axis: str, coll: Any):
     """The per-device body of one training step, for ``jax.shard_map`` over ``axis``.
 
     ``body(state, batch) -> (state, (loss, logits, dropped))`` with
@@ -519,7 +517,9 @@ class CriteoTSV:
                     )
                 labels.append(float(cols[0]))
                 xs.append([math.log1p(max(int(v), 0)) if v else 0.0 for v in cols[1:14]])
-                ids.append([int(v, 16) % n if v else -1 for v, n in zip(cols[14:], rows, strict=True)])
+                ids.append(
+                    [int(v, 16) % n if v else -1 for v, n in zip(cols[14:], rows, strict=True)]
+                )
         if not labels:
             raise ValueError(f"{path}: no samples")
         self.x = np.asarray(xs, np.float32)

@@ -113,8 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--capacity", type=int, default=None, help="ids per destination (overrides the factor)"
     )
     g = p.add_argument_group("optimizer (Adagrad; row-wise on the tables)")
-    g.add_argument("--lr-sparse", type=float, default=0.05)
-    g.add_argument("--lr-dense", type=float, default=0.01)
+    g.add_argument("--lr-sparse", type=float, default=0.02)
+    g.add_argument("--lr-dense", type=float, default=0.003)
     args = p.parse_args(argv)
     try:
         args.impls = C.parse_list(args.impl, IMPLS)
@@ -209,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     shard = NamedSharding(mesh, P(axis))
-    local_devs = [(i, d) for i, d in enumerate(mesh.devices.flat) if d.process_index == jax.process_index()]
+    local_devs = [
+        (i, d) for i, d in enumerate(mesh.devices.flat) if d.process_index == jax.process_index()
+    ]
 
     def put_batch(step: int):
         """This process's devices' samples of global batch ``step`` as global arrays."""
@@ -269,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                 window = r["losses"][-len(labels_window) :]
                 parts.append(
                     f"{k} loss {np.mean(window):.4f} AUC {r['auc'][-1][1]:.4f} "
-                    f"drops {sum(r['drops'][-len(labels_window):])}"
+                    f"drops {sum(r['drops'][-len(labels_window) :])}"
                 )
             labels_window = []
             bar.write(f"  step {i + 1:>5}: " + " | ".join(parts) + "  (means over the window)")
@@ -328,10 +330,29 @@ def main(argv: list[str] | None = None) -> int:
     for line in table.header_lines():
         say(line)
     for row in rows:
-        say(table.row([row[k] for k in (
-            "impl", "steps", "first_loss", "final_loss", "final_auc", "drops", "samples_per_s",
-        )] + [1e3 * row["median_step_s"], 1e3 * row["p10_step_s"], 1e3 * row["p90_step_s"],
-              row["compile_s"], row["xla_over_this"]]))
+        say(
+            table.row(
+                [
+                    row[k]
+                    for k in (
+                        "impl",
+                        "steps",
+                        "first_loss",
+                        "final_loss",
+                        "final_auc",
+                        "drops",
+                        "samples_per_s",
+                    )
+                ]
+                + [
+                    1e3 * row["median_step_s"],
+                    1e3 * row["p10_step_s"],
+                    1e3 * row["p90_step_s"],
+                    row["compile_s"],
+                    row["xla_over_this"],
+                ]
+            )
+        )
 
     ok = True
     drops = runs[args.impls[0]]["drops"]

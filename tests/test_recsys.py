@@ -64,7 +64,9 @@ def _ref_logits(dense, x, pooled):
         h = jax.nn.relu(h @ p["w"] + p["b"])
     z = jnp.concatenate([h[:, None], pooled], axis=1)
     n = z.shape[1]
-    feats = [h] + [jnp.sum(z[:, i] * z[:, j], -1, keepdims=True) for i in range(n) for j in range(i + 1, n)]
+    feats = [h] + [
+        jnp.sum(z[:, i] * z[:, j], -1, keepdims=True) for i in range(n) for j in range(i + 1, n)
+    ]
     g = jnp.concatenate(feats, axis=-1)
     for k, p in enumerate(dense["top"]):
         g = g @ p["w"] + p["b"]
@@ -146,7 +148,9 @@ def _check(coll, sharding, capacity, batches, expect_drops):
     losses, drops, state, layout, sc = _run_sharded(coll, sharding, capacity, batches)
     dense0, tables0 = rm.init_params(CFG, 0)
     keeps = [_keep_mask(ids, capacity, sharding) for _, ids, _ in batches]
-    want_drops = [int(((ids >= 0) & ~k).sum()) for (_, ids, _), k in zip(batches, keeps)]
+    want_drops = [
+        int(((ids >= 0) & ~k).sum()) for (_, ids, _), k in zip(batches, keeps, strict=True)
+    ]
     assert drops == want_drops
     assert (sum(drops) > 0) == expect_drops
     ref_losses, ref_dense, ref_tables = _reference(dense0, tables0, batches, keeps, sc)
