@@ -31,7 +31,8 @@ One step, per device (``make_train_step``):
    owner gives each received id its slot's gradient, sums them per unique row and applies
    row-wise Adagrad (FBGEMM's ``rowwise_adagrad``, DLRM's sparse optimizer) to the touched rows
    only: ``acc[r] += mean(g_r ** 2)``, ``w_r -= lr * g_r / (sqrt(acc[r]) + eps)``;
-7. dense gradients and the loss: one ``pmean``; Adagrad on the dense parameters.
+7. dense gradients and the loss: one ``pmean``; Adagrad on the dense parameters (accumulator
+   starting at ``dense_acc_init``).
 
 The collectives come from the module passed as ``coll`` (``strata_jax`` or ``jax.lax``: the
 same names and signatures), so both implementations run the same arithmetic on the same
@@ -280,6 +281,10 @@ class StepConfig:
     lr_sparse: float = 0.05
     lr_dense: float = 0.02
     eps: float = 1e-8
+    # Dense Adagrad's initial accumulator (TensorFlow's initial_accumulator_value). With 0, an
+    # element whose gradient is round-off noise moves by a full +-lr: the two implementations'
+    # pmeans differ in the last bit and their curves would part within ten steps.
+    dense_acc_init: float = 0.1
 
 
 def make_train_step(cfg: ModelConfig, layout: Layout, step_cfg: StepConfig, axis: str, coll: Any):
@@ -301,6 +306,7 @@ def make_train_step(cfg: ModelConfig, layout: Layout, step_cfg: StepConfig, axis
     R, C = layout.nranks, step_cfg.capacity
     rpr = layout.rows_per_rank
     lr_s, lr_d, eps = step_cfg.lr_sparse, step_cfg.lr_dense, step_cfg.eps
+    acc0 = step_cfg.dense_acc_init
 
     def loss_fn(dense, pooled, x, labels):
         logits = head_logits(dense, x, pooled)
@@ -334,7 +340,7 @@ def make_train_step(cfg: ModelConfig, layout: Layout, step_cfg: StepConfig, axis
         g_dense, loss = unravel(coll.pmean(flat, axis))
         dense_acc = jax.tree.map(lambda a, g: a + g * g, dense_acc, g_dense)
         dense = jax.tree.map(
-            lambda p, g, a: p - lr_d * g / (jnp.sqrt(a) + eps), dense, g_dense, dense_acc
+            lambda p, g, a: p - lr_d * g / (jnp.sqrt(a + acc0) + eps), dense, g_dense, dense_acc
         )
 
         # -- backward: bag gradients to the owners per slot; sparse row-wise Adagrad -------------

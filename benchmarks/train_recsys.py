@@ -88,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--data", type=Path, default=None, help="Criteo-format TSV (default: synthetic Zipf log)"
     )
-    g.add_argument("--batch", type=int, default=1024, help="samples per device per step")
+    g.add_argument("--batch", type=int, default=256, help="samples per device per step")
     g.add_argument("--min-bag", type=int, default=1, help="fewest ids per bag (synthetic)")
     g.add_argument("--max-bag", type=int, default=20, help="most ids per bag (synthetic)")
     g.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the ids")
@@ -113,8 +113,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--capacity", type=int, default=None, help="ids per destination (overrides the factor)"
     )
     g = p.add_argument_group("optimizer (Adagrad; row-wise on the tables)")
-    g.add_argument("--lr-sparse", type=float, default=0.02)
-    g.add_argument("--lr-dense", type=float, default=0.003)
+    g.add_argument("--lr-sparse", type=float, default=0.01)
+    g.add_argument("--lr-dense", type=float, default=0.1)
+    g.add_argument(
+        "--dense-acc-init", type=float, default=0.1, help="dense Adagrad's initial accumulator"
+    )
     args = p.parse_args(argv)
     try:
         args.impls = C.parse_list(args.impl, IMPLS)
@@ -176,7 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     capacity = args.capacity or rm.capacity_for(
         B, cfg.tables, data.mean_bag, layout, args.capacity_factor
     )
-    sc = rm.StepConfig(capacity=capacity, lr_sparse=args.lr_sparse, lr_dense=args.lr_dense)
+    sc = rm.StepConfig(
+        capacity=capacity,
+        lr_sparse=args.lr_sparse,
+        lr_dense=args.lr_dense,
+        dense_acc_init=args.dense_acc_init,
+    )
     slots = min(capacity, B * cfg.tables)
 
     info = C.machine_info()
@@ -274,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"drops {sum(r['drops'][-len(labels_window) :])}"
                 )
             labels_window = []
-            bar.write(f"  step {i + 1:>5}: " + " | ".join(parts) + "  (means over the window)")
+            if lead:
+                bar.write(f"  step {i + 1:>5}: " + " | ".join(parts) + "  (means over the window)")
         bar.set_postfix_str(" ".join(f"{k} {r['losses'][-1]:.4f}" for k, r in runs.items()))
         bar.update(1)
     bar.close()

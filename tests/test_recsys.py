@@ -102,7 +102,10 @@ def _reference(dense, tables, batches, keeps, sc: rm.StepConfig):
         losses.append(float(loss))
         dacc = jax.tree.map(lambda a, g: a + g * g, dacc, gd)
         dense = jax.tree.map(
-            lambda p, g, a: p - sc.lr_dense * g / (jnp.sqrt(a) + sc.eps), dense, gd, dacc
+            lambda p, g, a: p - sc.lr_dense * g / (jnp.sqrt(a + sc.dense_acc_init) + sc.eps),
+            dense,
+            gd,
+            dacc,
         )
         for t in range(len(tables)):
             tacc[t] = tacc[t] + jnp.mean(gt[t] * gt[t], -1)
