@@ -285,6 +285,9 @@ class StepConfig:
     # element whose gradient is round-off noise moves by a full +-lr: the two implementations'
     # pmeans differ in the last bit and their curves would part within ten steps.
     dense_acc_init: float = 0.1
+    # The same for the row-wise accumulators: a row whose first gradient is round-off noise
+    # (a saturated prediction) would otherwise move by a full lr in a random direction.
+    sparse_acc_init: float = 1e-6
 
 
 def make_train_step(cfg: ModelConfig, layout: Layout, step_cfg: StepConfig, axis: str, coll: Any):
@@ -306,7 +309,7 @@ def make_train_step(cfg: ModelConfig, layout: Layout, step_cfg: StepConfig, axis
     R, C = layout.nranks, step_cfg.capacity
     rpr = layout.rows_per_rank
     lr_s, lr_d, eps = step_cfg.lr_sparse, step_cfg.lr_dense, step_cfg.eps
-    acc0 = step_cfg.dense_acc_init
+    acc0, sacc0 = step_cfg.dense_acc_init, step_cfg.sparse_acc_init
 
     def loss_fn(dense, pooled, x, labels):
         logits = head_logits(dense, x, pooled)
@@ -358,7 +361,7 @@ def make_train_step(cfg: ModelConfig, layout: Layout, step_cfg: StepConfig, axis
         acc = table_acc.at[key].get(mode="fill", fill_value=0.0) + jnp.mean(g_row * g_row, -1)
         table_acc = table_acc.at[key].set(acc, mode="drop")
         new_rows = table.at[key].get(mode="fill", fill_value=0.0) - lr_s * g_row / (
-            jnp.sqrt(acc)[:, None] + eps
+            jnp.sqrt(acc + sacc0)[:, None] + eps
         )
         table = table.at[key].set(new_rows, mode="drop")
 

@@ -25,8 +25,11 @@ until done; the table reports the median step time after ``--warmup`` steps. The
 capacity-padded per destination (``--capacity-factor``, or ``--capacity`` ids); ids beyond a
 destination's capacity are dropped and the drops are counted every step and reported (both
 implementations drop the same ids: the routing is shared). Loss curves must agree to ``--tol``
-(the all_to_alls are exact; only the pmean's summation order may differ); the script exits 1
-otherwise.
+(the all_to_alls are exact; only the pmeans' summation orders may differ) and the drops must
+be equal; the script exits 1 otherwise. In one process the two curves came out bitwise equal
+on this machine; across processes ``jax.lax.pmean`` runs over gloo, whose summation order
+differs from strata's in the last bit, and training grows that (the script says from which
+step on the curves differ by more than 1e-6).
 
 Data: by default a synthetic click log (fixed seed): ids per table from a bounded Zipf law
 (``--zipf``), bags of ``--min-bag``..``--max-bag`` ids, labels from a hidden logistic model, so
@@ -80,7 +83,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-check-vma", dest="check_vma", action="store_false", help="shard_map(check_vma=False)"
     )
     g.add_argument(
-        "--tol", type=float, default=1e-4, help="max |loss_strata - loss_xla| over all steps"
+        "--tol",
+        type=float,
+        default=2e-3,
+        help="max |loss_strata - loss_xla| over all steps (as train_moe.py: float32 round-off "
+        "of the two pmeans' summation orders grows over training)",
     )
     g.add_argument("--out", type=Path, default=Path("bench_out"))
     g.add_argument("--no-progress", dest="progress", action="store_false")
@@ -117,6 +124,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--lr-dense", type=float, default=0.1)
     g.add_argument(
         "--dense-acc-init", type=float, default=0.1, help="dense Adagrad's initial accumulator"
+    )
+    g.add_argument(
+        "--sparse-acc-init", type=float, default=1e-6, help="row-wise Adagrad's initial accumulator"
     )
     args = p.parse_args(argv)
     try:
@@ -184,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         lr_sparse=args.lr_sparse,
         lr_dense=args.lr_dense,
         dense_acc_init=args.dense_acc_init,
+        sparse_acc_init=args.sparse_acc_init,
     )
     slots = min(capacity, B * cfg.tables)
 
@@ -377,11 +388,21 @@ def main(argv: list[str] | None = None) -> int:
         same_drops = runs[a]["drops"] == runs[b]["drops"]
         good = bool(d.max() <= args.tol) and same_drops
         ok &= good
-        diffs = {"max_abs": float(d.max()), "at_step": int(d.argmax()), "same_drops": same_drops}
+        apart = np.flatnonzero(d > 1e-6)
+        first_apart = int(apart[0]) if apart.size else None
+        diffs = {
+            "max_abs": float(d.max()),
+            "at_step": int(d.argmax()),
+            "first10_max_abs": float(d[:10].max()),
+            "first_step_over_1e-6": first_apart,
+            "same_drops": same_drops,
+        }
         say(
-            f"# loss curves {a} vs {b}: max |diff| {d.max():.2e} at step {int(d.argmax())}; "
-            f"tolerance {args.tol:g}; drops per step {'equal' if same_drops else 'DIFFER'}: "
-            f"{'OK' if good else 'FAILED'}"
+            f"# loss curves {a} vs {b}: max |diff| {d.max():.2e} at step {int(d.argmax())} "
+            f"(first 10 steps {d[:10].max():.2e}; "
+            + ("bitwise equal" if d.max() == 0 else f"first above 1e-6 at step {first_apart}")
+            + f"); tolerance {args.tol:g}; drops per step {'equal' if same_drops else 'DIFFER'}"
+            f": {'OK' if good else 'FAILED'}"
         )
     if "strata" in runs and base:
         s = runs[base]["median_s"] / runs["strata"]["median_s"]

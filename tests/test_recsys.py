@@ -109,7 +109,9 @@ def _reference(dense, tables, batches, keeps, sc: rm.StepConfig):
         )
         for t in range(len(tables)):
             tacc[t] = tacc[t] + jnp.mean(gt[t] * gt[t], -1)
-            tables[t] = tables[t] - sc.lr_sparse * gt[t] / (jnp.sqrt(tacc[t])[:, None] + sc.eps)
+            tables[t] = tables[t] - sc.lr_sparse * gt[t] / (
+                jnp.sqrt(tacc[t] + sc.sparse_acc_init)[:, None] + sc.eps
+            )
     return losses, dense, tables
 
 
