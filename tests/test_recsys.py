@@ -75,44 +75,54 @@ def _ref_logits(dense, x, pooled):
     return g[:, 0]
 
 
+def _ref_loss(dense, tables, x, ids, keep, y):
+    pooled = jnp.stack(
+        [
+            jnp.sum(jnp.where(keep[:, t, :, None], tables[t][jnp.maximum(ids[:, t], 0)], 0.0), 1)
+            for t in range(len(tables))
+        ],
+        axis=1,
+    )
+    z = _ref_logits(dense, x, pooled)
+    return jnp.mean(jnp.log1p(jnp.exp(-jnp.abs(z))) + jnp.maximum(z, 0) - y * z)
+
+
+@jax.jit
+def _ref_step(state, x, ids, keep, y, hp):
+    """One plain training step; ``hp`` = (lr_sparse, lr_dense, dense_acc_init,
+    sparse_acc_init, eps)."""
+    dense, tables, dacc, tacc = state
+    lr_s, lr_d, acc0, sacc0, eps = hp
+    loss, (gd, gt) = jax.value_and_grad(_ref_loss, argnums=(0, 1))(dense, tables, x, ids, keep, y)
+    dacc = jax.tree.map(lambda a, g: a + g * g, dacc, gd)
+    dense = jax.tree.map(lambda p, g, a: p - lr_d * g / (jnp.sqrt(a + acc0) + eps), dense, gd, dacc)
+    tacc = [a + jnp.mean(g * g, -1) for a, g in zip(tacc, gt, strict=True)]
+    tables = [
+        w - lr_s * g / (jnp.sqrt(a + sacc0)[:, None] + eps)
+        for w, g, a in zip(tables, gt, tacc, strict=True)
+    ]
+    return (dense, tables, dacc, tacc), loss
+
+
 def _reference(dense, tables, batches, keeps, sc: rm.StepConfig):
     """Plain single-device training; returns (losses, dense, tables)."""
     dense = jax.tree.map(jnp.asarray, dense)
     tables = [jnp.asarray(t) for t in tables]
-    dacc = jax.tree.map(jnp.zeros_like, dense)
-    tacc = [jnp.zeros(t.shape[0], jnp.float32) for t in tables]
-
-    def loss_fn(dense, tables, x, ids, keep, y):
-        pooled = jnp.stack(
-            [
-                jnp.sum(
-                    jnp.where(keep[:, t, :, None], tables[t][jnp.maximum(ids[:, t], 0)], 0.0), 1
-                )
-                for t in range(len(tables))
-            ],
-            axis=1,
-        )
-        z = _ref_logits(dense, x, pooled)
-        return jnp.mean(jnp.log1p(jnp.exp(-jnp.abs(z))) + jnp.maximum(z, 0) - y * z)
-
-    grad = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))
+    state = (
+        dense,
+        tables,
+        jax.tree.map(jnp.zeros_like, dense),
+        [jnp.zeros(len(t), jnp.float32) for t in tables],
+    )
+    hp = tuple(
+        np.float32(v)
+        for v in (sc.lr_sparse, sc.lr_dense, sc.dense_acc_init, sc.sparse_acc_init, sc.eps)
+    )
     losses = []
     for (x, ids, y), keep in zip(batches, keeps, strict=True):
-        loss, (gd, gt) = grad(dense, tables, x, ids, keep, y)
+        state, loss = _ref_step(state, x, ids, keep, y, hp)
         losses.append(float(loss))
-        dacc = jax.tree.map(lambda a, g: a + g * g, dacc, gd)
-        dense = jax.tree.map(
-            lambda p, g, a: p - sc.lr_dense * g / (jnp.sqrt(a + sc.dense_acc_init) + sc.eps),
-            dense,
-            gd,
-            dacc,
-        )
-        for t in range(len(tables)):
-            tacc[t] = tacc[t] + jnp.mean(gt[t] * gt[t], -1)
-            tables[t] = tables[t] - sc.lr_sparse * gt[t] / (
-                jnp.sqrt(tacc[t] + sc.sparse_acc_init)[:, None] + sc.eps
-            )
-    return losses, dense, tables
+    return losses, state[0], state[1]
 
 
 def _batches(rng, kind: str):
