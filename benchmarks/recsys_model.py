@@ -235,10 +235,20 @@ def route(ids: Any, layout: Layout, capacity: int) -> dict[str, Any]:
     Returns ``send`` [R * capacity, 2] int32 (local row, slot; -1 padding), ``slot_bag``
     [R * slots] int32 (the bag b * T + t that each (destination, slot) belongs to; B * T when
     unused) and ``dropped`` (int32 scalar: valid ids beyond a destination's capacity).
+
+    Raises:
+      ValueError: ids not a 3-d integer array, a table count other than the layout's, or
+        ``capacity < 1``.
     """
     import jax
     import jax.numpy as jnp
 
+    if ids.ndim != 3 or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"ids must be an integer array [B, T, L], got {ids.dtype}{ids.shape}")
+    if ids.shape[1] != len(layout.rows):
+        raise ValueError(f"ids has {ids.shape[1]} tables, the layout {len(layout.rows)}")
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1, got {capacity}")
     B, T, L = ids.shape
     R, C = layout.nranks, capacity
     BT = B * T

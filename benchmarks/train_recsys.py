@@ -135,6 +135,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--impl: {e}")
     if not args.impls:
         p.error("--impl: empty")
+    for name in ("batch", "eval_every", "dim", "tables"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.capacity is not None and args.capacity < 1:
+        p.error("--capacity must be >= 1")
     if args.steps <= args.warmup:
         p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
     if args.data is not None:
@@ -186,8 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         top=_ints(args.top),
     )
     layout = rm.Layout(cfg.rows, R, args.sharding)
-    capacity = args.capacity or rm.capacity_for(
-        B, cfg.tables, data.mean_bag, layout, args.capacity_factor
+    capacity = (
+        args.capacity
+        if args.capacity is not None
+        else rm.capacity_for(B, cfg.tables, data.mean_bag, layout, args.capacity_factor)
     )
     sc = rm.StepConfig(
         capacity=capacity,

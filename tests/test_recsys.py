@@ -234,6 +234,16 @@ def test_route_layout():
     assert int(rt["dropped"]) == 1
 
 
+def test_route_errors():
+    layout = rm.Layout((8, 8), 2, "row")
+    with pytest.raises(ValueError, match="tables"):
+        rm.route(jnp.zeros((2, 3, 1), jnp.int32), layout, 4)
+    with pytest.raises(ValueError, match="integer"):
+        rm.route(jnp.zeros((2, 2, 1), jnp.float32), layout, 4)
+    with pytest.raises(ValueError, match="capacity"):
+        rm.route(jnp.zeros((2, 2, 1), jnp.int32), layout, 0)
+
+
 def test_auc():
     rng = np.random.default_rng(0)
     y = rng.random(300) < 0.3
