@@ -57,8 +57,7 @@ def _canon_groups(axis_index_groups, n: int | None) -> tuple | None:
     flat = sorted(i for g in groups for i in g)
     if len(sizes) != 1 or 0 in sizes:
         raise ValueError(
-            f"ragged_all_to_all: axis_index_groups {groups} must be non-empty groups of "
-            "equal size."
+            f"ragged_all_to_all: axis_index_groups {groups} must be non-empty groups of equal size."
         )
     if n is not None and flat != list(range(n)):
         raise ValueError(
@@ -129,7 +128,14 @@ def ragged_all_to_all(
 
 
 def _abstract_eval(
-    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name,
+    operand,
+    output,
+    input_offsets,
+    send_sizes,
+    output_offsets,
+    recv_sizes,
+    *,
+    axis_name,
     axis_index_groups,
 ):
     # The first checks and their messages are jax.lax.ragged_all_to_all's, in its order.
@@ -174,9 +180,7 @@ def _abstract_eval(
     groups = _canon_groups(axis_index_groups, n)
     g = len(groups[0]) if groups else n
     if k % g:
-        raise ValueError(
-            f"ragged_all_to_all: {k} slices is not a multiple of the group size {g}"
-        )
+        raise ValueError(f"ragged_all_to_all: {k} slices is not a multiple of the group size {g}")
     out = output.update(shape=output.shape, weak_type=False)
     if _vma_on():
         vma = frozenset(axis_name).union(operand.mat.varying, output.mat.varying)
@@ -185,7 +189,15 @@ def _abstract_eval(
 
 
 def _lowering(
-    ctx, operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name,
+    ctx,
+    operand,
+    output,
+    input_offsets,
+    send_sizes,
+    output_offsets,
+    recv_sizes,
+    *,
+    axis_name,
     axis_index_groups,
 ):
     runtime.native()
@@ -266,7 +278,15 @@ def _exchange(v, axis_name, groups):
 
 
 def _transpose(
-    t, operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name,
+    t,
+    operand,
+    output,
+    input_offsets,
+    send_sizes,
+    output_offsets,
+    recv_sizes,
+    *,
+    axis_name,
     axis_index_groups,
 ):
     if type(t) is ad.Zero:
@@ -276,7 +296,9 @@ def _transpose(
     op_aval = operand.aval if ad.is_undefined_primal(operand) else core.typeof(operand)
     zero = jnp.zeros(op_aval.shape, op_aval.dtype)
     if _vma_on():
-        missing = tuple(a for a in core.typeof(t).mat.varying if a not in core.typeof(zero).mat.varying)
+        missing = tuple(
+            a for a in core.typeof(t).mat.varying if a not in core.typeof(zero).mat.varying
+        )
         if missing:
             zero = jax.lax.pcast(zero, missing, to="varying")
     # Where this rank's received rows sit (in its output) and where they came from (in the
@@ -335,7 +357,9 @@ def _batcher(axis_data, vals_in, dims_in, *, axis_name, axis_index_groups):
     io = io + (jnp.arange(size, dtype=io.dtype) * n_rows)[None, :]
     oo = oo + (jnp.arange(size, dtype=oo.dtype) * m_rows)[None, :]
     merged = [v.reshape(-1, *v.shape[2:]) for v in (operand, output, io, ss, oo, rs)]
-    out = ragged_all_to_all_p.bind(*merged, axis_name=axis_name, axis_index_groups=axis_index_groups)
+    out = ragged_all_to_all_p.bind(
+        *merged, axis_name=axis_name, axis_index_groups=axis_index_groups
+    )
     return out.reshape(size, -1, *out.shape[1:]), 0
 
 
