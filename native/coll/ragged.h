@@ -30,9 +30,9 @@ struct RaggedShape {
   int64_t slices = 0;        // K, a multiple of the group size
 };
 
-// Pulls this rank's received slices into `result` (which already holds `output`). Returns an
-// error naming the slice when a plan is out of bounds or a peer's send size disagrees with
-// this rank's recv size; nothing is written for that slice then.
+// Pulls this rank's received slices into `result` (which already holds `output`). First checks
+// every rank's plan (bounds, each send size equal to the receiver's recv size) in one fixed
+// order, so a fault gives the same error on every rank and nothing is written anywhere.
 // *peer_bytes (optional) gets the bytes read from other ranks' operands.
 std::string ragged_all_to_all(Team& t, const RaggedShape& s, char* result,
                               uint64_t* peer_bytes = nullptr);
