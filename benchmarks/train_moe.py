@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     table = C.Table(
         [
-            C.Column("impl", 10),
+            C.Column("impl", 13),
             C.Column("steps", 6),
             C.Column("first loss", 10, ".4f"),
             C.Column("final loss", 10, ".4f"),

@@ -394,7 +394,7 @@ def test_train_moe_smoke(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    impls = "reference,xla" + (",strata" if NATIVE else "")
+    impls = "reference,xla,xla_sort,strata_ragged" + (",strata" if NATIVE else "")
     cmd = [
         sys.executable,
         str(root / "benchmarks" / "train_moe.py"),
