@@ -334,11 +334,13 @@ def test_bad_shapes_raise_at_trace_time():
         _ragged(mesh, ops, jnp.zeros((2, 4, 2)), *plan, groups=((0,), (0,)))
 
 
-def test_across_processes():
-    """`launch -n 2`: random plans in three dtypes, forward and gradient, against numpy."""
+@pytest.mark.parametrize("mode", ["on_alloc", "staging"])
+def test_across_processes(mode):
+    """`launch -n 2`: random plans in three dtypes, forward and gradient, against numpy; with
+    the operands shared in place (on_alloc) and through bounce buffers (staging)."""
     from test_multiprocess import _launch, _require_allocator
 
     _require_allocator()
-    r = _launch(2, "check_ragged.py")
+    r = _launch(2, "check_ragged.py", mode=mode)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("OK ragged") == 2, r.stdout[-2000:]
