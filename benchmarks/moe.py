@@ -103,6 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jax.sharding import PartitionSpec as P
 
     import strata_jax as sj  # before jax creates its backend
+    from strata_jax.moe import _sort as sort_pipe
 
     R, T, H, E, K = args.devices, args.tokens, args.hidden, args.experts, args.topk
     if E % R:
@@ -154,12 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return pos, keep
 
     def to_experts(xd):  # [E, cs, H] per source -> [E/R, R*cs, H] per expert rank
-        y = jax.lax.all_to_all(xd.reshape(R, el, cs, H), "ep", 0, 0, tiled=True)
-        return y.transpose(1, 0, 2, 3).reshape(el, R * cs, H)
+        return sort_pipe.to_experts(xd, "ep", R)
 
     def from_experts(e):  # [E/R, R*cs, H] -> [E, cs, H] back at the source
-        y = e.reshape(el, R, cs, H).transpose(1, 0, 2, 3)
-        return jax.lax.all_to_all(y, "ep", 0, 0, tiled=True).reshape(E, cs, H)
+        return sort_pipe.from_experts(e, "ep", R)
 
     def g_tensors(i, w):
         pos, keep = positions(i)
@@ -180,25 +179,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         recv = to_experts(jnp.einsum("tec,th->ech", disp, x))
         return jnp.einsum("tec,ech->th", comb, from_experts(expert_scale(recv)))
 
-    def x_slots(i):
-        pos, keep = positions(i)
-        flat = jnp.take_along_axis(jnp.where(keep, jnp.arange(E) * cs + pos, -1), i, axis=1)
-        src = jnp.full((E * cs,), T, jnp.int32)
-        tok = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[:, None], flat.shape)
-        src = src.at[jnp.where(flat >= 0, flat, E * cs)].set(tok, mode="drop")
-        return flat, src
-
+    # xla-gather: strata_jax.moe._sort, the pipeline of moe_mlp(impl="xla_sort")
     def x_dispatch(x, i):
-        _, src = x_slots(i)
-        xp = jnp.concatenate([x, jnp.zeros((1, H), x.dtype)])
-        return to_experts(xp[src].reshape(E, cs, H))
+        _, src = sort_pipe.slots(i, E, cs)
+        return to_experts(sort_pipe.gather_blocks(x, src, E, cs))
 
     def x_combine(e, i, w):
-        flat, _ = x_slots(i)
-        back = from_experts(e).reshape(E * cs, H)
-        back = jnp.concatenate([back, jnp.zeros((1, H), back.dtype)])
-        rows = back[jnp.where(flat >= 0, flat, E * cs)]  # [T, K, H]
-        return jnp.einsum("tk,tkh->th", w, rows)
+        flat, _ = sort_pipe.slots(i, E, cs)
+        return sort_pipe.combine_rows(from_experts(e), flat, w)
 
     def x_full(x, i, w):
         return x_combine(expert_scale(x_dispatch(x, i)), i, w)

@@ -23,6 +23,7 @@ from strata_jax._src.collectives import (  # noqa: E402
     psum_scatter,
 )
 from strata_jax._src.fabric import init, memory_stats  # noqa: E402
+from strata_jax._src.ragged import ragged_all_to_all  # noqa: E402
 from strata_jax._src.runtime import (  # noqa: E402
     comm_stats,
     get_timeout,
@@ -43,6 +44,7 @@ __all__ = [
     "all_to_all",
     "ppermute",
     "pbroadcast",
+    "ragged_all_to_all",
     "set_timeout",
     "get_timeout",
     "set_two_shot_threshold",

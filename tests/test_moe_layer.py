@@ -36,6 +36,8 @@ NATIVE = _has_native()
 needs_native = pytest.mark.skipif(not NATIVE, reason="strata_jax.moe.dispatch not built yet")
 LAYER_IMPLS = [
     pytest.param("strata", marks=needs_native),
+    "strata_ragged",
+    "xla_sort",
     "xla",
     "reference",
 ]
@@ -153,7 +155,7 @@ def test_impls_agree_with_each_other(dtype, rng):
     e, k, t, h, f = 16, 4, 9, 8, 16
     args = _params(rng, t, h, f, e, dtype)
     ct = jnp.asarray(rng.standard_normal((R * t, h)), dtype)
-    impls = ["xla", "reference"] + (["strata"] if NATIVE else [])
+    impls = ["xla", "xla_sort", "strata_ragged", "reference"] + (["strata"] if NATIVE else [])
     res = {}
     for impl in impls:
         moe = sharded_moe(impl, num_experts=e, top_k=k)
@@ -184,6 +186,7 @@ def _skewed_params(rng, t, h, f, e, dtype, hot=(0, 1)):
         pytest.param("strata", "global", marks=needs_native),
         ("reference", "global"),
         ("xla", "per_source"),
+        ("xla_sort", "per_source"),
     ],
 )
 @pytest.mark.parametrize("capacity", [0, 5, 24])
@@ -220,7 +223,8 @@ def test_fewer_ranks_several_experts_each(n, rng):
     e, k, t, h, f = 8, 3, 7, 8, 8
     args = _params(rng, t, h, f, e, "float32", n=n)
     want = dense_moe(*args, top_k=k, nranks=n)
-    for impl in ["xla", "reference"] + (["strata"] if NATIVE else []):
+    impls = ["xla", "xla_sort", "strata_ragged", "reference"] + (["strata"] if NATIVE else [])
+    for impl in impls:
         got = jax.jit(sharded_moe(impl, num_experts=e, top_k=k, n=n))(*args)
         _close(got, want, "float32", impl)
 
@@ -233,6 +237,8 @@ def test_errors(rng):
         sharded_moe("xla", num_experts=12, top_k=2)(*_params(rng, 4, 8, 8, 16, "float32"))
     with pytest.raises(ValueError, match="top_k"):
         sharded_moe("xla", num_experts=8, top_k=9)(*args)
+    with pytest.raises(ValueError, match="dropless"):
+        sharded_moe("strata_ragged", num_experts=8, top_k=2, capacity=4)(*args)
     if not NATIVE:
         with pytest.raises(NotImplementedError, match="impl='reference'"):
             sharded_moe("strata", num_experts=8, top_k=2)(*args)
@@ -388,7 +394,7 @@ def test_train_moe_smoke(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    impls = "reference,xla" + (",strata" if NATIVE else "")
+    impls = "reference,xla,xla_sort,strata_ragged" + (",strata" if NATIVE else "")
     cmd = [
         sys.executable,
         str(root / "benchmarks" / "train_moe.py"),

@@ -10,6 +10,7 @@
 #include "fabric/stats.h"
 #include "ffi/handlers.h"
 #include "ffi/moe_handlers.h"
+#include "ffi/ragged_handler.h"
 
 namespace nb = nanobind;
 
@@ -33,6 +34,7 @@ NB_MODULE(_strata, m) {
     d["strata_moe_dispatch"] = capsule(strata::MoeDispatchHandler);
     d["strata_moe_combine"] = capsule(strata::MoeCombineHandler);
     d["strata_moe_gather"] = capsule(strata::MoeGatherHandler);
+    d["strata_ragged_all_to_all"] = capsule(strata::RaggedAllToAllHandler);
     return d;
   });
   m.def(

@@ -1,7 +1,11 @@
-"""An expert-parallel MoE MLP over strata's dispatch/combine, and its GShard-style twin.
+"""An expert-parallel MoE MLP over strata's dispatch/combine, and its XLA twins.
 
 :func:`moe_mlp` runs inside ``jax.shard_map`` over the expert-parallel axis. ``impl="strata"``
 moves tokens with ``strata_jax.moe.dispatch`` / ``combine`` (zero-copy over the fabric);
+``impl="strata_ragged"`` is dropless (MaxText-style: sort by expert, ragged exchange with
+:func:`strata_jax.ragged_all_to_all`, grouped matmul with ``jax.lax.ragged_dot``, ragged
+exchange back); ``impl="xla_sort"`` is what JAX MoE code does without ragged collectives
+(sort/gather into capacity-padded blocks, ``jax.lax.all_to_all``: :mod:`strata_jax.moe._sort`);
 ``impl="xla"`` is the textbook GShard formulation (one-hot dispatch/combine tensors and
 ``jax.lax.all_to_all``); ``impl="reference"`` uses the pure-JAX oracle of
 :mod:`strata_jax.moe._reference`.
@@ -16,11 +20,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from strata_jax.moe import _sort
+
 AxisName = Any
 
 __all__ = ["moe_mlp", "route", "IMPLS"]
 
-IMPLS = ("strata", "xla", "reference")
+IMPLS = ("strata", "strata_ragged", "xla_sort", "xla", "reference")
 
 
 def route(x: jax.Array, router_w: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
@@ -94,7 +100,11 @@ def moe_mlp(
       capacity: rows per expert C over *all* source ranks, filled in (source rank, token)
         order; ``None`` = ``R * T`` (nothing dropped). Dropped (token, expert) pairs
         contribute zero, so ``y`` then sums fewer than K experts (weights not renormalized).
-      impl: ``"strata"`` (``strata_jax.moe.dispatch``/``combine``), ``"xla"`` (GShard:
+        Must be ``None`` for ``"strata_ragged"`` (dropless).
+      impl: ``"strata"`` (``strata_jax.moe.dispatch``/``combine``), ``"strata_ragged"``
+        (dropless: :func:`strata_jax.ragged_all_to_all` and ``jax.lax.ragged_dot``; see
+        :func:`_dropless`), ``"xla_sort"`` (index gather into ``[E, C_src, H]`` blocks,
+        ``jax.lax.all_to_all`` there and back, weighted gather-sum), ``"xla"`` (GShard:
         one-hot dispatch tensor ``[T, E, C_src]``, ``jax.lax.all_to_all`` there and back,
         combine einsum) or ``"reference"`` (pure-JAX oracle of dispatch/combine).
       activation: elementwise activation with ``activation(0) == 0`` (unused capacity rows
@@ -107,12 +117,13 @@ def moe_mlp(
       ValueError: bad shapes, ``num_experts`` not a multiple of R, bad ``top_k``/``impl``.
       NotImplementedError: ``impl="strata"`` when ``strata_jax.moe.dispatch`` is missing.
 
-    Capacity and drops, strata versus xla: GShard allots each *source rank* ``C_src =
-    ceil(C / R)`` rows per expert (so both run the expert MLP on about C rows per expert)
-    and drops a source's tokens past ``C_src``; strata drops the pairs past C over all
-    sources. With ``capacity=None`` neither drops anything (``C_src = T``) and the two give
-    the same output up to float round-off; with a smaller capacity they agree as long as no
-    source sends more than ``C_src`` tokens to one expert.
+    Capacity and drops: GShard (``xla``) and ``xla_sort`` allot each *source rank*
+    ``C_src = ceil(C / R)`` rows per expert (so they run the expert MLP on about C rows per
+    expert) and drop a source's pairs past ``C_src`` (one rule for both); strata drops the
+    pairs past C over all sources; ``strata_ragged`` never drops. With ``capacity=None``
+    nothing is dropped (``C_src = T``) and all give the same output up to float round-off;
+    with a smaller capacity they agree as long as no source sends more than ``C_src`` tokens
+    to one expert.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -136,6 +147,11 @@ def moe_mlp(
         raise ValueError(f"w2 must be [E_local={e_local}, F={w1.shape[2]}, H={h}], got {w2.shape}")
     if capacity is not None and capacity < 0:
         raise ValueError(f"capacity must be >= 0 or None, got {capacity}")
+    if impl == "strata_ragged" and capacity is not None:
+        raise ValueError(
+            f"impl='strata_ragged' is dropless and takes capacity=None, got {capacity}; use "
+            "impl='strata' or 'xla_sort' for a capacity-limited layer"
+        )
 
     topk_idx, topk_w = route(x, router_w, top_k)
 
@@ -149,6 +165,26 @@ def moe_mlp(
             num_experts=num_experts,
             axis_name=axis_name,
             capacity=capacity,
+            activation=activation,
+        )
+
+    if impl == "xla_sort":
+        nr = jax.lax.axis_size(axis_name)
+        c_src = t if capacity is None else min(t, math.ceil(capacity / nr))
+        flat, src = _sort.slots(topk_idx, num_experts, c_src)
+        recv = _sort.to_experts(_sort.gather_blocks(x, src, num_experts, c_src), axis_name, nr)
+        back = _sort.from_experts(_experts(recv, w1, w2, activation), axis_name, nr)
+        return _sort.combine_rows(back, flat, topk_w).astype(x.dtype)
+
+    if impl == "strata_ragged":
+        return _dropless(
+            x,
+            topk_idx,
+            topk_w,
+            w1,
+            w2,
+            num_experts=num_experts,
+            axis_name=axis_name,
             activation=activation,
         )
 
@@ -187,3 +223,71 @@ def _gshard(x, topk_idx, topk_w, w1, w2, *, num_experts, axis_name, capacity, ac
     back = jax.lax.all_to_all(out, axis_name, 0, 0)  # [R(expert rank), E_local, C, H]
     back = back.reshape(num_experts, c_src, h)
     return jnp.einsum("tec,ech->th", combine_t.astype(x.dtype), back).astype(x.dtype)
+
+
+def _dropless(x, topk_idx, topk_w, w1, w2, *, num_experts, axis_name, activation):
+    """Dropless expert parallelism over :func:`strata_jax.ragged_all_to_all` (MaxText-style).
+
+    1. Sort this rank's T*K (token, expert) pairs by expert id (stable): the rows for expert
+       rank d, local expert l, form one contiguous slice (d, l) of the sorted rows.
+    2. Exchange the per-expert counts first (``strata_jax.all_gather`` of [E] int32: every
+       rank then knows every (source, expert) count and computes every offset locally).
+    3. Ragged exchange with R * E_local slices (``E_local`` slices per peer): the expert rank
+       receives its rows grouped by local expert (source order inside a group), so
+    4. the expert MLP is two ``jax.lax.ragged_dot`` grouped matmuls over the received rows;
+    5. the reverse ragged exchange (same counts, roles swapped) brings every row back to its
+       sorted position at the source; un-sort and sum each token's K rows with its weights.
+
+    Output buffer bound (static shapes, no drops): a token's K experts are distinct, so it
+    sends at most ``min(K, E_local)`` rows to one expert rank, and an expert rank receives at
+    most ``M = R * T * min(K, E_local)`` rows (every token of every rank routed there). The
+    received buffer is [M, H]; rows past the received count are never read.
+    """
+    from strata_jax._src.collectives import all_gather  # noqa: PLC0415 (import cycle)
+    from strata_jax._src.ragged import ragged_all_to_all  # noqa: PLC0415
+
+    t, h = x.shape
+    k = topk_idx.shape[1]
+    nr = jax.lax.axis_size(axis_name)
+    el = num_experts // nr
+    me = jax.lax.axis_index(axis_name)
+    i32 = jnp.int32
+
+    flat_e = topk_idx.reshape(-1).astype(i32)  # [T*K]
+    order = jnp.argsort(flat_e, stable=True)
+    rows = x[order // k]  # [T*K, H] sorted by expert
+    counts = jnp.zeros((num_experts,), i32).at[flat_e].add(1)  # [E] = (d, l)
+    all_counts = all_gather(counts, axis_name)  # [R(source), E]
+    c3 = all_counts.reshape(nr, nr, el)  # [source j, expert rank d, local expert l]
+    total = c3.sum(0)  # [d, l]: rows expert (d, l) receives
+    start = jnp.cumsum(total, axis=1) - total  # [d, l]: its region in d's buffer
+    before = jnp.cumsum(c3, axis=0) - c3  # [j, d, l]: rows of earlier sources in the region
+    where = start[None] + before  # [j, d, l]: offset of slice (j -> d, l) in d's buffer
+
+    in_off = jnp.cumsum(counts) - counts  # my slices (d, l) in my sorted rows
+    m = nr * t * min(k, el)
+    recv = ragged_all_to_all(
+        rows,
+        jnp.zeros((m, h), x.dtype),
+        in_off,
+        counts,
+        where[me].reshape(-1),
+        c3[:, me, :].reshape(-1),
+        axis_name=axis_name,
+    )
+    sizes = total[me]  # [E_local] rows per local expert, contiguous from row 0
+    hid = activation(jax.lax.ragged_dot(recv, w1.astype(x.dtype), sizes))
+    out = jax.lax.ragged_dot(hid, w2.astype(x.dtype), sizes)  # [M, H]
+
+    src_off = (jnp.cumsum(all_counts, axis=1) - all_counts).reshape(nr, nr, el)
+    back = ragged_all_to_all(
+        out,
+        jnp.zeros((t * k, h), x.dtype),
+        where[:, me, :].reshape(-1),  # slice (j, l): rows of source j for my expert l
+        c3[:, me, :].reshape(-1),
+        src_off[:, me, :].reshape(-1),  # back to where source j took them from
+        counts,
+        axis_name=axis_name,
+    )
+    pairs = jnp.zeros_like(back).at[order].set(back).reshape(t, k, h)
+    return jnp.einsum("tk,tkh->th", topk_w.astype(x.dtype), pairs).astype(x.dtype)

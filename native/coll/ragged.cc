@@ -1,0 +1,77 @@
+#include "coll/ragged.h"
+
+#include <sstream>
+
+#include "coll/kernels.h"
+
+namespace strata {
+
+namespace {
+
+// The first fault of the whole exchange, searched in one fixed order over every (sender,
+// receiver) pair: every rank sees every plan after arrival, so every rank finds the same fault
+// and fails the call together (a rank failing alone would leave its peers waiting for it).
+std::string validate(const Team& t, const RaggedShape& s) {
+  const int n = t.size();
+  const int64_t K = s.slices, per = K / n;
+  for (int j = 0; j < n; ++j) {
+    const auto* plan = static_cast<const int64_t*>(t.peer_buf(j, kRaggedPlan));
+    for (int64_t i = 0; i < K; ++i) {
+      const int d = static_cast<int>(i / per);
+      const auto* recv = static_cast<const int64_t*>(t.peer_buf(d, kRaggedPlan)) + 3 * K;
+      const int64_t in_off = plan[i], size = plan[K + i], out_off = plan[2 * K + i];
+      const int64_t slot = j * per + i % per, expect = recv[slot];
+      std::string what;
+      if (size != expect)
+        what = "rank " + std::to_string(j) + " sends " + std::to_string(size) +
+               " rows but rank " + std::to_string(d) + "'s recv_sizes[" +
+               std::to_string(slot) + "] is " + std::to_string(expect);
+      else if (size < 0)
+        what = "negative send size " + std::to_string(size);
+      else if (in_off < 0 || in_off > s.operand_rows - size)
+        what = "rows [" + std::to_string(in_off) + ", " + std::to_string(in_off + size) +
+               ") are outside the operand's " + std::to_string(s.operand_rows) + " rows";
+      else if (out_off < 0 || out_off > s.output_rows - size)
+        what = "rows [" + std::to_string(out_off) + ", " + std::to_string(out_off + size) +
+               ") are outside the output's " + std::to_string(s.output_rows) + " rows";
+      if (!what.empty()) {
+        std::ostringstream os;
+        os << "strata_jax ragged_all_to_all: slice " << i << " of rank " << j << " (to rank "
+           << d << "): " << what;
+        return os.str();
+      }
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+std::string ragged_all_to_all(Team& t, const RaggedShape& s, char* result,
+                              uint64_t* peer_bytes) {
+  std::string err = validate(t, s);
+  if (!err.empty()) return err;
+  uint64_t from_peers = 0;
+  const int n = t.size(), r = t.rank();
+  const int64_t K = s.slices, per = K / n;
+  // Start with the own slices, then the peers in rotated order so that concurrent receivers
+  // do not all read rank 0 first.
+  for (int step = 0; step < n; ++step) {
+    const int j = (r + step) % n;
+    const auto* plan = static_cast<const int64_t*>(t.peer_buf(j, kRaggedPlan));
+    const auto* src = static_cast<const char*>(t.peer_buf(j, kRaggedOperand));
+    for (int64_t sl = 0; sl < per; ++sl) {
+      const int64_t i = r * per + sl;  // index in the sender's plan
+      const int64_t in_off = plan[i], size = plan[K + i], out_off = plan[2 * K + i];
+      if (size == 0 || s.row_bytes == 0) continue;
+      const size_t nbytes = static_cast<size_t>(size) * s.row_bytes;
+      copy_bytes(result + out_off * s.row_bytes, src + in_off * s.row_bytes, nbytes);
+      if (j != r) from_peers += nbytes;
+    }
+  }
+  copy_fence();
+  if (peer_bytes) *peer_bytes = from_peers;
+  return "";
+}
+
+}  // namespace strata

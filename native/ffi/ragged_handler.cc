@@ -1,0 +1,129 @@
+// XLA FFI handler of strata_jax.ragged_all_to_all: operands (operand [N, ...], output [M, ...]
+// aliased to the result, plan s64 [4, K], partition id), one result [M, ...].
+#include "ffi/ragged_handler.h"
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "coll/kernels.h"
+#include "coll/ragged.h"
+#include "fabric/stats.h"
+#include "ffi/common.h"
+
+namespace ffi = xla::ffi;
+
+namespace strata {
+namespace {
+
+constexpr int32_t kRaggedKind = 201;
+
+ffi::Error invalid(const std::string& what) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "strata_jax ragged_all_to_all: " + what);
+}
+
+// axis_index_groups: `groups` lists the axis indices of every group, each `group_size` long.
+// The rank's team becomes its group: the group id extends the mesh group (so teams of
+// different index groups never meet) and the rank is the position inside the index group.
+std::string apply_index_groups(I64s groups, int64_t group_size, Placement* pl) {
+  if (group_size <= 0) return "";
+  const int64_t total = static_cast<int64_t>(groups.size());
+  if (total != pl->size || total % group_size)
+    return "axis_index_groups cover " + std::to_string(total) + " indices, the axis has " +
+           std::to_string(pl->size);
+  for (int64_t k = 0; k < total; ++k) {
+    if (groups[k] == pl->rank) {
+      pl->group = pl->group * (total / group_size) + k / group_size;
+      pl->rank = static_cast<int>(k % group_size);
+      pl->size = static_cast<int>(group_size);
+      return "";
+    }
+  }
+  return "axis index " + std::to_string(pl->rank) + " is in no axis_index_group";
+}
+
+ffi::Error RaggedAllToAllImpl(ffi::RunId run, ffi::AnyBuffer operand, ffi::AnyBuffer output,
+                              ffi::AnyBuffer plan, ffi::AnyBuffer pid,
+                              ffi::Result<ffi::AnyBuffer> result, int64_t op_id,
+                              I64s mesh_shape, I64s axes, I64s groups, int64_t group_size) {
+  const int32_t dt = static_cast<int32_t>(operand.element_type());
+  if (dtype_size(dt) == 0) return invalid(std::string("unsupported dtype ") + dtype_name(dt));
+  auto od = operand.dimensions(), md = output.dimensions(), pd = plan.dimensions();
+  if (od.size() < 1 || md.size() != od.size() || output.element_type() != operand.element_type() ||
+      result->element_type() != output.element_type() ||
+      result->size_bytes() != output.size_bytes() || plan.element_type() != ffi::DataType::S64 ||
+      pd.size() != 2 || pd[0] != 4)
+    return invalid("internal error: operand shapes or dtypes do not match the lowering");
+  for (size_t d = 1; d < od.size(); ++d)
+    if (od[d] != md[d]) return invalid("operand and output rows differ in shape");
+  Placement pl;
+  std::string err = placement(pid, mesh_shape, axes, &pl);
+  if (err.empty()) err = apply_index_groups(groups, group_size, &pl);
+  if (!err.empty()) return invalid(err);
+  RaggedShape s;
+  s.operand_rows = od[0];
+  s.output_rows = md[0];
+  s.slices = pd[1];
+  s.row_bytes = s.output_rows ? output.size_bytes() / s.output_rows
+                              : (s.operand_rows ? operand.size_bytes() / s.operand_rows : 0);
+  if (s.slices % pl.size) return invalid("the number of slices is not a multiple of the group size");
+  char* res = static_cast<char*>(result->untyped_data());
+  // The result starts as `output`: XLA aliases them, so normally there is nothing to copy.
+  if (res != output.untyped_data() && output.size_bytes())
+    std::memcpy(res, output.untyped_data(), output.size_bytes());
+  stats().calls.fetch_add(1, std::memory_order_relaxed);
+  if (pl.size == 1) {  // a group of one: the own slices only, no rendezvous
+    struct Self final : Team {
+      const void* bufs[kRaggedBufs];
+      int rank() const override { return 0; }
+      int size() const override { return 1; }
+      const void* peer_in(int) const override { return nullptr; }
+      void* peer_out(int) const override { return nullptr; }
+      const void* peer_buf(int, int i) const override { return bufs[i]; }
+      const OpDesc& peer_desc(int) const override { return desc; }
+      std::string barrier(const char*) override { return ""; }
+      OpDesc desc;
+    } self;
+    self.bufs[kRaggedOperand] = operand.untyped_data();
+    self.bufs[kRaggedPlan] = plan.untyped_data();
+    err = ragged_all_to_all(self, s, res);
+    return err.empty() ? ffi::Error::Success() : invalid(err);
+  }
+  OpDesc d;
+  d.name = "ragged_all_to_all";
+  d.kind = kRaggedKind;
+  d.dtype = dt;
+  d.aux = s.slices;
+  d.in_bytes = operand.size_bytes();
+  d.out_bytes = output.size_bytes();
+  BufRef bufs[kRaggedBufs];
+  bufs[kRaggedOperand] = BufRef{operand.untyped_data(), operand.size_bytes(), false};
+  bufs[kRaggedPlan] = BufRef{plan.untyped_data(), plan.size_bytes(), false};
+  return join_and_run_multi("ragged_all_to_all", run.run_id, op_id, pl, d, bufs, kRaggedBufs,
+                            [&](Team& t) -> std::string {
+                              uint64_t moved = 0;
+                              std::string e = ragged_all_to_all(t, s, res, &moved);
+                              (t.zero_copy() ? stats().zero_copy_bytes
+                                             : stats().peer_bounce_bytes)
+                                  .fetch_add(moved, std::memory_order_relaxed);
+                              return e;
+                            });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedAllToAllHandler, RaggedAllToAllImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("op_id")
+                                  .Attr<I64s>("mesh_shape")
+                                  .Attr<I64s>("axes")
+                                  .Attr<I64s>("groups")
+                                  .Attr<int64_t>("group_size"));
+
+}  // namespace strata

@@ -1,0 +1,377 @@
+"""ragged_all_to_all: jax.lax.ragged_all_to_all as a strata primitive (XLA:CPU has none).
+
+``jax.lax.ragged_all_to_all`` lowers to the HLO op ``ragged-all-to-all``, which XLA:CPU does
+not implement ("HLO opcode ragged-all-to-all is not supported by XLA:CPU ThunkEmitter"), so
+dropless MoE code written for TPU/GPU cannot run on CPU. This module gives the same function
+(name, signature, semantics, errors of its abstract evaluation, JVP, transpose and batching
+rule: ``jax/_src/lax/parallel.py`` of jax 0.10.2) over strata's fabric.
+
+Algorithm: every rank publishes its operand and its plan (the four offset/size vectors as one
+int64 [4, K] block) at the arrival barrier; each rank then *pulls* the slices destined to it
+straight from the peers' operands into its own result, which XLA aliases to ``output`` (rows
+nobody sends keep ``output``'s values). Zero-copy on the in-process and the shared-memory
+fabric (Team interface, ``native/coll/ragged.cc``): one copy per row, by the receiver, and no
+two ranks ever write the same buffer. A peer's ``send_sizes`` must equal the receiver's
+``recv_sizes`` for that slice, and every slice must lie inside ``operand``/``output``: a
+violation raises an error naming the slice (XLA leaves it undefined).
+
+``axis_index_groups`` is supported (the native team is the index group); groups must cover
+every axis index once and have equal sizes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core
+from jax._src.interpreters import ad, batching, mlir
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import hlo
+
+from strata_jax._src import runtime
+from strata_jax._src.collectives import (
+    _axes,
+    _axis_size,
+    _check_axis_names,
+    _effects,
+    _mesh_placement,
+    _vma_on,
+    next_op_id,
+)
+
+AxisName = Any
+
+__all__ = ["ragged_all_to_all", "ragged_all_to_all_p"]
+
+ragged_all_to_all_p = core.Primitive("strata_ragged_all_to_all")
+
+
+def _canon_groups(axis_index_groups, n: int | None) -> tuple | None:
+    if axis_index_groups is None:
+        return None
+    groups = tuple(tuple(int(i) for i in g) for g in axis_index_groups)
+    sizes = {len(g) for g in groups}
+    flat = sorted(i for g in groups for i in g)
+    if len(sizes) != 1 or 0 in sizes:
+        raise ValueError(
+            f"ragged_all_to_all: axis_index_groups {groups} must be non-empty groups of equal size."
+        )
+    if n is not None and flat != list(range(n)):
+        raise ValueError(
+            f"ragged_all_to_all: axis_index_groups {groups} must cover every index of the "
+            f"axis (size {n}) exactly once."
+        )
+    return groups
+
+
+def ragged_all_to_all(
+    operand: jax.Array,
+    output: jax.Array,
+    input_offsets: jax.Array,
+    send_sizes: jax.Array,
+    output_offsets: jax.Array,
+    recv_sizes: jax.Array,
+    *,
+    axis_name: AxisName,
+    axis_index_groups=None,
+) -> jax.Array:
+    """Ragged all-to-all over ``axis_name``; drop-in for :func:`jax.lax.ragged_all_to_all`.
+
+    Runs inside :func:`jax.shard_map`. With ``n`` ranks in the group and ``K`` slices (``K``
+    divisible by ``n``, ``S = K // n`` slices per peer), rank ``r`` sends for every ``i``
+    ``operand[input_offsets[i] : input_offsets[i] + send_sizes[i]]`` to rank ``i // S``,
+    which writes it at rows ``output_offsets[i] : output_offsets[i] + send_sizes[i]`` of its
+    result. The result equals ``output`` except for the rows received: on rank ``r`` the
+    slice from rank ``j`` number ``s`` lands at ``all_to_all(output_offsets)[j * S + s]``
+    with size ``recv_sizes[j * S + s]``.
+
+    Args:
+      operand: [N, ...] rows to send, any dtype.
+      output: [M, ...] (same trailing shape and dtype): the values of the rows not received.
+        XLA aliases it to the result (no copy unless it is still used elsewhere).
+      input_offsets, send_sizes, output_offsets, recv_sizes: [K] integer vectors (any integer
+        dtypes), ``K >= 1`` a multiple of the group size. ``send_sizes`` on the sender must
+        equal ``recv_sizes`` on the receiver for every slice.
+      axis_name: mesh axis name or tuple of names.
+      axis_index_groups: optional groups of axis indices (equal sizes, covering the axis
+        once); the exchange then runs within each group, ranks numbered by position in it.
+
+    Returns:
+      [M, ...] array of ``output``'s dtype: ``output`` with the received rows written.
+
+    Raises:
+      ValueError: offsets/sizes not integer or not rank 1 with positive size (jax.lax's
+        messages), mismatched operand/output shapes or dtypes, ``K`` not a multiple of the
+        group size, bad ``axis_index_groups``; at run time, a slice out of bounds or a
+        ``send_sizes``/``recv_sizes`` mismatch (an error naming the slice, never a value).
+      NameError: ``axis_name`` not bound by an enclosing shard_map.
+
+    Differentiable in ``operand`` and ``output`` (transpose: the reverse ragged exchange;
+    the output's cotangent is zero on the received rows), batchable with ``jax.vmap``.
+    Algorithm: receivers pull their slices straight from the peers' operands (module doc).
+    """
+    axes = _axes(axis_name)
+    groups = _canon_groups(axis_index_groups, None)
+    args = [jnp.asarray(v) for v in (operand, output)] + [
+        jnp.asarray(v) for v in (input_offsets, send_sizes, output_offsets, recv_sizes)
+    ]
+    if _vma_on() and all(isinstance(v, core.Tracer) for v in args[:2]):
+        vma = frozenset(axes).union(*(core.typeof(v).mat.varying for v in args))
+        for k in (0, 1):
+            missing = tuple(a for a in vma if a not in core.typeof(args[k]).mat.varying)
+            if missing:
+                args[k] = jax.lax.pcast(args[k], missing, to="varying")
+    return ragged_all_to_all_p.bind(*args, axis_name=axes, axis_index_groups=groups)
+
+
+def _abstract_eval(
+    operand,
+    output,
+    input_offsets,
+    send_sizes,
+    output_offsets,
+    recv_sizes,
+    *,
+    axis_name,
+    axis_index_groups,
+):
+    # The first checks and their messages are jax.lax.ragged_all_to_all's, in its order.
+    for name, v in (
+        ("input_offsets", input_offsets),
+        ("send_sizes", send_sizes),
+        ("output_offsets", output_offsets),
+        ("recv_sizes", recv_sizes),
+    ):
+        if not jnp.issubdtype(v.dtype, np.integer):
+            raise ValueError(f"ragged_all_to_all {name} must be integer type.")
+    for name, v in (
+        ("input_offsets", input_offsets),
+        ("send_sizes", send_sizes),
+        ("output_offsets", output_offsets),
+        ("recv_sizes", recv_sizes),
+    ):
+        if len(v.shape) != 1 or v.shape[0] < 1:
+            raise ValueError(
+                f"ragged_all_to_all {name} must be rank 1 with positive dimension size, "
+                f"but got shape {v.shape}"
+            )
+    _check_axis_names(axis_name, "ragged_all_to_all")
+    k = input_offsets.shape[0]
+    if {send_sizes.shape[0], output_offsets.shape[0], recv_sizes.shape[0]} != {k}:
+        raise ValueError(
+            "ragged_all_to_all: input_offsets, send_sizes, output_offsets and recv_sizes must "
+            f"have one length, got {input_offsets.shape}, {send_sizes.shape}, "
+            f"{output_offsets.shape}, {recv_sizes.shape}"
+        )
+    if operand.ndim < 1 or operand.ndim != output.ndim or operand.shape[1:] != output.shape[1:]:
+        raise ValueError(
+            "ragged_all_to_all: operand and output must be [N, ...] and [M, ...] with the same "
+            f"trailing shape, got {operand.shape} and {output.shape}"
+        )
+    if operand.dtype != output.dtype:
+        raise ValueError(
+            f"ragged_all_to_all: operand ({operand.dtype}) and output ({output.dtype}) must "
+            "have one dtype"
+        )
+    n = _axis_size(axis_name)
+    groups = _canon_groups(axis_index_groups, n)
+    g = len(groups[0]) if groups else n
+    if k % g:
+        raise ValueError(f"ragged_all_to_all: {k} slices is not a multiple of the group size {g}")
+    out = output.update(shape=output.shape, weak_type=False)
+    if _vma_on():
+        vma = frozenset(axis_name).union(operand.mat.varying, output.mat.varying)
+        out = out.update(manual_axis_type=out.mat.update(varying=vma))
+    return out, _effects(axis_name)
+
+
+def _lowering(
+    ctx,
+    operand,
+    output,
+    input_offsets,
+    send_sizes,
+    output_offsets,
+    recv_sizes,
+    *,
+    axis_name,
+    axis_index_groups,
+):
+    runtime.native()
+    mesh_shape, axes_idx = _mesh_placement(ctx, axis_name, "ragged_all_to_all")
+    # One int64 [4, K] plan (input_offsets, send_sizes, output_offsets, recv_sizes): the one
+    # buffer a peer reads to find its slices, whatever integer types the caller used.
+    i64 = ir.IntegerType.get_signless(64)
+    rows = []
+    for v, aval in zip(
+        (input_offsets, send_sizes, output_offsets, recv_sizes), ctx.avals_in[2:], strict=True
+    ):
+        k = aval.shape[0]
+        conv = hlo.convert(ir.RankedTensorType.get([k], i64), v)
+        rows.append(hlo.reshape(ir.RankedTensorType.get([1, k], i64), conv))
+    plan = hlo.concatenate(rows, ir.IntegerAttr.get(i64, 0))
+    k = ctx.avals_in[2].shape[0]
+    groups = axis_index_groups or ()
+    rule = jax.ffi.ffi_lowering(
+        "strata_ragged_all_to_all", has_side_effect=True, operand_output_aliases={1: 0}
+    )
+    sub = ctx.replace(
+        avals_in=[
+            ctx.avals_in[0],
+            ctx.avals_in[1],
+            core.ShapedArray((4, k), np.dtype(np.int64)),
+            core.ShapedArray((), np.uint32),
+        ]
+    )
+    return rule(
+        sub,
+        operand,
+        output,
+        plan,
+        hlo.partition_id(),
+        op_id=next_op_id(ctx),
+        mesh_shape=mesh_shape,
+        axes=axes_idx,
+        groups=np.asarray([i for grp in groups for i in grp], np.int64),
+        group_size=np.int64(len(groups[0]) if groups else 0),
+    )
+
+
+def _jvp(primals, tangents, **params):
+    operand, output, *plan = primals
+    operand_dot, output_dot, *_ = tangents
+    result = ragged_all_to_all_p.bind(operand, output, *plan, **params)
+    if type(operand_dot) is type(output_dot) is ad.Zero:
+        return result, ad.p2tz(result)
+    operand_dot = ad.instantiate_zeros(operand_dot)
+    output_dot = ad.instantiate_zeros(output_dot)
+    return result, ragged_all_to_all_p.bind(operand_dot, output_dot, *plan, **params)
+
+
+def _exchange(v, axis_name, groups):
+    """Tiled all_to_all of a [K] integer vector within the groups, as a ragged exchange."""
+    k = v.shape[0]
+    n = len(groups[0]) if groups else _axis_size(axis_name)
+    per = k // n
+    me = jax.lax.axis_index(axis_name)
+    if groups:
+        pos = np.zeros(sum(len(g) for g in groups), np.int32)
+        for g in groups:
+            for p, i in enumerate(g):
+                pos[i] = p
+        me = jnp.asarray(pos)[me]
+    i = jnp.arange(k, dtype=jnp.int32)
+    ones = jnp.ones((k,), jnp.int32)
+    return ragged_all_to_all_p.bind(
+        v,
+        jnp.zeros_like(v),
+        i,
+        ones,
+        me.astype(jnp.int32) * per + i % per,
+        ones,
+        axis_name=axis_name,
+        axis_index_groups=groups,
+    )
+
+
+def _transpose(
+    t,
+    operand,
+    output,
+    input_offsets,
+    send_sizes,
+    output_offsets,
+    recv_sizes,
+    *,
+    axis_name,
+    axis_index_groups,
+):
+    if type(t) is ad.Zero:
+        operand_t = ad.Zero(operand.aval) if ad.is_undefined_primal(operand) else None
+        output_t = ad.Zero(output.aval) if ad.is_undefined_primal(output) else None
+        return [operand_t, output_t] + [None] * 4
+    op_aval = operand.aval if ad.is_undefined_primal(operand) else core.typeof(operand)
+    zero = jnp.zeros(op_aval.shape, op_aval.dtype)
+    if _vma_on():
+        missing = tuple(
+            a for a in core.typeof(t).mat.varying if a not in core.typeof(zero).mat.varying
+        )
+        if missing:
+            zero = jax.lax.pcast(zero, missing, to="varying")
+    # Where this rank's received rows sit (in its output) and where they came from (in the
+    # sender's operand): the plan of the reverse exchange.
+    out_off = _exchange(output_offsets, axis_name, axis_index_groups)
+    in_off = _exchange(input_offsets, axis_name, axis_index_groups)
+    operand_t = ragged_all_to_all_p.bind(
+        t,
+        zero,
+        out_off,
+        recv_sizes,
+        in_off,
+        send_sizes,
+        axis_name=axis_name,
+        axis_index_groups=axis_index_groups,
+    )
+    # Rows of `output` that were overwritten get no cotangent. Boundary counts with adds (not
+    # sets), so empty and adjacent slices are exact.
+    m = t.shape[0]
+    starts = out_off.astype(jnp.int32)
+    ends = starts + recv_sizes.astype(jnp.int32)
+    edges = (
+        jnp.zeros((m + 1,), jnp.int32).at[starts].add(1, mode="drop").at[ends].add(-1, mode="drop")
+    )
+    covered = (jnp.cumsum(edges)[:m] > 0).reshape((m,) + (1,) * (t.ndim - 1))
+    output_t = jnp.where(covered, jnp.zeros_like(t), t)
+    return [
+        operand_t if ad.is_undefined_primal(operand) else None,
+        output_t if ad.is_undefined_primal(output) else None,
+    ] + [None] * 4
+
+
+def _batcher(axis_data, vals_in, dims_in, *, axis_name, axis_index_groups):
+    if all(d is None for d in dims_in) and axis_data.name not in axis_name:
+        out = ragged_all_to_all_p.bind(
+            *vals_in, axis_name=axis_name, axis_index_groups=axis_index_groups
+        )
+        return out, None
+    if axis_data.name in axis_name:
+        raise NotImplementedError(
+            "strata_jax.ragged_all_to_all over a vmapped axis name is not supported (neither "
+            "is it in jax.lax); exchange over a mesh axis of jax.shard_map instead."
+        )
+    size = axis_data.size
+
+    def bdim_at_second(x, d):
+        # [K, B]: the merged [K * B] plan keeps the slices to one peer together, so slice
+        # k * B + b still goes to peer k // S (groups are unaffected: one device's data).
+        return batching.broadcast(x, size, 1, None) if d is None else jnp.moveaxis(x, d, 1)
+
+    operand, output = (
+        batching.bdim_at_front(v, d, size) for v, d in zip(vals_in[:2], dims_in[:2], strict=True)
+    )
+    n_rows, m_rows = operand.shape[1], output.shape[1]
+    io, ss, oo, rs = (bdim_at_second(v, d) for v, d in zip(vals_in[2:], dims_in[2:], strict=True))
+    io = io + (jnp.arange(size, dtype=io.dtype) * n_rows)[None, :]
+    oo = oo + (jnp.arange(size, dtype=oo.dtype) * m_rows)[None, :]
+    merged = [v.reshape(-1, *v.shape[2:]) for v in (operand, output, io, ss, oo, rs)]
+    out = ragged_all_to_all_p.bind(
+        *merged, axis_name=axis_name, axis_index_groups=axis_index_groups
+    )
+    return out.reshape(size, -1, *out.shape[1:]), 0
+
+
+def _impl(*args, **kwargs):
+    raise RuntimeError(
+        "ragged_all_to_all must be used within a mapped context like vmap or shard_map."
+    )
+
+
+ragged_all_to_all_p.def_impl(_impl)
+ragged_all_to_all_p.def_effectful_abstract_eval(_abstract_eval)
+ad.primitive_jvps[ragged_all_to_all_p] = _jvp
+ad.primitive_transposes[ragged_all_to_all_p] = _transpose
+mlir.register_lowering(ragged_all_to_all_p, _lowering, platform="cpu")
+batching.fancy_primitive_batchers[ragged_all_to_all_p] = _batcher
