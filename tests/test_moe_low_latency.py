@@ -2,8 +2,8 @@
 
 The reference plan is tests/moe_reference.py's ``ref_plan`` with capacity R * M (nothing is
 ever dropped in this mode): rows of each expert in (source rank, source token) order, a token
-naming an expert twice sent once, -1 sent nowhere. Rows of ``recv_x`` past the counts are
-unspecified in this mode and are masked out. In-process on 4 devices here; the same checks run
+naming an expert twice sent once, -1 sent nowhere, rows past the counts zero. In-process on 4
+devices here; the same checks run
 over ``strata_jax.launch -n 2`` through mp_scripts/check_moe_low_latency.py.
 """
 
@@ -63,6 +63,7 @@ def check(rng, t: int, k: int, *, algo="pull", m=None, dtype="float32", idx=None
     for ex in range(e):
         c = counts[ex]
         np.testing.assert_array_equal(got[ex, :c], xr[src[ex, :c]], err_msg=f"expert {ex}")
+        assert not got[ex, c:].any(), f"expert {ex}: rows past the count are not zero"
     # src_slots: the row of each choice in its owner's [E_local * R * M] rows
     owner_base = np.where(idx >= 0, (idx // E_LOCAL) * E_LOCAL * cap, 0)
     want_slots = np.where(cidx >= 0, cidx - owner_base, -1)

@@ -4,6 +4,7 @@
 // receive counts and its choices' rows itself, which is cheaper than a separate all_gather
 // round (two more barriers) at T = 1..128.
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "coll/kernels.h"
@@ -91,6 +92,16 @@ std::string low_latency_dispatch(Team& t, const MoeShape& s, int64_t max_tokens,
       }
     }
   }
+  // Rows past the counts are zeroed (the normal mode's contract): left as they were, stale
+  // floats (denormals, NaN) made the experts' matmuls over them measurably slower here
+  // (serve_moe.py prefill), and a NaN there would poison any reduction over all rows. Sources
+  // never write past the counts, so this does not race with pushes.
+  // When pushing, this rank's receive buffer is where the peers see it (a bounce buffer when
+  // the fabric staged it, copied back over `out` at departure): zero it there.
+  char* mine = push ? static_cast<char*>(const_cast<void*>(t.peer_buf(me, kLLRecv))) : out;
+  for (int64_t le = 0; le < El && rb > 0; ++le)
+    std::memset(mine + (le * rows_per_expert + counts[le]) * rb, 0,
+                (rows_per_expert - counts[le]) * rb);
   // Non-temporal stores are weakly ordered: fence before the departure barrier publishes them.
   copy_fence();
   return {};

@@ -92,8 +92,7 @@ std::string gather_values(Team& t, const MoeShape& s, const int32_t* topk_idx, v
 // topk_idx at arrival; after that one synchronisation every rank derives from the published
 // ids what it needs (its receive counts, and where each of its own choices lands on the
 // expert's rank), so the counts travel with the data. Rows of local expert e are packed in
-// (source rank, source token) order, as in the normal mode; rows past counts[e] are left
-// unwritten (not zeroed: that would cost a memset of the whole static buffer per call).
+// (source rank, source token) order, as in the normal mode; rows past counts[e] are zeroed.
 enum LowLatencyDispatchBuf : int {
   kLLX = 0,     // [T, H] source rows
   kLLIdx = 1,   // [T, K] int32 sanitized expert ids (-1 = none)

@@ -42,8 +42,9 @@ each rank moves 1-128 tokens per layer and round trips, not bandwidth, decide):
 Per call that is one arrival plus the departure barrier every zero-copy operator needs (the
 sources' buffers must outlive the peers' reads): 2 barriers for dispatch and 2 for combine,
 against 4 (all_gather of the ids, then dispatch) and 3 in the normal mode. Arriving rows have
-the normal mode's semantics (order, -1, repeats, weights once in combine); what the mode trades:
-the static buffer (R * M rows per local expert, not zeroed past the counts) and no autodiff.
+the normal mode's semantics (order, -1, repeats, weights once in combine; rows past the counts
+zeroed); what the mode trades: memory for the static buffer (R * M rows per local expert, the
+experts run over all of them) and no autodiff.
 """
 
 from __future__ import annotations
@@ -637,8 +638,8 @@ def low_latency_dispatch(
     Returns:
       ``(recv_x, recv_counts, handle)``: ``recv_x`` [E // R, R * M, H] in x's dtype, rows
       [0, recv_counts[e]) of local expert e hold its tokens in (source rank, source token)
-      order (as :func:`dispatch`'s); rows past the count are NOT zeroed (unspecified: mask
-      them with ``recv_counts`` if they matter). ``recv_counts`` [E // R] int32. ``handle``:
+      order (as :func:`dispatch`'s), rows past the count are zero. ``recv_counts`` [E // R]
+      int32. ``handle``:
       the :class:`LowLatencyHandle` for :func:`low_latency_combine`. Typed varying over
       ``axis_name`` under check_vma.
 

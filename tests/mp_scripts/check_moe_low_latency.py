@@ -74,7 +74,7 @@ def case(seed: int, t: int, k: int, algo: str) -> None:
         e0 = s.index[0].start or 0
         for j in range(got.shape[0]):
             c = counts[e0 + j]
-            if not np.array_equal(got[j, :c], x[src[e0 + j, :c]]):
+            if not np.array_equal(got[j, :c], x[src[e0 + j, :c]]) or got[j, c:].any():
                 fail(f"{tag} recv of expert {e0 + j}")
     for s in y.addressable_shards:
         if not np.allclose(np.asarray(s.data), want_y[s.index], rtol=1e-4, atol=1e-4):
