@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="sequences per device (decode T/rank)")
     p.add_argument("--prompt", type=int, default=64, help="prompt bytes per sequence")
     p.add_argument("--gen", type=int, default=64, help="bytes generated per sequence")
-    p.add_argument("--requests", type=int, default=10, help="request batches (TTFT samples)")
+    p.add_argument("--requests", type=int, default=6, help="request batches (TTFT samples)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench_out"))
