@@ -387,8 +387,8 @@ def low_latency(args: argparse.Namespace) -> int:
 
     For every T in --ll-tokens, all inside jit(shard_map) over R devices, implementations
     interleaved call by call (--ll-iters timed calls each after --warmup):
-    ``strata-ll`` (low_latency_dispatch/combine, default algo "push": sources write),
-    ``strata-ll-pull`` (the same, destinations read), ``strata`` (normal mode: ids all_gather
+    ``strata-ll`` (low_latency_dispatch/combine, default algo "pull": destinations read),
+    ``strata-ll-push`` (the same, sources write), ``strata`` (normal mode: ids all_gather
     + dispatch, two-phase combine; capacity R*T) and ``xla-gather`` (sort/gather +
     jax.lax.all_to_all, cs = T per source and expert). Every receive buffer is [E/R, R*T, H]
     and nothing is dropped; each implementation's dispatch -> combine (identity experts) is
@@ -407,7 +407,7 @@ def low_latency(args: argparse.Namespace) -> int:
     mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
     spec = P("ep")
     tokens = [int(t) for t in C.parse_list(args.ll_tokens)]
-    impls = ["strata-ll", "strata-ll-pull", "strata", "xla-gather"]
+    impls = ["strata-ll", "strata-ll-push", "strata", "xla-gather"]
 
     def smap(body, in_specs, out_specs):
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
@@ -456,7 +456,7 @@ def low_latency(args: argparse.Namespace) -> int:
 
         fns: dict[str, object] = {}
         full: dict[str, object] = {}
-        for algo, name in (("push", "strata-ll"), ("pull", "strata-ll-pull")):
+        for algo, name in (("pull", "strata-ll"), ("push", "strata-ll-push")):
 
             def d(x, i, algo=algo):
                 recv, _, h = sj.moe.low_latency_dispatch(
@@ -540,7 +540,7 @@ def low_latency(args: argparse.Namespace) -> int:
         ok &= point(T)
     print(
         "# p50 speedup: (this impl's dispatch p50 + combine p50) / strata-ll's; > 1 means "
-        "strata-ll (low-latency mode, push) is faster than this impl"
+        "strata-ll (low-latency mode, pull) is faster than this impl"
     )
     print(
         "# check      : dispatch -> combine (identity experts) vs dense numpy, max rel err: "

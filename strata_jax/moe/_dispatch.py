@@ -34,11 +34,12 @@ each rank moves 1-128 tokens per layer and round trips, not bandwidth, decide):
   (M = ``max_tokens_per_rank``) plus ``recv_counts`` [E_local]. No planning collective: every
   rank publishes its x and its [T, K] ids in one arrival, and each rank derives from the
   published ids what it needs (its receive counts, and where each of its own choices lands),
-  so the counts travel with the data. Then every source writes its rows straight into the
-  destinations' ``recv_x`` (push, the default: measured 5-25% faster than pull on the
-  in-process fabric here, ``benchmarks/moe.py --mode low_latency``), or, ``algo="pull"``, every
-  destination reads them from the sources' x (cheaper where the fabric stages buffers: a
-  staged receive buffer is copied back whole at departure).
+  so the counts travel with the data. Then every destination reads its rows straight from the
+  sources' x (pull, the default) or, ``algo="push"``, every source writes them into the
+  destinations' ``recv_x``. The two measure within noise of each other on the in-process fabric
+  here (``benchmarks/moe.py --mode low_latency``: push ahead by 5-25% in one 200-call run, pull
+  by 5-12% in the next); pull is the default because it moves fewer bytes where the fabric
+  stages small buffers (pull stages x in; push copies the whole staged ``recv_x`` back).
 * :func:`low_latency_combine`: one arrival publishing the expert outputs; every token's rank
   pulls its K expert rows and applies its own weights (no partial-sum phase, no second barrier).
 
@@ -538,7 +539,7 @@ def combine(expert_y, layout: MoELayout, topk_weights):
 # Low-latency mode (decode): static buffers, one arrival per phase, no planning collective
 # --------------------------------------------------------------------------------------
 
-_LL_ALGOS = ("push", "pull")
+_LL_ALGOS = ("pull", "push")
 
 
 @functools.partial(
@@ -618,7 +619,7 @@ def low_latency_dispatch(
     num_experts: int,
     axis_name: AxisName,
     max_tokens_per_rank: int | None = None,
-    algo: str = "push",
+    algo: str = "pull",
 ):
     """Sends every token to the ranks of its experts with static shapes (DeepEP's
     ``low_latency_dispatch``), for decode-sized T.
@@ -634,9 +635,9 @@ def low_latency_dispatch(
       max_tokens_per_rank: M, the static per-source block of the receive buffer (``None``: T).
         Every routing fits: a token goes to an expert at most once, so an expert receives at
         most R * M rows and nothing is ever dropped.
-      algo: ``"push"`` (sources write into the destinations' ``recv_x``; the default,
-        measured faster here, see ``benchmarks/moe.py --mode low_latency``) or ``"pull"``
-        (destinations read the sources' x). Same results.
+      algo: ``"pull"`` (destinations read the sources' x; the default) or ``"push"``
+        (sources write into the destinations' ``recv_x``). Same results; same speed within
+        noise here (``benchmarks/moe.py --mode low_latency``).
 
     Returns:
       ``(recv_x, recv_counts, handle)``: ``recv_x`` [E // R, R * M, H] in x's dtype, rows
