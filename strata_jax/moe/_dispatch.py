@@ -36,10 +36,11 @@ each rank moves 1-128 tokens per layer and round trips, not bandwidth, decide):
   published ids what it needs (its receive counts, and where each of its own choices lands),
   so the counts travel with the data. Then every destination reads its rows straight from the
   sources' x (pull, the default) or, ``algo="push"``, every source writes them into the
-  destinations' ``recv_x``. The two measure within noise of each other on the in-process fabric
-  here (``benchmarks/moe.py --mode low_latency``: push ahead by 5-25% in one 200-call run, pull
-  by 5-12% in the next); pull is the default because it moves fewer bytes where the fabric
-  stages small buffers (pull stages x in; push copies the whole staged ``recv_x`` back).
+  destinations' ``recv_x``. The two measure the same on the in-process fabric here
+  (``benchmarks/moe.py --mode low_latency``, 200 interleaved calls: whichever of the two is
+  timed second is 2-12% ahead at every T, in both orders); pull is the default because it moves
+  fewer bytes where the fabric stages small buffers (pull stages x in; push copies the whole
+  staged ``recv_x`` back).
 * :func:`low_latency_combine`: one arrival publishing the expert outputs; every token's rank
   pulls its K expert rows and applies its own weights (no partial-sum phase, no second barrier).
 
