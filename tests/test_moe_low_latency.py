@@ -38,7 +38,7 @@ def ll_fn(n: int, num_experts: int, m: int | None, algo: str):
     return jax.jit(jax.shard_map(body, mesh=mesh1d(n), in_specs=(spec,) * 4, out_specs=(spec,) * 4))
 
 
-def check(rng, t: int, k: int, *, algo="push", m=None, dtype="float32", idx=None):
+def check(rng, t: int, k: int, *, algo="pull", m=None, dtype="float32", idx=None):
     n, e = R, R * E_LOCAL
     mm = t if m is None else m
     cap = n * mm  # rows per expert
@@ -84,8 +84,8 @@ def test_low_latency_matches_reference(rng, t, k):
 
 
 @pytest.mark.parametrize("t,k", [(1, 4), (64, 2)])
-def test_pull_matches_reference(rng, t, k):
-    check(rng, t, k, algo="pull")
+def test_push_matches_reference(rng, t, k):
+    check(rng, t, k, algo="push")
 
 
 def test_max_tokens_larger_than_t_and_bfloat16(rng):
@@ -94,7 +94,7 @@ def test_max_tokens_larger_than_t_and_bfloat16(rng):
 
 def test_all_minus_one_and_all_to_one_expert(rng):
     check(rng, 5, 2, idx=np.full((R * 5, 2), -1, np.int32))
-    check(rng, 5, 3, idx=np.full((R * 5, 3), 7, np.int32), algo="pull")
+    check(rng, 5, 3, idx=np.full((R * 5, 3), 7, np.int32), algo="push")
 
 
 def test_errors():

@@ -3,8 +3,8 @@
 Run under the launcher: ``python -m strata_jax.launch -n P check_moe_low_latency.py``. Every
 process builds the same global tokens, routing and weights from a fixed seed, feeds its own
 shards, and checks its output shards: receive rows up to the counts, counts, and the combined
-rows, for T in {1, 3, 8, 64, 128} x K in {1, 2, 4}, push and pull. Exits non-zero on the first
-mismatch.
+rows, for T in {1, 3, 8, 64, 128} x K in {1, 2, 4} (pull, the default), and push. Exits
+non-zero on the first mismatch (rows past the counts must be zero).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ seed = 0
 for t in (1, 3, 8, 64, 128):
     for k in (1, 2, 4):
         seed += 1
-        case(seed, t, k, "push")
-case(100, 8, 4, "pull")
-case(101, 64, 2, "pull")
+        case(seed, t, k, "pull")
+case(100, 8, 4, "push")
+case(101, 64, 2, "push")
 print(f"OK moe low-latency {checks} cases on {R} ranks, mode {info['registration']}", flush=True)
