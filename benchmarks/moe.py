@@ -43,11 +43,57 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 IMPLS = ("strata", "gshard", "xla-gather")
+
+
+def xla_gather_pipeline(axis: str, R: int, E: int, cs: int) -> SimpleNamespace:
+    """The "xla-gather" MoE pipeline (sort/gather + ``jax.lax.all_to_all``), for use inside
+    ``jax.shard_map`` over ``axis`` (size R): ``strata_jax.moe._sort``, the code of
+    ``moe_mlp(impl="xla_sort")``, bound to one axis, expert count and per-source capacity
+    ``cs`` (``cs`` = T: nothing is ever dropped). Token ids must be distinct per token.
+
+    Returns a namespace with ``dispatch(x [T, H], idx [T, K]) -> recv [E/R, R*cs, H]``,
+    ``combine(expert_y, idx, w [T, K]) -> y [T, H]`` and the pieces ``positions``,
+    ``to_experts``, ``from_experts`` (shared with the GShard pipeline).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from strata_jax.moe import _sort as sort_pipe
+
+    def positions(i):
+        """[T, E] position of each token in its expert's per-source block, kept mask."""
+        onehot = jax.nn.one_hot(i, E, dtype=jnp.int32).sum(1)  # [T, E] (distinct ids)
+        pos = jnp.cumsum(onehot, axis=0) - onehot
+        keep = (onehot > 0) & (pos < cs)
+        return pos, keep
+
+    def to_experts(xd):  # [E, cs, H] per source -> [E/R, R*cs, H] per expert rank
+        return sort_pipe.to_experts(xd, axis, R)
+
+    def from_experts(e):  # [E/R, R*cs, H] -> [E, cs, H] back at the source
+        return sort_pipe.from_experts(e, axis, R)
+
+    def dispatch(x, i):
+        _, src = sort_pipe.slots(i, E, cs)
+        return to_experts(sort_pipe.gather_blocks(x, src, E, cs))
+
+    def combine(e, i, w):
+        flat, _ = sort_pipe.slots(i, E, cs)
+        return sort_pipe.combine_rows(from_experts(e), flat, w)
+
+    return SimpleNamespace(
+        positions=positions,
+        to_experts=to_experts,
+        from_experts=from_experts,
+        dispatch=dispatch,
+        combine=combine,
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -76,6 +122,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "allocation pool; without it every large XLA buffer is fresh mmapped "
         "pages and page faults dominate every implementation)",
     )
+    p.add_argument(
+        "--mode",
+        choices=("normal", "low_latency"),
+        default="normal",
+        help="normal: bandwidth at --tokens (the table above); low_latency: per-call latency "
+        "p50/p99 of dispatch and combine at decode sizes (--ll-tokens), strata's low-latency "
+        "mode (pull and push) vs its normal mode vs xla-gather",
+    )
+    p.add_argument(
+        "--ll-tokens", default="1,8,32,128", help="tokens per rank for --mode low_latency"
+    )
+    p.add_argument("--ll-iters", type=int, default=200, help="timed calls per point (200)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for CSV/JSON")
     return p.parse_args(argv)
@@ -103,13 +161,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jax.sharding import PartitionSpec as P
 
     import strata_jax as sj  # before jax creates its backend
-    from strata_jax.moe import _sort as sort_pipe
 
     R, T, H, E, K = args.devices, args.tokens, args.hidden, args.experts, args.topk
     if E % R:
         raise SystemExit(f"--experts {E} must be divisible by --devices {R}")
     if len(jax.devices()) < R:
         raise SystemExit(f"need {R} devices, have {len(jax.devices())}")
+    if args.mode == "low_latency":
+        return low_latency(args)
     el = E // R
     cs = math.ceil(args.capacity_factor * T * K / E)  # slots per (source rank, expert)
     cap = R * cs
@@ -147,18 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return sj.moe.combine(expert_scale(recv), lay, w), lay.dropped[None]
 
     # ---- GShard (one-hot einsums) and xla-gather, both over jax.lax.all_to_all ---------
-    def positions(i):
-        """[T, E] position of each token in its expert's per-source block, kept mask."""
-        onehot = jax.nn.one_hot(i, E, dtype=jnp.int32).sum(1)  # [T, E] (distinct ids)
-        pos = jnp.cumsum(onehot, axis=0) - onehot
-        keep = (onehot > 0) & (pos < cs)
-        return pos, keep
-
-    def to_experts(xd):  # [E, cs, H] per source -> [E/R, R*cs, H] per expert rank
-        return sort_pipe.to_experts(xd, "ep", R)
-
-    def from_experts(e):  # [E/R, R*cs, H] -> [E, cs, H] back at the source
-        return sort_pipe.from_experts(e, "ep", R)
+    pipe = xla_gather_pipeline("ep", R, E, cs)
+    positions, to_experts, from_experts = pipe.positions, pipe.to_experts, pipe.from_experts
 
     def g_tensors(i, w):
         pos, keep = positions(i)
@@ -179,14 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         recv = to_experts(jnp.einsum("tec,th->ech", disp, x))
         return jnp.einsum("tec,ech->th", comb, from_experts(expert_scale(recv)))
 
-    # xla-gather: strata_jax.moe._sort, the pipeline of moe_mlp(impl="xla_sort")
-    def x_dispatch(x, i):
-        _, src = sort_pipe.slots(i, E, cs)
-        return to_experts(sort_pipe.gather_blocks(x, src, E, cs))
-
-    def x_combine(e, i, w):
-        flat, _ = sort_pipe.slots(i, E, cs)
-        return sort_pipe.combine_rows(from_experts(e), flat, w)
+    x_dispatch, x_combine = pipe.dispatch, pipe.combine
 
     def x_full(x, i, w):
         return x_combine(expert_scale(x_dispatch(x, i)), i, w)
@@ -312,6 +354,180 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if not ok:
         print("# RESULT MISMATCH or drops: see the check line above", file=sys.stderr)
+        return 1
+    return 0
+
+
+def low_latency(args: argparse.Namespace) -> int:
+    """--mode low_latency: per-call latency of dispatch and combine at decode sizes.
+
+    For every T in --ll-tokens, all inside jit(shard_map) over R devices, implementations
+    interleaved call by call (--ll-iters timed calls each after --warmup):
+    ``strata-ll`` (low_latency_dispatch/combine, default algo "pull": destinations read),
+    ``strata-ll-push`` (the same, sources write), ``strata`` (normal mode: ids all_gather
+    + dispatch, two-phase combine; capacity R*T) and ``xla-gather`` (sort/gather +
+    jax.lax.all_to_all, cs = T per source and expert). Every receive buffer is [E/R, R*T, H]
+    and nothing is dropped; each implementation's dispatch -> combine (identity experts) is
+    checked against the dense numpy result first.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import strata_jax as sj
+
+    R, H, E, K = args.devices, args.hidden, args.experts, args.topk
+    dt = jnp.dtype(args.dtype)
+    mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
+    spec = P("ep")
+    tokens = [int(t) for t in C.parse_list(args.ll_tokens)]
+    impls = ["strata-ll", "strata-ll-push", "strata", "xla-gather"]
+
+    def smap(body, in_specs, out_specs):
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+    info = C.machine_info()
+    C.print_machine(info)
+    print(
+        f"# moe ll     : R={R} H={H} E={E} K={K} dtype={dt.name}, T per rank {tokens}; "
+        f"receive buffer [E/R, R*T, H] for every impl; {args.ll_iters} timed calls per "
+        f"(impl, phase, T) after {args.warmup}, interleaved call by call; p50/p99 of "
+        "per-call wall time (jitted shard_map, blocked)"
+    )
+    print(f"# impls      : {', '.join(impls)}")
+    table = C.Table(
+        [
+            C.Column("T/rank", 6),
+            C.Column("impl", 14),
+            C.Column("disp p50 us", 11, ".0f"),
+            C.Column("disp p99 us", 11, ".0f"),
+            C.Column("comb p50 us", 11, ".0f"),
+            C.Column("comb p99 us", 11, ".0f"),
+            C.Column("p50 speedup", 11, ".2f"),
+        ]
+    )
+    for line in table.header_lines():
+        print(line)
+    rows, ok = [], True
+    rng = np.random.default_rng(args.seed)
+
+    def point(T: int) -> bool:
+        """Times one T; appends its rows; returns whether its checks passed."""
+        ok = True
+
+        # Inputs placed sharded over the mesh once (a single-device array would be resharded
+        # on every call, and that copy would dominate the latencies measured here).
+        def put(a):
+            return jax.device_put(a, NamedSharding(mesh, spec))
+
+        idx = put(np.argsort(rng.random((R * T, E)), axis=1)[:, :K].astype(np.int32))
+        w = rng.random((R * T, K)).astype(np.float32)
+        w /= w.sum(1, keepdims=True)
+        x = put(jnp.asarray(rng.standard_normal((R * T, H)), dt))
+        wj = put(jnp.asarray(w, dt))
+        ey = put(jnp.asarray(rng.standard_normal((E, R * T, H)), dt))
+        pipe = xla_gather_pipeline("ep", R, E, T)
+
+        fns: dict[str, object] = {}
+        full: dict[str, object] = {}
+        for algo, name in (("pull", "strata-ll"), ("push", "strata-ll-push")):
+
+            def d(x, i, algo=algo):
+                recv, _, h = sj.moe.low_latency_dispatch(
+                    x, i, num_experts=E, axis_name="ep", algo=algo
+                )
+                return recv, h
+
+            def dc(x, i, w, algo=algo):
+                recv, _, h = sj.moe.low_latency_dispatch(
+                    x, i, num_experts=E, axis_name="ep", algo=algo
+                )
+                return sj.moe.low_latency_combine(recv, h, w)
+
+            fd = smap(d, (spec, spec), spec)
+            _, h = fd(x, idx)
+            fc = smap(
+                lambda e, h, w: sj.moe.low_latency_combine(e, h, w),
+                (spec, jax.tree.map(lambda _: spec, h), spec),
+                spec,
+            )
+            fns[f"{name} dispatch"] = lambda fd=fd: fd(x, idx)[0]
+            fns[f"{name} combine"] = lambda fc=fc, h=h: fc(ey, h, wj)
+            full[name] = smap(dc, (spec,) * 3, spec)
+
+        def nd(x, i):
+            recv, lay = sj.moe.dispatch(x, i, num_experts=E, axis_name="ep")
+            return recv, dataclasses.replace(lay, dropped=lay.dropped[None])
+
+        def nc(e, lay, w):
+            return sj.moe.combine(e, dataclasses.replace(lay, dropped=lay.dropped[0]), w)
+
+        def ndc(x, i, w):
+            recv, lay = sj.moe.dispatch(x, i, num_experts=E, axis_name="ep")
+            return sj.moe.combine(recv, lay, w)
+
+        f_nd = smap(nd, (spec, spec), spec)
+        _, lay = f_nd(x, idx)
+        f_nc = smap(nc, (spec, jax.tree.map(lambda _: spec, lay), spec), spec)
+        fns["strata dispatch"] = lambda: f_nd(x, idx)[0]
+        fns["strata combine"] = lambda: f_nc(ey, lay, wj)
+        full["strata"] = smap(ndc, (spec,) * 3, spec)
+        f_xd = smap(pipe.dispatch, (spec, spec), spec)
+        f_xc = smap(pipe.combine, (spec,) * 3, spec)
+        fns["xla-gather dispatch"] = lambda: f_xd(x, idx)
+        fns["xla-gather combine"] = lambda: f_xc(ey, idx, wj)
+        full["xla-gather"] = smap(
+            lambda x, i, w: pipe.combine(pipe.dispatch(x, i), i, w), (spec,) * 3, spec
+        )
+
+        ref = np.asarray(x, np.float64) * np.asarray(wj, np.float64).sum(1, keepdims=True)
+        tol = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}.get(dt.name, 1e-4)
+        errs = {}
+        for name, f in full.items():
+            y = np.asarray(f(x, idx, wj), np.float64)
+            errs[name] = float(np.abs(y - ref).max() / max(1e-30, np.abs(ref).max()))
+            ok &= errs[name] <= tol
+
+        times, _ = C.time_interleaved(fns, args.ll_iters, args.warmup)
+        base = float(np.median(times["strata-ll dispatch"]) + np.median(times["strata-ll combine"]))
+        for name in impls:
+            td, tc = np.array(times[f"{name} dispatch"]), np.array(times[f"{name} combine"])
+            d50, d99 = np.percentile(td, [50, 99]) * 1e6
+            c50, c99 = np.percentile(tc, [50, 99]) * 1e6
+            speed = (d50 + c50) / 1e6 / base  # >1: strata-ll is faster than this impl
+            print(table.row([T, name, d50, d99, c50, c99, speed]))
+            rows.append(
+                dict(
+                    tokens=T,
+                    impl=name,
+                    dispatch_p50_us=d50,
+                    dispatch_p99_us=d99,
+                    combine_p50_us=c50,
+                    combine_p99_us=c99,
+                    strata_ll_speedup_p50=speed,
+                    max_rel_err=errs[name],
+                )
+            )
+        return ok
+
+    for T in tokens:
+        ok &= point(T)
+    print(
+        "# p50 speedup: (this impl's dispatch p50 + combine p50) / strata-ll's; > 1 means "
+        "strata-ll (low-latency mode, pull) is faster than this impl"
+    )
+    print(
+        "# check      : dispatch -> combine (identity experts) vs dense numpy, max rel err: "
+        + ", ".join(
+            f"T={r['tokens']} {r['impl']} {r['max_rel_err']:.1e}" for r in rows if r["impl"]
+        )
+    )
+    C.write_csv(args.out / "moe_low_latency.csv", rows)
+    C.write_json(args.out / "moe_low_latency.json", dict(machine=info, args=vars(args), rows=rows))
+    if not ok:
+        print("# RESULT MISMATCH: see the check line above", file=sys.stderr)
         return 1
     return 0
 

@@ -104,6 +104,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g.add_argument("--out", type=Path, default=Path("bench_out"))
     g.add_argument("--no-progress", dest="progress", action="store_false")
+    g.add_argument(
+        "--save",
+        type=Path,
+        default=None,
+        help="write the first impl's trained parameters to this .npz (serve_moe.py --load)",
+    )
     g = p.add_argument_group("data")
     g.add_argument(
         "--data",
@@ -273,26 +279,16 @@ def make_loss(args: argparse.Namespace, impl: str, nranks: int, axis: str):
     if impl == "strata_ragged":
         capacity = None  # dropless
     heads = args.heads
-
-    def rms(x, g):
-        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * g
-
-    def attention(x, p):
-        b, s, d = x.shape
-        q, k, v = jnp.split(x @ p["wqkv"], 3, axis=-1)
-        q, k, v = (a.reshape(b, s, heads, d // heads) for a in (q, k, v))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // heads)
-        causal = jnp.tril(jnp.ones((s, s), bool))
-        scores = jnp.where(causal, scores, -1e30)
-        out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
-        return out.reshape(b, s, d) @ p["wo"]
+    # The model's pieces live in moe_model.py, shared with serve_moe.py (KV-cache decoding).
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from moe_model import attention, rms
 
     def loss_fn(dense, experts, tokens):
         inp, tgt = tokens[:, :-1].astype(jnp.int32), tokens[:, 1:].astype(jnp.int32)
         b, s = inp.shape
         x = dense["embed"][inp] + dense["pos"][None, :s]
         for p, ex in zip(dense["layers"], experts, strict=True):
-            x = x + attention(rms(x, p["ln1"]), p)
+            x = x + attention(rms(x, p["ln1"]), p, heads)
             h = rms(x, p["ln2"]).reshape(b * s, -1)
             y = moe_mlp(
                 h,
@@ -600,6 +596,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{impl} median; goal >= 1.3x: {'met' if s >= 1.3 else 'not met'})"
             )
 
+    if args.save is not None:
+        from jax.experimental import multihost_utils
+        from moe_model import save_params
+
+        first = runs[args.impls[0]]["state"][0]  # (dense, experts) of the first impl
+        host = multihost_utils.process_allgather(first, tiled=True)  # every process joins
+        if lead:
+            save_params(args.save, *host, vars(args))
+            say(f"# wrote {args.save} ({args.impls[0]}'s parameters after {args.steps} steps)")
     if lead:
         args.out.mkdir(parents=True, exist_ok=True)
         png = args.out / "train_moe.png"

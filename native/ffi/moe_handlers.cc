@@ -14,7 +14,13 @@ namespace ffi = xla::ffi;
 namespace strata {
 namespace {
 
-enum MoeOpKind : int32_t { kMoeDispatch = 101, kMoeCombine, kMoeGather };
+enum MoeOpKind : int32_t {
+  kMoeDispatch = 101,
+  kMoeCombine,
+  kMoeGather,
+  kMoeLowLatencyDispatch,
+  kMoeLowLatencyCombine
+};
 
 ffi::Error invalid(const char* name, const std::string& what) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string("strata_jax ") + name + ": " +
@@ -182,6 +188,105 @@ ffi::Error MoeGatherImpl(ffi::RunId run, ffi::AnyBuffer values, ffi::AnyBuffer s
                  });
 }
 
+// Low-latency dispatch: x [T, H], topk_idx [T, K] i32 (sanitized) -> recv [E_local, R * M, H],
+// counts [E_local] i32, src_slots [T, K] i32. `push`: sources write into the destinations'
+// receive buffers; else destinations pull from the sources' x.
+ffi::Error MoeLowLatencyDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer idx,
+                                     ffi::AnyBuffer pid, ffi::Result<ffi::AnyBuffer> recv,
+                                     ffi::Result<ffi::AnyBuffer> counts,
+                                     ffi::Result<ffi::AnyBuffer> src_slots, int64_t op_id,
+                                     I64s mesh_shape, I64s axes, int64_t max_tokens,
+                                     int64_t push) {
+  const char* name = "moe.low_latency_dispatch";
+  const int32_t dt = static_cast<int32_t>(x.element_type());
+  if (!moe::row_dtype_supported(dt))
+    return invalid(name, std::string("unsupported dtype ") + dtype_name(dt));
+  auto xd = x.dimensions(), id = idx.dimensions(), rd = recv->dimensions();
+  if (xd.size() != 2 || id.size() != 2 || rd.size() != 3 || !is_i32(idx) ||
+      recv->element_type() != x.element_type() || id[0] != xd[0] || rd[2] != xd[1] ||
+      counts->element_type() != ffi::DataType::S32 || counts->element_count() != size_t(rd[0]) ||
+      src_slots->element_type() != ffi::DataType::S32 ||
+      src_slots->element_count() != idx.element_count() || max_tokens < xd[0])
+    return invalid(name, "internal error: operand shapes or dtypes do not match");
+  moe::MoeShape s;
+  s.tokens = xd[0];
+  s.hidden = xd[1];
+  s.topk = id[1];
+  s.local_experts = rd[0];
+  s.capacity = rd[1];
+  s.dtype = dt;
+  s.esize = dtype_size(dt);
+  BufRef bufs[moe::kLLDispBufs];
+  bufs[moe::kLLX] = BufRef{x.untyped_data(), x.size_bytes(), false};
+  bufs[moe::kLLIdx] = BufRef{idx.untyped_data(), idx.size_bytes(), false};
+  bufs[moe::kLLRecv] = BufRef{recv->untyped_data(), push ? recv->size_bytes() : 0, true};
+  OpDesc d;
+  d.kind = kMoeLowLatencyDispatch;
+  d.dtype = dt;
+  d.aux = (push * 1'000'000 + s.topk) * 1'000'000 + max_tokens;
+  d.algo = static_cast<int32_t>(push);
+  d.in_bytes = x.size_bytes();
+  d.out_bytes = recv->size_bytes();
+  return run_moe(name, run, op_id, pid, mesh_shape, axes, d, bufs, moe::kLLDispBufs,
+                 [&](Team& t) -> std::string {
+                   s.ranks = t.size();
+                   if (rd[1] != s.ranks * max_tokens)
+                     return "strata_jax moe.low_latency_dispatch: internal error: receive "
+                            "buffer does not match the group size";
+                   return moe::low_latency_dispatch(
+                       t, s, max_tokens, push != 0, recv->untyped_data(),
+                       static_cast<int32_t*>(counts->untyped_data()),
+                       static_cast<int32_t*>(src_slots->untyped_data()));
+                 });
+}
+
+// Low-latency combine: expert_y [E_local, R * M, H], weights [T, K] (f64 for f64 rows, else
+// f32), topk_idx [T, K] i32, src_slots [T, K] i32 -> y [T, H].
+ffi::Error MoeLowLatencyCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyBuffer weights,
+                                    ffi::AnyBuffer idx, ffi::AnyBuffer src_slots,
+                                    ffi::AnyBuffer pid, ffi::Result<ffi::AnyBuffer> y,
+                                    int64_t op_id, I64s mesh_shape, I64s axes,
+                                    int64_t max_tokens) {
+  const char* name = "moe.low_latency_combine";
+  const int32_t dt = static_cast<int32_t>(ey.element_type());
+  if (!moe::row_dtype_supported(dt))
+    return invalid(name, std::string("unsupported dtype ") + dtype_name(dt));
+  auto ed = ey.dimensions(), wd = weights.dimensions(), yd = y->dimensions();
+  if (ed.size() != 3 || wd.size() != 2 || yd.size() != 2 ||
+      weights.element_type() != acc_type(ey.element_type()) || !is_i32(idx) ||
+      !is_i32(src_slots) || y->element_type() != ey.element_type() || yd[0] != wd[0] ||
+      yd[1] != ed[2] || idx.element_count() != weights.element_count() ||
+      src_slots.element_count() != weights.element_count())
+    return invalid(name, "internal error: operand shapes or dtypes do not match");
+  moe::MoeShape s;
+  s.tokens = wd[0];
+  s.topk = wd[1];
+  s.hidden = ed[2];
+  s.local_experts = ed[0];
+  s.capacity = ed[1];
+  s.dtype = dt;
+  s.esize = dtype_size(dt);
+  BufRef bufs[moe::kLLCombBufs];
+  bufs[moe::kLLExpertY] = BufRef{ey.untyped_data(), ey.size_bytes(), false};
+  OpDesc d;
+  d.kind = kMoeLowLatencyCombine;
+  d.dtype = dt;
+  d.aux = s.topk * 1'000'000 + max_tokens;
+  d.in_bytes = ey.size_bytes();
+  d.out_bytes = y->size_bytes();
+  return run_moe(name, run, op_id, pid, mesh_shape, axes, d, bufs, moe::kLLCombBufs,
+                 [&](Team& t) -> std::string {
+                   s.ranks = t.size();
+                   if (ed[1] != s.ranks * max_tokens)
+                     return "strata_jax moe.low_latency_combine: internal error: expert "
+                            "rows do not match the group size";
+                   return moe::low_latency_combine(
+                       t, s, max_tokens, weights.untyped_data(),
+                       static_cast<const int32_t*>(idx.untyped_data()),
+                       static_cast<const int32_t*>(src_slots.untyped_data()), y->untyped_data());
+                 });
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeDispatchHandler, MoeDispatchImpl,
@@ -221,5 +326,32 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGatherHandler, MoeGatherImpl,
                                   .Attr<int64_t>("op_id")
                                   .Attr<I64s>("mesh_shape")
                                   .Attr<I64s>("axes"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeLowLatencyDispatchHandler, MoeLowLatencyDispatchImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("op_id")
+                                  .Attr<I64s>("mesh_shape")
+                                  .Attr<I64s>("axes")
+                                  .Attr<int64_t>("max_tokens")
+                                  .Attr<int64_t>("push"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeLowLatencyCombineHandler, MoeLowLatencyCombineImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("op_id")
+                                  .Attr<I64s>("mesh_shape")
+                                  .Attr<I64s>("axes")
+                                  .Attr<int64_t>("max_tokens"));
 
 }  // namespace strata

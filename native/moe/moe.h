@@ -85,5 +85,39 @@ std::string combine(Team& t, const MoeShape& s, const void* expert_y, const int3
 // expert's rank (read from that rank's kGathSlots and kGathValues); 0 for -1 or dropped.
 std::string gather_values(Team& t, const MoeShape& s, const int32_t* topk_idx, void* out);
 
+
+// ---- Low-latency mode (DeepEP's low_latency_dispatch/combine, for decode) ----
+// Static shapes for any routing: recv [E_local, R * M, H] (M = max tokens per rank >= T), so
+// no capacity plan and no planning collective. Every rank publishes its x and sanitized
+// topk_idx at arrival; after that one synchronisation every rank derives from the published
+// ids what it needs (its receive counts, and where each of its own choices lands on the
+// expert's rank), so the counts travel with the data. Rows of local expert e are packed in
+// (source rank, source token) order, as in the normal mode; rows past counts[e] are zeroed.
+enum LowLatencyDispatchBuf : int {
+  kLLX = 0,     // [T, H] source rows
+  kLLIdx = 1,   // [T, K] int32 sanitized expert ids (-1 = none)
+  kLLRecv = 2,  // [E_local, R * M, H] this rank's receive buffer (written by the sources
+                // when pushing, by its owner when pulling)
+  kLLDispBufs = 3,
+};
+enum LowLatencyCombineBuf : int {
+  kLLExpertY = 0,  // [E_local, R * M, H] expert outputs, read by the tokens' ranks
+  kLLCombBufs = 1,
+};
+
+// out [E_local, R * M, H], counts [E_local], src_slots [T, K] (row of each of this rank's
+// choices in the expert rank's flattened [E_local * R * M] rows; -1 for -1 choices; a repeated
+// expert points at the same row). push: every source writes its rows into the destinations'
+// published kLLRecv buffers; else every destination pulls them from the sources' kLLX.
+std::string low_latency_dispatch(Team& t, const MoeShape& s, int64_t max_tokens, bool push,
+                                 void* out, int32_t* counts, int32_t* src_slots);
+
+// y[t] = sum_k w[t, k] * expert_y_owner(k)[src_slots[t, k]] (k in order, accumulated in the
+// rows' accumulator type): this rank pulls its tokens' expert rows from the expert ranks'
+// published kLLExpertY. Weights are read locally; a repeated expert adds its row once per
+// choice, i.e. with the summed weight. w is [T, K] in the rows' accumulator type.
+std::string low_latency_combine(Team& t, const MoeShape& s, int64_t max_tokens, const void* w,
+                                const int32_t* topk_idx, const int32_t* src_slots, void* y);
+
 }  // namespace moe
 }  // namespace strata

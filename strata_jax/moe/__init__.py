@@ -3,7 +3,24 @@
 See :mod:`strata_jax.moe._dispatch` for the algorithm and semantics.
 """
 
-from strata_jax.moe._dispatch import MoELayout, combine, dispatch, dispatch_layout
+from strata_jax.moe._dispatch import (
+    LowLatencyHandle,
+    MoELayout,
+    combine,
+    dispatch,
+    dispatch_layout,
+    low_latency_combine,
+    low_latency_dispatch,
+)
 from strata_jax.moe._layer import moe_mlp
 
-__all__ = ["MoELayout", "dispatch", "dispatch_layout", "combine", "moe_mlp"]
+__all__ = [
+    "MoELayout",
+    "dispatch",
+    "dispatch_layout",
+    "combine",
+    "moe_mlp",
+    "LowLatencyHandle",
+    "low_latency_dispatch",
+    "low_latency_combine",
+]

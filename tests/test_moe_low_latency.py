@@ -1,0 +1,137 @@
+"""strata_jax.moe low-latency dispatch/combine against the dense numpy reference.
+
+The reference plan is tests/moe_reference.py's ``ref_plan`` with capacity R * M (nothing is
+ever dropped in this mode): rows of each expert in (source rank, source token) order, a token
+naming an expert twice sent once, -1 sent nowhere, rows past the counts zero. In-process on 4
+devices here; the same checks run
+over ``strata_jax.launch -n 2`` through mp_scripts/check_moe_low_latency.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _util import mesh1d
+from jax.sharding import PartitionSpec as P
+from moe_reference import ref_plan
+from test_multiprocess import _launch, _require_allocator
+
+import strata_jax as sj
+
+R = 4
+E_LOCAL = 2
+H = 8
+TOL = {"float32": 2e-5, "bfloat16": 3e-2}
+
+
+def ll_fn(n: int, num_experts: int, m: int | None, algo: str):
+    def body(x, idx, w, ey):
+        recv, counts, handle = sj.moe.low_latency_dispatch(
+            x, idx, num_experts=num_experts, axis_name="x", max_tokens_per_rank=m, algo=algo
+        )
+        y = sj.moe.low_latency_combine(ey, handle, w)
+        return recv, counts, handle.src_slots, y
+
+    spec = P("x")
+    return jax.jit(jax.shard_map(body, mesh=mesh1d(n), in_specs=(spec,) * 4, out_specs=(spec,) * 4))
+
+
+def check(rng, t: int, k: int, *, algo="pull", m=None, dtype="float32", idx=None):
+    n, e = R, R * E_LOCAL
+    mm = t if m is None else m
+    cap = n * mm  # rows per expert
+    dt = jnp.dtype(dtype)
+    if idx is None:
+        idx = rng.integers(-1, e, (n * t, k)).astype(np.int32)
+        if k >= 2:
+            idx[0, :2] = 1  # a repeated expert
+    x = rng.standard_normal((n * t, H)).astype(np.float32)
+    w = rng.random((n * t, k)).astype(np.float32)
+    ey = rng.standard_normal((e, cap, H)).astype(np.float32)
+    # ref_plan numbers tokens globally; with M > T, a source's tokens sit in its own block of
+    # the global order, which is the same order, so only the capacity changes.
+    src, cidx, counts, _ = ref_plan(idx, e, cap)
+
+    f = ll_fn(n, e, m, algo)
+    recv, got_counts, slots, y = f(jnp.asarray(x, dt), idx, jnp.asarray(w, dt), jnp.asarray(ey, dt))
+    assert recv.shape == (e, cap, H) and recv.dtype == dt and y.dtype == dt
+    np.testing.assert_array_equal(np.asarray(got_counts), counts)
+    xr = np.asarray(jnp.asarray(x, dt).astype(jnp.float32))
+    got = np.asarray(recv.astype(jnp.float32))
+    for ex in range(e):
+        c = counts[ex]
+        np.testing.assert_array_equal(got[ex, :c], xr[src[ex, :c]], err_msg=f"expert {ex}")
+        assert not got[ex, c:].any(), f"expert {ex}: rows past the count are not zero"
+    # src_slots: the row of each choice in its owner's [E_local * R * M] rows
+    owner_base = np.where(idx >= 0, (idx // E_LOCAL) * E_LOCAL * cap, 0)
+    want_slots = np.where(cidx >= 0, cidx - owner_base, -1)
+    np.testing.assert_array_equal(np.asarray(slots), want_slots)
+    eyr = np.asarray(jnp.asarray(ey, dt).astype(jnp.float32)).reshape(-1, H).astype(np.float64)
+    wr = np.asarray(jnp.asarray(w, dt).astype(jnp.float32)).astype(np.float64)
+    kept = cidx >= 0
+    rows = np.where(kept[..., None], eyr[np.maximum(cidx, 0)], 0.0)
+    want_y = np.einsum("nk,nkh->nh", np.where(kept, wr, 0.0), rows)
+    tol = TOL[dtype] * k
+    np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), want_y, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("t", [1, 3, 8, 64, 128])
+def test_low_latency_matches_reference(rng, t, k):
+    check(rng, t, k)
+
+
+@pytest.mark.parametrize("t,k", [(1, 4), (64, 2)])
+def test_push_matches_reference(rng, t, k):
+    check(rng, t, k, algo="push")
+
+
+def test_max_tokens_larger_than_t_and_bfloat16(rng):
+    check(rng, 3, 2, m=8, dtype="bfloat16")
+
+
+def test_all_minus_one_and_all_to_one_expert(rng):
+    check(rng, 5, 2, idx=np.full((R * 5, 2), -1, np.int32))
+    check(rng, 5, 3, idx=np.full((R * 5, 3), 7, np.int32), algo="push")
+
+
+def test_errors():
+    mesh = mesh1d(R)
+    x = jnp.zeros((R * 4, H), jnp.float32)
+    idx = jnp.zeros((R * 4, 2), jnp.int32)
+
+    def run(body):
+        return jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 2, out_specs=P("x"))(x, idx)
+
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        run(
+            lambda a, b: sj.moe.low_latency_dispatch(
+                a, b, num_experts=8, axis_name="x", max_tokens_per_rank=2
+            )[0]
+        )
+    with pytest.raises(ValueError, match="algo"):
+        run(
+            lambda a, b: sj.moe.low_latency_dispatch(a, b, num_experts=8, axis_name="x", algo="x")[
+                0
+            ]
+        )
+    with pytest.raises(ValueError, match="divisible"):
+        run(lambda a, b: sj.moe.low_latency_dispatch(a, b, num_experts=6, axis_name="x")[0])
+
+    def bad_combine(a, b):
+        recv, _, h = sj.moe.low_latency_dispatch(a, b, num_experts=8, axis_name="x")
+        return sj.moe.low_latency_combine(recv[:, :3], h, jnp.ones((4, 2)))
+
+    with pytest.raises(ValueError, match="expert_y must have shape"):
+        run(bad_combine)
+
+
+@pytest.mark.parametrize("mode", ["on_alloc", "staging"])
+def test_low_latency_across_processes(mode):
+    """The same checks over `strata_jax.launch -n 2` (shared-memory fabric)."""
+    _require_allocator()
+    r = _launch(2, "check_moe_low_latency.py", mode=mode)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.count("OK moe low-latency") == 2, r.stdout[-2000:]
