@@ -53,6 +53,9 @@ NB_MODULE(_strata, m) {
     d["two_shot_all_reduce"] = s.two_shot.load(std::memory_order_relaxed);
     d["timeouts"] = s.timeouts.load(std::memory_order_relaxed);
     d["moe_calls"] = s.moe_calls.load(std::memory_order_relaxed);
+    d["max_calls_in_flight_per_device"] = s.max_calls_in_flight.load(std::memory_order_relaxed);
+    d["max_runs_in_flight_per_device"] = s.max_runs_in_flight.load(std::memory_order_relaxed);
+    d["mismatches"] = s.mismatches.load(std::memory_order_relaxed);
     return d;
   });
 
