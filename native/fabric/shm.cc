@@ -210,6 +210,8 @@ ShmTeam::ShmTeam(ShmFabric* f, ShmSlot* slot, const Placement& pl, const char* o
       size_(pl.size),
       partition_(pl.partition),
       device_(pl.device),
+      member_parts_(pl.member_parts),
+      device_ids_(pl.device_ids),
       op_name_(op_name),
       in_(pl.size, nullptr),
       out_(pl.size, nullptr),
@@ -253,6 +255,16 @@ std::string ShmTeam::barrier(const char* phase) {
       [&] { return slot_->arrivals.load(std::memory_order_acquire) >= target; },
       [&] {
         if (slot_->failed.load(std::memory_order_acquire) != 0) return true;
+        // A missing rank whose process disconnected (exited or was killed) never comes: fail
+        // now instead of at the timeout (the receiver thread sees the link close at once).
+        std::string dead = dead_members();
+        if (!dead.empty()) {
+          fail(std::string("strata_jax ") + op_name_ + ": " + dead + " in phase '" + phase +
+               "' (group of " + std::to_string(size_) + "; reported by rank " +
+               std::to_string(rank_) + ", process " + std::to_string(f_->proc()) +
+               "). The job cannot complete this collective.");
+          return true;
+        }
         // Arrival: a rank that already published a different op fails the call now, not at
         // the timeout (the ranks still missing may never come).
         if (arriving_) {
@@ -282,6 +294,20 @@ std::string ShmTeam::barrier(const char* phase) {
   os << ". A peer never reached this collective: check that every device executes the same "
         "sequence of collectives, or raise strata_jax.set_timeout().";
   return fail(os.str());
+}
+
+std::string ShmTeam::dead_members() const {
+  if (!member_parts_ || !device_ids_) return {};
+  std::string out;
+  for (int j = 0; j < size_; ++j) {
+    if (slot_->peers[j].reached.load(std::memory_order_acquire) >= barriers_) continue;
+    const int64_t dev = device_ids_[member_parts_[j]];
+    const int p = f_->device_proc(dev);
+    if (p < 0 || p == f_->proc() || f_->peer_alive(p)) continue;
+    out += (out.empty() ? "rank " : ", rank ") + std::to_string(j) + " (device " +
+           std::to_string(dev) + ", process " + std::to_string(p) + ")";
+  }
+  return out.empty() ? out : out + " exited or was killed before reaching this collective";
 }
 
 std::string ShmTeam::arrival_barrier(const OpDesc& desc) {

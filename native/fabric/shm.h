@@ -157,6 +157,10 @@ class ShmTeam final : public Team {
   ShmSlot* slot_;
   int rank_, size_;
   int64_t partition_, device_;
+  const int64_t* member_parts_;  // Placement::member_parts/device_ids (valid during the call)
+  const int64_t* device_ids_;
+  // The missing ranks whose process has disconnected: "" if none (checked while waiting).
+  std::string dead_members() const;
   uint32_t barriers_ = 0;
   const char* op_name_;
   const OpDesc* arriving_ = nullptr;  // set while in the arrival barrier: checked while waiting
@@ -221,6 +225,9 @@ class ShmFabric {
   char* translate(int proc, uint64_t seg, uint64_t off, uint64_t bytes, Clock::time_point deadline,
                   std::string* err);
   bool peer_alive(int proc) const;
+  // Which process owns a global device (-1: unknown). Set once from Python before connect().
+  void set_device_procs(const std::vector<int64_t>& devices, const std::vector<int>& procs);
+  int device_proc(int64_t device) const;
   std::string dead_peers() const;
 
   Bounce* acquire_bounce(size_t bytes, bool critical, std::string* err);
@@ -243,6 +250,7 @@ class ShmFabric {
   static std::atomic<ShmFabric*> active_;
 
   int proc_ = -1, nprocs_ = 0;
+  std::unordered_map<int64_t, int> device_proc_;  // written before connect(), then read-only
   RegMode mode_ = RegMode::kOnAlloc;
   int listen_fd_ = -1;
   std::string socket_path_;

@@ -18,6 +18,7 @@ using I64s = xla::ffi::Span<const int64_t>;
 
 inline xla::ffi::Error to_error(const std::string& msg) {
   namespace ffi = xla::ffi;
+  stats().failures.fetch_add(1, std::memory_order_relaxed);
   if (msg.find("timed out") != std::string::npos) {
     stats().timeouts.fetch_add(1, std::memory_order_relaxed);
     return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg);
