@@ -14,6 +14,7 @@ Prints ``OK <what> ...`` lines; exits non-zero on the first failure.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -25,6 +26,7 @@ sj.init()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax._src import distributed  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -121,4 +123,28 @@ if L == 1:
         if not named or dt > 2.0:
             fail(f"case 18 after {dt:.2f} s: {msg[:600]}")
         print(f"OK case 18 mismatch raised after {dt:.3f} s: {msg[:400]}", flush=True)
+
+# ---- which exception a failed collective raises (JAX decides: runtime.COLLECTIVE_ERRORS) ----
+# Last: rank 0's lone calls leave its executions on this communicator one ahead of rank 1's.
+client = distributed.global_state.client
+ran = sm(lambda v: sj.pmax(v, "x"))  # runs once first: later failures come from C++ dispatch
+fresh = sm(lambda v: sj.pmin(v, "x"))  # fails on its first call: Python dispatch
+one = global_array(np.ones(N, np.float32))
+ran(one).block_until_ready()
+client.wait_at_barrier("cm/errors-start", 60_000)
+if rank == 0:
+    sj.set_timeout(0.5)
+    kinds = []
+    for fn in (fresh, fresh, ran, ran):
+        try:
+            fn(one).block_until_ready()
+            fail("a collective without its peers returned")
+        except sj.COLLECTIVE_ERRORS as e:
+            if "strata_jax" not in str(e) or "timed out" not in str(e):
+                fail(f"unexpected error: {e}")
+            kinds.append(type(e).__name__)
+    print("OK errors", kinds, flush=True)
+client.wait_at_barrier("cm/errors-end", 60_000)
 print("OK all", flush=True)
+sys.stdout.flush()
+os._exit(0)  # calls failed on purpose above; skip jax.distributed's shutdown dance
