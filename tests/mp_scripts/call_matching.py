@@ -1,14 +1,15 @@
 """How calls meet across processes (edge cases 17 and 18), and the ordering they rely on.
 
-Run under the launcher with -n 2 (optionally --devices-per-proc 2):
+Run under the launcher with -n 2 --devices-per-proc 2 (or 1):
 
 - case 17: one jitted shard_map psum, called on a different source line on each rank: every
   rank gets the sum (XLA's run ids differ per call site; strata keys calls by communicator);
 - independent collectives inside one program (XLA runs them at once on a device) and several
   programs dispatched ahead without blocking: every result equals numpy, and no two
   executions were ever in flight on one device (comm_stats);
-- case 18 (one device per process only): rank 0 psums f32[409600], rank 1 f32[409598] with a
-  20 s timeout: both raise well under a second, naming psum and both sizes.
+- case 18: rank 0 psums f32[409600], rank 1 f32[409598] (per device) with a 20 s timeout:
+  every rank raises well under a second, naming psum and both sizes;
+- the exception types a failed collective raises (strata_jax.COLLECTIVE_ERRORS).
 Prints ``OK <what> ...`` lines; exits non-zero on the first failure.
 """
 
@@ -105,24 +106,24 @@ print(
 )
 
 # ---- case 18: the ranks disagree on the size ----
-if L == 1:
-    n = 409600 if rank == 0 else 409598
-    g = sm(lambda v: sj.psum(v, "x"))
-    sh = jax.make_array_from_single_device_arrays(
-        (N * n,), spec, [jax.device_put(np.ones(n, np.float32), devs[rank])]
-    )
-    g.lower(sh).compile()
-    t = time.monotonic()
-    try:
-        g(sh).block_until_ready()
-        fail("case 18 returned a value")
-    except Exception as e:  # noqa: BLE001  (jax raises JaxRuntimeError)
-        dt = time.monotonic() - t
-        msg = str(e)
-        named = "psum" in msg and "[409600]" in msg and "[409598]" in msg
-        if not named or dt > 2.0:
-            fail(f"case 18 after {dt:.2f} s: {msg[:600]}")
-        print(f"OK case 18 mismatch raised after {dt:.3f} s: {msg[:400]}", flush=True)
+n = 409600 if rank == 0 else 409598
+g = sm(lambda v: sj.psum(v, "x"))
+local_devs = [d for d in devs if d.process_index == rank]
+sh = jax.make_array_from_single_device_arrays(
+    (N * n,), spec, [jax.device_put(np.ones(n, np.float32), d) for d in local_devs]
+)
+g.lower(sh).compile()
+t = time.monotonic()
+try:
+    g(sh).block_until_ready()
+    fail("case 18 returned a value")
+except sj.COLLECTIVE_ERRORS as e:
+    dt = time.monotonic() - t
+    msg = str(e)
+    named = "psum" in msg and "[409600]" in msg and "[409598]" in msg
+    if not named or dt > 2.0:
+        fail(f"case 18 after {dt:.2f} s: {msg[:600]}")
+    print(f"OK case 18 mismatch raised after {dt:.3f} s: {msg[:400]}", flush=True)
 
 # ---- which exception a failed collective raises (JAX decides: runtime.COLLECTIVE_ERRORS) ----
 # Last: rank 0's lone calls leave its executions on this communicator one ahead of rank 1's.

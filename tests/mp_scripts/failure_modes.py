@@ -50,7 +50,7 @@ x = jax.make_array_from_callback(
 )
 f(x).block_until_ready()
 kill_rank = int(os.environ.get("KILL_RANK", "2"))
-for step in range(200 if mode != "exit" else 10):
+for step in range({"kill": 200, "none": 30, "exit": 10}[mode]):
     if mode == "kill" and step == 20 and rank == kill_rank:
         (out / "killed").write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
