@@ -2,6 +2,7 @@
 // joining a call on the right fabric (arrive, run the algorithm, depart).
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -55,13 +56,17 @@ xla::ffi::Error join_and_run_with(const char* name, int64_t run_id, int64_t op_i
                                   const Placement& pl, bool cross_process, Arrive arrive,
                                   Body body) {
   std::string err;
-  InFlight inflight(pl.device, run_id);  // measures, and guards, the ordering rule (inflight.h)
+  // Measures, and guards, the ordering rule (inflight.h). Only groups of more than one rank:
+  // XLA orders single-device programs by their own per-device queue, which may overlap a
+  // multi-device execution, and a group of one needs no ordering.
+  std::optional<InFlight> inflight;
+  if (pl.size > 1) inflight.emplace(pl.device, run_id);
   if (ShmFabric* shm = ShmFabric::active()) {
     if (!cross_process)
       return to_error(std::string("strata_jax ") + name +
                       " runs on the in-process fabric only; it is not supported across "
                       "processes yet (use one process with several devices)");
-    if (inflight.runs_at_entry() > 1)
+    if (inflight && inflight->runs_at_entry() > 1)
       return to_error(std::string("strata_jax ") + name +
                       ": a call of another execution is in flight on this device; calls across "
                       "processes pair by their order on each device, which two concurrent "
