@@ -297,6 +297,18 @@ void ShmFabric::unexport_segment(uint64_t id) {
     if (j != proc_) send_fd(j, kFreeSeg, id, 0, -1);
 }
 
+void ShmFabric::set_device_procs(const std::vector<int64_t>& devices,
+                                 const std::vector<int>& procs) {
+  device_proc_.clear();
+  for (size_t i = 0; i < devices.size() && i < procs.size(); ++i)
+    device_proc_[devices[i]] = procs[i];
+}
+
+int ShmFabric::device_proc(int64_t device) const {
+  auto it = device_proc_.find(device);
+  return it == device_proc_.end() ? -1 : it->second;
+}
+
 bool ShmFabric::peer_alive(int proc) const {
   return alive_ && alive_[proc].load(std::memory_order_acquire);
 }

@@ -28,6 +28,13 @@ struct Stats {
   std::atomic<uint64_t> staged_calls{0};       // calls that staged at least one buffer
   std::atomic<uint64_t> bounce_bytes{0};       // bytes in this process's bounce buffers
   std::atomic<uint64_t> peer_bounce_bytes{0};  // bytes read from/written to peers' bounce buffers
+  // Concurrency XLA really gives strata calls (ffi/common.h, InFlight): the most calls, and
+  // the most distinct executions (run ids), ever in flight at once on one device. The
+  // cross-process rendezvous rule relies on the second staying 1 (fabric/shm.h).
+  std::atomic<uint64_t> max_calls_in_flight{0};
+  std::atomic<uint64_t> max_runs_in_flight{0};
+  std::atomic<uint64_t> mismatches{0};  // calls failed because ranks disagreed on the op
+  std::atomic<uint64_t> failures{0};    // strata calls that returned an error (any cause)
 };
 Stats& stats();
 

@@ -22,30 +22,10 @@ ffi::Error invalid(const std::string& what) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "strata_jax ragged_all_to_all: " + what);
 }
 
-// axis_index_groups: `groups` lists the axis indices of every group, each `group_size` long.
-// The rank's team becomes its group: the group id extends the mesh group (so teams of
-// different index groups never meet) and the rank is the position inside the index group.
-std::string apply_index_groups(I64s groups, int64_t group_size, Placement* pl) {
-  if (group_size <= 0) return "";
-  const int64_t total = static_cast<int64_t>(groups.size());
-  if (total != pl->size || total % group_size)
-    return "axis_index_groups cover " + std::to_string(total) + " indices, the axis has " +
-           std::to_string(pl->size);
-  for (int64_t k = 0; k < total; ++k) {
-    if (groups[k] == pl->rank) {
-      pl->group = pl->group * (total / group_size) + k / group_size;
-      pl->rank = static_cast<int>(k % group_size);
-      pl->size = static_cast<int>(group_size);
-      return "";
-    }
-  }
-  return "axis index " + std::to_string(pl->rank) + " is in no axis_index_group";
-}
-
 ffi::Error RaggedAllToAllImpl(ffi::RunId run, ffi::AnyBuffer operand, ffi::AnyBuffer output,
                               ffi::AnyBuffer plan, ffi::AnyBuffer pid,
                               ffi::Result<ffi::AnyBuffer> result, int64_t op_id,
-                              I64s mesh_shape, I64s axes, I64s groups, int64_t group_size) {
+                              I64s groups, int64_t group_size, I64s device_ids) {
   const int32_t dt = static_cast<int32_t>(operand.element_type());
   if (dtype_size(dt) == 0) return invalid(std::string("unsupported dtype ") + dtype_name(dt));
   auto od = operand.dimensions(), md = output.dimensions(), pd = plan.dimensions();
@@ -57,8 +37,9 @@ ffi::Error RaggedAllToAllImpl(ffi::RunId run, ffi::AnyBuffer operand, ffi::AnyBu
   for (size_t d = 1; d < od.size(); ++d)
     if (od[d] != md[d]) return invalid("operand and output rows differ in shape");
   Placement pl;
-  std::string err = placement(pid, mesh_shape, axes, &pl);
-  if (err.empty()) err = apply_index_groups(groups, group_size, &pl);
+  // axis_index_groups are folded into `groups` at lowering time: each index group of each
+  // axis group is a team of its own.
+  std::string err = placement(pid, GroupAttrs{groups, group_size, device_ids}, &pl);
   if (!err.empty()) return invalid(err);
   RaggedShape s;
   s.operand_rows = od[0];
@@ -121,9 +102,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedAllToAllHandler, RaggedAllToAllImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("op_id")
-                                  .Attr<I64s>("mesh_shape")
-                                  .Attr<I64s>("axes")
                                   .Attr<I64s>("groups")
-                                  .Attr<int64_t>("group_size"));
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<I64s>("device_ids"));
 
 }  // namespace strata

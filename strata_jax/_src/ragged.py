@@ -31,15 +31,14 @@ from jax._src.interpreters import ad, batching, mlir
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 
-from strata_jax._src import runtime
 from strata_jax._src.collectives import (
     _axes,
     _axis_size,
     _check_axis_names,
     _effects,
-    _mesh_placement,
     _vma_on,
-    next_op_id,
+    lower_strata_call,
+    mesh_groups,
 )
 
 AxisName = Any
@@ -200,8 +199,12 @@ def _lowering(
     axis_name,
     axis_index_groups,
 ):
-    runtime.native()
-    mesh_shape, axes_idx = _mesh_placement(ctx, axis_name, "ragged_all_to_all")
+    base = mesh_groups(ctx, axis_name, "ragged_all_to_all")  # [G, n]: the axis groups
+    if axis_index_groups:
+        # Each index group of each axis group is a team of its own: rank = position in it.
+        groups = np.asarray([row[list(g)] for row in base for g in axis_index_groups], np.int64)
+    else:
+        groups = base
     # One int64 [4, K] plan (input_offsets, send_sizes, output_offsets, recv_sizes): the one
     # buffer a peer reads to find its slices, whatever integer types the caller used.
     i64 = ir.IntegerType.get_signless(64)
@@ -214,29 +217,16 @@ def _lowering(
         rows.append(hlo.reshape(ir.RankedTensorType.get([1, k], i64), conv))
     plan = hlo.concatenate(rows, ir.IntegerAttr.get(i64, 0))
     k = ctx.avals_in[2].shape[0]
-    groups = axis_index_groups or ()
-    rule = jax.ffi.ffi_lowering(
-        "strata_ragged_all_to_all", has_side_effect=True, operand_output_aliases={1: 0}
-    )
     sub = ctx.replace(
-        avals_in=[
-            ctx.avals_in[0],
-            ctx.avals_in[1],
-            core.ShapedArray((4, k), np.dtype(np.int64)),
-            core.ShapedArray((), np.uint32),
-        ]
+        avals_in=[ctx.avals_in[0], ctx.avals_in[1], core.ShapedArray((4, k), np.dtype(np.int64))]
     )
-    return rule(
+    return lower_strata_call(
         sub,
-        operand,
-        output,
-        plan,
-        hlo.partition_id(),
-        op_id=next_op_id(ctx),
-        mesh_shape=mesh_shape,
-        axes=axes_idx,
-        groups=np.asarray([i for grp in groups for i in grp], np.int64),
-        group_size=np.int64(len(groups[0]) if groups else 0),
+        "strata_ragged_all_to_all",
+        "ragged_all_to_all",
+        [operand, output, plan],
+        groups,
+        operand_output_aliases={1: 0},
     )
 
 
