@@ -238,6 +238,38 @@ def test_1000_chained_calls_dispatched_ahead(op):
     np.testing.assert_array_equal(y, np.full_like(y, want))
 
 
+def test_many_programs_with_loops_interleaved():
+    """Thousands of executions of several looping programs: the per-run bookkeeping of the
+    in-process fabric is dropped by recency. XLA's run ids look like hashes (often negative,
+    different per program), so dropping runs whose id is "far below the largest" once 4096
+    were tracked erased live runs of some programs and their loops hung (found by
+    serve_moe.py after ~640 interleaved executions)."""
+    mesh = mesh1d()
+    old = sj.get_timeout()
+    sj.set_timeout(20.0)
+    try:
+        progs = []
+        for k in range(3):
+
+            def body(v, k=k):
+                def step(c, _):
+                    return sj.psum(c, "x") * (1.0 / 8) + float(k), None
+
+                return jax.lax.scan(step, v, None, length=3)[0]
+
+            progs.append(smap(body, mesh, P("x"), P("x"), check_vma=False))
+        ys = [jax.device_put(jnp.zeros((8 * 4,), jnp.float32), NamedSharding(mesh, P("x")))] * 3
+        for i in range(700):
+            for k, f in enumerate(progs):
+                ys[k] = f(ys[k])
+            if i % 8 == 7:
+                ys[0].block_until_ready()
+        for k, y in enumerate(ys):
+            np.testing.assert_allclose(np.asarray(y), np.full(8 * 4, 700 * 3.0 * k), rtol=1e-6)
+    finally:
+        sj.set_timeout(old)
+
+
 def test_timeout_names_missing_ranks():
     """A peer that never arrives: the waiting rank fails with the op and the missing ranks."""
     old = sj.get_timeout()

@@ -28,14 +28,21 @@ InProcFabric& InProcFabric::instance() {
 }
 
 uint64_t InProcFabric::next_occurrence(int64_t run_id, int64_t partition, int64_t op_id) {
-  // Called with mu_ held.
-  if (run_id > max_run_id_) max_run_id_ = run_id;
-  if (occurrences_.size() > 4096) {
-    // Drop the bookkeeping of long-finished runs (run ids grow monotonically).
+  // Called with mu_ held. Run ids are not ordered (XLA derives them from the executable's
+  // fingerprint plus a counter, so they look like hashes and are often negative): the
+  // bookkeeping of finished runs is dropped by recency, never by comparing run ids. A run is
+  // forgotten only after kForgetAfter joins passed without it joining; at most one execution
+  // is in flight per device (measured: comm_stats max_runs_in_flight_per_device), so a live
+  // run cannot fall that far behind.
+  // Scanned every kPruneEvery joins, so the cost per join stays a few entries.
+  constexpr uint64_t kForgetAfter = 1u << 14, kPruneEvery = 1u << 12;
+  if (++joins_ % kPruneEvery == 0) {
     for (auto it = occurrences_.begin(); it != occurrences_.end();)
-      it = (it->first.run_id < max_run_id_ - 1024) ? occurrences_.erase(it) : std::next(it);
+      it = (joins_ - it->second.last_join > kForgetAfter) ? occurrences_.erase(it) : std::next(it);
   }
-  return occurrences_[RankRun{run_id, partition}][op_id]++;
+  RunOccurrences& r = occurrences_[RankRun{run_id, partition}];
+  r.last_join = joins_;
+  return r.per_op[op_id]++;
 }
 
 std::unique_ptr<InProcTeam> InProcFabric::join(int64_t run_id, int64_t op_id, const Placement& pl,

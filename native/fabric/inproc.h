@@ -120,8 +120,12 @@ class InProcFabric {
       return static_cast<size_t>(k.run_id * 1000003 + k.partition);
     }
   };
-  std::unordered_map<RankRun, std::unordered_map<int64_t, uint64_t>, RankRunHash> occurrences_;
-  int64_t max_run_id_ = 0;
+  struct RunOccurrences {
+    std::unordered_map<int64_t, uint64_t> per_op;  // op id -> calls so far
+    uint64_t last_join = 0;                        // value of joins_ at the run's last join
+  };
+  std::unordered_map<RankRun, RunOccurrences, RankRunHash> occurrences_;
+  uint64_t joins_ = 0;  // joins so far (with mu_ held): the clock of the pruning
   std::unordered_map<CallKey, std::string, CallKeyHash> failed_;  // bounded (see .cc)
 };
 
