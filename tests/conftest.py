@@ -33,7 +33,7 @@ try:
 
     _quiet = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
     settings.register_profile(
-        "default", max_examples=60, deadline=None, suppress_health_check=_quiet, print_blob=True
+        "default", max_examples=50, deadline=None, suppress_health_check=_quiet, print_blob=True
     )
     settings.register_profile(
         "long", max_examples=2000, deadline=None, suppress_health_check=_quiet, print_blob=True
