@@ -260,6 +260,80 @@ def relaunch(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return subprocess.call(cmd, env=dict(os.environ, **{CHILD_ENV: "1"}))
 
 
+def run(mesh, calls: int, max_bytes: int, seed: int, programs: int, quiet: bool, write) -> dict:
+    """Runs the soak on `mesh` (axis "x"); returns the report row (with "errors", "per_op")."""
+    import jax
+    import numpy as np
+
+    sizes = [s for s in SIZES if s <= max_bytes]
+    weights = np.array(WEIGHTS[: len(sizes)], np.float64)
+    weights /= weights.sum()
+    soak = Soak(mesh, max_bytes, seed)
+    rss_start, fds_start = proc_status()
+    wrong: list[str] = []
+    per_op: dict[str, int] = {}
+    marks: dict[int, tuple[int, int]] = {}
+    t0 = time.monotonic()
+    tick = max(1, calls // 10)
+    combos: list[tuple[str, str, int, bool]] = []
+    while not combos or len(combos) < programs:
+        for op in OPS:
+            for nbytes in sizes:
+                dts = op_dtypes(op)
+                dtype = dts[int(soak.rng.integers(len(dts)))]
+                combos.append((op, dtype, nbytes, bool(soak.rng.integers(2))))
+    combos = list(dict.fromkeys(combos))[: max(programs, len(OPS) * len(sizes))]
+    # each combo's weight: its size's weight (small buffers more often)
+    cw = np.array([weights[sizes.index(c[2])] for c in combos])
+    cw /= cw.sum()
+    warm = None  # (calls, rss, fds) at the first tick with every program compiled
+    for i in range(calls):
+        op, dtype, nbytes, donate = combos[int(soak.rng.choice(len(combos), p=cw))]
+        err = soak.call(op, dtype, nbytes, donate)
+        per_op[op] = per_op.get(op, 0) + 1
+        if err is not None:
+            wrong.append(err)
+            print(f"WRONG call {i}: {err}", flush=True)
+        if (i + 1) % tick == 0:
+            rss, fds = proc_status()
+            marks[i + 1] = (rss, fds)
+            if warm is None and len(soak.programs) == len(combos):
+                warm = (i + 1, rss, fds)
+            if not quiet:
+                write(
+                    f"# {i + 1:6d} calls  {time.monotonic() - t0:7.1f} s  wrong {len(wrong)}  "
+                    f"rss {rss / 2**20:.0f} MiB  fds {fds}  programs {len(soak.programs)}",
+                    flush=True,
+                )
+    elapsed = time.monotonic() - t0
+    rss_end, fds_end = proc_status()
+    if warm is None:  # not every program was drawn: the last tick is the best we have
+        warm = (calls, rss_end, fds_end)
+    ms = sj.memory_stats()
+    row = {
+        "process": jax.process_index(),
+        "calls": calls,
+        "wrong": len(wrong),
+        "rss_start_mib": round(rss_start / 2**20, 1),
+        "warm_at_call": warm[0],
+        "rss_warm_mib": round(warm[1] / 2**20, 1),
+        "rss_end_mib": round(rss_end / 2**20, 1),
+        "rss_peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "fds_start": fds_start,
+        "fds_warm": warm[2],
+        "fds_end": fds_end,
+        "registered_segments": ms.get("registered_segments"),
+        "peer_segments_mapped": ms.get("peer_segments_mapped"),
+        "pool_segments": ms.get("pool_segments"),
+        "programs": len(soak.programs),
+        "time_s": round(elapsed, 1),
+        "calls_per_s": round(calls / elapsed, 1),
+        "errors": wrong[:20],
+        "per_op": per_op,
+    }
+    return row
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -280,8 +354,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     main_proc = jax.process_index() == 0
     write = print if main_proc else (lambda *a, **k: None)
     sizes = [s for s in SIZES if s <= args.max_bytes]
-    weights = np.array(WEIGHTS[: len(sizes)], np.float64)
-    weights /= weights.sum()
     write("# strata_jax soak: mixed collective calls, each checked against numpy (bit-exact)")
     C.print_machine(C.machine_info(), write)
     write(
@@ -292,77 +364,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     write(f"# ops        : {', '.join(OPS)}; donated and non-donated inputs")
     write(f"# programs   : {args.programs} (op, dtype, size, donated) combinations drawn from")
-    soak = Soak(mesh, args.max_bytes, args.seed)
-    rss_start, fds_start = proc_status()
-    wrong: list[str] = []
-    per_op: dict[str, int] = {}
-    marks: dict[int, tuple[int, int]] = {}
-    t0 = time.monotonic()
-    tick = max(1, args.calls // 10)
-    combos = []
-    while len(combos) < args.programs:
-        for op in OPS:
-            for nbytes in sizes:
-                dts = op_dtypes(op)
-                dtype = dts[int(soak.rng.integers(len(dts)))]
-                combos.append((op, dtype, nbytes, bool(soak.rng.integers(2))))
-    combos = list(dict.fromkeys(combos))[: max(args.programs, len(OPS) * len(sizes))]
-    # each combo's weight: its size's weight (small buffers more often)
-    cw = np.array([weights[sizes.index(c[2])] for c in combos])
-    cw /= cw.sum()
-    warm = None  # (calls, rss, fds) at the first tick with every program compiled
-    for i in range(args.calls):
-        op, dtype, nbytes, donate = combos[int(soak.rng.choice(len(combos), p=cw))]
-        err = soak.call(op, dtype, nbytes, donate)
-        per_op[op] = per_op.get(op, 0) + 1
-        if err is not None:
-            wrong.append(err)
-            print(f"WRONG call {i}: {err}", flush=True)
-        if (i + 1) % tick == 0:
-            rss, fds = proc_status()
-            marks[i + 1] = (rss, fds)
-            if warm is None and len(soak.programs) == len(combos):
-                warm = (i + 1, rss, fds)
-            if not args.quiet:
-                write(
-                    f"# {i + 1:6d} calls  {time.monotonic() - t0:7.1f} s  wrong {len(wrong)}  "
-                    f"rss {rss / 2**20:.0f} MiB  fds {fds}  programs {len(soak.programs)}",
-                    flush=True,
-                )
-    elapsed = time.monotonic() - t0
-    rss_end, fds_end = proc_status()
-    if warm is None:  # not every program was drawn: the last tick is the best we have
-        warm = (args.calls, rss_end, fds_end)
-    ms = sj.memory_stats()
-    row = {
-        "process": jax.process_index(),
-        "calls": args.calls,
-        "wrong": len(wrong),
-        "rss_start_mib": round(rss_start / 2**20, 1),
-        "warm_at_call": warm[0],
-        "rss_warm_mib": round(warm[1] / 2**20, 1),
-        "rss_end_mib": round(rss_end / 2**20, 1),
-        "rss_peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "fds_start": fds_start,
-        "fds_warm": warm[2],
-        "fds_end": fds_end,
-        "registered_segments": ms.get("registered_segments"),
-        "peer_segments_mapped": ms.get("peer_segments_mapped"),
-        "pool_segments": ms.get("pool_segments"),
-        "programs": len(soak.programs),
-        "time_s": round(elapsed, 1),
-        "calls_per_s": round(args.calls / elapsed, 1),
-        "rss_before_jax_mib": round(rss0 / 2**20, 1),
-        "fds_before_jax": fds0,
-    }
+    row = run(mesh, args.calls, args.max_bytes, args.seed, args.programs, args.quiet, write)
+    row["rss_before_jax_mib"] = round(rss0 / 2**20, 1)
+    row["fds_before_jax"] = fds0
     # one line per process (the launcher prefixes it with the rank), the header once
-    keys = [k for k in row if "before_jax" not in k]
+    keys = [k for k in row if "before_jax" not in k and k not in ("errors", "per_op")]
     write("# " + " ".join(keys))
     print("SOAK " + " ".join(str(row[k]) for k in keys), flush=True)
     print("SOAKJSON " + json.dumps(row), flush=True)
     if args.json is not None and main_proc:
-        C.write_json(args.json, {"machine": C.machine_info(), "row": row, "per_op": per_op})
-    return 1 if wrong else 0
+        C.write_json(args.json, {"machine": C.machine_info(), "row": row})
+    return 1 if row["wrong"] else 0
 
 
 if __name__ == "__main__":
