@@ -12,8 +12,9 @@ numpy for equality, bit for bit. A wrong element anywhere counts the call as wro
 
 The calls are drawn from --programs fixed combinations (every op at every size at least
 once), so compilation ends early and RSS must then stay flat. Reported (per process): calls,
-wrong calls (must be 0), RSS and open fds at start, when every program has been compiled
-("warm", at the first 10 % tick where that holds) and at the end, peak RSS, segments
+wrong calls (must be 0), RSS and open fds at start, when compilation was over ("warm": the
+first 10 % tick by which every program the run compiled existed) and at the end, peak RSS,
+segments
 registered/mapped (strata_jax.memory_stats), compiled programs, time and calls/s. Exits 1 if
 any call was wrong.
 
@@ -272,7 +273,7 @@ def run(mesh, calls: int, max_bytes: int, seed: int, programs: int, quiet: bool,
     rss_start, fds_start = proc_status()
     wrong: list[str] = []
     per_op: dict[str, int] = {}
-    marks: dict[int, tuple[int, int]] = {}
+    marks: dict[int, tuple[int, int, int]] = {}  # calls -> (rss, fds, programs)
     t0 = time.monotonic()
     tick = max(1, calls // 10)
     combos: list[tuple[str, str, int, bool]] = []
@@ -286,7 +287,6 @@ def run(mesh, calls: int, max_bytes: int, seed: int, programs: int, quiet: bool,
     # each combo's weight: its size's weight (small buffers more often)
     cw = np.array([weights[sizes.index(c[2])] for c in combos])
     cw /= cw.sum()
-    warm = None  # (calls, rss, fds) at the first tick with every program compiled
     for i in range(calls):
         op, dtype, nbytes, donate = combos[int(soak.rng.choice(len(combos), p=cw))]
         err = soak.call(op, dtype, nbytes, donate)
@@ -296,9 +296,7 @@ def run(mesh, calls: int, max_bytes: int, seed: int, programs: int, quiet: bool,
             print(f"WRONG call {i}: {err}", flush=True)
         if (i + 1) % tick == 0:
             rss, fds = proc_status()
-            marks[i + 1] = (rss, fds)
-            if warm is None and len(soak.programs) == len(combos):
-                warm = (i + 1, rss, fds)
+            marks[i + 1] = (rss, fds, len(soak.programs))
             if not quiet:
                 write(
                     f"# {i + 1:6d} calls  {time.monotonic() - t0:7.1f} s  wrong {len(wrong)}  "
@@ -307,8 +305,9 @@ def run(mesh, calls: int, max_bytes: int, seed: int, programs: int, quiet: bool,
                 )
     elapsed = time.monotonic() - t0
     rss_end, fds_end = proc_status()
-    if warm is None:  # not every program was drawn: the last tick is the best we have
-        warm = (calls, rss_end, fds_end)
+    # warm: the first tick by which every program that the run compiled had been compiled
+    done = [k for k, m in sorted(marks.items()) if m[2] == len(soak.programs)]
+    warm = (done[0], *marks[done[0]][:2]) if done else (calls, rss_end, fds_end)
     ms = sj.memory_stats()
     row = {
         "process": jax.process_index(),

@@ -144,6 +144,10 @@ def test_sigstop_past_timeout_then_sigcont(clean_host):
     assert t_seen < 3 + 15, f"survivors failed {t_seen:.1f} s after the stop (timeout 3 s)"
     assert t_after < 3 + 15, f"the resumed rank failed {t_after:.1f} s after SIGCONT"
     assert procs_with(token) == []
+    print(
+        f"survivors failed {t_seen:.1f} s after SIGSTOP; resumed rank {t_after:.1f} s after "
+        f"SIGCONT: {hit}; {fails}"
+    )
 
 
 # 5b. A rank killed while its peers read its buffer; a fresh job right after ------------------
@@ -177,6 +181,7 @@ def test_kill_while_peers_read_then_fresh_job(clean_host):
     for r in (0, 2):  # each survivor raised, or the launcher stopped it (never a crash)
         assert re.search(rf"\] FAILED {r} |rank {r} was killed by SIG(TERM|KILL)", out), out[-3000:]
     assert procs_with(token) == []
+    print("after the kill:", [ln for ln in out.splitlines() if "FAILED" in ln or "launch:" in ln])
     # at once, a fresh job in the same TMPDIR: correct, nothing stale
     r, _ = launch(3, "fault_loop.py", "4096", "200", TMPDIR=str(clean_host), STRATA_TIMEOUT_S="20")
     assert r.returncode == 0 and r.stdout.count("DONE") == 3, r.stdout[-3000:]
