@@ -135,16 +135,17 @@ def _mem_available() -> int:
 @pytest.mark.slow
 def test_25_more_than_2_31_elements():
     n = 2**31 + 2
-    # input and output of both devices (4 n bytes) plus a copy on the host for the check
-    if _mem_available() < 7 * n:
-        pytest.skip(f"needs ~{7 * n >> 30} GiB free, have {_mem_available() >> 30} GiB")
+    # input and output of both devices (4 n bytes), the host's ones, and some slack
+    if _mem_available() < 6 * n:
+        pytest.skip(f"needs ~{6 * n >> 30} GiB free, have {_mem_available() >> 30} GiB")
     f = smap(lambda v: sj.psum(v, "x"), 2, in_specs=P(), out_specs=P(), check_vma=False)
     out = f(jnp.ones((n,), jnp.uint8))
     for shard in out.addressable_shards:  # both devices' own result
         d = np.asarray(shard.data)
         assert d.shape == (n,)
         assert d[-1] == 2 and d[2**31 - 1 : 2**31 + 2].tolist() == [2, 2, 2]
-        assert (d == 2).all()
+        for i in range(0, n, 1 << 28):  # in chunks: no 2 GiB temporary
+            assert (d[i : i + (1 << 28)] == 2).all(), f"wrong values in [{i}, {i + (1 << 28)})"
     del out
 
 

@@ -133,6 +133,7 @@ def test_sigstop_past_timeout_then_sigcont(clean_host):
         hit = job.wait_for(r"\] (FAILED|WRONG|DONE) 2\b", 1, timeout=40)[0]
         t_after = time.monotonic() - t_cont
         assert "FAILED 2" in hit, f"the resumed rank did not fail: {hit}"
+        fds_after = job.wait_for(r"\] FDS-AFTER \d+ \d+$", 3, timeout=20)
         go.write_text("go")
         job.finish(60)
     finally:
@@ -141,6 +142,10 @@ def test_sigstop_past_timeout_then_sigcont(clean_host):
     out = job.out
     _no_crash(out)
     assert "WRONG" not in out
+    fds = {int(ln.split()[-2]): int(ln.split()[-1]) for ln in job.wait_for(r"\] FDS \d+", 3)}
+    for ln in fds_after:  # the fd table of every rank is no bigger after the failure
+        r, n = int(ln.split()[-2]), int(ln.split()[-1])
+        assert n <= fds[r], f"rank {r}: {fds[r]} fds when warm, {n} after the failure"
     assert t_seen < 3 + 15, f"survivors failed {t_seen:.1f} s after the stop (timeout 3 s)"
     assert t_after < 3 + 15, f"the resumed rank failed {t_after:.1f} s after SIGCONT"
     assert procs_with(token) == []

@@ -4,7 +4,8 @@ Arguments: elements per rank, number of calls, optionally a file to wait for aft
 failure (so the job stays up while the test examines the other ranks). Prints ``PID <rank>
 <pid>``, ``LOOPING`` once compiled and warmed up, then per rank either ``DONE <rank> <calls>``,
 ``FAILED <rank> call <i> after <s>: <message>`` or ``WRONG <rank> call <i>`` (a value was
-returned, and it was wrong). Exit codes: 0 done, 3 failed, 5 wrong.
+returned, and it was wrong); ``FDS <rank> <n>`` (open fds when warm) and, after a failure,
+``FDS-AFTER <rank> <n>``. Exit codes: 0 done, 3 failed, 5 wrong.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ blocks = np.repeat(np.arange(1, n + 1, dtype=np.float32), elems)
 x = jax.make_array_from_callback(blocks.shape, NamedSharding(mesh, P("x")), lambda i: blocks[i])
 want = np.float32(n * (n + 1) / 2)
 f(x).block_until_ready()
+print(f"FDS {rank} {len(os.listdir('/proc/self/fd'))}", flush=True)
 print("LOOPING", flush=True)
 failed = False
 for i in range(calls):
@@ -51,6 +53,7 @@ for i in range(calls):
 if not failed:
     print(f"DONE {rank} {calls}", flush=True)
     sys.exit(0)
+print(f"FDS-AFTER {rank} {len(os.listdir('/proc/self/fd'))}", flush=True)
 if go_file:
     deadline = time.monotonic() + 60
     while not os.path.exists(go_file) and time.monotonic() < deadline:
