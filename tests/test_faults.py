@@ -158,7 +158,8 @@ def test_sigstop_past_timeout_then_sigcont(clean_host):
 # 5b. A rank killed while its peers read its buffer; a fresh job right after ------------------
 def test_kill_while_peers_read_then_fresh_job(clean_host):
     token = f"kill-{os.getpid()}-{time.monotonic_ns()}"
-    # 16 MiB per rank: every call spends most of its time copying peers' buffers
+    # 16 MiB per rank; rank 1 leads (FAULT_LEAD), so it is nearly always inside a call with
+    # its buffer published and read by its peers when it is killed
     job = Job(
         3,
         "fault_loop.py",
@@ -169,6 +170,7 @@ def test_kill_while_peers_read_then_fresh_job(clean_host):
         grace=8,
         TMPDIR=str(clean_host),
         STRATA_TIMEOUT_S="3",
+        FAULT_LEAD="1",
     )
     try:
         pids = job.pids(3)
@@ -185,6 +187,9 @@ def test_kill_while_peers_read_then_fresh_job(clean_host):
     assert "WRONG" not in out and "DONE" not in out, out[-3000:]
     for r in (0, 2):  # each survivor raised, or the launcher stopped it (never a crash)
         assert re.search(rf"\] FAILED {r} |rank {r} was killed by SIG(TERM|KILL)", out), out[-3000:]
+    for ln in out.splitlines():  # an error names the dead rank
+        if "] FAILED" in ln:
+            assert "[1]" in ln, ln
     assert procs_with(token) == []
     print("after the kill:", [ln for ln in out.splitlines() if "FAILED" in ln or "launch:" in ln])
     # at once, a fresh job in the same TMPDIR: correct, nothing stale
