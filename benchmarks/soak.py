@@ -99,11 +99,12 @@ def proc_status() -> tuple[int, int]:
 class Soak:
     """Compiled programs by (op, dtype, elements, donated) and the numpy oracle of each op."""
 
-    def __init__(self, mesh, max_bytes: int, seed: int):
+    def __init__(self, mesh, max_bytes: int, seed: int, impl: str = "strata"):
         import jax
         import numpy as np
 
         self.jax, self.np, self.mesh = jax, np, mesh
+        self.impl = impl
         self.n = mesh.devices.size
         self.rng = np.random.default_rng(seed)  # the same stream on every process
         pool_elems = self.n * max_bytes + (1 << 16)
@@ -149,8 +150,23 @@ class Soak:
         if key in self.programs:
             return self.programs[key]
         jax, P, n = self.jax, self.P, self.n
+        lib = sj if self.impl == "strata" else jax.lax
 
         def body(v):
+            return _body(v, lib)
+
+        def _body(v, sj):  # the same calls for strata_jax and jax.lax
+            if sj is jax.lax and op.startswith("pbroadcast"):
+                # jax.lax.pbroadcast has no CPU lowering: its documented equivalent
+                src = 0 if op == "pbroadcast_0" else n - 1
+                hit = jax.lax.axis_index("x") == src
+                return jax.lax.psum(jax.numpy.where(hit, v, jax.numpy.zeros_like(v)), "x")
+            if sj is jax.lax and v.size == 0:
+                # XLA rejects some empty collectives ("all_gather_dim cannot be zero"): the
+                # baseline returns the empty result jax.lax's shape rules give
+                stacked = op in ("psum", "pmean", "pmax", "pmin", "all_gather_tiled")
+                shape = (1, n, 0) if op == "all_gather" else (1, 0) if stacked else (0,)
+                return jax.lax.pcast(jax.numpy.zeros(shape, v.dtype), "x", to="varying")
             if op in ("psum", "pmean", "pmax", "pmin"):
                 return getattr(sj, op)(v, "x")[None]
             if op == "all_gather":
@@ -249,6 +265,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="distinct (op, dtype, size, donated) programs the calls are drawn from: every op "
         "at every size at least once; fixed so that RSS must be flat once all are compiled",
     )
+    p.add_argument(
+        "--impl",
+        choices=["strata", "xla"],
+        default="strata",
+        help="xla: the same calls through jax.lax (a baseline for the RSS and fd lines)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the report here (rank 0)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p.parse_args(argv)
@@ -261,7 +283,16 @@ def relaunch(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return subprocess.call(cmd, env=dict(os.environ, **{CHILD_ENV: "1"}))
 
 
-def run(mesh, calls: int, max_bytes: int, seed: int, programs: int, quiet: bool, write) -> dict:
+def run(
+    mesh,
+    calls: int,
+    max_bytes: int,
+    seed: int,
+    programs: int,
+    quiet: bool,
+    write,
+    impl: str = "strata",
+) -> dict:
     """Runs the soak on `mesh` (axis "x"); returns the report row (with "errors", "per_op")."""
     import jax
     import numpy as np
@@ -269,7 +300,7 @@ def run(mesh, calls: int, max_bytes: int, seed: int, programs: int, quiet: bool,
     sizes = [s for s in SIZES if s <= max_bytes]
     weights = np.array(WEIGHTS[: len(sizes)], np.float64)
     weights /= weights.sum()
-    soak = Soak(mesh, max_bytes, seed)
+    soak = Soak(mesh, max_bytes, seed, impl)
     rss_start, fds_start = proc_status()
     wrong: list[str] = []
     per_op: dict[str, int] = {}
@@ -310,6 +341,7 @@ def run(mesh, calls: int, max_bytes: int, seed: int, programs: int, quiet: bool,
     warm = (done[0], *marks[done[0]][:2]) if done else (calls, rss_end, fds_end)
     ms = sj.memory_stats()
     row = {
+        "impl": impl,
         "process": jax.process_index(),
         "calls": calls,
         "wrong": len(wrong),
@@ -361,9 +393,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{info['registration']}, sizes {', '.join(C.format_size(s) for s in sizes)} per device, "
         f"seed {args.seed}"
     )
-    write(f"# ops        : {', '.join(OPS)}; donated and non-donated inputs")
+    write(f"# ops        : {', '.join(OPS)}; donated and non-donated inputs; impl {args.impl}")
     write(f"# programs   : {args.programs} (op, dtype, size, donated) combinations drawn from")
-    row = run(mesh, args.calls, args.max_bytes, args.seed, args.programs, args.quiet, write)
+    row = run(
+        mesh, args.calls, args.max_bytes, args.seed, args.programs, args.quiet, write, args.impl
+    )
     row["rss_before_jax_mib"] = round(rss0 / 2**20, 1)
     row["fds_before_jax"] = fds0
     # one line per process (the launcher prefixes it with the rank), the header once
