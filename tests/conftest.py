@@ -50,6 +50,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("hypothesis_profile", None) == "long":
+        for item in items:  # thousands of examples outlast pytest-timeout's 300 s
+            if item.get_closest_marker("hypothesis") or "test_properties" in item.nodeid:
+                item.add_marker(pytest.mark.timeout(0))
     if "slow" in (config.getoption("markexpr", "") or ""):
         return
     skip = pytest.mark.skip(reason="slow: run with -m slow")
