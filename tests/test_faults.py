@@ -295,13 +295,13 @@ print("PROBE " + json.dumps(res), flush=True)
 NOBODY_CONNECT = r"""
 import socket, sys
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-s.connect(sys.argv[1])
-s.send(b"\x01" * 32)  # anything: the listener must refuse before reading it
 s.settimeout(20)
 try:
+    s.connect(sys.argv[1])
+    s.send(b"\x01" * 32)  # anything: the listener must refuse before reading it
     print("CLOSED" if s.recv(64) == b"" else "GOT-DATA", flush=True)
-except ConnectionResetError:  # closed with our bytes unread
-    print("CLOSED", flush=True)
+except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError):
+    print("CLOSED", flush=True)  # refused, or closed with our bytes unread
 """
 
 LISTENER = r"""
