@@ -193,8 +193,8 @@ def test_kill_while_peers_read_then_fresh_job(clean_host):
     assert procs_with(token) == []
     print("after the kill:", [ln for ln in out.splitlines() if "FAILED" in ln or "launch:" in ln])
     # at once, a fresh job in the same TMPDIR: correct, nothing stale
-    r, _ = launch(3, "fault_loop.py", "4096", "200", TMPDIR=str(clean_host), STRATA_TIMEOUT_S="20")
-    assert r.returncode == 0 and r.stdout.count("DONE") == 3, r.stdout[-3000:]
+    r, _ = launch(2, "fault_loop.py", "4096", "100", TMPDIR=str(clean_host), STRATA_TIMEOUT_S="20")
+    assert r.returncode == 0 and r.stdout.count("DONE") == 2, r.stdout[-3000:]
 
 
 # 5c. 8 processes on 2 cores --------------------------------------------------------------
