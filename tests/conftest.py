@@ -21,3 +21,42 @@ def rng(request):
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"random seed: {seed}")
     return np.random.default_rng(seed)
+
+
+# Markers and hypothesis profiles --------------------------------------------------------
+# `slow` tests (the full soak, the fault campaign's heavy cases, > 2^31 elements) are skipped
+# unless the marker expression names them: `pytest -m slow` runs only them, `-m "slow or not
+# slow"` everything. Hypothesis: the default profile keeps the property tests to seconds;
+# `--hypothesis-profile=long` runs thousands of examples.
+try:
+    from hypothesis import HealthCheck, settings
+
+    _quiet = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+    settings.register_profile(
+        "default", max_examples=50, deadline=None, suppress_health_check=_quiet, print_blob=True
+    )
+    settings.register_profile(
+        "long", max_examples=2000, deadline=None, suppress_health_check=_quiet, print_blob=True
+    )
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+except ImportError:  # hypothesis is a test extra; test_properties.py skips without it
+    pass
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: long checks (soak, heavy faults, > 2^31 elements); run with -m slow"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("hypothesis_profile", None) == "long":
+        for item in items:  # thousands of examples outlast pytest-timeout's 300 s
+            if item.get_closest_marker("hypothesis") or "test_properties" in item.nodeid:
+                item.add_marker(pytest.mark.timeout(0))
+    if "slow" in (config.getoption("markexpr", "") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: run with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,129 @@
+"""Starting `python -m strata_jax.launch` from tests, and checking what a job leaves behind.
+
+Shared by the round-2 cases, the fault campaign and the soak test. Ranks import the same
+strata_jax as the test process (the installed package with its native extension); the
+launcher runs from the package's parent folder, never the source root, which would shadow it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import strata_jax
+
+HERE = Path(__file__).resolve().parent
+SCRIPTS = HERE / "mp_scripts"
+PKG_PARENT = str(Path(strata_jax.__file__).resolve().parent.parent)
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """The test's environment without strata/jax/XLA settings, plus `extra`."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("STRATA_", "XLA_FLAGS", "JAX_", "LD_PRELOAD"))
+    }
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PKG_PARENT, env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def launch_cmd(nproc: int, script: str | Path, *args: str, devices: int = 1, grace: float = 1):
+    script = Path(script)
+    if not script.is_absolute():
+        script = SCRIPTS / script
+    return [
+        sys.executable,
+        "-m",
+        "strata_jax.launch",
+        "-n",
+        str(nproc),
+        "--grace",
+        str(grace),
+        "--devices-per-proc",
+        str(devices),
+        str(script),
+        *args,
+    ]
+
+
+def popen(
+    nproc: int, script: str | Path, *args: str, devices: int = 1, grace: float = 1, **env: str
+):
+    """Starts a job in its own session (so a test can kill what is left by process group)."""
+    return subprocess.Popen(
+        launch_cmd(nproc, script, *args, devices=devices, grace=grace),
+        env=job_env(**env),
+        cwd=PKG_PARENT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def launch(
+    nproc: int,
+    script: str | Path,
+    *args: str,
+    devices: int = 1,
+    timeout: float = 150,
+    grace: float = 1,
+    **env: str,
+) -> tuple[subprocess.CompletedProcess, float]:
+    """Runs a job to its end; returns (CompletedProcess with stdout+stderr in .stdout, seconds).
+
+    `grace` is the launcher's SIGTERM-to-SIGKILL grace: tests of how fast a job stops pass a
+    long one, so that a rank which ignores SIGTERM shows up as slow instead of being killed."""
+    t = time.monotonic()
+    r = subprocess.run(
+        launch_cmd(nproc, script, *args, devices=devices, grace=grace),
+        env=job_env(**env),
+        cwd=PKG_PARENT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+    return r, time.monotonic() - t
+
+
+def shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def procs_with(token: str) -> list[int]:
+    """Pids of live processes whose command line contains `token` (zombies excluded)."""
+    out = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit() or int(p) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if token in cmd and state != "Z":
+            out.append(int(p))
+    return out
+
+
+def strata_run_dirs() -> set[str]:
+    """strata's private folders in the temp dirs (launcher run dirs, fabric fallback dirs)."""
+    import tempfile
+
+    found = set()
+    for base in {tempfile.gettempdir(), "/tmp"}:
+        try:
+            found |= {
+                os.path.join(base, n)
+                for n in os.listdir(base)
+                if n.startswith(("strata-run-", "strata-fabric-"))
+            }
+        except OSError:
+            pass
+    return found
