@@ -187,9 +187,9 @@ def test_kill_while_peers_read_then_fresh_job(clean_host):
     assert "WRONG" not in out and "DONE" not in out, out[-3000:]
     for r in (0, 2):  # each survivor raised, or the launcher stopped it (never a crash)
         assert re.search(rf"\] FAILED {r} |rank {r} was killed by SIG(TERM|KILL)", out), out[-3000:]
-    for ln in out.splitlines():  # an error names the dead rank
+    for ln in out.splitlines():  # an error names the dead rank (as missing or as exited)
         if "] FAILED" in ln:
-            assert "[1]" in ln, ln
+            assert "[1]" in ln or "rank 1 (device" in ln, ln
     assert procs_with(token) == []
     print("after the kill:", [ln for ln in out.splitlines() if "FAILED" in ln or "launch:" in ln])
     # at once, a fresh job in the same TMPDIR: correct, nothing stale
