@@ -23,6 +23,7 @@ from strata_jax._src.collectives import (  # noqa: E402
     psum_scatter,
 )
 from strata_jax._src.fabric import init, memory_stats  # noqa: E402
+from strata_jax._src.topology import topology  # noqa: E402
 from strata_jax._src.runtime import (  # noqa: E402
     comm_stats,
     get_timeout,
@@ -50,5 +51,6 @@ __all__ = [
     "comm_stats",
     "init",
     "memory_stats",
+    "topology",
     "moe",
 ]

@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 
-from strata_jax._src import runtime
+from strata_jax._src import runtime, topology
 
 REGISTRATION_MODES = ("on_alloc", "on_use", "staging")
 ENV_REGISTRATION = "STRATA_REGISTRATION"
@@ -145,6 +145,37 @@ def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
     pid, n = jax.process_index(), jax.process_count()
     client = _distributed_client()
     ms = int(timeout_s * 1000)
+    # Fabric domains: shared memory connects only the processes of one fabric (see topology.py).
+    client.key_value_set(f"{_KV_PREFIX}/fabric_id/{pid}", topology.local_fabric_id())
+    ids = [client.blocking_key_value_get(f"{_KV_PREFIX}/fabric_id/{j}", ms) for j in range(n)]
+    fmap = topology.set_fabric_map(ids, pid)
+    members = fmap.members(fmap.own)
+    if len(members) > 1:
+        _connect_fabric(native, client, pid, members, mode, ms)
+    # Every process is connected (or alone in its fabric) before any collective runs.
+    client.wait_at_barrier(f"{_KV_PREFIX}/connected", ms)
+    fabric = "shm" if len(members) > 1 else "inproc"
+    _state = {
+        "process_id": pid,
+        "num_processes": n,
+        "registration": mode,
+        "fabric": fabric,
+        "fabric_index": fmap.own,
+        "num_fabrics": len(fmap.names),
+        "fabric_processes": list(members),
+    }
+    return dict(_state)
+
+
+def _connect_fabric(native, client, pid: int, members: tuple[int, ...], mode: str, ms: int):
+    """Connects the shared-memory fabric among ``members`` (process indices of one fabric).
+
+    The native fabric numbers its processes 0..len(members)-1 in process order; the first
+    member makes the control segment. Socket paths are exchanged through the key-value store,
+    but only members read each other's: nothing of this fabric is looked up from another.
+    """
+    from strata_jax import launch
+
     run_dir = os.environ.get(launch.ENV_RUN_DIR)
     own_dir = None
     if not run_dir or not os.path.isdir(run_dir) or len(run_dir) > 90:
@@ -157,17 +188,15 @@ def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
     try:
         path = native.fabric_listen(run_dir, pid)
         client.key_value_set(f"{_KV_PREFIX}/path/{pid}", path)
-        paths = [client.blocking_key_value_get(f"{_KV_PREFIX}/path/{j}", ms) for j in range(n)]
-        native.fabric_connect(pid, n, paths, mode)
-        # Every process is connected: the socket files are no longer needed. Removing them now
+        paths = [client.blocking_key_value_get(f"{_KV_PREFIX}/path/{j}", ms) for j in members]
+        native.fabric_connect(members.index(pid), len(members), paths, mode)
+        # Every member is connected: the socket files are no longer needed. Removing them now
         # leaves nothing in the file system even if a process is killed later.
-        client.wait_at_barrier(f"{_KV_PREFIX}/connected", ms)
+        client.wait_at_barrier(f"{_KV_PREFIX}/connected/{members[0]}", ms, list(members))
     finally:
         native.fabric_unlink()
         if own_dir is not None:
             shutil.rmtree(own_dir, ignore_errors=True)
-    _state = {"process_id": pid, "num_processes": n, "registration": mode, "fabric": "shm"}
-    return dict(_state)
 
 
 def memory_stats() -> dict:
@@ -192,5 +221,26 @@ def memory_stats() -> dict:
       - ``allocator``: whether libstrata_alloc serves this process; ``pool_segments``,
         ``pool_segment_bytes``, ``pool_bytes_in_use``, ``pool_bytes_cached``, ``pool_allocs``,
         ``pool_threshold`` from ``strata_alloc_stats`` (zeros without the allocator).
+      - ``intra_fabric_bytes``: bytes strata moved between devices of this fabric (zero-copy
+        plus through peers' bounce buffers); ``inter_fabric_bytes``: bytes the inter-fabric
+        steps of hierarchical collectives handed to XLA's own collectives (gloo/MPI).
+      - ``fabric``/``fabric_index``/``fabric_id``: this process's fabric domain;
+        ``fabric_peers``: one dict per process of this fabric connected through shared memory
+        (``process``: jax process index, ``fabric_id``, ``os_pid``: the pid at the other end
+        of the link as the kernel attests it (SO_PEERCRED; 0 for this process),
+        ``segments_mapped`` / ``bytes_mapped``: that process's segments mapped here). Every
+        peer segment mapped here is listed under its owner, so this shows that no memory of
+        another fabric is mapped.
     """
-    return dict(runtime.native().memory_stats())
+    d = dict(runtime.native().memory_stats())
+    fmap = topology.fabric_map()
+    members = fmap.members(fmap.own)
+    d["fabric_index"] = fmap.own
+    d["fabric_id"] = fmap.ids[fmap.process]
+    peers = []
+    for e in d.get("fabric_peers", []):
+        e = dict(e)
+        p = members[e.pop("fabric_rank")]
+        peers.append({"process": p, "fabric_id": fmap.ids[p], **e})
+    d["fabric_peers"] = peers
+    return d
