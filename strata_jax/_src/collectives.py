@@ -24,7 +24,7 @@ from jax._src.interpreters import ad, batching, mlir
 from jax._src.lib.mlir.dialects import hlo
 from jax._src.sharding_impls import SPMDAxisContext
 
-from strata_jax._src import runtime
+from strata_jax._src import hierarchy, runtime
 
 AxisName = Any
 
@@ -159,6 +159,10 @@ def _ffi_call_lowering(target: str, api: str):
     def lower(ctx, x, *, axes, **attrs):
         runtime.native()
         mesh_shape, axes_idx = _mesh_placement(ctx, axes, api)
+        # A group that spans fabric domains: strata inside each, XLA's collectives between.
+        split = hierarchy.lower_across_fabrics(ctx, x, target, axes, attrs)
+        if split is not None:
+            return split
         pid = hlo.partition_id()
         sub = ctx.replace(avals_in=[*ctx.avals_in, core.ShapedArray((), np.uint32)])
         return rule(
