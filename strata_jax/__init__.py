@@ -23,7 +23,6 @@ from strata_jax._src.collectives import (  # noqa: E402
     psum_scatter,
 )
 from strata_jax._src.fabric import init, memory_stats  # noqa: E402
-from strata_jax._src.topology import topology  # noqa: E402
 from strata_jax._src.runtime import (  # noqa: E402
     comm_stats,
     get_timeout,
@@ -31,6 +30,7 @@ from strata_jax._src.runtime import (  # noqa: E402
     set_timeout,
     set_two_shot_threshold,
 )
+from strata_jax._src.topology import topology  # noqa: E402
 
 __version__ = "0.1.0"
 

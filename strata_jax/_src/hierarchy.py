@@ -68,20 +68,20 @@ class Plan:
     F: int = 1
     L: int = 1
     f: np.ndarray | None = None  # [n] fabric slot of each group rank
-    l: np.ndarray | None = None  # [n] local index of each group rank
+    loc: np.ndarray | None = None  # [n] local index of each group rank
     intra: tuple = ()  # [G*F][L] partition ids
     inter: tuple = ()  # [G*L][F] partition ids
 
-    def rank_of(self, f: int, l: int) -> int:
-        return int(np.flatnonzero((self.f == f) & (self.l == l))[0])
+    def rank_of(self, slot: int, k: int) -> int:
+        return int(np.flatnonzero((self.f == slot) & (self.loc == k))[0])
 
     def perm_lf(self) -> np.ndarray:
         """Group ranks in (l, f) order (l major)."""
-        return np.array([self.rank_of(f, l) for l in range(self.L) for f in range(self.F)])
+        return np.array([self.rank_of(s, k) for k in range(self.L) for s in range(self.F)])
 
     def perm_fl(self) -> np.ndarray:
         """Group ranks in (f, l) order (f major)."""
-        return np.array([self.rank_of(f, l) for f in range(self.F) for l in range(self.L)])
+        return np.array([self.rank_of(s, k) for s in range(self.F) for k in range(self.L)])
 
 
 def _layout(fabrics: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -148,7 +148,11 @@ KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "permute")
 
 def _gc(x, kind: str, engine: str, groups, *, reduce: str = "sum", pairs=()):
     return group_collective_p.bind(
-        x, kind=kind, engine=engine, groups=tuple(map(tuple, groups)), reduce=reduce,
+        x,
+        kind=kind,
+        engine=engine,
+        groups=tuple(map(tuple, groups)),
+        reduce=reduce,
         pairs=tuple(pairs),
     )
 
@@ -229,7 +233,8 @@ def _xla_lowering(ctx, x, *, kind, groups, reduce, pairs):
         ).results[0]
     if kind == "permute":
         return hlo.CollectivePermuteOp(
-            x, mlir.dense_int_elements(np.asarray(pairs, np.int64).reshape(-1, 2)),
+            x,
+            mlir.dense_int_elements(np.asarray(pairs, np.int64).reshape(-1, 2)),
             channel_handle=_channel(),
         ).results[0]
     raise AssertionError(kind)
@@ -350,7 +355,7 @@ def _permute(x, p: Plan, sources: np.ndarray):
     if inside:
         # Partition pairs of the intra steps; strata runs them when every fabric slot has the
         # same local pattern (one permutation for all intra groups).
-        local = {(int(p.f[s]), int(p.l[s]), int(p.l[d])) for s, d in inside}
+        local = {(int(p.f[s]), int(p.loc[s]), int(p.loc[d])) for s, d in inside}
         per_slot = [{(a, b) for f, a, b in local if f == s} for s in range(p.F)]
         intra_pairs = [(int(g[s]), int(g[d])) for g in p.groups for s, d in inside]
         if all(ps == per_slot[0] for ps in per_slot):
@@ -369,10 +374,24 @@ def _broadcast(x, p: Plan, root: int):
     if p.L == 1 or not p.uniform:
         v = _gc(x.reshape(1, *x.shape), "all_gather", "xla", p.groups)
         return v[root]
-    fs, ls = int(p.f[root]), int(p.l[root])
+    fs, ls = int(p.f[root]), int(p.loc[root])
     v = _gc(x.reshape(1, *x.shape), "all_gather", "xla", p.inter)[fs]  # x of (fs, my l)
     v = _gc(v.reshape(1, *x.shape), "all_gather", "strata", p.intra)
     return v[ls]
+
+
+def refuse_across_fabrics(ctx, axes: tuple, api: str) -> None:
+    """Raises NotImplementedError at lowering when a group over ``axes`` spans fabrics (for
+    operators without a hierarchical form yet, instead of waiting for peers that cannot
+    arrive)."""
+    p = plan(ctx, axes)
+    if p is not None:
+        raise NotImplementedError(
+            f"{api} over an axis whose groups span fabric domains (hosts) is not supported yet: "
+            f"groups {p.groups.tolist()} (partition ids) cross fabrics. Keep the expert axis "
+            "inside one host (e.g. a ('host', 'expert') mesh with experts on the inner axis), "
+            "or use the dense jax.lax formulation for this axis."
+        )
 
 
 def lower_across_fabrics(ctx, x, target: str, axes: tuple, attrs: dict):

@@ -41,7 +41,7 @@ from jax._src import core
 from jax._src.interpreters import mlir
 from jax._src.lib.mlir.dialects import hlo
 
-from strata_jax._src import runtime
+from strata_jax._src import hierarchy, runtime
 from strata_jax._src.collectives import (
     _axes,
     _axis_size,
@@ -125,6 +125,7 @@ def _lower(target: str, api: str):
     def lower(ctx, *args, axes, **attrs):
         runtime.native()
         mesh_shape, axes_idx = _mesh_placement(ctx, axes, api)
+        hierarchy.refuse_across_fabrics(ctx, axes, f"strata_jax.moe.{api}")
         sub = ctx.replace(avals_in=[*ctx.avals_in, core.ShapedArray((), np.uint32)])
         return rule(
             sub,
