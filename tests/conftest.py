@@ -21,3 +21,16 @@ def rng(request):
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"random seed: {seed}")
     return np.random.default_rng(seed)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long checks, skipped unless selected with -m slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if "slow" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: run with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
