@@ -46,7 +46,8 @@ def two_fake_fabrics(monkeypatch):
     yield
 
 
-def _both(mesh, body_sj, body_lax, x, out=P("x")):
+def _both(mesh, body_sj, body_lax, x, out=None):
+    out = P("x") if out is None else out
     run = lambda b: jax.jit(jax.shard_map(b, mesh=mesh, in_specs=P("x"), out_specs=out))(x)  # noqa: E731
     return np.asarray(run(body_sj)), np.asarray(run(body_lax))
 
