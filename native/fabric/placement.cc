@@ -1,40 +1,47 @@
 #include <string>
-#include <vector>
 
 #include "fabric/team.h"
 
 namespace strata {
 
-std::string place(int64_t partition, const std::vector<int64_t>& mesh_shape,
-                  const std::vector<int64_t>& axes, Placement* out) {
-  const int nd = static_cast<int>(mesh_shape.size());
-  int64_t total = 1;
-  for (int64_t s : mesh_shape) total *= s;
-  if (partition < 0 || partition >= total)
-    return "partition id " + std::to_string(partition) + " is outside the mesh of " +
-           std::to_string(total) + " devices";
-  std::vector<int64_t> coord(nd);
-  int64_t p = partition;
-  for (int d = nd - 1; d >= 0; --d) {
-    coord[d] = p % mesh_shape[d];
-    p /= mesh_shape[d];
+namespace {
+// splitmix64 finalizer: a cheap, well-mixed 64-bit hash step.
+uint64_t mix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+}  // namespace
+
+std::string place_in_groups(int64_t partition, const int64_t* groups, size_t groups_len,
+                            int64_t group_size, const int64_t* device_ids, size_t num_devices,
+                            Placement* out) {
+  if (group_size < 1 || groups_len % static_cast<size_t>(group_size) != 0)
+    return "internal error: groups attribute is not a whole number of rows";
+  if (partition < 0 || static_cast<size_t>(partition) >= num_devices)
+    return "partition id " + std::to_string(partition) + " is outside the program's " +
+           std::to_string(num_devices) + " devices";
+  for (size_t i = 0; i < groups_len; ++i) {
+    if (groups[i] != partition) continue;
+    const size_t row = i / static_cast<size_t>(group_size);
+    const int64_t* members = groups + row * static_cast<size_t>(group_size);
+    uint64_t h = mix(static_cast<uint64_t>(group_size));
+    for (int64_t r = 0; r < group_size; ++r) {
+      const int64_t p = members[r];
+      if (p < 0 || static_cast<size_t>(p) >= num_devices)
+        return "internal error: group member outside the program's devices";
+      h = mix(h ^ static_cast<uint64_t>(device_ids[p]));
+    }
+    out->group = static_cast<int64_t>(row);
+    out->rank = static_cast<int>(i % static_cast<size_t>(group_size));
+    out->size = static_cast<int>(group_size);
+    out->partition = partition;
+    out->device = device_ids[partition];
+    out->comm = h;
+    return {};
   }
-  std::vector<bool> in_axes(nd, false);
-  int64_t rank = 0, size = 1;
-  for (int64_t a : axes) {
-    if (a < 0 || a >= nd || in_axes[a]) return "invalid or repeated mesh axis in collective";
-    in_axes[a] = true;
-    rank = rank * mesh_shape[a] + coord[a];
-    size *= mesh_shape[a];
-  }
-  int64_t group = 0;
-  for (int d = 0; d < nd; ++d)
-    if (!in_axes[d]) group = group * mesh_shape[d] + coord[d];
-  out->group = group;
-  out->rank = static_cast<int>(rank);
-  out->size = static_cast<int>(size);
-  out->partition = partition;
-  return {};
+  return "partition id " + std::to_string(partition) + " is in none of the collective's groups";
 }
 
 }  // namespace strata

@@ -65,11 +65,17 @@ struct Placement {
   int rank = 0;
   int size = 1;
   int64_t partition = 0;  // the rank's global partition index (unique per device in a program)
+  int64_t device = 0;     // the rank's global device id (the same in every process)
+  // The communicator: a hash of the group members' global device ids in rank order. Every
+  // process computes the same value for the same group, whatever program it runs.
+  uint64_t comm = 0;
 };
 
-// Computes the placement of `partition` (row-major index into `mesh_shape`) for a collective
-// over the mesh dimensions `axes` (in the given order; first is major), as jax.lax does.
-std::string place(int64_t partition, const std::vector<int64_t>& mesh_shape,
-                  const std::vector<int64_t>& axes, Placement* out);
+// Computes the placement of `partition` in explicit groups: `groups` holds `num_groups` rows
+// of `group_size` partition indices (row-major), rank = position in the row; `device_ids[p]`
+// is partition p's global device id. Returns an error if the partition is in no row.
+std::string place_in_groups(int64_t partition, const int64_t* groups, size_t groups_len,
+                            int64_t group_size, const int64_t* device_ids, size_t num_devices,
+                            Placement* out);
 
 }  // namespace strata

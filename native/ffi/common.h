@@ -24,15 +24,22 @@ inline xla::ffi::Error to_error(const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg);
 }
 
+// The attributes every strata call carries (strata_jax/_src/collectives.py,
+// lower_strata_call): explicit groups of partitions and the device assignment.
+struct GroupAttrs {
+  I64s groups;         // [num_groups * group_size] partition indices, row-major
+  int64_t group_size;  // members per group
+  I64s device_ids;     // global device id of every partition
+};
+
 // Where this device sits in the collective: from its partition id (an operand computed by
-// the program itself, so it is right for any device assignment) and the mesh.
-inline std::string placement(xla::ffi::AnyBuffer pid, I64s mesh_shape, I64s axes,
-                             Placement* pl) {
+// the program itself, so it is right for any device assignment) and the groups.
+inline std::string placement(xla::ffi::AnyBuffer pid, const GroupAttrs& g, Placement* pl) {
   if (pid.element_type() != xla::ffi::DataType::U32 || pid.element_count() != 1)
     return "internal error: partition id operand must be a u32 scalar";
   const uint32_t p = *static_cast<const uint32_t*>(pid.untyped_data());
-  return place(p, std::vector<int64_t>(mesh_shape.begin(), mesh_shape.end()),
-               std::vector<int64_t>(axes.begin(), axes.end()), pl);
+  return place_in_groups(p, g.groups.begin(), g.groups.size(), g.group_size, g.device_ids.begin(),
+                         g.device_ids.size(), pl);
 }
 
 // Joins call (run, op_id, occurrence, group) on the fabric, publishes this rank's buffers with
@@ -74,9 +81,9 @@ xla::ffi::Error join_and_run_with(const char* name, int64_t run_id, int64_t op_i
 
 // The usual case: one input and one output buffer per rank.
 template <class Body>
-xla::ffi::Error join_and_run(const char* name, int64_t run_id, int64_t op_id,
-                             const Placement& pl, const OpDesc& desc, const void* in, void* out,
-                             bool cross_process, Body body) {
+xla::ffi::Error join_and_run(const char* name, int64_t run_id, int64_t op_id, const Placement& pl,
+                             const OpDesc& desc, const void* in, void* out, bool cross_process,
+                             Body body) {
   return join_and_run_with(
       name, run_id, op_id, pl, cross_process,
       [&](auto& team) { return team.arrive(desc, in, out); }, body);

@@ -25,10 +25,9 @@ enum OpKind : int32_t {
 
 template <class Body>
 ffi::Error run_collective(const char* name, ffi::RunId run, int64_t op_id, ffi::AnyBuffer pid,
-                          I64s mesh_shape, I64s axes, OpDesc desc, const void* in, void* out,
-                          Body body) {
+                          const GroupAttrs& ga, OpDesc desc, const void* in, void* out, Body body) {
   Placement pl;
-  std::string err = placement(pid, mesh_shape, axes, &pl);
+  std::string err = placement(pid, ga, &pl);
   if (!err.empty()) return to_error(std::string("strata_jax ") + name + ": " + err);
   if (desc.in_bytes == 0 && desc.out_bytes == 0) return ffi::Error::Success();
   desc.name = name;
@@ -41,8 +40,7 @@ ffi::Error check_dtype(const char* name, ffi::AnyBuffer x, bool reduce, ReduceOp
   const int32_t dt = static_cast<int32_t>(x.element_type());
   if (dtype_size(dt) == 0 || (reduce && !reduce_supported(dt, op)))
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      std::string("strata_jax ") + name + ": unsupported dtype " +
-                          dtype_name(dt));
+                      std::string("strata_jax ") + name + ": unsupported dtype " + dtype_name(dt));
   return ffi::Error::Success();
 }
 
@@ -53,13 +51,11 @@ void count_peer_bytes(const Team& t, uint64_t n) {
       .fetch_add(n, std::memory_order_relaxed);
 }
 
-const char* reduce_name(int32_t r) {
-  return r == 0 ? "psum" : r == 1 ? "pmax" : "pmin";
-}
+const char* reduce_name(int32_t r) { return r == 0 ? "psum" : r == 1 ? "pmax" : "pmin"; }
 
 ffi::Error AllReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s mesh_shape, I64s axes,
-                         int32_t reduce) {
+                         ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
+                         int64_t group_size, I64s device_ids, int32_t reduce) {
   const ReduceOp op = static_cast<ReduceOp>(reduce);
   const char* name = reduce_name(reduce);
   if (auto e = check_dtype(name, x, true, op); e.failure()) return e;
@@ -71,21 +67,21 @@ ffi::Error AllReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
   d.reduce = reduce;
   d.in_bytes = d.out_bytes = x.size_bytes();
   d.algo = use_two_shot(x.size_bytes()) ? 1 : 0;
-  return run_collective(name, run, op_id, pid, mesh_shape, axes, d, x.untyped_data(),
-                        y->untyped_data(), [&](Team& t, const Placement&) {
-                          // Every rank follows rank 0's choice, even if the threshold changed
-                          // while the call was in flight.
-                          const bool two = t.size() > 2 && t.peer_desc(0).algo == 1;
-                          (two ? stats().two_shot : stats().one_shot)
-                              .fetch_add(1, std::memory_order_relaxed);
-                          count_peer_bytes(t, x.size_bytes() * (t.size() - 1));
-                          return all_reduce(t, dt, op, count, two);
-                        });
+  return run_collective(
+      name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d, x.untyped_data(),
+      y->untyped_data(), [&](Team& t, const Placement&) {
+        // Every rank follows rank 0's choice, even if the threshold changed
+        // while the call was in flight.
+        const bool two = t.size() > 2 && t.peer_desc(0).algo == 1;
+        (two ? stats().two_shot : stats().one_shot).fetch_add(1, std::memory_order_relaxed);
+        count_peer_bytes(t, x.size_bytes() * (t.size() - 1));
+        return all_reduce(t, dt, op, count, two);
+      });
 }
 
 ffi::Error ReduceScatterImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
-                             ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s mesh_shape,
-                             I64s axes, int32_t reduce) {
+                             ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
+                             int64_t group_size, I64s device_ids, int32_t reduce) {
   const ReduceOp op = static_cast<ReduceOp>(reduce);
   if (auto e = check_dtype("psum_scatter", x, true, op); e.failure()) return e;
   const int32_t dt = static_cast<int32_t>(x.element_type());
@@ -96,8 +92,9 @@ ffi::Error ReduceScatterImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pi
   d.in_bytes = x.size_bytes();
   d.out_bytes = y->size_bytes();
   const size_t out_count = y->element_count();
-  return run_collective("psum_scatter", run, op_id, pid, mesh_shape, axes, d, x.untyped_data(),
-                        y->untyped_data(), [&](Team& t, const Placement&) -> std::string {
+  return run_collective("psum_scatter", run, op_id, pid, GroupAttrs{groups, group_size, device_ids},
+                        d, x.untyped_data(), y->untyped_data(),
+                        [&](Team& t, const Placement&) -> std::string {
                           if (out_count * t.size() != x.element_count())
                             return "strata_jax psum_scatter: input size is not the group "
                                    "size times the output size";
@@ -107,16 +104,17 @@ ffi::Error ReduceScatterImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pi
 }
 
 ffi::Error AllGatherImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s mesh_shape,
-                         I64s axes) {
+                         ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
+                         int64_t group_size, I64s device_ids) {
   if (auto e = check_dtype("all_gather", x, false, ReduceOp::kSum); e.failure()) return e;
   OpDesc d;
   d.kind = kAllGather;
   d.dtype = static_cast<int32_t>(x.element_type());
   d.in_bytes = x.size_bytes();
   d.out_bytes = y->size_bytes();
-  return run_collective("all_gather", run, op_id, pid, mesh_shape, axes, d, x.untyped_data(),
-                        y->untyped_data(), [&](Team& t, const Placement&) -> std::string {
+  return run_collective("all_gather", run, op_id, pid, GroupAttrs{groups, group_size, device_ids},
+                        d, x.untyped_data(), y->untyped_data(),
+                        [&](Team& t, const Placement&) -> std::string {
                           if (x.size_bytes() * t.size() != y->size_bytes())
                             return "strata_jax all_gather: output size is not the group size "
                                    "times the input size";
@@ -126,8 +124,9 @@ ffi::Error AllGatherImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
 }
 
 ffi::Error AllToAllImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
-                        ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s mesh_shape, I64s axes,
-                        int64_t split_axis, int64_t concat_axis) {
+                        ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
+                        int64_t group_size, I64s device_ids, int64_t split_axis,
+                        int64_t concat_axis) {
   if (auto e = check_dtype("all_to_all", x, false, ReduceOp::kSum); e.failure()) return e;
   OpDesc d;
   d.kind = kAllToAll;
@@ -139,8 +138,8 @@ ffi::Error AllToAllImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
   std::vector<int64_t> shape(dims.begin(), dims.end());
   const int es = dtype_size(d.dtype);
   return run_collective(
-      "all_to_all", run, op_id, pid, mesh_shape, axes, d, x.untyped_data(), y->untyped_data(),
-      [&](Team& t, const Placement&) -> std::string {
+      "all_to_all", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
+      x.untyped_data(), y->untyped_data(), [&](Team& t, const Placement&) -> std::string {
         const int nd = static_cast<int>(shape.size());
         if (split_axis < 0 || split_axis >= nd || concat_axis < 0 || concat_axis >= nd ||
             shape[split_axis] % t.size() != 0)
@@ -152,35 +151,36 @@ ffi::Error AllToAllImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
 }
 
 ffi::Error PermuteImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
-                       ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s mesh_shape, I64s axes,
-                       I64s sources) {
+                       ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
+                       int64_t group_size, I64s device_ids, I64s sources) {
   if (auto e = check_dtype("ppermute", x, false, ReduceOp::kSum); e.failure()) return e;
   OpDesc d;
   d.kind = kPermute;
   d.dtype = static_cast<int32_t>(x.element_type());
   d.in_bytes = d.out_bytes = x.size_bytes();
-  return run_collective("ppermute", run, op_id, pid, mesh_shape, axes, d, x.untyped_data(),
-                        y->untyped_data(), [&](Team& t, const Placement& pl) -> std::string {
+  return run_collective("ppermute", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
+                        x.untyped_data(), y->untyped_data(),
+                        [&](Team& t, const Placement& pl) -> std::string {
                           if (static_cast<int>(sources.size()) != t.size())
                             return "strata_jax ppermute: permutation size mismatch";
                           const int src = static_cast<int>(sources[pl.rank]);
-                          if (src >= 0)
-                            count_peer_bytes(t, x.size_bytes());
+                          if (src >= 0) count_peer_bytes(t, x.size_bytes());
                           return permute(t, x.size_bytes(), src);
                         });
 }
 
 ffi::Error BroadcastImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s mesh_shape,
-                         I64s axes, int64_t root) {
+                         ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
+                         int64_t group_size, I64s device_ids, int64_t root) {
   if (auto e = check_dtype("pbroadcast", x, false, ReduceOp::kSum); e.failure()) return e;
   OpDesc d;
   d.kind = kBroadcast;
   d.dtype = static_cast<int32_t>(x.element_type());
   d.in_bytes = d.out_bytes = x.size_bytes();
   d.aux = root;
-  return run_collective("pbroadcast", run, op_id, pid, mesh_shape, axes, d, x.untyped_data(),
-                        y->untyped_data(), [&](Team& t, const Placement&) -> std::string {
+  return run_collective("pbroadcast", run, op_id, pid, GroupAttrs{groups, group_size, device_ids},
+                        d, x.untyped_data(), y->untyped_data(),
+                        [&](Team& t, const Placement&) -> std::string {
                           if (root < 0 || root >= t.size())
                             return "strata_jax pbroadcast: source out of range";
                           count_peer_bytes(t, x.size_bytes());
@@ -188,15 +188,16 @@ ffi::Error BroadcastImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
                         });
 }
 
-#define STRATA_COMMON_BIND                                     \
-  ffi::Ffi::Bind()                                             \
-      .Ctx<ffi::RunId>()                                       \
-      .Arg<ffi::AnyBuffer>()                                   \
-      .Arg<ffi::AnyBuffer>()                                   \
-      .Ret<ffi::AnyBuffer>()                                   \
-      .Attr<int64_t>("op_id")                                  \
-      .Attr<I64s>("mesh_shape")                                \
-      .Attr<I64s>("axes")
+#define STRATA_COMMON_BIND         \
+  ffi::Ffi::Bind()                 \
+      .Ctx<ffi::RunId>()           \
+      .Arg<ffi::AnyBuffer>()       \
+      .Arg<ffi::AnyBuffer>()       \
+      .Ret<ffi::AnyBuffer>()       \
+      .Attr<int64_t>("op_id")      \
+      .Attr<I64s>("groups")        \
+      .Attr<int64_t>("group_size") \
+      .Attr<I64s>("device_ids")
 
 }  // namespace
 
@@ -205,9 +206,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceHandler, AllReduceImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceScatterHandler, ReduceScatterImpl,
                               STRATA_COMMON_BIND.Attr<int32_t>("reduce"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherHandler, AllGatherImpl, STRATA_COMMON_BIND);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AllToAllHandler, AllToAllImpl,
-                              STRATA_COMMON_BIND.Attr<int64_t>("split_axis")
-                                  .Attr<int64_t>("concat_axis"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    AllToAllHandler, AllToAllImpl,
+    STRATA_COMMON_BIND.Attr<int64_t>("split_axis").Attr<int64_t>("concat_axis"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PermuteHandler, PermuteImpl,
                               STRATA_COMMON_BIND.Attr<I64s>("sources"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BroadcastHandler, BroadcastImpl,

@@ -17,8 +17,8 @@ namespace {
 enum MoeOpKind : int32_t { kMoeDispatch = 101, kMoeCombine, kMoeGather };
 
 ffi::Error invalid(const char* name, const std::string& what) {
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string("strata_jax ") + name + ": " +
-                                                          what);
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                    std::string("strata_jax ") + name + ": " + what);
 }
 
 // Joins the call like run_collective in ffi/handlers.cc; arrival publishes this rank's buffers
@@ -26,10 +26,9 @@ ffi::Error invalid(const char* name, const std::string& what) {
 // the in-process and the shared-memory fabric alike.
 template <class Body>
 ffi::Error run_moe(const char* name, ffi::RunId run, int64_t op_id, ffi::AnyBuffer pid,
-                   I64s mesh_shape, I64s axes, OpDesc desc, const BufRef* bufs, int nbufs,
-                   Body body) {
+                   const GroupAttrs& ga, OpDesc desc, const BufRef* bufs, int nbufs, Body body) {
   Placement pl;
-  std::string err = placement(pid, mesh_shape, axes, &pl);
+  std::string err = placement(pid, ga, &pl);
   if (!err.empty()) return invalid(name, err);
   desc.name = name;
   stats().moe_calls.fetch_add(1, std::memory_order_relaxed);
@@ -43,12 +42,13 @@ ffi::DataType acc_type(ffi::DataType rows) {
   return rows == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
 }
 
-// x [T, H], weights [T, K] (f64 for f64 rows, else f32) (empty unless weighted), slots [N, K] i32, counts [E_local] i32
+// x [T, H], weights [T, K] (f64 for f64 rows, else f32) (empty unless weighted), slots [N, K] i32,
+// counts [E_local] i32
 // -> out [E_local, C, H].
 ffi::Error MoeDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer weights,
                            ffi::AnyBuffer slots, ffi::AnyBuffer counts, ffi::AnyBuffer pid,
-                           ffi::Result<ffi::AnyBuffer> out, int64_t op_id, I64s mesh_shape,
-                           I64s axes, int64_t weighted) {
+                           ffi::Result<ffi::AnyBuffer> out, int64_t op_id, I64s groups,
+                           int64_t group_size, I64s device_ids, int64_t weighted) {
   const char* name = "moe.dispatch";
   const int32_t dt = static_cast<int32_t>(x.element_type());
   if (!moe::row_dtype_supported(dt))
@@ -79,8 +79,8 @@ ffi::Error MoeDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer weig
   d.aux = weighted * 1'000'000 + s.topk;
   d.in_bytes = x.size_bytes();
   d.out_bytes = out->size_bytes();
-  return run_moe(name, run, op_id, pid, mesh_shape, axes, d, bufs, moe::kDispBufs,
-                 [&](Team& t) -> std::string {
+  return run_moe(name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d, bufs,
+                 moe::kDispBufs, [&](Team& t) -> std::string {
                    s.ranks = t.size();
                    if (sd[0] != s.ranks * s.tokens)
                      return "strata_jax moe.dispatch: internal error: plan has the wrong "
@@ -91,12 +91,13 @@ ffi::Error MoeDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer weig
                  });
 }
 
-// expert_y [E_local, C, H], weights [T, K] (f64 for f64 rows, else f32), slots [N, K] i32, rows [N] i32
+// expert_y [E_local, C, H], weights [T, K] (f64 for f64 rows, else f32), slots [N, K] i32, rows [N]
+// i32
 // -> y [T, H], partials [J, H] (scratch the peers read in phase 2).
 ffi::Error MoeCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyBuffer weights,
                           ffi::AnyBuffer slots, ffi::AnyBuffer rows, ffi::AnyBuffer pid,
                           ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> partials,
-                          int64_t op_id, I64s mesh_shape, I64s axes) {
+                          int64_t op_id, I64s groups, int64_t group_size, I64s device_ids) {
   const char* name = "moe.combine";
   const int32_t dt = static_cast<int32_t>(ey.element_type());
   if (!moe::row_dtype_supported(dt))
@@ -128,25 +129,25 @@ ffi::Error MoeCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyBuffer weig
   d.aux = s.topk;
   d.in_bytes = ey.size_bytes();
   d.out_bytes = y->size_bytes();
-  return run_moe(name, run, op_id, pid, mesh_shape, axes, d, bufs, moe::kCombBufs,
-                 [&](Team& t) -> std::string {
+  return run_moe(name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d, bufs,
+                 moe::kCombBufs, [&](Team& t) -> std::string {
                    s.ranks = t.size();
                    if (sd[0] != s.ranks * s.tokens)
                      return "strata_jax moe.combine: internal error: plan does not match the "
                             "group size";
-                   return moe::combine(t, s, ey.untyped_data(),
-                                       static_cast<const int32_t*>(slots.untyped_data()),
-                                       static_cast<const int32_t*>(rows.untyped_data()),
-                                       y->untyped_data());
+                   return moe::combine(
+                       t, s, ey.untyped_data(), static_cast<const int32_t*>(slots.untyped_data()),
+                       static_cast<const int32_t*>(rows.untyped_data()), y->untyped_data());
                  });
 }
 
-// values [E_local, C] f32 or f64 (this rank's per-slot values), slots [N, K] i32 (this rank's plan),
-// topk_idx [T, K] i32 -> out [T, K] (values' dtype): each choice's slot value, read from the expert's rank.
+// values [E_local, C] f32 or f64 (this rank's per-slot values), slots [N, K] i32 (this rank's
+// plan), topk_idx [T, K] i32 -> out [T, K] (values' dtype): each choice's slot value, read from the
+// expert's rank.
 ffi::Error MoeGatherImpl(ffi::RunId run, ffi::AnyBuffer values, ffi::AnyBuffer slots,
                          ffi::AnyBuffer topk_idx, ffi::AnyBuffer pid,
-                         ffi::Result<ffi::AnyBuffer> out, int64_t op_id, I64s mesh_shape,
-                         I64s axes) {
+                         ffi::Result<ffi::AnyBuffer> out, int64_t op_id, I64s groups,
+                         int64_t group_size, I64s device_ids) {
   const char* name = "moe.combine (weights cotangent)";
   auto vd = values.dimensions(), sd = slots.dimensions(), td = topk_idx.dimensions();
   if (vd.size() != 2 || sd.size() != 2 || td.size() != 2 ||
@@ -170,15 +171,15 @@ ffi::Error MoeGatherImpl(ffi::RunId run, ffi::AnyBuffer values, ffi::AnyBuffer s
   d.dtype = s.dtype;
   d.in_bytes = values.size_bytes();
   d.out_bytes = out->size_bytes();
-  return run_moe(name, run, op_id, pid, mesh_shape, axes, d, bufs, moe::kGathBufs,
-                 [&](Team& t) -> std::string {
+  return run_moe(name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d, bufs,
+                 moe::kGathBufs, [&](Team& t) -> std::string {
                    s.ranks = t.size();
                    if (sd[0] != s.ranks * s.tokens)
                      return "strata_jax moe.combine: internal error: plan does not match the "
                             "group size";
-                   return moe::gather_values(
-                       t, s, static_cast<const int32_t*>(topk_idx.untyped_data()),
-                       out->untyped_data());
+                   return moe::gather_values(t, s,
+                                             static_cast<const int32_t*>(topk_idx.untyped_data()),
+                                             out->untyped_data());
                  });
 }
 
@@ -194,8 +195,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeDispatchHandler, MoeDispatchImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("op_id")
-                                  .Attr<I64s>("mesh_shape")
-                                  .Attr<I64s>("axes")
+                                  .Attr<I64s>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<I64s>("device_ids")
                                   .Attr<int64_t>("weighted"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeCombineHandler, MoeCombineImpl,
                               ffi::Ffi::Bind()
@@ -208,8 +210,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeCombineHandler, MoeCombineImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("op_id")
-                                  .Attr<I64s>("mesh_shape")
-                                  .Attr<I64s>("axes"));
+                                  .Attr<I64s>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<I64s>("device_ids"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGatherHandler, MoeGatherImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::RunId>()
@@ -219,7 +222,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGatherHandler, MoeGatherImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("op_id")
-                                  .Attr<I64s>("mesh_shape")
-                                  .Attr<I64s>("axes"));
+                                  .Attr<I64s>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<I64s>("device_ids"));
 
 }  // namespace strata

@@ -131,7 +131,7 @@ def _canon_axis(axis: int, ndim: int, what: str) -> int:
     return axis % ndim
 
 
-def _mesh_placement(ctx, axes: tuple, api: str):
+def _spmd_mesh(ctx, api: str):
     axis_ctx = ctx.module_context.axis_context
     if not isinstance(axis_ctx, SPMDAxisContext):
         raise NotImplementedError(
@@ -147,27 +147,100 @@ def _mesh_placement(ctx, axes: tuple, api: str):
             f"(manual: {sorted(map(str, manual))}, mesh: {names}); drop axis_names= or use "
             "jax.lax for partially automatic meshes."
         )
+    return mesh
+
+
+def _mesh_placement(ctx, axes: tuple, api: str):
+    """(mesh shape, indices of ``axes`` in it) as int64 arrays, after checking the context."""
+    mesh = _spmd_mesh(ctx, api)
+    names = tuple(mesh.axis_names)
     sizes = tuple(int(s) for s in mesh.axis_sizes)
     idx = tuple(names.index(a) for a in axes)
     return np.asarray(sizes, np.int64), np.asarray(idx, np.int64)
 
 
-def _ffi_call_lowering(target: str, api: str):
-    """Lowering: custom call with operands (x, partition_id), row-major layouts pinned."""
+def mesh_groups(ctx, axes: tuple, api: str) -> np.ndarray:
+    """The groups of a collective over mesh axes ``axes``, as jax.lax forms them.
+
+    Returns an int64 array [num_groups, group_size] of partition indices (row-major positions
+    in the mesh): row g lists the members of group g, in rank order (``axes`` in the given
+    order, the first one major). Groups are ordered by the remaining axes' coordinates.
+    """
+    mesh_shape, idx = _mesh_placement(ctx, axes, api)
+    nd = len(mesh_shape)
+    rest = [d for d in range(nd) if d not in set(idx.tolist())]
+    parts = np.arange(int(np.prod(mesh_shape)), dtype=np.int64).reshape(tuple(mesh_shape))
+    order = rest + [int(a) for a in idx]
+    return parts.transpose(order).reshape(-1, int(np.prod(mesh_shape[idx])) if len(idx) else 1)
+
+
+def _partition_device_ids(ctx, num_partitions: int) -> np.ndarray:
+    """Global device id of every partition (the program's device assignment, in partition
+    order): the members of a communicator as every process names them."""
+    try:
+        ids = np.asarray([d.id for d in _spmd_mesh(ctx, "collective").devices.flat], np.int64)
+    except Exception:  # an abstract mesh has no devices: partitions name themselves
+        ids = np.arange(num_partitions, dtype=np.int64)
+    if ids.size != num_partitions:
+        ids = np.arange(num_partitions, dtype=np.int64)
+    return ids
+
+
+def lower_strata_call(ctx, target: str, api: str, operands: Sequence, groups, **attrs):
+    """Lowers one strata FFI call over explicit groups: the one place that builds the call.
+
+    Args:
+      ctx: the lowering context of the primitive (its ``avals_in`` describe ``operands``).
+      target: the registered FFI target, e.g. ``"strata_all_reduce"``.
+      api: the user-facing name for error messages, e.g. ``"psum"``.
+      operands: the primitive's MLIR operands (the partition id is appended here).
+      groups: int array [num_groups, group_size] of partition indices (row-major positions in
+        the shard_map mesh); every partition in exactly one row; rank = position in the row.
+        ``mesh_groups(ctx, axes, api)`` gives jax.lax's groups for mesh axes; any other
+        partition of the devices (e.g. only the ranks of one fabric along an axis) works too.
+      **attrs: the handler's own attributes (reduce, root, sources, ...).
+
+    The call gets the attributes ``op_id`` (``next_op_id``), ``groups`` (flattened),
+    ``group_size`` and ``device_ids`` (global device id per partition): in one process calls
+    meet by (run id, op id, occurrence, group); across processes by the communicator (the
+    members' global device ids) and a per-communicator sequence number (native/fabric/shm.h).
+    """
+    runtime.native()
+    mesh = _spmd_mesh(ctx, api)
+    num_partitions = int(np.prod([int(s) for s in mesh.axis_sizes]))
+    g = np.asarray(groups, np.int64)
+    if g.ndim != 2 or g.shape[1] < 1:
+        raise ValueError(
+            f"strata_jax.{api}: groups must be [num_groups, group_size], got {g.shape}"
+        )
+    if sorted(g.ravel().tolist()) != list(range(num_partitions)):
+        raise ValueError(
+            f"strata_jax.{api}: groups must list every one of the {num_partitions} partitions "
+            f"exactly once, got {g.tolist()}"
+        )
     rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
+    sub = ctx.replace(avals_in=[*ctx.avals_in, core.ShapedArray((), np.uint32)])
+    return rule(
+        sub,
+        *operands,
+        hlo.partition_id(),
+        op_id=next_op_id(ctx),
+        groups=g.ravel(),
+        group_size=np.int64(g.shape[1]),
+        device_ids=_partition_device_ids(ctx, num_partitions),
+        **attrs,
+    )
+
+
+def _ffi_call_lowering(target: str, api: str):
+    """Lowering over mesh axes: operands (x, partition_id), groups as jax.lax forms them."""
 
     def lower(ctx, x, *, axes, **attrs):
-        runtime.native()
-        mesh_shape, axes_idx = _mesh_placement(ctx, axes, api)
         # A group that spans fabric domains: strata inside each, XLA's collectives between.
         split = hierarchy.lower_across_fabrics(ctx, x, target, axes, attrs)
         if split is not None:
             return split
-        pid = hlo.partition_id()
-        sub = ctx.replace(avals_in=[*ctx.avals_in, core.ShapedArray((), np.uint32)])
-        return rule(
-            sub, x, pid, op_id=next_op_id(ctx), mesh_shape=mesh_shape, axes=axes_idx, **attrs
-        )
+        return lower_strata_call(ctx, target, api, [x], mesh_groups(ctx, axes, api), **attrs)
 
     return lower
 

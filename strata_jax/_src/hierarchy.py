@@ -240,29 +240,6 @@ def _xla_lowering(ctx, x, *, kind, groups, reduce, pairs):
     raise AssertionError(kind)
 
 
-def _virtual_mesh(groups) -> tuple[np.ndarray, np.ndarray] | None:
-    """A (mesh_shape, axes) whose groups, as strata's native placement computes them from the
-    partition id, are exactly ``groups`` (same members, same rank order), or None.
-
-    Tries meshes (A, L, B) reduced over the middle axis: contiguous fabrics (B = 1) and fabrics
-    strided through the device order (interleaved meshes) both have one.
-    """
-    g = np.asarray(groups, np.int64)
-    L = g.shape[1]
-    total = g.size
-    want = {tuple(r) for r in g.tolist()}
-    if total != len(set(g.ravel().tolist())) or set(g.ravel().tolist()) != set(range(total)):
-        return None
-    for b in range(1, total // L + 1):
-        if (total // L) % b:
-            continue
-        a = total // L // b
-        cand = np.arange(total).reshape(a, L, b).transpose(0, 2, 1).reshape(-1, L)
-        if {tuple(r) for r in cand.tolist()} == want:
-            return np.asarray([a, L, b], np.int64), np.asarray([1], np.int64)
-    return None
-
-
 _STRATA_TARGETS = {
     "reduce_scatter": "strata_reduce_scatter",
     "all_gather": "strata_all_gather",
@@ -273,14 +250,11 @@ _REDUCE_CODES = {"sum": 0, "max": 1, "min": 2}
 
 
 def _strata_lowering(ctx, x, *, kind, groups, reduce, pairs):
-    """One strata call over explicit intra-fabric groups; XLA's collective over the same
-    groups where strata cannot address them."""
-    vm = _virtual_mesh(groups) if kind in _STRATA_TARGETS else None
-    if vm is None:
+    """One strata call over explicit intra-fabric groups (``lower_strata_call``)."""
+    if kind not in _STRATA_TARGETS:
         return _xla_lowering(ctx, x, kind=kind, groups=groups, reduce=reduce, pairs=pairs)
-    from strata_jax._src.collectives import next_op_id
+    from strata_jax._src.collectives import lower_strata_call
 
-    mesh_shape, axes = vm
     attrs: dict = {}
     if kind == "reduce_scatter":
         attrs["reduce"] = np.int32(_REDUCE_CODES[reduce])
@@ -294,17 +268,8 @@ def _strata_lowering(ctx, x, *, kind, groups, reduce, pairs):
             if s in first:
                 sources[first[d]] = first[s]
         attrs["sources"] = sources
-    rule = jax.ffi.ffi_lowering(_STRATA_TARGETS[kind], has_side_effect=True)
-    sub = ctx.replace(avals_in=[*ctx.avals_in, core.ShapedArray((), np.uint32)])
-    (out,) = rule(
-        sub,
-        x,
-        hlo.partition_id(),
-        op_id=next_op_id(ctx),
-        mesh_shape=mesh_shape,
-        axes=axes,
-        **attrs,
-    )
+    target = _STRATA_TARGETS[kind]
+    (out,) = lower_strata_call(ctx, target, kind, [x], np.asarray(groups, np.int64), **attrs)
     return out
 
 

@@ -39,19 +39,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import core
 from jax._src.interpreters import mlir
-from jax._src.lib.mlir.dialects import hlo
 
-from strata_jax._src import hierarchy, runtime
+from strata_jax._src import hierarchy
 from strata_jax._src.collectives import (
     _axes,
     _axis_size,
     _check_axis_names,
     _effects,
-    _mesh_placement,
     _pvary_missing,
     _vma_on,
     all_gather,
-    next_op_id,
+    lower_strata_call,
+    mesh_groups,
 )
 
 AxisName = Any
@@ -120,22 +119,9 @@ def _out_aval(like, shape, dtype, operands, axes):
 
 
 def _lower(target: str, api: str):
-    rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
-
     def lower(ctx, *args, axes, **attrs):
-        runtime.native()
-        mesh_shape, axes_idx = _mesh_placement(ctx, axes, api)
         hierarchy.refuse_across_fabrics(ctx, axes, f"strata_jax.moe.{api}")
-        sub = ctx.replace(avals_in=[*ctx.avals_in, core.ShapedArray((), np.uint32)])
-        return rule(
-            sub,
-            *args,
-            hlo.partition_id(),
-            op_id=next_op_id(ctx),
-            mesh_shape=mesh_shape,
-            axes=axes_idx,
-            **attrs,
-        )
+        return lower_strata_call(ctx, target, api, args, mesh_groups(ctx, axes, api), **attrs)
 
     return lower
 
