@@ -52,7 +52,7 @@ def _both(mesh, body_sj, body_lax, x, out=None):
     return np.asarray(run(body_sj)), np.asarray(run(body_lax))
 
 
-@pytest.mark.parametrize("order", [[0, 1, 2, 3], [0, 2, 1, 3], [3, 1, 0, 2]])
+@pytest.mark.parametrize("order", [[0, 1, 2, 3], [3, 1, 0, 2]])
 def test_hierarchical_in_process(two_fake_fabrics, rng, order):
     devs = sorted(jax.devices(), key=lambda d: d.id)[:4]
     mesh = Mesh(np.array([devs[i] for i in order]), ("x",))

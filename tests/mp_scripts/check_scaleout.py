@@ -118,12 +118,12 @@ def compare(mesh: Mesh, axes, dtype) -> None:
 flat = Mesh(np.array(devs), ("x",))
 inter = Mesh(np.array(devs[0::2] + devs[1::2]), ("x",))  # fabrics alternate along the axis
 grid = Mesh(np.array(devs).reshape(H, N // H), ("host", "local"))
+# Each dtype class crosses fabrics at least once; few programs keep the run short.
 cases = [
-    (flat, "x", (np.float32, np.int32, jnp.bfloat16)),
-    (inter, "x", (np.float32,)),
-    (grid, "host", (np.float32, np.int32)),
-    (grid, "local", (np.float32,)),
-    (grid, ("host", "local"), (np.float32,)),
+    (flat, "x", (np.float32, jnp.bfloat16)),
+    (inter, "x", (np.int32,)),
+    (grid, "host", (np.float32,)),
+    (grid, "local", (np.int32,)),
     (grid, ("local", "host"), (np.float32,)),
 ]
 before = sj.comm_stats()
