@@ -183,6 +183,23 @@ def test_two_hosts_shared_mounts():
     _check_scaleout(2, private=False)
 
 
+def test_moe_across_two_hosts():
+    """dispatch/combine over an expert axis spanning 2 fabrics (E=8/12/4, K=3/2/2, with
+    capacity drops) and their gradients against the numpy reference (check_moe.py)."""
+    r = _launch(["-n", "4", "--hosts", "2"], "check_moe.py")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert r.stdout.count("OK moe 15 checks") == 4, out[-3000:]
+
+
+@pytest.mark.slow
+def test_moe_across_two_hosts_two_devices_each():
+    r = _launch(["-n", "2", "--hosts", "2", "--devices-per-proc", "2"], "check_moe.py")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert r.stdout.count("OK moe 30 checks") == 2, out[-3000:]
+
+
 def test_rank_of_other_fabric_killed():
     tmp = Path(tempfile.mkdtemp(prefix="strata-t-", dir="/tmp"))  # short: socket paths
     try:

@@ -408,6 +408,93 @@ def _broadcast(x, p: Plan, root: int):
     return v[ls]
 
 
+# --------------------------------------------------------------------------------------
+# MoE dispatch/combine across fabrics
+# --------------------------------------------------------------------------------------
+
+
+def _acc(dtype):
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
+def _moe_dispatch(x, w, slots, p: Plan, out_shape, weighted: bool):
+    """recv [E_local, C, H] on this rank from every rank's x, by this rank's slot plan.
+
+    Every rank's token rows arrive through the hierarchical all_gather: across fabrics first
+    (each row crosses to each other fabric once), then inside the fabric through strata. The
+    rows are then scattered into their slots locally (a repeated expert shares one slot).
+    """
+    el, c, h = out_shape
+    n, k = slots.shape
+    xa = _all_gather(x, p)  # [N, H], global token order
+    flat = slots.reshape(-1)
+    tgt = jnp.where(flat >= 0, flat, el * c)
+    rows = jnp.repeat(xa, k, axis=0)  # [(g, k), H]
+    if weighted:
+        wa = _all_gather(w, p)  # [N, K]
+        same = (slots[:, :, None] == slots[:, None, :]) & (slots[:, None, :] >= 0)
+        wsum = (wa[:, None, :] * same).sum(-1)  # weights of the choices naming the slot
+        rows = (rows.astype(wa.dtype) * wsum.reshape(-1)[:, None]).astype(x.dtype)
+    recv = jnp.zeros((el * c, h), x.dtype).at[tgt].set(rows, mode="drop")
+    return recv.reshape(el, c, h)
+
+
+def _moe_partials(ey, w, slots, p: Plan):
+    """[N, H] (accumulator dtype): each global token's weighted rows of this rank's experts."""
+    el, c, h = ey.shape
+    n, k = slots.shape
+    wa = _all_gather(w, p).astype(_acc(ey.dtype))  # [N, K]
+    flat = slots.reshape(-1)
+    valid = flat >= 0
+    rows = ey.reshape(el * c, h)[jnp.where(valid, flat, 0)].astype(wa.dtype)
+    rows = jnp.where(valid[:, None], rows * wa.reshape(-1)[:, None], 0)
+    return rows.reshape(n, k, h).sum(1)
+
+
+def lower_moe_across_fabrics(ctx, target: str, args, axes: tuple, attrs: dict):
+    """The hook of the MoE primitives' lowering: when the expert axis spans fabrics, dispatch,
+    combine and the weight-gradient gather are lowered as hierarchical collectives (the same
+    semantics, layout, drop rule and gradients; the plan is computed in JAX as before):
+
+    - dispatch: all_gather of the token rows (across fabrics once per destination fabric, then
+      strata inside), each rank keeps the rows of its slots;
+    - combine: each rank forms one partial row per global token from its experts (weighted,
+      in the accumulator dtype), then a hierarchical psum_scatter: partial sums inside each
+      fabric (strata) before the 1/L shard crosses back;
+    - gather (d weights): the same psum_scatter on the per-choice scalars.
+
+    Returns None when the axis lies inside one fabric.
+    """
+    p = plan(ctx, axes)
+    if p is None:
+        return None
+    if target == "strata_moe_dispatch":
+        shape = ctx.avals_out[0].shape
+        weighted = bool(int(attrs["weighted"]))
+
+        def fn(x, w, slots, counts):
+            return _moe_dispatch(x, w, slots, p, shape, weighted)
+
+        return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
+    if target == "strata_moe_combine":
+        part_aval = ctx.avals_out[1]
+
+        def fn(ey, w, slots, rows):
+            y = _reduce_scatter(_moe_partials(ey, w, slots, p), p, "sum").astype(ey.dtype)
+            return [y, jnp.zeros(part_aval.shape, part_aval.dtype)]
+
+        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+    if target == "strata_moe_gather":
+
+        def fn(values, slots, idx):
+            flat = values.reshape(-1)
+            v = jnp.where(slots >= 0, flat[jnp.where(slots >= 0, slots, 0)], 0)
+            return _reduce_scatter(v.astype(values.dtype), p, "sum")
+
+        return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
+    raise NotImplementedError(f"strata_jax: {target} across fabric domains is not supported")
+
+
 def refuse_across_fabrics(ctx, axes: tuple, api: str) -> None:
     """Raises NotImplementedError at lowering when a group over ``axes`` spans fabrics (for
     operators without a hierarchical form yet, instead of waiting for peers that cannot

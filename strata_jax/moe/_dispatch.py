@@ -120,7 +120,10 @@ def _out_aval(like, shape, dtype, operands, axes):
 
 def _lower(target: str, api: str):
     def lower(ctx, *args, axes, **attrs):
-        hierarchy.refuse_across_fabrics(ctx, axes, f"strata_jax.moe.{api}")
+        # An expert axis that spans fabric domains: hierarchical collectives (hierarchy.py).
+        split = hierarchy.lower_moe_across_fabrics(ctx, target, args, axes, attrs)
+        if split is not None:
+            return split
         return lower_strata_call(ctx, target, api, args, mesh_groups(ctx, axes, api), **attrs)
 
     return lower
