@@ -8,6 +8,8 @@ The public functions have the names, signatures and semantics of ``jax.lax``: re
 The native handlers read and write the participants' own XLA buffers (zero-copy). Where a
 rank sits in a collective is computed at run time from its partition id, an operand emitted
 by the program itself, and the mesh shape, so groups over any subset of a multi-axis mesh work.
+A group whose devices span several fabric domains (hosts) is lowered hierarchically instead:
+strata inside each fabric, XLA's own collectives between (``hierarchy.py``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
 """Multi-process start-up: ``jax.distributed`` and the shared-memory fabric.
 
-``init()`` is the first call of a script that runs as several processes on one host (under
+``init()`` is the first call of a script that runs as several processes (under
 ``python -m strata_jax.launch``, mpirun, srun, or after ``jax.distributed.initialize`` by hand).
-It connects strata's native shared-memory fabric: a full mesh of unix sockets (bootstrapped
+It finds the fabric domains (the processes of one host; see ``topology.py``) and connects
+strata's native shared-memory fabric inside each: a full mesh of unix sockets (bootstrapped
 through the ``jax.distributed`` key-value store) that carries memfd file descriptors, and a
-control segment in shared memory that holds the collectives' rendezvous. From then on every
-strata collective whose group spans processes reads and writes the peers' own XLA buffers.
+control segment in shared memory, made by the first process of the fabric, that holds the
+collectives' rendezvous. From then on every strata collective whose group lies inside a fabric
+reads and writes the peers' own XLA buffers; a group that spans fabrics is lowered
+hierarchically (``hierarchy.py``: strata inside, XLA's own collectives between).
 """
 
 from __future__ import annotations
@@ -89,9 +92,15 @@ def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
         preloaded) are staged in every mode.
       timeout_s: seconds to wait for the other processes during start-up.
 
+    Fabric domains: each process's fabric id (``$STRATA_FABRIC_ID``, else hostname + boot id)
+    is exchanged through the ``jax.distributed`` key-value store; shared memory is connected
+    only among processes with the same id (nothing of one fabric -- socket path, file,
+    segment -- is looked up from another), and a process alone in its fabric connects nothing.
+
     Returns:
-      dict with ``process_id``, ``num_processes``, ``registration`` and ``fabric`` (``"shm"``
-      or ``"inproc"``).
+      dict with ``process_id``, ``num_processes``, ``registration``, ``fabric`` (``"shm"``
+      when this process shares memory with others, else ``"inproc"``), ``fabric_index``,
+      ``num_fabrics`` and ``fabric_processes`` (the processes of this fabric).
 
     Raises:
       ValueError: unknown registration mode, or a malformed launcher environment.
