@@ -83,6 +83,14 @@ def test_hierarchical_in_process(two_fake_fabrics, rng, order):
             jax.grad(lambda v: (sj.psum(v, "x") ** 2).sum()),
             jax.grad(lambda v: (jax.lax.psum(v, "x") ** 2).sum()),
         ),
+        "grad_all_gather": (
+            jax.grad(lambda v: (sj.all_gather(v, "x", tiled=True) ** 3).sum()),
+            jax.grad(lambda v: (jax.lax.all_gather(v, "x", tiled=True) ** 3).sum()),
+        ),
+        "vmap_psum": (
+            jax.vmap(lambda v: sj.psum(v, "x"), in_axes=1, out_axes=1),
+            jax.vmap(lambda v: jax.lax.psum(v, "x"), in_axes=1, out_axes=1),
+        ),
     }
     before = sj.comm_stats()["inter_fabric_bytes"]
     for name, (a, b) in cases.items():
