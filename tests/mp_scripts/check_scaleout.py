@@ -135,9 +135,10 @@ after = sj.comm_stats()
 # ---- nothing crosses a fabric through shared memory ----
 client = _distributed_client()
 client.key_value_set(f"scaleout/os_pid/{pid}", str(os.getpid()))
-os_pids = [int(client.blocking_key_value_get(f"scaleout/os_pid/{j}", 60000)) for j in range(
-    jax.process_count()
-)]
+os_pids = [
+    int(client.blocking_key_value_get(f"scaleout/os_pid/{j}", 60000))
+    for j in range(jax.process_count())
+]
 mine = topo["fabrics"][topo["fabric"]]
 ms = sj.memory_stats()
 if ms["fabric_id"] != mine["id"]:
