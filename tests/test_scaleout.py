@@ -164,13 +164,14 @@ def _private_mounts_reason() -> str | None:
     return None if r.returncode == 0 else f"unshare --mount not permitted: {r.stderr!r}"
 
 
-def _check_scaleout(hosts: int, private: bool) -> None:
-    args = ["-n", "4", "--hosts", str(hosts)] + (["--private-mounts"] if private else [])
+def _check_scaleout(hosts: int, private: bool, nproc: int = 4, devices: int = 1) -> None:
+    args = ["-n", str(nproc), "--hosts", str(hosts), "--devices-per-proc", str(devices)]
+    args += ["--private-mounts"] if private else []
     r = _launch(args, "check_scaleout.py", *(["--private"] if private else []))
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
-    assert f"4 processes as {hosts} simulated host(s)" in r.stderr, r.stderr[-2000:]
-    assert r.stdout.count("OK scaleout") == 4, out[-3000:]
+    assert f"{nproc} processes as {hosts} simulated host(s)" in r.stderr, r.stderr[-2000:]
+    assert r.stdout.count("OK scaleout") == nproc, out[-3000:]
 
 
 def test_two_hosts_every_collective():
@@ -191,6 +192,15 @@ def test_two_hosts_shared_mounts():
     _check_scaleout(2, private=False)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_two_hosts_two_devices_per_process(nproc):
+    """Fabrics of one process with 2 devices (in-process fabric inside) and of two processes
+    with 2 devices each (shared memory and in-process peers inside one fabric)."""
+    _check_scaleout(2, private=False, nproc=nproc, devices=2)
+
+
+@pytest.mark.slow
 def test_moe_across_two_hosts():
     """dispatch/combine over an expert axis spanning 2 fabrics (E=8/12/4, K=3/2/2, with
     capacity drops) and their gradients against the numpy reference (check_moe.py)."""

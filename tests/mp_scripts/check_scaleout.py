@@ -45,7 +45,7 @@ def fail(msg: str) -> None:
 
 
 def ops(lib, axes, n: int, floating: bool):
-    """Every operator of ``lib`` (strata_jax or jax.lax) over ``axes``; per-device v: [4, 6]."""
+    """Every operator of ``lib`` (strata_jax or jax.lax) over ``axes``; per-device v: [N, 6]."""
     ring = [(i, (i + 1) % n) for i in range(n)]
     some = [(n - 1, 0), (0, n // 2)] if n > 2 else [(0, n - 1)]
 
@@ -86,7 +86,7 @@ def compare(mesh: Mesh, axes, dtype) -> None:
     names = tuple(mesh.axis_names)
     n = int(np.prod([mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,))]))
     rng = np.random.default_rng(1234)
-    shape = (mesh.size * 4, 6)
+    shape = (mesh.size * mesh.size, 6)  # N rows per device: divisible by any group size
     if jnp.issubdtype(dtype, jnp.floating):
         x = rng.standard_normal(shape).astype(np.float32).astype(dtype)
     else:
