@@ -24,6 +24,7 @@ from strata_jax._src.collectives import (  # noqa: E402
 )
 from strata_jax._src.fabric import init, memory_stats  # noqa: E402
 from strata_jax._src.runtime import (  # noqa: E402
+    COLLECTIVE_ERRORS,
     comm_stats,
     get_timeout,
     get_two_shot_threshold,
@@ -49,6 +50,7 @@ __all__ = [
     "set_two_shot_threshold",
     "get_two_shot_threshold",
     "comm_stats",
+    "COLLECTIVE_ERRORS",
     "init",
     "memory_stats",
     "topology",

@@ -2,9 +2,12 @@
 
 Each rank runs ``sys.executable script.py args`` with the environment below, in its own process
 group, with every line it prints prefixed by ``[rank i] ``. If one rank fails (non-zero exit or
-killed by a signal) the others are stopped (SIGTERM, then SIGKILL after a grace period) and the
-launcher exits non-zero naming the failed rank. SIGINT/SIGTERM sent to the launcher are forwarded
-to the ranks; ``--timeout`` stops everything after a number of seconds.
+killed by a signal) the others are stopped (SIGTERM, then SIGKILL after ``--fail-grace``, 1 s)
+and the launcher exits non-zero naming the failed rank. The failure grace is short because the
+job is lost anyway and a JAX rank ignores SIGTERM: jax.distributed's preemption notifier catches
+it (measured: a rank looping psum lived on until the SIGKILL, 5.0-5.3 s with a 5 s grace).
+SIGINT/SIGTERM sent to the launcher are forwarded to the ranks, SIGKILL following after
+``--grace`` (5 s); ``--timeout`` stops everything after a number of seconds.
 
 Environment of each rank (read back with :func:`distributed_env`, which ``strata_jax.init()`` uses):
 
@@ -209,9 +212,10 @@ class _Rank:
 class _Launch:
     """One run of N ranks: start, watch, stop, clean up."""
 
-    def __init__(self, grace: float, err: BinaryIO) -> None:
+    def __init__(self, grace: float, err: BinaryIO, fail_grace: float = 1.0) -> None:
         self.ranks: list[_Rank] = []
         self.grace = grace
+        self.fail_grace = fail_grace
         self.err = err
         self.lock = threading.Lock()
         self.signalled: int | None = None  # a signal the launcher received and forwarded
@@ -252,10 +256,10 @@ class _Launch:
             if r.proc.poll() is None or sig == signal.SIGKILL:
                 r.signal_group(sig)
 
-    def stop_all(self) -> None:
-        """SIGTERM to every live rank, SIGKILL to those still alive after the grace period."""
+    def stop_all(self, grace: float) -> None:
+        """SIGTERM to every live rank, SIGKILL to those still alive after ``grace`` seconds."""
         self.kill_all(signal.SIGTERM)
-        deadline = time.monotonic() + self.grace
+        deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(r.proc.poll() is None for r in self.ranks):
             time.sleep(_POLL_S)
         self.kill_all(signal.SIGKILL)
@@ -279,13 +283,13 @@ class _Launch:
             elif failed:
                 rank, code = failed[0]
                 self.message(f"rank {rank.index} {_describe(code)}; stopping the other ranks")
-                self.stop_all()
+                self.stop_all(min(self.grace, self.fail_grace))
                 return code if code > 0 else 128 - code
             elif all(c == 0 for c in codes):
                 return 0
             elif timeout is not None and time.monotonic() - started > timeout:
                 self.message(f"timed out after {timeout:g} s; stopping all ranks")
-                self.stop_all()
+                self.stop_all(self.grace)
                 return 124
             time.sleep(_POLL_S)
 
@@ -309,6 +313,7 @@ def launch(
     preload: bool = True,
     timeout: float | None = None,
     grace: float = 5.0,
+    fail_grace: float = 1.0,
     env: Mapping[str, str] | None = None,
     stdout: BinaryIO | None = None,
     stderr: BinaryIO | None = None,
@@ -323,7 +328,9 @@ def launch(
       devices_per_proc: CPU devices each process should create (``STRATA_LOCAL_DEVICES``).
       preload: put ``libstrata_alloc.so`` in ``LD_PRELOAD`` (a warning is printed if not found).
       timeout: seconds after which every rank is stopped (exit code 124); None for no limit.
-      grace: seconds between SIGTERM and SIGKILL when stopping ranks.
+      grace: seconds between SIGTERM and SIGKILL when stopping ranks on a signal or timeout.
+      fail_grace: the same after a rank failed (at most ``grace``): short, since the job is
+        lost and JAX ranks ignore SIGTERM (jax.distributed's preemption notifier catches it).
       env: base environment (default ``os.environ``).
       stdout, stderr: binary streams for the prefixed output (default: the launcher's own).
       hosts: simulate this many hosts (must divide ``nproc``): rank r belongs to host
@@ -345,7 +352,7 @@ def launch(
         raise ValueError(f"hosts must be >= 1 and divide nproc={nproc}, got {hosts}")
     out = stdout if stdout is not None else sys.stdout.buffer
     err = stderr if stderr is not None else sys.stderr.buffer
-    run = _Launch(grace, err)
+    run = _Launch(grace, err, fail_grace)
 
     lib = None
     if preload:
@@ -487,6 +494,12 @@ def _parser() -> argparse.ArgumentParser:
         "--grace", type=float, default=5.0, help="seconds from SIGTERM to SIGKILL (default 5)"
     )
     p.add_argument(
+        "--fail-grace",
+        type=float,
+        default=1.0,
+        help="seconds from SIGTERM to SIGKILL after a rank failed (default 1; at most --grace)",
+    )
+    p.add_argument(
         "-m", dest="module", action="store_true", help="run the target as a module (python -m)"
     )
     p.add_argument("script", help="the Python script (or module, with -m) every rank runs")
@@ -514,6 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         grace=ns.grace,
         hosts=ns.hosts,
         private_mounts=ns.private_mounts,
+        fail_grace=ns.fail_grace,
     )
 
 

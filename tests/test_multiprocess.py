@@ -32,6 +32,8 @@ def _launch(
     mode: str = "on_alloc",
     tmpdir: Path | None = None,
     timeout: float = 150,
+    strata_timeout: float | None = None,
+    grace: float | None = 1,
 ) -> subprocess.CompletedProcess:
     env = {
         k: v
@@ -39,6 +41,8 @@ def _launch(
         if not k.startswith(("STRATA_", "XLA_FLAGS", "JAX_", "LD_PRELOAD"))
     }
     env["STRATA_REGISTRATION"] = mode
+    if strata_timeout is not None:
+        env["STRATA_TIMEOUT_S"] = str(strata_timeout)
     # The ranks import the same strata_jax as this test process: the installed package (with
     # its native extension), or the source tree when it was built in place.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [PKG_PARENT, env.get("PYTHONPATH")]))
@@ -50,8 +54,7 @@ def _launch(
         "strata_jax.launch",
         "-n",
         str(nproc),
-        "--grace",
-        "1",
+        *(["--grace", str(grace)] if grace is not None else []),
         "--devices-per-proc",
         str(devices),
         str(SCRIPTS / script),
@@ -154,3 +157,161 @@ def test_uncaught_exception_on_one_rank_stops_everyone_quickly():
     assert "boom on rank 1" in out, out[-3000:]
     assert "rank 1 exited with code 1" in out, out[-3000:]
     assert time.time() - t < 60, f"took {time.time() - t:.0f} s"
+
+
+# --------------------------------------------------------------------------------------
+# How calls meet, and how a failed job ends (issue 8: edge cases 17-20)
+# --------------------------------------------------------------------------------------
+
+
+def test_calls_meet_by_communicator_not_call_site():
+    """2 processes x 2 devices (local and remote peers in one group). Case 17: the same
+    function called from two source lines returns the sum on every rank. Case 18: ranks
+    disagree on the size: all raise within a second naming psum and both sizes (20 s timeout).
+    Independent collectives inside one program (XLA runs them at once on a device) and
+    dispatch-ahead of several programs: right values, never two executions in flight on one
+    device. The exception types a failed collective raises (strata_jax.COLLECTIVE_ERRORS)."""
+    _require_allocator()
+    r = _launch(2, "call_matching.py", devices=2, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert out.count("OK case 17 two call sites [4.0, 4.0, 4.0, 4.0]") == 2, out[-3000:]
+    assert out.count("OK case 18 mismatch raised") == 2, out[-3000:]
+    assert out.count("OK errors") == 1, out[-3000:]
+    assert out.count("OK all") == 2, out[-3000:]
+
+
+def _shm() -> set:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def test_sigkilled_rank_ends_the_job_fast_and_a_rerun_passes(tmp_path):
+    """Case 19: launch -n 4 looping psum, rank 2 SIGKILLs itself: every other rank is gone
+    within ~2 s of the kill (was 5.0-5.3 s: JAX catches SIGTERM), the launcher exits non-zero,
+    /dev/shm is unchanged and an immediate rerun passes."""
+    import time
+
+    _require_allocator()
+    shm_before = _shm()
+    # The launcher's default grace (5 s): the kill must not wait for it.
+    r = _launch(4, "failure_modes.py", "kill", str(tmp_path), timeout=120, grace=None)
+    ended = time.time()
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    assert "rank 2 was killed by SIGKILL" in out, out[-3000:]
+    gone_after = ended - float((tmp_path / "killed").read_text())
+    print(f"case 19: launcher done {gone_after:.2f} s after the kill")
+    assert gone_after < 4.0, f"survivors lived {gone_after:.2f} s after the kill"  # 2 s unloaded
+    for pid_file in tmp_path.glob("pid-*"):
+        assert not Path(f"/proc/{pid_file.read_text()}").exists(), f"{pid_file.name} alive"
+    assert _shm() <= shm_before, f"left in /dev/shm: {_shm() - shm_before}"
+    rerun = tmp_path / "rerun"
+    rerun.mkdir()
+    r = _launch(4, "failure_modes.py", "none", str(rerun), timeout=120)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert r.stdout.count("OK done") == 4
+
+
+def test_rank_exiting_after_a_collective_error_ends_the_job_fast(tmp_path):
+    """Case 20: rank 0 catches a collective timeout (STRATA_TIMEOUT_S=2 here, 5 in the case)
+    and calls sys.exit(1) while rank 1 sleeps 120 s: the job ends within a few seconds of the
+    error (was 122 s: jax.distributed's shutdown waited for the sleeping peer)."""
+    import time
+
+    _require_allocator()
+    r = _launch(
+        2, "failure_modes.py", "exit", str(tmp_path), timeout=150, strata_timeout=2, grace=None
+    )
+    ended = time.time()
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out[-3000:]
+    assert "rank 0 exited with code 1" in out and "timed out" in out, out[-3000:]
+    after = ended - float((tmp_path / "caught").read_text())
+    print(f"case 20: launcher done {after:.2f} s after the error was caught")
+    assert after < 6.0, f"the job lived {after:.2f} s after the error"
+
+
+def _start_by_hand(script: str, nproc: int, *args: str, strata_timeout: float = 60):
+    """Starts nproc ranks without the strata launcher, as mpirun/srun would: each calls
+    jax.distributed.initialize itself (coordinator address and rank on its command line)."""
+    from strata_jax import launch
+
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("STRATA_", "XLA_FLAGS", "JAX_", "LD_PRELOAD"))
+    }
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PKG_PARENT, env.get("PYTHONPATH")]))
+    env["STRATA_TIMEOUT_S"] = str(strata_timeout)
+    lib = launch.alloc_library_path()
+    if lib:
+        env["LD_PRELOAD"] = lib
+    coord = f"127.0.0.1:{launch.free_port()}"
+    return [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPTS / script), *args, coord, str(nproc), str(i)],
+            env=env,
+            cwd=PKG_PARENT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(nproc)
+    ]
+
+
+def _reap(procs) -> list[str]:
+    outs = []
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        outs.append(p.communicate(timeout=30)[0])
+    return outs
+
+
+def test_without_launcher_a_killed_rank_does_not_hang_the_others(tmp_path):
+    """Case 2(c), mpirun/srun style (plain jax.distributed.initialize, no strata launcher):
+    rank 2 is SIGKILLed; the surviving ranks (60 s collective timeout) fail their next
+    collective at once, naming the dead rank, and exit non-zero by themselves."""
+    import time
+
+    procs = _start_by_hand("failure_modes.py", 3, "kill", str(tmp_path))
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and any(
+            p.poll() is None for i, p in enumerate(procs) if i != 2
+        ):
+            time.sleep(0.05)
+        ended = time.time()
+    finally:
+        outs = _reap(procs)
+    text = "\n".join(outs)
+    killed = tmp_path / "killed"
+    assert killed.exists(), text[-3000:]
+    after = ended - float(killed.read_text())
+    print(f"without launcher: survivors exited {after:.2f} s after the kill")
+    assert [procs[0].returncode, procs[1].returncode] == [1, 1], text[-3000:]
+    assert "exited or was killed" in text, text[-3000:]
+    assert after < 6.0, f"survivors lived {after:.2f} s after the kill"
+
+
+def test_without_launcher_a_rank_exiting_after_an_error_does_not_hang(tmp_path):
+    """Case 2(c) for case 20: rank 0 catches a collective timeout and calls sys.exit(1) while
+    rank 1 sleeps: rank 0's process ends right away (it does not wait in jax.distributed's
+    shutdown for rank 1); stopping rank 1 is then mpirun's/srun's job, as for any failed rank."""
+    import time
+
+    procs = _start_by_hand("failure_modes.py", 2, "exit", str(tmp_path), strata_timeout=2)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and procs[0].poll() is None:
+            time.sleep(0.05)
+        ended = time.time()
+    finally:
+        outs = _reap(procs)
+    caught = tmp_path / "caught"
+    assert caught.exists(), outs[0][-3000:]
+    after = ended - float(caught.read_text())
+    print(f"without launcher: rank 0 exited {after:.2f} s after catching the error")
+    assert procs[0].returncode == 1, outs[0][-3000:]
+    assert after < 5.0, f"rank 0 lived {after:.2f} s after the error"

@@ -39,6 +39,8 @@ std::string place_in_groups(int64_t partition, const int64_t* groups, size_t gro
     out->partition = partition;
     out->device = device_ids[partition];
     out->comm = h;
+    out->member_parts = members;
+    out->device_ids = device_ids;
     return {};
   }
   return "partition id " + std::to_string(partition) + " is in none of the collective's groups";

@@ -50,11 +50,11 @@ class CtlLock {
   pthread_mutex_t* mu_;
 };
 
-uint64_t slot_tag(int64_t run_id, int64_t op_id, uint64_t occ, int64_t group) {
-  uint64_t h = static_cast<uint64_t>(run_id) * 0x9E3779B97F4A7C15ull;
-  h ^= static_cast<uint64_t>(op_id) + 0x632BE59BD9B4E019ull + (h << 6) + (h >> 2);
-  h ^= occ + 0x94D049BB133111EBull + (h << 6) + (h >> 2);
-  h ^= static_cast<uint64_t>(group) + (h << 6) + (h >> 2);
+uint64_t slot_tag(uint64_t comm, uint64_t exec, uint64_t op, uint64_t occ) {
+  uint64_t h = comm * 0x9E3779B97F4A7C15ull;
+  h ^= exec + 0x632BE59BD9B4E019ull + (h << 6) + (h >> 2);
+  h ^= op + 0x94D049BB133111EBull + (h << 6) + (h >> 2);
+  h ^= occ + (h << 6) + (h >> 2);
   return h | 1;  // 0 marks a free slot
 }
 
@@ -83,32 +83,33 @@ size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 }  // namespace
 
-uint64_t ShmFabric::next_occurrence(int64_t run_id, int64_t partition, int64_t op_id) {
-  std::lock_guard<std::mutex> lock(occ_mu_);
-  if (run_id > max_run_id_) max_run_id_ = run_id;
-  if (occurrences_.size() > 4096) {
-    for (auto it = occurrences_.begin(); it != occurrences_.end();)
-      it = (it->first.first < max_run_id_ - 1024) ? occurrences_.erase(it) : std::next(it);
+ShmFabric::CallSeq ShmFabric::next_seq(const Placement& pl, int64_t run_id, int64_t op_id) {
+  std::lock_guard<std::mutex> lock(seq_mu_);
+  CommState& st = seqs_[{pl.device, pl.comm}];
+  if (st.execs == 0 || st.last_run != run_id) {  // the first call of a new execution
+    st.last_run = run_id;
+    ++st.execs;
+    st.occ.clear();
   }
-  return occurrences_[{run_id, partition}][op_id]++;
+  return CallSeq{st.execs - 1, static_cast<uint64_t>(op_id), st.occ[op_id]++};
 }
 
-std::unique_ptr<ShmTeam> ShmFabric::join(int64_t run_id, int64_t op_id, const Placement& pl,
+std::unique_ptr<ShmTeam> ShmFabric::join(const Placement& pl, int64_t run_id, int64_t op_id,
                                          const char* op_name, std::string* err) {
   if (pl.size > kShmMaxRanks) {
     *err = std::string("strata_jax ") + op_name + ": groups of more than " +
            std::to_string(kShmMaxRanks) + " ranks are not supported across processes";
     return nullptr;
   }
-  const uint64_t occ = next_occurrence(run_id, pl.partition, op_id);
-  const uint64_t tag = slot_tag(run_id, op_id, occ, pl.group);
+  const CallSeq seq = next_seq(pl, run_id, op_id);
+  const uint64_t tag = slot_tag(pl.comm, seq.exec, seq.op, seq.occ);
   ShmSlot* slot = nullptr;
   {
     CtlLock lock(&ctl_->mu);
     ShmSlot* free_slot = nullptr;
     for (ShmSlot& s : ctl_->slots) {
-      if (s.tag == tag && s.run_id == run_id && s.op_id == op_id && s.occurrence == occ &&
-          s.group == pl.group) {
+      if (s.tag == tag && s.comm == pl.comm && s.exec == seq.exec && s.op == seq.op &&
+          s.occ == seq.occ) {
         slot = &s;
         break;
       }
@@ -116,9 +117,10 @@ std::unique_ptr<ShmTeam> ShmFabric::join(int64_t run_id, int64_t op_id, const Pl
     }
     if (!slot && free_slot) {
       slot = free_slot;
-      slot->run_id = run_id;
-      slot->op_id = op_id;
-      slot->occurrence = occ;
+      slot->comm = pl.comm;
+      slot->exec = seq.exec;
+      slot->op = seq.op;
+      slot->occ = seq.occ;
       slot->group = pl.group;
       slot->size = pl.size;
       // Nobody else can reach the slot before the tag is set under the lock: relaxed is enough;
@@ -207,6 +209,9 @@ ShmTeam::ShmTeam(ShmFabric* f, ShmSlot* slot, const Placement& pl, const char* o
       rank_(pl.rank),
       size_(pl.size),
       partition_(pl.partition),
+      device_(pl.device),
+      member_parts_(pl.member_parts),
+      device_ids_(pl.device_ids),
       op_name_(op_name),
       in_(pl.size, nullptr),
       out_(pl.size, nullptr),
@@ -248,8 +253,30 @@ std::string ShmTeam::barrier(const char* phase) {
   bool ok = wait_until(
       &slot_->arrivals,
       [&] { return slot_->arrivals.load(std::memory_order_acquire) >= target; },
-      [&] { return slot_->failed.load(std::memory_order_acquire) != 0; }, deadline,
-      /*shared=*/true, wait_spins(), wait_yields());
+      [&] {
+        if (slot_->failed.load(std::memory_order_acquire) != 0) return true;
+        // A missing rank whose process disconnected (exited or was killed) never comes: fail
+        // now instead of at the timeout (the receiver thread sees the link close at once).
+        std::string dead = dead_members();
+        if (!dead.empty()) {
+          fail(std::string("strata_jax ") + op_name_ + ": " + dead + " in phase '" + phase +
+               "' (group of " + std::to_string(size_) + "; reported by rank " +
+               std::to_string(rank_) + ", process " + std::to_string(f_->proc()) +
+               "). The job cannot complete this collective.");
+          return true;
+        }
+        // Arrival: a rank that already published a different op fails the call now, not at
+        // the timeout (the ranks still missing may never come).
+        if (arriving_) {
+          std::string m = check_peers(*arriving_);
+          if (!m.empty()) {
+            fail(m);
+            return true;
+          }
+        }
+        return false;
+      },
+      deadline, /*shared=*/true, wait_spins(), wait_yields());
   if (ok) return {};
   if (slot_->failed.load(std::memory_order_acquire) != 0) return fail("");
   std::vector<int> missing;
@@ -259,8 +286,8 @@ std::string ShmTeam::barrier(const char* phase) {
   os << "strata_jax " << op_name_ << ": timed out after " << settings().timeout_ms.load() / 1000.0
      << " s in phase '" << phase << "' waiting for rank(s) [";
   for (size_t i = 0; i < missing.size(); ++i) os << (i ? ", " : "") << missing[i];
-  os << "] of a group of " << size_ << " (group " << slot_->group << ", op " << slot_->op_id
-     << ", run " << slot_->run_id << "); reported by rank " << rank_ << " (partition "
+  os << "] of a group of " << size_ << " (execution #" << slot_->exec << " on communicator "
+     << std::hex << slot_->comm << std::dec << "); reported by rank " << rank_ << " (partition "
      << partition_ << ", process " << f_->proc() << ")";
   std::string dead = f_->dead_peers();
   if (!dead.empty()) os << "; process(es) " << dead << " disconnected (exited or killed)";
@@ -269,34 +296,92 @@ std::string ShmTeam::barrier(const char* phase) {
   return fail(os.str());
 }
 
+std::string ShmTeam::dead_members() const {
+  if (!member_parts_ || !device_ids_) return {};
+  std::string out;
+  for (int j = 0; j < size_; ++j) {
+    if (slot_->peers[j].reached.load(std::memory_order_acquire) >= barriers_) continue;
+    const int64_t dev = device_ids_[member_parts_[j]];
+    const int p = f_->device_proc(dev);
+    if (p < 0 || p == f_->proc() || f_->peer_alive(p)) continue;
+    out += (out.empty() ? "rank " : ", rank ") + std::to_string(j) + " (device " +
+           std::to_string(dev) + ", process " + std::to_string(p) + ")";
+  }
+  return out.empty() ? out : out + " exited or was killed before reaching this collective";
+}
+
 std::string ShmTeam::arrival_barrier(const OpDesc& desc) {
-  std::string err = barrier("arrive");
+  // The arriving rank itself compares first: the later of two disagreeing ranks fails the
+  // slot before it waits, and fail() wakes every waiter.
+  std::string err = check_peers(desc);
+  if (!err.empty()) {
+    stats().mismatches.fetch_add(1, std::memory_order_relaxed);
+    fail(err);
+  }
+  arriving_ = &desc;
+  err = barrier("arrive");
+  arriving_ = nullptr;
   if (!err.empty()) return err;  // a peer may still come and touch the bounce: keep it busy
   release_bounce_ = true;
   err = check_peers(desc);
-  if (!err.empty()) return err;  // every rank sees the same descriptors and fails here
+  if (!err.empty()) return fail(err);  // every rank sees the same descriptors and fails here
   release_bounce_ = false;  // from here on a peer may already be using it
   descs_.assign(size_, desc);
   for (int j = 0; j < size_; ++j) descs_[j].algo = slot_->peers[j].algo;
   return {};
 }
 
+void ShmTeam::publish_desc(const OpDesc& desc) {
+  ShmPeer& me = slot_->peers[rank_];
+  me.proc = f_->proc();
+  me.device = device_;
+  std::strncpy(me.name, desc.name ? desc.name : "", sizeof(me.name) - 1);
+  me.name[sizeof(me.name) - 1] = 0;
+  me.kind = desc.kind;
+  me.dtype = desc.dtype;
+  me.reduce = desc.reduce;
+  me.aux = desc.aux;
+  me.algo = desc.algo;
+  me.in_bytes = desc.in_bytes;
+  me.out_bytes = desc.out_bytes;
+  // Published to peers by the release store of `reached` in barrier("arrive").
+}
+
 std::string ShmTeam::check_peers(const OpDesc& desc) const {
+  bool differ = false;
+  for (int j = 0; j < size_ && !differ; ++j) {
+    const ShmPeer& o = slot_->peers[j];
+    if (j == rank_ || o.reached.load(std::memory_order_acquire) < 1) continue;  // not yet here
+    differ = o.kind != desc.kind || o.dtype != desc.dtype || o.reduce != desc.reduce ||
+             o.aux != desc.aux || o.in_bytes != desc.in_bytes || o.out_bytes != desc.out_bytes;
+  }
+  if (!differ) return {};
+  auto describe = [](std::ostringstream& os, int j, const ShmPeer& o) {
+    const int es = dtype_size(o.dtype);
+    os << "rank " << j << " (device " << o.device << "): " << o.name << " " << dtype_name(o.dtype)
+       << "[" << (es ? o.in_bytes / es : 0) << "] (" << o.in_bytes << " B in, " << o.out_bytes
+       << " B out";
+    if (o.aux) os << ", aux " << o.aux;
+    os << ")";
+  };
+  std::ostringstream os;
+  os << "strata_jax " << op_name_ << ": ranks disagree on a collective call (execution #"
+     << slot_->exec << " on their communicator, op " << slot_->op << ", occurrence " << slot_->occ
+     << ", group of " << size_ << "): ";
+  int shown = 0;
   for (int j = 0; j < size_; ++j) {
     const ShmPeer& o = slot_->peers[j];
-    if (o.kind != desc.kind || o.dtype != desc.dtype || o.reduce != desc.reduce ||
-        o.aux != desc.aux || o.in_bytes != desc.in_bytes || o.out_bytes != desc.out_bytes) {
-      std::ostringstream os;
-      os << "strata_jax " << op_name_ << ": ranks disagree on the collective (rank " << rank_
-         << ": dtype " << desc.dtype << ", " << desc.in_bytes << " B in, " << desc.out_bytes
-         << " B out; rank " << j << ": kind " << o.kind << ", dtype " << o.dtype << ", "
-         << o.in_bytes << " B in, " << o.out_bytes
-         << " B out). Every rank of a group must call the same collective with the same shape "
-            "and dtype.";
-      return os.str();
+    if (j != rank_ && o.reached.load(std::memory_order_acquire) < 1) continue;
+    if (shown == 8) {
+      os << "; ...";
+      break;
     }
+    if (shown++) os << "; ";
+    describe(os, j, o);
   }
-  return {};
+  os << ". Every rank of a group must make the same sequence of collective calls with the same "
+        "op, shape and dtype.";
+  return os.str();
 }
 
 std::string ShmTeam::arrive(const OpDesc& desc, const void* in, void* out) {
@@ -318,15 +403,8 @@ std::string ShmTeam::arrive(const OpDesc& desc, const void* in, void* out) {
     err = f_->export_segment(out_seg.segment_id, out_seg.fd, out_seg.size, true);
   if (!err.empty()) return fail(std::string("strata_jax ") + op_name_ + ": " + err);
 
+  publish_desc(desc);
   ShmPeer& me = slot_->peers[rank_];
-  me.proc = f_->proc();
-  me.kind = desc.kind;
-  me.dtype = desc.dtype;
-  me.reduce = desc.reduce;
-  me.aux = desc.aux;
-  me.algo = desc.algo;
-  me.in_bytes = desc.in_bytes;
-  me.out_bytes = desc.out_bytes;
   me.in_seg = me.out_seg = 0;
   me.in_off = me.out_off = 0;
   me.in_ptr = reinterpret_cast<uintptr_t>(in);
@@ -411,15 +489,8 @@ std::string ShmTeam::arrive_multi(const OpDesc& desc, const BufRef* bufs, int nb
   }
   if (!err.empty()) return fail(std::string("strata_jax ") + op_name_ + ": " + err);
 
+  publish_desc(desc);  // in/out bytes are compared by check_peers; in/out are not published
   ShmPeer& me = slot_->peers[rank_];
-  me.proc = f_->proc();
-  me.kind = desc.kind;
-  me.dtype = desc.dtype;
-  me.reduce = desc.reduce;
-  me.aux = desc.aux;
-  me.algo = desc.algo;
-  me.in_bytes = desc.in_bytes;  // compared by check_peers; in/out themselves are not published
-  me.out_bytes = desc.out_bytes;
   me.in_seg = me.out_seg = me.in_off = me.out_off = me.in_ptr = me.out_ptr = 0;
   if (room) {
     bounce_ = f_->acquire_bounce(room, true, &err);

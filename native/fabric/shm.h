@@ -14,10 +14,31 @@
 //    critical path); in on_use mode a collective exports its buffers' segments the first time it
 //    meets them (on the critical path, counted); in staging mode buffers are never exported.
 //  - The control segment (shm.cc): a memfd made by process 0 and mapped by all, holding the
-//    rendezvous slots: one per call in flight, keyed like the in-process fabric by (run id, op
-//    id, occurrence, group). XLA's RunId is the launch id JAX gives the execution, and it is equal
-//    on every process of one multi-process execution (measured: 1986389983 on both processes of
-//    a 2x2 run, +1 per execution), so the in-process key works across processes unchanged.
+//    rendezvous slots: one per call in flight, keyed by what every process agrees on without
+//    sharing a program (NCCL and gloo match calls by communicator and sequence number):
+//      (communicator, execution number on it, op index in the program, occurrence).
+//    The communicator is the group's members' global device ids in rank order (hashed:
+//    Placement::comm). The execution number counts, per (device, communicator), the
+//    executions that called it; the op index is the call's position among the strata calls
+//    of the lowered module (collectives.py: next_op_id), and the occurrence counts the call's
+//    executions inside this execution (loops). XLA's RunId cannot key calls across
+//    processes: it derives from the executable's fingerprint, which includes source locations,
+//    so one jitted function called from two call sites gets two run ids (edge case 17 hung).
+//    Why not a plain per-call sequence number: measured with InFlight (fabric/inflight.h) on
+//    8 in-process devices, XLA CPU runs independent strata calls of ONE execution at once on
+//    a device (2 in flight: psum(v) + pmax(2v) + ... in one program), so their start order
+//    differs between devices and a per-call counter would pair psum(v) with psum(sin v).
+//    Executions never overlap on a device (XLA CPU launches a multi-device program only after
+//    the previous one ended on every device of the process; measured: at most 1 run in flight
+//    per device over 1000 chained calls of 4 programs dispatched ahead), so counting
+//    executions is well defined; a call that overlaps another execution's call on its device
+//    fails loudly instead of risking a wrong pairing (ffi/common.h).
+//    At arrival every rank publishes its descriptor (op, dtype, bytes, reduce, root/aux) and
+//    compares it with those already published: the first rank to see a disagreement fails the
+//    slot naming every rank's op, dtype and size, and waiting ranks see the failure flag at
+//    once (never the timeout).
+//    Out of scope, by nature: an extra identical execution on one rank pairs with its peers'
+//    next identical one (NCCL and gloo behave the same).
 //  - Staging (shm.cc): a buffer the allocator does not own (below its threshold, allocator not
 //    preloaded) or every buffer in staging mode is copied through a bounce buffer of this
 //    process that every peer mapped when it was created.
@@ -68,13 +89,16 @@ struct ShmPeer {
   // Barriers this rank entered (release), read by the timeout path to name missing ranks.
   std::atomic<uint32_t> reached;
   int32_t algo;  // the rank's algorithm proposal (OpDesc::algo); everyone follows rank 0's
+  int64_t device;  // the rank's global device id (for messages)
+  char name[32];   // the rank's op name (for messages)
 };
 
 struct ShmSlot {
   // Key and size: written under the control mutex when the slot is claimed, read under it.
   uint64_t tag;  // 0: free
-  int64_t run_id, op_id, group;
-  uint64_t occurrence;
+  uint64_t comm;             // the key: communicator hash,
+  uint64_t exec, op, occ;    // execution number on it, op index, occurrence
+  int64_t group;       // the group's index in the first joiner's program (for messages)
   int32_t size;
   // Total barrier entries of all ranks (barrier k complete at k * size); futex word.
   std::atomic<uint32_t> arrivals;
@@ -120,7 +144,10 @@ class ShmTeam final : public Team {
 
  private:
   std::string fail(const std::string& msg);
+  // Compares the descriptors of every rank that has published one (reached >= 1) with this
+  // rank's; returns a message naming each rank's op, dtype and size on a disagreement.
   std::string check_peers(const OpDesc& desc) const;
+  void publish_desc(const OpDesc& desc);
   // The arrival barrier shared by arrive() and arrive_multi(): waits for every peer's published
   // entry, checks that all agree on the op and copies the peers' descriptors.
   std::string arrival_barrier(const OpDesc& desc);
@@ -129,9 +156,14 @@ class ShmTeam final : public Team {
   ShmFabric* f_;
   ShmSlot* slot_;
   int rank_, size_;
-  int64_t partition_;
+  int64_t partition_, device_;
+  const int64_t* member_parts_;  // Placement::member_parts/device_ids (valid during the call)
+  const int64_t* device_ids_;
+  // The missing ranks whose process has disconnected: "" if none (checked while waiting).
+  std::string dead_members() const;
   uint32_t barriers_ = 0;
   const char* op_name_;
+  const OpDesc* arriving_ = nullptr;  // set while in the arrival barrier: checked while waiting
   std::vector<const void*> in_;
   std::vector<void*> out_;
   std::vector<const void*> bufs_;  // [rank * kMaxBufs + i]: arrive_multi's buffers, local
@@ -180,7 +212,7 @@ class ShmFabric {
   ShmControl* control() const { return ctl_; }
 
   // Rendezvous: finds or claims the slot of this call. nullptr and *err on failure.
-  std::unique_ptr<ShmTeam> join(int64_t run_id, int64_t op_id, const Placement& pl,
+  std::unique_ptr<ShmTeam> join(const Placement& pl, int64_t run_id, int64_t op_id,
                                 const char* op_name, std::string* err);
   void leave(ShmSlot* slot);
 
@@ -193,6 +225,9 @@ class ShmFabric {
   char* translate(int proc, uint64_t seg, uint64_t off, uint64_t bytes, Clock::time_point deadline,
                   std::string* err);
   bool peer_alive(int proc) const;
+  // Which process owns a global device (-1: unknown). Set once from Python before connect().
+  void set_device_procs(const std::vector<int64_t>& devices, const std::vector<int>& procs);
+  int device_proc(int64_t device) const;
   std::string dead_peers() const;
   // For memory_stats(): the OS process id at the other end of each link (SO_PEERCRED, attested
   // by the kernel; 0 for self), and the peer segments mapped here per owner (count, bytes).
@@ -219,6 +254,7 @@ class ShmFabric {
   static std::atomic<ShmFabric*> active_;
 
   int proc_ = -1, nprocs_ = 0;
+  std::unordered_map<int64_t, int> device_proc_;  // written before connect(), then read-only
   RegMode mode_ = RegMode::kOnAlloc;
   int listen_fd_ = -1;
   std::string socket_path_;
@@ -241,11 +277,21 @@ class ShmFabric {
   std::vector<std::unique_ptr<Bounce>> bounces_;
   uint64_t next_bounce_id_ = 1;
 
-  // Occurrence counting, as the in-process fabric does: (run id, partition) -> op id -> count.
-  uint64_t next_occurrence(int64_t run_id, int64_t partition, int64_t op_id);
-  std::mutex occ_mu_;
-  std::map<std::pair<int64_t, int64_t>, std::unordered_map<int64_t, uint64_t>> occurrences_;
-  int64_t max_run_id_ = 0;
+  // The rendezvous key of a call (see the opening comment).
+  struct CallSeq {
+    uint64_t exec, op, occ;
+  };
+  CallSeq next_seq(const Placement& pl, int64_t run_id, int64_t op_id);
+  // Per (device, communicator): the last execution (run id) that called it, how many
+  // executions did, and the occurrences of each op in the current one. A handful of
+  // communicators per device, so the map stays small.
+  struct CommState {
+    int64_t last_run = 0;
+    uint64_t execs = 0;
+    std::unordered_map<int64_t, uint64_t> occ;
+  };
+  std::mutex seq_mu_;
+  std::map<std::pair<int64_t, uint64_t>, CommState> seqs_;
 };
 
 }  // namespace strata

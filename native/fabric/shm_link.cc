@@ -314,6 +314,18 @@ std::vector<std::pair<uint64_t, uint64_t>> ShmFabric::mapped_by_owner() const {
   return out;
 }
 
+void ShmFabric::set_device_procs(const std::vector<int64_t>& devices,
+                                 const std::vector<int>& procs) {
+  device_proc_.clear();
+  for (size_t i = 0; i < devices.size() && i < procs.size(); ++i)
+    device_proc_[devices[i]] = procs[i];
+}
+
+int ShmFabric::device_proc(int64_t device) const {
+  auto it = device_proc_.find(device);
+  return it == device_proc_.end() ? -1 : it->second;
+}
+
 bool ShmFabric::peer_alive(int proc) const {
   return alive_ && alive_[proc].load(std::memory_order_acquire);
 }

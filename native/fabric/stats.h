@@ -32,6 +32,13 @@ struct Stats {
   // the inter-fabric steps of hierarchical collectives, counted by a custom call next to each.
   std::atomic<uint64_t> inter_fabric_calls{0};
   std::atomic<uint64_t> inter_fabric_bytes{0};
+  // Concurrency XLA really gives strata calls (ffi/common.h, InFlight): the most calls, and
+  // the most distinct executions (run ids), ever in flight at once on one device. The
+  // cross-process rendezvous rule relies on the second staying 1 (fabric/shm.h).
+  std::atomic<uint64_t> max_calls_in_flight{0};
+  std::atomic<uint64_t> max_runs_in_flight{0};
+  std::atomic<uint64_t> mismatches{0};  // calls failed because ranks disagreed on the op
+  std::atomic<uint64_t> failures{0};    // strata calls that returned an error (any cause)
 };
 Stats& stats();
 

@@ -69,6 +69,11 @@ struct Placement {
   // The communicator: a hash of the group members' global device ids in rank order. Every
   // process computes the same value for the same group, whatever program it runs.
   uint64_t comm = 0;
+  // The group's members, valid while the handler runs (they point into its attributes):
+  // member r's global device id is device_ids[member_parts[r]].
+  const int64_t* member_parts = nullptr;
+  const int64_t* device_ids = nullptr;
+  int64_t member_device(int r) const { return device_ids[member_parts[r]]; }
 };
 
 // Computes the placement of `partition` in explicit groups: `groups` holds `num_groups` rows

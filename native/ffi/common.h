@@ -2,9 +2,11 @@
 // joining a call on the right fabric (arrive, run the algorithm, depart).
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "fabric/inflight.h"
 #include "fabric/inproc.h"
 #include "fabric/shm.h"
 #include "fabric/stats.h"
@@ -17,6 +19,7 @@ using I64s = xla::ffi::Span<const int64_t>;
 
 inline xla::ffi::Error to_error(const std::string& msg) {
   namespace ffi = xla::ffi;
+  stats().failures.fetch_add(1, std::memory_order_relaxed);
   if (msg.find("timed out") != std::string::npos) {
     stats().timeouts.fetch_add(1, std::memory_order_relaxed);
     return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg);
@@ -53,15 +56,27 @@ xla::ffi::Error join_and_run_with(const char* name, int64_t run_id, int64_t op_i
                                   const Placement& pl, bool cross_process, Arrive arrive,
                                   Body body) {
   std::string err;
+  // Measures, and guards, the ordering rule (inflight.h). Only groups of more than one rank:
+  // XLA orders single-device programs by their own per-device queue, which may overlap a
+  // multi-device execution, and a group of one needs no ordering.
+  std::optional<InFlight> inflight;
+  if (pl.size > 1) inflight.emplace(pl.device, run_id);
   if (ShmFabric* shm = ShmFabric::active()) {
     if (!cross_process)
       return to_error(std::string("strata_jax ") + name +
                       " runs on the in-process fabric only; it is not supported across "
                       "processes yet (use one process with several devices)");
+    if (inflight && inflight->runs_at_entry() > 1)
+      return to_error(std::string("strata_jax ") + name +
+                      ": a call of another execution is in flight on this device; calls across "
+                      "processes pair by their order on each device, which two concurrent "
+                      "executions would make ambiguous (XLA CPU runs one multi-device execution "
+                      "at a time: please report this with your jax version)");
     // Several processes: every call goes through the shared-memory fabric, which also reaches
     // this process's own devices directly (a handler cannot tell from the mesh alone which
-    // processes a group spans: that needs the program's device assignment).
-    auto team = shm->join(run_id, op_id, pl, name, &err);
+    // processes a group spans: that needs the program's device assignment). Calls meet by
+    // communicator and execution number on it, not by run id (fabric/shm.h).
+    auto team = shm->join(pl, run_id, op_id, name, &err);
     if (!team) return to_error(err);
     err = arrive(*team);
     if (!err.empty()) return to_error(err);

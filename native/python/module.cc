@@ -59,6 +59,10 @@ NB_MODULE(_strata, m) {
                               s.peer_bounce_bytes.load(std::memory_order_relaxed);
     d["inter_fabric_calls"] = s.inter_fabric_calls.load(std::memory_order_relaxed);
     d["inter_fabric_bytes"] = s.inter_fabric_bytes.load(std::memory_order_relaxed);
+    d["max_calls_in_flight_per_device"] = s.max_calls_in_flight.load(std::memory_order_relaxed);
+    d["max_runs_in_flight_per_device"] = s.max_runs_in_flight.load(std::memory_order_relaxed);
+    d["mismatches"] = s.mismatches.load(std::memory_order_relaxed);
+    d["failures"] = s.failures.load(std::memory_order_relaxed);
     return d;
   });
 
@@ -72,6 +76,12 @@ NB_MODULE(_strata, m) {
         return path;
       },
       nb::arg("dir"), nb::arg("process_id"));
+  m.def(
+      "fabric_set_device_procs",
+      [](const std::vector<int64_t>& devices, const std::vector<int>& procs) {
+        strata::ShmFabric::instance().set_device_procs(devices, procs);
+      },
+      nb::arg("devices"), nb::arg("processes"));
   m.def(
       "fabric_connect",
       [](int proc, int nprocs, const std::vector<std::string>& paths, const std::string& mode) {
@@ -96,6 +106,7 @@ NB_MODULE(_strata, m) {
     d["process_id"] = f->proc();
     d["num_processes"] = f->nprocs();
     d["registration"] = strata::reg_mode_name(f->mode());
+    d["dead_processes"] = f->dead_peers();  // "1, 3": peers whose link closed
     return d;
   });
   m.def("memory_stats", [] {

@@ -41,13 +41,17 @@ def _cluster_size() -> int:
     return 1
 
 
+_hooks_installed = False
+
+
 def _exit_on_uncaught_exception() -> None:
-    """Under the launcher, an uncaught exception ends the rank at once (exit code 1).
+    """In a multi-process job, an uncaught exception ends the rank at once (exit code 1).
 
     A normal interpreter exit runs jax.distributed's shutdown, which waits for every other
     process: a rank that raised would then hang until its peers finish or time out, and the
-    launcher could not see the failure and stop the others. Printing the traceback and calling
-    os._exit lets the launcher name the failed rank and stop the rest within seconds.
+    launcher (or mpirun/srun) could not see the failure and stop the others. Printing the
+    traceback and calling os._exit lets the launcher name the failed rank and stop the rest
+    within seconds.
     """
     import os
     import sys
@@ -66,6 +70,83 @@ def _exit_on_uncaught_exception() -> None:
             os._exit(1)
 
     sys.excepthook = hook
+
+
+def _broken_job() -> str:
+    """Why this process's job cannot finish cleanly ("" when it can): a strata collective
+    failed here (timeout, disagreement, dead peer), or a peer process disconnected."""
+    native = runtime.native()
+    why = []
+    failures = int(native.comm_stats().get("failures", 0))
+    if failures:
+        why.append(f"{failures} strata collective call(s) failed in this process")
+    info = native.fabric_info()
+    if info and info.get("dead_processes"):
+        why.append(f"process(es) {info['dead_processes']} disconnected")
+    return "; ".join(why)
+
+
+_SHUTDOWN_WAIT_S = 1.0
+
+
+def _skip_distributed_shutdown_if_broken() -> None:
+    """atexit (runs before jax's own clean-up, which was registered at ``import jax``).
+
+    jax.distributed's shutdown waits in a barrier for every process. After a collective
+    failed, a peer may be stuck (asleep, or waiting in another call) and never arrive: a rank
+    that caught the error and called ``sys.exit(1)`` hung there for minutes (edge case 20:
+    122 s). So when this process saw a strata collective fail, or a peer disconnect, the
+    shutdown gets ``_SHUTDOWN_WAIT_S`` seconds; if the peers have not all arrived by then, the
+    jax.distributed objects are detached (kept alive: their destructors would wait too) and
+    the process exits with its own exit code; the launcher, mpirun or srun stops the peers.
+    A healthy job never takes this path.
+    """
+    import sys
+    import threading
+
+    why = _broken_job()
+    if not why:
+        return
+    from jax._src import distributed
+
+    st = distributed.global_state
+    if st.client is None and st.service is None:
+        return
+    objs = [x for x in (st.preemption_sync_manager, st.client, st.service) if x is not None]
+    done = threading.Event()
+
+    def shutdown() -> None:
+        try:
+            st.shutdown()
+        except Exception:  # noqa: BLE001  (the peers are gone or stuck: nothing to report)
+            pass
+        done.set()
+
+    threading.Thread(target=shutdown, name="strata-jax-shutdown", daemon=True).start()
+    if done.wait(_SHUTDOWN_WAIT_S):
+        return
+    print(
+        f"strata_jax: {why}; not waiting longer than {_SHUTDOWN_WAIT_S:g} s for the other "
+        "processes in jax.distributed's shutdown",
+        file=sys.stderr,
+        flush=True,
+    )
+    _detached.extend(objs)
+    st.preemption_sync_manager = st.client = st.service = None
+
+
+_detached: list = []  # detached jax.distributed objects, kept alive until the process ends
+
+
+def _install_exit_hooks() -> None:
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    import atexit
+
+    _exit_on_uncaught_exception()
+    atexit.register(_skip_distributed_shutdown_if_broken)
+    _hooks_installed = True
 
 
 def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
@@ -128,7 +209,7 @@ def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
 
     env = launch.distributed_env()
     if env is not None:
-        _exit_on_uncaught_exception()
+        _install_exit_hooks()
     if not jax.distributed.is_initialized() and env is not None:
         jax.config.update("jax_num_cpu_devices", env["local_device_count"])
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -152,6 +233,7 @@ def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
         return dict(_state)
 
     pid, n = jax.process_index(), jax.process_count()
+    _install_exit_hooks()  # also under mpirun/srun or a hand-made jax.distributed
     client = _distributed_client()
     ms = int(timeout_s * 1000)
     # Fabric domains: shared memory connects only the processes of one fabric (see topology.py).
@@ -195,6 +277,16 @@ def _connect_fabric(native, client, pid: int, members: tuple[int, ...], mode: st
             prefix="strata-fabric-", dir=base if len(base) < 60 else "/tmp"
         )  # mode 0700
     try:
+        # Which process owns each device: a collective that waits for a rank whose process
+        # disconnected fails at once instead of at the timeout. The native fabric numbers the
+        # members of this fabric 0..len(members)-1; other fabrics' devices are not listed.
+        import jax
+
+        local = {p: i for i, p in enumerate(members)}
+        devices = [d for d in jax.devices() if d.process_index in local]
+        native.fabric_set_device_procs(
+            [d.id for d in devices], [local[d.process_index] for d in devices]
+        )
         path = native.fabric_listen(run_dir, pid)
         client.key_value_set(f"{_KV_PREFIX}/path/{pid}", path)
         paths = [client.blocking_key_value_get(f"{_KV_PREFIX}/path/{j}", ms) for j in members]

@@ -89,8 +89,8 @@ def set_timeout(seconds: float) -> None:
     Raises:
       ValueError: if ``seconds`` is not positive.
 
-    A collective that times out raises an ``XlaRuntimeError`` naming the operation, the
-    missing ranks and the phase it was in; it never hangs forever.
+    A collective that times out raises one of :data:`COLLECTIVE_ERRORS` naming the operation,
+    the missing ranks and the phase it was in; it never hangs forever.
     """
     if not seconds > 0:
         raise ValueError(f"timeout must be positive seconds, got {seconds!r}")
@@ -129,3 +129,23 @@ def comm_stats() -> dict[str, int]:
       ``timeouts``.
     """
     return dict(native().comm_stats())
+
+
+def _collective_errors() -> tuple[type[Exception], ...]:
+    from jax.errors import JaxRuntimeError
+
+    return (JaxRuntimeError, ValueError)
+
+
+COLLECTIVE_ERRORS = _collective_errors()
+"""The exceptions a failed strata collective raises: ``except strata_jax.COLLECTIVE_ERRORS:``.
+
+The type is JAX's choice, not strata's: a handler returns an XLA error status (the message
+starts with ``DEADLINE_EXCEEDED: strata_jax <op>: timed out ...`` for a timeout and
+``INVALID_ARGUMENT: strata_jax <op>: ...`` for ranks that disagree or a peer that died), and
+jaxlib turns it into ``jax.errors.JaxRuntimeError`` (a RuntimeError) on the Python dispatch
+path (a jitted function's first call, or an error met in ``block_until_ready``/``np.asarray``)
+but into ``ValueError`` on its C++ fast path (later calls of a function that already ran once,
+where the failing execution raises during dispatch). Measured with jax/jaxlib 0.10.2 and
+tested in tests/mp_scripts/call_matching.py. The message is the same either way.
+"""

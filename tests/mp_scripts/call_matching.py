@@ -1,0 +1,151 @@
+"""How calls meet across processes (edge cases 17 and 18), and the ordering they rely on.
+
+Run under the launcher with -n 2 --devices-per-proc 2 (or 1):
+
+- case 17: one jitted shard_map psum, called on a different source line on each rank: every
+  rank gets the sum (XLA's run ids differ per call site; strata keys calls by communicator);
+- independent collectives inside one program (XLA runs them at once on a device) and several
+  programs dispatched ahead without blocking: every result equals numpy, and no two
+  executions were ever in flight on one device (comm_stats);
+- case 18: rank 0 psums f32[409600], rank 1 f32[409598] (per device) with a 20 s timeout:
+  every rank raises well under a second, naming psum and both sizes;
+- the exception types a failed collective raises (strata_jax.COLLECTIVE_ERRORS).
+Prints ``OK <what> ...`` lines; exits non-zero on the first failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+
+import strata_jax as sj
+
+sj.init()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax._src import distributed  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sj.set_timeout(20)
+devs = sorted(jax.devices(), key=lambda d: d.id)
+N = len(devs)
+L = jax.local_device_count()
+rank = jax.process_index()
+mesh = Mesh(np.array(devs), ("x",))
+spec = NamedSharding(mesh, P("x"))
+
+
+def sm(body):
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+
+def global_array(x: np.ndarray):
+    return jax.make_array_from_callback(x.shape, spec, lambda idx: x[idx])
+
+
+def local(out) -> np.ndarray:
+    return np.concatenate(
+        [np.asarray(s.data) for s in sorted(out.addressable_shards, key=lambda s: s.device.id)]
+    )
+
+
+def fail(msg: str) -> None:
+    print(f"FAIL {msg}", flush=True)
+    sys.exit(3)
+
+
+# ---- case 17: the same function from two call sites ----
+f = sm(lambda v: sj.psum(v, "x"))
+x = global_array(np.ones(4 * N, np.float32))
+if rank == 0:
+    y = f(x)
+else:
+    y = f(x)
+if not np.array_equal(local(y), np.full(4 * L, N, np.float32)):
+    fail(f"case 17: {local(y)}")
+print("OK case 17 two call sites", local(y)[:4].tolist(), flush=True)
+
+# ---- independent collectives in one program; several programs dispatched ahead ----
+rng = np.random.default_rng(7)
+xs = rng.standard_normal((N, 1 << 18)).astype(np.float32)
+multi = sm(
+    lambda v: jnp.stack(
+        [sj.psum(v, "x"), sj.psum(jnp.sin(v), "x"), sj.pmax(2 * v, "x"), sj.psum(v * v, "x")]
+    )[None]
+)
+want = np.stack([xs.sum(0), np.sin(xs).sum(0), (2 * xs).max(0), (xs * xs).sum(0)])
+gx = global_array(xs)
+for out in [multi(gx) for _ in range(4)]:
+    for s in out.addressable_shards:
+        if not np.allclose(np.asarray(s.data)[0, :, 0], want, rtol=1e-5, atol=1e-3):
+            fail("independent collectives in one program paired wrongly")
+progs = [
+    sm(lambda v: sj.psum(v, "x") / N),
+    sm(lambda v: sj.all_gather(v, "x", tiled=True).reshape(N, -1).mean(0)),
+    sm(lambda v: (sj.psum(v, "x") + sj.pmax(v, "x")) / (N + 1)),
+]
+y = global_array(np.ones(N * 256, np.float32))
+for i in range(300):  # dispatched ahead: nothing blocks until the end
+    y = progs[i % 3](y)
+if not np.allclose(local(y), 1.0):
+    fail(f"dispatch ahead: {local(y)[:4]}")
+st = sj.comm_stats()
+if st["max_runs_in_flight_per_device"] != 1:
+    fail(f"two executions in flight on one device: {st}")
+print(
+    "OK ordering: max calls in flight per device",
+    st["max_calls_in_flight_per_device"],
+    "max executions in flight per device",
+    st["max_runs_in_flight_per_device"],
+    flush=True,
+)
+
+# ---- case 18: the ranks disagree on the size ----
+n = 409600 if rank == 0 else 409598
+g = sm(lambda v: sj.psum(v, "x"))
+local_devs = [d for d in devs if d.process_index == rank]
+sh = jax.make_array_from_single_device_arrays(
+    (N * n,), spec, [jax.device_put(np.ones(n, np.float32), d) for d in local_devs]
+)
+g.lower(sh).compile()
+t = time.monotonic()
+try:
+    g(sh).block_until_ready()
+    fail("case 18 returned a value")
+except sj.COLLECTIVE_ERRORS as e:
+    dt = time.monotonic() - t
+    msg = str(e)
+    named = "psum" in msg and "[409600]" in msg and "[409598]" in msg
+    if not named or dt > 2.0:
+        fail(f"case 18 after {dt:.2f} s: {msg[:600]}")
+    print(f"OK case 18 mismatch raised after {dt:.3f} s: {msg[:400]}", flush=True)
+
+# ---- which exception a failed collective raises (JAX decides: runtime.COLLECTIVE_ERRORS) ----
+# Last: rank 0's lone calls leave its executions on this communicator one ahead of rank 1's.
+client = distributed.global_state.client
+ran = sm(lambda v: sj.pmax(v, "x"))  # runs once first: later failures come from C++ dispatch
+fresh = sm(lambda v: sj.pmin(v, "x"))  # fails on its first call: Python dispatch
+one = global_array(np.ones(N, np.float32))
+ran(one).block_until_ready()
+client.wait_at_barrier("cm/errors-start", 60_000)
+if rank == 0:
+    sj.set_timeout(0.5)
+    kinds = []
+    for fn in (fresh, fresh, ran, ran):
+        try:
+            fn(one).block_until_ready()
+            fail("a collective without its peers returned")
+        except sj.COLLECTIVE_ERRORS as e:
+            if "strata_jax" not in str(e) or "timed out" not in str(e):
+                fail(f"unexpected error: {e}")
+            kinds.append(type(e).__name__)
+    print("OK errors", kinds, flush=True)
+client.wait_at_barrier("cm/errors-end", 60_000)
+print("OK all", flush=True)
+sys.stdout.flush()
+os._exit(0)  # calls failed on purpose above; skip jax.distributed's shutdown dance
