@@ -409,12 +409,14 @@ def run_sweep(
         # compile and check the first call of each, then time all of them round-robin
         fns: dict[str, Callable[[], Any]] = {}
         firsts: dict[str, list[np.ndarray]] = {}
+        inter: dict[str, int | None] = {}
         for impl in runner.impls:
             tick(f"{pt.op} {C.format_size(pt.nbytes)} {impl}")
             try:
                 fn = runner.prepare(impl, pt, x)
                 firsts[impl] = local_pieces(jax.block_until_ready(fn()))
                 fns[impl] = fn
+                inter[impl] = inter_fabric_bytes(impl, pt, fn, ctx)
             except Exception as e:  # keep sweeping; the row says what failed
                 on_error(impl, e)
         times, last = C.time_interleaved(fns, pt.iters, max(0, pt.warmup - 1), on_error=on_error)
@@ -442,6 +444,7 @@ def run_sweep(
                 min_us=ctx.max_across(min(times[impl])) * 1e6,
                 mean_us=ctx.max_across(float(np.mean(times[impl]))) * 1e6,
                 error=ref_error,
+                inter_fabric_bytes=inter.get(impl),
             )
         del firsts, last
         step()
@@ -468,6 +471,23 @@ def run_sweep(
     return rows
 
 
+def inter_fabric_bytes(impl: str, pt: Point, fn: Callable[[], Any], ctx: Context) -> int | None:
+    """Bytes per device one call hands to the inter-fabric engine (XLA's collectives, gloo):
+    measured for strata (comm_stats' counter around one extra call; 0 inside one fabric), the
+    whole input for jax.lax (gloo moves all of it; how much crosses hosts is gloo's choice).
+    None with a single fabric."""
+    if _strata is None or len(_strata.topology()["fabrics"]) < 2:
+        return None
+    if impl != "strata":
+        return pt.nbytes // ctx.n if pt.op == "all_gather" else pt.nbytes
+    import jax
+
+    before = _strata.comm_stats()["inter_fabric_bytes"]
+    jax.block_until_ready(fn())
+    local = max(1, len(jax.local_devices()))
+    return int(ctx.max_across(float(_strata.comm_stats()["inter_fabric_bytes"] - before) / local))
+
+
 # --------------------------------------------------------------------------------------------------
 # Printing
 # --------------------------------------------------------------------------------------------------
@@ -487,8 +507,9 @@ def make_table(impls: Sequence[str]) -> C.Table:
             C.Column("algbw", 7, ".2f"),
             C.Column("busbw", 7, ".2f"),
             C.Column("#wrong", 7),
+            C.Column("inter(B)", 10),
         ]
-        groups.append((f" {impl} ", 4))
+        groups.append((f" {impl} ", 5))
     others = [i for i in impls if i != "strata"] if "strata" in impls else []
     for o in others:
         cols.append(C.Column(f"{o}/strata", max(12, len(o) + 7), ".2f"))
@@ -501,9 +522,10 @@ def table_row(table: C.Table, pt: Point, results: dict[str, dict[str, Any]]) -> 
     vals: list[Any] = [pt.nbytes, pt.count, pt.dtype.name, pt.op]
     for r in results.values():
         if r.get("time_us") is None:
-            vals += ["error", None, None, None]
+            vals += ["error", None, None, None, None]
         else:
-            vals += [r["time_us"], r["algbw_gbs"], r["busbw_gbs"], r["wrong"]]
+            inter = r.get("inter_fabric_bytes")
+            vals += [r["time_us"], r["algbw_gbs"], r["busbw_gbs"], r["wrong"], inter]
     base = results.get("strata", {}).get("time_us")
     if base is not None or "strata" in results:
         for impl, r in results.items():
@@ -585,6 +607,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--impl", default="strata,xla", help="comma list of strata, xla, mpi4jax")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for CSV/JSON/PNG")
     p.add_argument("--procs", type=int, default=None, help="one process per device, P processes")
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        help="with --procs: simulate this many hosts (fabric domains; launch --hosts)",
+    )
     p.add_argument("--seed", type=int, default=0, help="base seed of the random inputs")
     p.add_argument("--platform", default="cpu", help="jax platform of the mesh devices (cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -623,6 +651,8 @@ def relaunch(args: argparse.Namespace, argv: Sequence[str]) -> int:
         "strata_jax.launch",
         "-n",
         str(args.procs),
+        "--hosts",
+        str(args.hosts),
         str(Path(__file__).resolve()),
         *argv,
     ]
@@ -706,6 +736,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"# ranks      : {ctx.n} = {ctx.process_count} process(es) x {args.devices} "
         f"{args.platform} device(s); mesh axis '{AXIS}'"
     )
+    if _strata is not None and multi:
+        topo = _strata.topology()
+        write(
+            f"# fabrics    : {len(topo['fabrics'])} ("
+            + "; ".join(f"{f['id']}: processes {f['processes']}" for f in topo["fabrics"])
+            + "); strata moves bytes inside a fabric, XLA's collectives (gloo) between; "
+            "inter(B) = bytes per device per call handed to gloo (strata: measured, "
+            "jax.lax: its whole input)"
+        )
     write(
         "# size       : nccl-tests convention: the per-rank buffer: all-reduce in = out;"
         " all_gather the OUTPUT (input = size/N); psum_scatter the INPUT (output = size/N);"

@@ -32,6 +32,7 @@ from strata_jax._src.runtime import (  # noqa: E402
     set_timeout,
     set_two_shot_threshold,
 )
+from strata_jax._src.topology import topology  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -54,5 +55,6 @@ __all__ = [
     "COLLECTIVE_ERRORS",
     "init",
     "memory_stats",
+    "topology",
     "moe",
 ]

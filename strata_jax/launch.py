@@ -17,6 +17,10 @@ Environment of each rank (read back with :func:`distributed_env`, which ``strata
 ``STRATA_PROCESS_ID``    this rank, 0..N-1
 ``STRATA_LOCAL_DEVICES`` CPU devices per process (``--devices-per-proc``; ``jax_num_cpu_devices``)
 ``STRATA_RUN_DIR``       a private 0700 folder for unix sockets, removed when the launcher exits
+                         (one per simulated host with ``--hosts``)
+``STRATA_FABRIC_ID``     with ``--hosts H``: ``host<h>``, the simulated host of the rank (ranks
+                         ``h*N/H .. (h+1)*N/H - 1``); ``strata_jax.init()`` connects shared
+                         memory only among ranks with the same id (see ``_src/topology.py``)
 ``LD_PRELOAD``           ``libstrata_alloc.so`` prepended (unless ``--no-preload``)
 ======================== ===================================================================
 
@@ -57,6 +61,7 @@ ENV_PROCESS_ID = "STRATA_PROCESS_ID"
 ENV_LOCAL_DEVICES = "STRATA_LOCAL_DEVICES"
 ENV_RUN_DIR = "STRATA_RUN_DIR"
 ENV_ALLOC_LIB = "STRATA_ALLOC_LIB"
+ENV_FABRIC_ID = "STRATA_FABRIC_ID"
 
 _POLL_S = 0.02
 
@@ -147,9 +152,12 @@ def rank_env(
     devices_per_proc: int,
     run_dir: str,
     preload: str | None,
+    fabric_id: str | None = None,
 ) -> dict[str, str]:
     """The environment of one rank: ``base`` plus the STRATA_* variables and LD_PRELOAD."""
     env = dict(base)
+    if fabric_id is not None:
+        env[ENV_FABRIC_ID] = fabric_id
     env[ENV_COORDINATOR] = coordinator
     env[ENV_NUM_PROCESSES] = str(nproc)
     env[ENV_PROCESS_ID] = str(rank)
@@ -309,6 +317,8 @@ def launch(
     env: Mapping[str, str] | None = None,
     stdout: BinaryIO | None = None,
     stderr: BinaryIO | None = None,
+    hosts: int = 1,
+    private_mounts: bool = False,
 ) -> int:
     """Runs ``argv`` (a full command line) as ``nproc`` ranks on this host; returns the exit code.
 
@@ -323,6 +333,13 @@ def launch(
         lost and JAX ranks ignore SIGTERM (jax.distributed's preemption notifier catches it).
       env: base environment (default ``os.environ``).
       stdout, stderr: binary streams for the prefixed output (default: the launcher's own).
+      hosts: simulate this many hosts (must divide ``nproc``): rank r belongs to host
+        ``r // (nproc // hosts)``, gets ``STRATA_FABRIC_ID=host<h>`` and that host's own run dir,
+        so shared memory stays inside each simulated host and everything between them goes
+        through XLA's collectives (gloo). The planned topology is printed at start.
+      private_mounts: run each simulated host in its own mount namespace with private tmpfs
+        on /tmp and /dev/shm (``unshare --mount``; needs root): no path of one host is visible
+        from another. Raises OSError when unshare is not permitted.
 
     Returns 0 when every rank exits 0; the failed rank's exit code (128+signal when it was killed)
     when one fails; 124 on timeout; 128+signal when the launcher itself was interrupted.
@@ -331,6 +348,8 @@ def launch(
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     if devices_per_proc < 1:
         raise ValueError(f"devices_per_proc must be >= 1, got {devices_per_proc}")
+    if hosts < 1 or nproc % hosts:
+        raise ValueError(f"hosts must be >= 1 and divide nproc={nproc}, got {hosts}")
     out = stdout if stdout is not None else sys.stdout.buffer
     err = stderr if stderr is not None else sys.stderr.buffer
     run = _Launch(grace, err, fail_grace)
@@ -344,8 +363,19 @@ def launch(
                 "running without the allocator"
             )
     coordinator = f"127.0.0.1:{free_port()}"
-    run_dir = tempfile.mkdtemp(prefix="strata-run-")  # mode 0700
+    per_host = nproc // hosts
+    simulated = hosts > 1 or private_mounts
+    run_dirs = [tempfile.mkdtemp(prefix="strata-run-") for _ in range(hosts)]  # mode 0700
     base = dict(os.environ if env is None else env)
+    if simulated:
+        plan = "; ".join(
+            f"host{h}: ranks {h * per_host}-{(h + 1) * per_host - 1}" for h in range(hosts)
+        )
+        run.message(
+            f"{nproc} processes as {hosts} simulated host(s) of {per_host} "
+            f"({devices_per_proc} device(s) each): {plan}"
+        )
+    namespaces: list[_Namespace] = []
 
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = {}
@@ -353,23 +383,82 @@ def launch(
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, run.forward)
     try:
+        if private_mounts:
+            namespaces = [_Namespace.start() for _ in range(hosts)]
         for rank in range(nproc):
+            h = rank // per_host
             env_r = rank_env(
                 base,
                 rank=rank,
                 nproc=nproc,
                 coordinator=coordinator,
                 devices_per_proc=devices_per_proc,
-                run_dir=run_dir,
+                run_dir=namespaces[h].run_dir if namespaces else run_dirs[h],
                 preload=lib,
+                fabric_id=f"host{h}" if simulated else None,
             )
-            run.start(argv, env_r, rank, out)
+            argv_r = namespaces[h].wrap(argv) if namespaces else argv
+            run.start(argv_r, env_r, rank, out)
         return run.watch(timeout)
     finally:
         run.finish()
+        for ns in namespaces:
+            ns.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        shutil.rmtree(run_dir, ignore_errors=True)
+        for d in run_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+class _Namespace:
+    """A mount namespace standing in for one host: private tmpfs on /tmp and /dev/shm.
+
+    A holder process (``unshare --mount``) mounts the two tmpfs, makes the host's run dir in
+    its own /tmp and sleeps; ranks enter it with ``nsenter --mount``. Killing the holder once
+    the ranks are gone frees the namespace and everything in its tmpfs.
+    """
+
+    RUN_DIR = "/tmp/strata-host"
+    _SETUP = (
+        "mount -t tmpfs -o mode=1777 strata-tmp /tmp && "
+        "mount -t tmpfs -o mode=1777 strata-shm /dev/shm && "
+        f"mkdir -m 700 {RUN_DIR} && echo ready && exec sleep 100000"
+    )
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self.run_dir = self.RUN_DIR
+
+    @classmethod
+    def start(cls) -> _Namespace:
+        unshare, nsenter = shutil.which("unshare"), shutil.which("nsenter")
+        if not unshare or not nsenter:
+            raise OSError("private_mounts needs the unshare and nsenter commands (util-linux)")
+        proc = subprocess.Popen(
+            [unshare, "--mount", "--propagation", "private", "sh", "-c", cls._SETUP],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        line = proc.stdout.readline() if proc.stdout else b""
+        if line.strip() != b"ready":
+            proc.kill()
+            _, err = proc.communicate()
+            raise OSError(
+                "cannot make a private mount namespace (unshare --mount needs root or "
+                f"CAP_SYS_ADMIN): {err.decode(errors='replace').strip()}"
+            )
+        return cls(proc)
+
+    def wrap(self, argv: Sequence[str]) -> list[str]:
+        nsenter = shutil.which("nsenter") or "nsenter"
+        return [nsenter, f"--mount=/proc/{self.proc.pid}/ns/mnt", "--", *argv]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,6 +477,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--no-preload", action="store_true", help=f"do not LD_PRELOAD {ALLOC_LIBRARY_NAME}"
+    )
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        help="simulate this many hosts (fabrics) of nproc/hosts ranks each (default 1)",
+    )
+    p.add_argument(
+        "--private-mounts",
+        action="store_true",
+        help="each simulated host in its own mount namespace (private /tmp, /dev/shm; root)",
     )
     p.add_argument("--timeout", type=float, default=None, help="stop everything after N seconds")
     p.add_argument(
@@ -415,6 +515,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().error("-n must be at least 1")
     if ns.devices_per_proc < 1:
         _parser().error("--devices-per-proc must be at least 1")
+    if ns.hosts < 1 or ns.nproc % ns.hosts:
+        _parser().error("--hosts must be at least 1 and divide -n")
     target = ["-m", ns.script] if ns.module else [ns.script]
     return launch(
         ns.nproc,
@@ -423,6 +525,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         preload=not ns.no_preload,
         timeout=ns.timeout,
         grace=ns.grace,
+        hosts=ns.hosts,
+        private_mounts=ns.private_mounts,
         fail_grace=ns.fail_grace,
     )
 

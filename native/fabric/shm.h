@@ -229,6 +229,10 @@ class ShmFabric {
   void set_device_procs(const std::vector<int64_t>& devices, const std::vector<int>& procs);
   int device_proc(int64_t device) const;
   std::string dead_peers() const;
+  // For memory_stats(): the OS process id at the other end of each link (SO_PEERCRED, attested
+  // by the kernel; 0 for self), and the peer segments mapped here per owner (count, bytes).
+  std::vector<int> link_pids() const { return link_pids_; }
+  std::vector<std::pair<uint64_t, uint64_t>> mapped_by_owner() const;
 
   Bounce* acquire_bounce(size_t bytes, bool critical, std::string* err);
   void release_bounce(Bounce* b);
@@ -255,6 +259,7 @@ class ShmFabric {
   int listen_fd_ = -1;
   std::string socket_path_;
   std::vector<int> links_;  // socket per peer process (-1 for self)
+  std::vector<int> link_pids_;
   std::unique_ptr<std::atomic<bool>[]> alive_;
   ShmControl* ctl_ = nullptr;
   std::thread receiver_;

@@ -233,6 +233,13 @@ std::string ShmFabric::connect(int proc, int nprocs, const std::vector<std::stri
     return "the control segment from process 0 is not a strata_jax fabric";
   }
   close(cfd);
+  link_pids_.assign(nprocs, 0);
+  for (int j = 0; j < nprocs; ++j) {
+    ucred cred{};
+    socklen_t len = sizeof(cred);
+    if (links_[j] >= 0 && getsockopt(links_[j], SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0)
+      link_pids_[j] = cred.pid;
+  }
   alive_.reset(new std::atomic<bool>[nprocs]);
   for (int j = 0; j < nprocs; ++j) alive_[j].store(true, std::memory_order_relaxed);
   receiver_ = std::thread([this] { receiver_main(); });
@@ -295,6 +302,16 @@ void ShmFabric::unexport_segment(uint64_t id) {
   exported_.erase(it);
   for (int j = 0; j < nprocs_; ++j)
     if (j != proc_) send_fd(j, kFreeSeg, id, 0, -1);
+}
+
+std::vector<std::pair<uint64_t, uint64_t>> ShmFabric::mapped_by_owner() const {
+  std::vector<std::pair<uint64_t, uint64_t>> out(nprocs_, {0, 0});
+  std::shared_lock<std::shared_mutex> lock(map_mu_);
+  for (const auto& [key, seg] : mapped_) {
+    out[key.first].first += 1;
+    out[key.first].second += seg.second;
+  }
+  return out;
 }
 
 void ShmFabric::set_device_procs(const std::vector<int64_t>& devices,

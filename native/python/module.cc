@@ -9,6 +9,7 @@
 #include "fabric/shm.h"
 #include "fabric/stats.h"
 #include "ffi/handlers.h"
+#include "ffi/hier_handlers.h"
 #include "ffi/moe_handlers.h"
 #include "ffi/ragged_handler.h"
 
@@ -37,6 +38,7 @@ NB_MODULE(_strata, m) {
     d["strata_ragged_all_to_all"] = capsule(strata::RaggedAllToAllHandler);
     d["strata_moe_ll_dispatch"] = capsule(strata::MoeLowLatencyDispatchHandler);
     d["strata_moe_ll_combine"] = capsule(strata::MoeLowLatencyCombineHandler);
+    d["strata_count_inter_fabric"] = capsule(strata::CountInterFabricHandler);
     return d;
   });
   m.def(
@@ -57,6 +59,10 @@ NB_MODULE(_strata, m) {
     d["two_shot_all_reduce"] = s.two_shot.load(std::memory_order_relaxed);
     d["timeouts"] = s.timeouts.load(std::memory_order_relaxed);
     d["moe_calls"] = s.moe_calls.load(std::memory_order_relaxed);
+    d["intra_fabric_bytes"] = s.zero_copy_bytes.load(std::memory_order_relaxed) +
+                              s.peer_bounce_bytes.load(std::memory_order_relaxed);
+    d["inter_fabric_calls"] = s.inter_fabric_calls.load(std::memory_order_relaxed);
+    d["inter_fabric_bytes"] = s.inter_fabric_bytes.load(std::memory_order_relaxed);
     d["max_calls_in_flight_per_device"] = s.max_calls_in_flight.load(std::memory_order_relaxed);
     d["max_runs_in_flight_per_device"] = s.max_runs_in_flight.load(std::memory_order_relaxed);
     d["mismatches"] = s.mismatches.load(std::memory_order_relaxed);
@@ -127,6 +133,24 @@ NB_MODULE(_strata, m) {
     d["staged_calls"] = ld(s.staged_calls);
     d["peer_bounce_bytes"] = ld(s.peer_bounce_bytes);
     d["bounce_buffer_bytes"] = ld(s.bounce_bytes);
+    d["intra_fabric_bytes"] = ld(s.zero_copy_bytes) + ld(s.peer_bounce_bytes);
+    d["inter_fabric_bytes"] = ld(s.inter_fabric_bytes);
+    // Per fabric peer (native index): the OS pid at the other end of the link and the peer
+    // segments of that process mapped here (strata_jax.memory_stats() names the processes).
+    nb::list peers;
+    if (f) {
+      const auto pids = f->link_pids();
+      const auto owners = f->mapped_by_owner();
+      for (int j = 0; j < f->nprocs(); ++j) {
+        nb::dict e;
+        e["fabric_rank"] = j;
+        e["os_pid"] = pids[j];
+        e["segments_mapped"] = owners[j].first;
+        e["bytes_mapped"] = owners[j].second;
+        peers.append(e);
+      }
+    }
+    d["fabric_peers"] = peers;
     const auto& api = strata::ShmFabric::alloc();
     d["allocator"] = api.lookup != nullptr;
     strata_alloc_stats_t a{};

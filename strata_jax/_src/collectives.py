@@ -8,6 +8,8 @@ The public functions have the names, signatures and semantics of ``jax.lax``: re
 The native handlers read and write the participants' own XLA buffers (zero-copy). Where a
 rank sits in a collective is computed at run time from its partition id, an operand emitted
 by the program itself, and the mesh shape, so groups over any subset of a multi-axis mesh work.
+A group whose devices span several fabric domains (hosts) is lowered hierarchically instead:
+strata inside each fabric, XLA's own collectives between (``hierarchy.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from jax._src.interpreters import ad, batching, mlir
 from jax._src.lib.mlir.dialects import hlo
 from jax._src.sharding_impls import SPMDAxisContext
 
-from strata_jax._src import runtime
+from strata_jax._src import hierarchy, runtime
 
 AxisName = Any
 
@@ -249,6 +251,10 @@ def _ffi_call_lowering(target: str, api: str):
     """Lowering over mesh axes: operands (x, partition_id), groups as jax.lax forms them."""
 
     def lower(ctx, x, *, axes, **attrs):
+        # A group that spans fabric domains: strata inside each, XLA's collectives between.
+        split = hierarchy.lower_across_fabrics(ctx, x, target, axes, attrs)
+        if split is not None:
+            return split
         return lower_strata_call(ctx, target, api, [x], mesh_groups(ctx, axes, api), **attrs)
 
     return lower

@@ -1,11 +1,14 @@
 """Multi-process start-up: ``jax.distributed`` and the shared-memory fabric.
 
-``init()`` is the first call of a script that runs as several processes on one host (under
+``init()`` is the first call of a script that runs as several processes (under
 ``python -m strata_jax.launch``, mpirun, srun, or after ``jax.distributed.initialize`` by hand).
-It connects strata's native shared-memory fabric: a full mesh of unix sockets (bootstrapped
+It finds the fabric domains (the processes of one host; see ``topology.py``) and connects
+strata's native shared-memory fabric inside each: a full mesh of unix sockets (bootstrapped
 through the ``jax.distributed`` key-value store) that carries memfd file descriptors, and a
-control segment in shared memory that holds the collectives' rendezvous. From then on every
-strata collective whose group spans processes reads and writes the peers' own XLA buffers.
+control segment in shared memory, made by the first process of the fabric, that holds the
+collectives' rendezvous. From then on every strata collective whose group lies inside a fabric
+reads and writes the peers' own XLA buffers; a group that spans fabrics is lowered
+hierarchically (``hierarchy.py``: strata inside, XLA's own collectives between).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import os
 import shutil
 import tempfile
 
-from strata_jax._src import runtime
+from strata_jax._src import runtime, topology
 
 REGISTRATION_MODES = ("on_alloc", "on_use", "staging")
 ENV_REGISTRATION = "STRATA_REGISTRATION"
@@ -170,9 +173,15 @@ def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
         preloaded) are staged in every mode.
       timeout_s: seconds to wait for the other processes during start-up.
 
+    Fabric domains: each process's fabric id (``$STRATA_FABRIC_ID``, else hostname + boot id)
+    is exchanged through the ``jax.distributed`` key-value store; shared memory is connected
+    only among processes with the same id (nothing of one fabric -- socket path, file,
+    segment -- is looked up from another), and a process alone in its fabric connects nothing.
+
     Returns:
-      dict with ``process_id``, ``num_processes``, ``registration`` and ``fabric`` (``"shm"``
-      or ``"inproc"``).
+      dict with ``process_id``, ``num_processes``, ``registration``, ``fabric`` (``"shm"``
+      when this process shares memory with others, else ``"inproc"``), ``fabric_index``,
+      ``num_fabrics`` and ``fabric_processes`` (the processes of this fabric).
 
     Raises:
       ValueError: unknown registration mode, or a malformed launcher environment.
@@ -227,6 +236,37 @@ def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
     _install_exit_hooks()  # also under mpirun/srun or a hand-made jax.distributed
     client = _distributed_client()
     ms = int(timeout_s * 1000)
+    # Fabric domains: shared memory connects only the processes of one fabric (see topology.py).
+    client.key_value_set(f"{_KV_PREFIX}/fabric_id/{pid}", topology.local_fabric_id())
+    ids = [client.blocking_key_value_get(f"{_KV_PREFIX}/fabric_id/{j}", ms) for j in range(n)]
+    fmap = topology.set_fabric_map(ids, pid)
+    members = fmap.members(fmap.own)
+    if len(members) > 1:
+        _connect_fabric(native, client, pid, members, mode, ms)
+    # Every process is connected (or alone in its fabric) before any collective runs.
+    client.wait_at_barrier(f"{_KV_PREFIX}/connected", ms)
+    fabric = "shm" if len(members) > 1 else "inproc"
+    _state = {
+        "process_id": pid,
+        "num_processes": n,
+        "registration": mode,
+        "fabric": fabric,
+        "fabric_index": fmap.own,
+        "num_fabrics": len(fmap.names),
+        "fabric_processes": list(members),
+    }
+    return dict(_state)
+
+
+def _connect_fabric(native, client, pid: int, members: tuple[int, ...], mode: str, ms: int):
+    """Connects the shared-memory fabric among ``members`` (process indices of one fabric).
+
+    The native fabric numbers its processes 0..len(members)-1 in process order; the first
+    member makes the control segment. Socket paths are exchanged through the key-value store,
+    but only members read each other's: nothing of this fabric is looked up from another.
+    """
+    from strata_jax import launch
+
     run_dir = os.environ.get(launch.ENV_RUN_DIR)
     own_dir = None
     if not run_dir or not os.path.isdir(run_dir) or len(run_dir) > 90:
@@ -238,22 +278,26 @@ def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
         )  # mode 0700
     try:
         # Which process owns each device: a collective that waits for a rank whose process
-        # disconnected fails at once instead of at the timeout.
-        devices = jax.devices()
-        native.fabric_set_device_procs([d.id for d in devices], [d.process_index for d in devices])
+        # disconnected fails at once instead of at the timeout. The native fabric numbers the
+        # members of this fabric 0..len(members)-1; other fabrics' devices are not listed.
+        import jax
+
+        local = {p: i for i, p in enumerate(members)}
+        devices = [d for d in jax.devices() if d.process_index in local]
+        native.fabric_set_device_procs(
+            [d.id for d in devices], [local[d.process_index] for d in devices]
+        )
         path = native.fabric_listen(run_dir, pid)
         client.key_value_set(f"{_KV_PREFIX}/path/{pid}", path)
-        paths = [client.blocking_key_value_get(f"{_KV_PREFIX}/path/{j}", ms) for j in range(n)]
-        native.fabric_connect(pid, n, paths, mode)
-        # Every process is connected: the socket files are no longer needed. Removing them now
+        paths = [client.blocking_key_value_get(f"{_KV_PREFIX}/path/{j}", ms) for j in members]
+        native.fabric_connect(members.index(pid), len(members), paths, mode)
+        # Every member is connected: the socket files are no longer needed. Removing them now
         # leaves nothing in the file system even if a process is killed later.
-        client.wait_at_barrier(f"{_KV_PREFIX}/connected", ms)
+        client.wait_at_barrier(f"{_KV_PREFIX}/connected/{members[0]}", ms, list(members))
     finally:
         native.fabric_unlink()
         if own_dir is not None:
             shutil.rmtree(own_dir, ignore_errors=True)
-    _state = {"process_id": pid, "num_processes": n, "registration": mode, "fabric": "shm"}
-    return dict(_state)
 
 
 def memory_stats() -> dict:
@@ -278,5 +322,26 @@ def memory_stats() -> dict:
       - ``allocator``: whether libstrata_alloc serves this process; ``pool_segments``,
         ``pool_segment_bytes``, ``pool_bytes_in_use``, ``pool_bytes_cached``, ``pool_allocs``,
         ``pool_threshold`` from ``strata_alloc_stats`` (zeros without the allocator).
+      - ``intra_fabric_bytes``: bytes strata moved between devices of this fabric (zero-copy
+        plus through peers' bounce buffers); ``inter_fabric_bytes``: bytes the inter-fabric
+        steps of hierarchical collectives handed to XLA's own collectives (gloo/MPI).
+      - ``fabric``/``fabric_index``/``fabric_id``: this process's fabric domain;
+        ``fabric_peers``: one dict per process of this fabric connected through shared memory
+        (``process``: jax process index, ``fabric_id``, ``os_pid``: the pid at the other end
+        of the link as the kernel attests it (SO_PEERCRED; 0 for this process),
+        ``segments_mapped`` / ``bytes_mapped``: that process's segments mapped here). Every
+        peer segment mapped here is listed under its owner, so this shows that no memory of
+        another fabric is mapped.
     """
-    return dict(runtime.native().memory_stats())
+    d = dict(runtime.native().memory_stats())
+    fmap = topology.fabric_map()
+    members = fmap.members(fmap.own)
+    d["fabric_index"] = fmap.own
+    d["fabric_id"] = fmap.ids[fmap.process]
+    peers = []
+    for e in d.get("fabric_peers", []):
+        e = dict(e)
+        p = members[e.pop("fabric_rank")]
+        peers.append({"process": p, "fabric_id": fmap.ids[p], **e})
+    d["fabric_peers"] = peers
+    return d

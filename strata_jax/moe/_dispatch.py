@@ -64,6 +64,7 @@ import numpy as np
 from jax._src import core
 from jax._src.interpreters import mlir
 
+from strata_jax._src import hierarchy
 from strata_jax._src.collectives import (
     _axes,
     _axis_size,
@@ -151,6 +152,10 @@ def _out_aval(like, shape, dtype, operands, axes):
 
 def _lower(target: str, api: str):
     def lower(ctx, *args, axes, **attrs):
+        # An expert axis that spans fabric domains: hierarchical collectives (hierarchy.py).
+        split = hierarchy.lower_moe_across_fabrics(ctx, target, args, axes, attrs)
+        if split is not None:
+            return split
         return lower_strata_call(ctx, target, api, args, mesh_groups(ctx, axes, api), **attrs)
 
     return lower

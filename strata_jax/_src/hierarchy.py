@@ -1,0 +1,538 @@
+"""Collectives whose group spans fabrics: strata inside each fabric, XLA's collectives between.
+
+A group of a mesh axis (or tuple of axes) whose devices live in several fabric domains (see
+``topology.py``) cannot meet in one shared-memory rendezvous: no fabric can map another's
+memory. The split is decided at lowering time from the mesh's device assignment
+(``device.process_index``) and the job's fabric map, so the program stays SPMD and the
+primitives' autodiff/vmap rules are untouched (they live above the lowering).
+
+Layout. Every group is cut by fabric into F *fabric slots* (ordered by first appearance in the
+group) of L members each (ordered as in the group): group rank g sits at (f(g), l(g)). The
+*intra* groups are one fabric slot of one group (L devices, one fabric: strata's path); the
+*inter* groups are the members with equal l across the slots (F devices, one per fabric: XLA's
+collective, gloo or MPI, over explicit replica groups with global device ids, as
+``jax/_src/lax/parallel.py`` lowers ``psum``). A group whose fabrics hold different numbers of
+its members, or whose layout differs between groups, and a group with one device per fabric,
+lower straight to XLA's collective for the whole op.
+
+Algorithms (NCCL's intra-node/inter-node split; DeepEP's NVLink aggregation before RDMA;
+StrataCL's supernode/scale-out, Hu et al. 2026). Inter-fabric bytes are per device:
+- all-reduce (psum/pmax/pmin): reduce-scatter inside the fabric (padded to a multiple of L) ->
+  all-reduce of the 1/L shard across fabrics -> all-gather inside. Crosses S/L.
+- all_gather: all-gather across fabrics of the own block first (F-1 blocks cross, not
+  (F-1)*L), then inside the fabric, then a static reorder into group order.
+- psum_scatter: blocks reordered to (l, f), reduce-scatter inside (each member sums the F
+  blocks of its local index), then reduce-scatter across fabrics. Crosses (F-1)/F of S/L.
+- all_to_all: blocks reordered to (dest l, dest f); all-to-all inside the fabric, so that each
+  member holds everything its fabric sends to local index l; then one all-to-all across
+  fabrics whose messages are single L-block aggregates (one per destination fabric).
+- ppermute: pairs inside a fabric through strata, pairs across through XLA's
+  collective-permute; each destination takes the one that wrote it.
+- pbroadcast: all-gather across fabrics among the source's local index, keep the source's
+  fabric, then broadcast inside the fabric from the source's local index. Exact bits.
+
+The intra steps run through :data:`group_collective_p` with ``engine="strata"``; the inter
+steps with ``engine="xla"``, next to a custom call that counts the bytes handed over
+(``comm_stats()["inter_fabric_bytes"]``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core
+from jax._src.interpreters import mlir
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import hlo
+from jax._src.sharding_impls import SPMDAxisContext
+
+from strata_jax._src import topology
+
+# --------------------------------------------------------------------------------------
+# The plan: groups of the collective and how fabrics cut them
+# --------------------------------------------------------------------------------------
+
+
+def _fabric_of_device(d) -> int:
+    return topology.fabric_of_process(d.process_index)
+
+
+@dataclass(frozen=True)
+class Plan:
+    groups: np.ndarray  # [G, n] partition ids, rank order
+    uniform: bool  # every group cut into F slots of L in the same layout
+    F: int = 1
+    L: int = 1
+    f: np.ndarray | None = None  # [n] fabric slot of each group rank
+    loc: np.ndarray | None = None  # [n] local index of each group rank
+    intra: tuple = ()  # [G*F][L] partition ids
+    inter: tuple = ()  # [G*L][F] partition ids
+
+    def rank_of(self, slot: int, k: int) -> int:
+        return int(np.flatnonzero((self.f == slot) & (self.loc == k))[0])
+
+    def perm_lf(self) -> np.ndarray:
+        """Group ranks in (l, f) order (l major)."""
+        return np.array([self.rank_of(s, k) for k in range(self.L) for s in range(self.F)])
+
+    def perm_fl(self) -> np.ndarray:
+        """Group ranks in (f, l) order (f major)."""
+        return np.array([self.rank_of(s, k) for s in range(self.F) for k in range(self.L)])
+
+
+def _layout(fabrics: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    order: dict[int, int] = {}
+    f = np.empty(len(fabrics), np.int64)
+    loc = np.empty(len(fabrics), np.int64)
+    count: dict[int, int] = {}
+    for j, fab in enumerate(fabrics.tolist()):
+        f[j] = order.setdefault(fab, len(order))
+        loc[j] = count.get(fab, 0)
+        count[fab] = loc[j] + 1
+    return f, loc
+
+
+def plan(ctx, axes: tuple) -> Plan | None:
+    """How the groups of a collective over ``axes`` cross fabrics; None when none does."""
+    if topology.num_fabrics() == 1:
+        return None
+    axis_ctx = ctx.module_context.axis_context
+    if not isinstance(axis_ctx, SPMDAxisContext):
+        return None
+    mesh = axis_ctx.mesh
+    names = tuple(mesh.axis_names)
+    sizes = tuple(int(s) for s in mesh.axis_sizes)
+    idx = [names.index(a) for a in axes]
+    rest = [i for i in range(len(names)) if i not in idx]
+    n = math.prod(sizes[i] for i in idx)
+    groups = np.arange(math.prod(sizes)).reshape(sizes).transpose(rest + idx).reshape(-1, n)
+    fab = np.array([_fabric_of_device(d) for d in np.asarray(mesh.devices).flat])
+    gf = fab[groups]
+    if all(len(set(row.tolist())) == 1 for row in gf):
+        return None
+    layouts = [_layout(row) for row in gf]
+    f0, l0 = layouts[0]
+    F = int(f0.max()) + 1
+    L = n // F
+    uniform = (
+        n % F == 0
+        and all(np.array_equal(f, f0) and np.array_equal(lo, l0) for f, lo in layouts)
+        and all(int((f0 == s).sum()) == L for s in range(F))
+    )
+    if not uniform:
+        return Plan(groups, False)
+    intra = tuple(
+        tuple(int(groups[g, np.flatnonzero((f0 == s) & (l0 == k))[0]]) for k in range(L))
+        for g in range(len(groups))
+        for s in range(F)
+    )
+    inter = tuple(
+        tuple(int(groups[g, np.flatnonzero((f0 == s) & (l0 == k))[0]]) for s in range(F))
+        for g in range(len(groups))
+        for k in range(L)
+    )
+    return Plan(groups, True, F, L, f0, l0, intra, inter)
+
+
+# --------------------------------------------------------------------------------------
+# One collective over explicit groups, by strata or by XLA
+# --------------------------------------------------------------------------------------
+
+group_collective_p = core.Primitive("strata_group_collective")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "permute")
+
+
+def _gc(x, kind: str, engine: str, groups, *, reduce: str = "sum", pairs=()):
+    return group_collective_p.bind(
+        x,
+        kind=kind,
+        engine=engine,
+        groups=tuple(map(tuple, groups)),
+        reduce=reduce,
+        pairs=tuple(pairs),
+    )
+
+
+def _gc_abstract_eval(aval, *, kind, engine, groups, reduce, pairs):
+    n = len(groups[0])
+    if kind == "reduce_scatter":
+        return aval.update(shape=(aval.shape[0] // n, *aval.shape[1:]))
+    if kind == "all_gather":
+        return aval.update(shape=(aval.shape[0] * n, *aval.shape[1:]))
+    return aval
+
+
+group_collective_p.def_abstract_eval(_gc_abstract_eval)
+
+
+def _groups_attr(groups) -> ir.DenseElementsAttr:
+    return ir.DenseIntElementsAttr.get(np.ascontiguousarray(np.asarray(groups, np.int64)))
+
+
+def _channel():
+    return hlo.ChannelHandle.get(mlir.COLLECTIVE_CHANNEL_ID, mlir.DEVICE_TO_DEVICE_TYPE)
+
+
+_REDUCERS = {"sum": jax.lax.add_p, "max": jax.lax.max_p, "min": jax.lax.min_p}
+
+
+def _add_reducer(ctx, op, dtype, reduce: str) -> None:
+    scalar = core.ShapedArray((), dtype)
+    t = mlir.aval_to_ir_type(ctx.module_context, scalar)
+    block = op.regions[0].blocks.append(t, t)
+    with ir.InsertionPoint(block):
+        lower = mlir.lower_fun(_REDUCERS[reduce].bind, multiple_results=False)
+        sub = ctx.replace(primitive=None, avals_in=[scalar] * 2, avals_out=[scalar])
+        out = lower(sub, *block.arguments)
+        flat, _ = mlir.ir_tree_registry.flatten(out)
+        hlo.return_(flat)
+
+
+def _xla_lowering(ctx, x, *, kind, groups, reduce, pairs):
+    (aval_in,), (aval_out,) = ctx.avals_in, ctx.avals_out
+    rg = _groups_attr(groups)
+    gids = ir.BoolAttr.get(True)
+    if kind == "all_reduce":
+        op = hlo.AllReduceOp(
+            [x.type], [x], replica_groups=rg, channel_handle=_channel(), use_global_device_ids=gids
+        )
+        _add_reducer(ctx, op, aval_in.dtype, reduce)
+        return op.result
+    if kind == "reduce_scatter":
+        op = hlo.ReduceScatterOp(
+            mlir.aval_to_ir_type(ctx.module_context, aval_out),
+            x,
+            scatter_dimension=mlir.i64_attr(0),
+            replica_groups=rg,
+            channel_handle=_channel(),
+            use_global_device_ids=gids,
+        )
+        _add_reducer(ctx, op, aval_in.dtype, reduce)
+        return op.result
+    if kind == "all_gather":
+        return hlo.AllGatherOp(
+            [mlir.aval_to_ir_type(ctx.module_context, aval_out)],
+            [x],
+            all_gather_dim=mlir.i64_attr(0),
+            replica_groups=rg,
+            channel_handle=_channel(),
+            use_global_device_ids=gids,
+        ).results[0]
+    if kind == "all_to_all":
+        return hlo.AllToAllOp(
+            [x],
+            split_dimension=mlir.i64_attr(0),
+            concat_dimension=mlir.i64_attr(0),
+            split_count=mlir.i64_attr(len(groups[0])),
+            replica_groups=rg,
+            channel_handle=_channel(),
+        ).results[0]
+    if kind == "permute":
+        return hlo.CollectivePermuteOp(
+            x,
+            mlir.dense_int_elements(np.asarray(pairs, np.int64).reshape(-1, 2)),
+            channel_handle=_channel(),
+        ).results[0]
+    raise AssertionError(kind)
+
+
+_STRATA_TARGETS = {
+    "reduce_scatter": "strata_reduce_scatter",
+    "all_gather": "strata_all_gather",
+    "all_to_all": "strata_all_to_all",
+    "permute": "strata_permute",
+}
+_REDUCE_CODES = {"sum": 0, "max": 1, "min": 2}
+
+
+def _strata_lowering(ctx, x, *, kind, groups, reduce, pairs):
+    """One strata call over explicit intra-fabric groups (``lower_strata_call``)."""
+    if kind not in _STRATA_TARGETS:
+        return _xla_lowering(ctx, x, kind=kind, groups=groups, reduce=reduce, pairs=pairs)
+    from strata_jax._src.collectives import lower_strata_call
+
+    attrs: dict = {}
+    if kind == "reduce_scatter":
+        attrs["reduce"] = np.int32(_REDUCE_CODES[reduce])
+    elif kind == "all_to_all":
+        attrs.update(split_axis=0, concat_axis=0)
+    elif kind == "permute":
+        # The same local pattern in every group (checked by the caller): take the first's.
+        first = {pid: r for r, pid in enumerate(groups[0])}
+        sources = np.full(len(groups[0]), -1, np.int64)
+        for s, d in pairs:
+            if s in first:
+                sources[first[d]] = first[s]
+        attrs["sources"] = sources
+    target = _STRATA_TARGETS[kind]
+    (out,) = lower_strata_call(ctx, target, kind, [x], np.asarray(groups, np.int64), **attrs)
+    return out
+
+
+def _count_inter(ctx, x, nbytes: int) -> None:
+    """Custom call that adds nbytes to comm_stats()['inter_fabric_bytes'] when it runs."""
+    rule = jax.ffi.ffi_lowering("strata_count_inter_fabric", has_side_effect=True)
+    sub = ctx.replace(primitive=None, avals_out=[core.ShapedArray((), np.uint8)])
+    rule(sub, x, bytes=np.int64(nbytes))
+
+
+def _gc_lowering(ctx, x, *, kind, engine, groups, reduce, pairs):
+    if engine == "strata":
+        out = _strata_lowering(ctx, x, kind=kind, groups=groups, reduce=reduce, pairs=pairs)
+    else:
+        (aval_in,) = ctx.avals_in
+        _count_inter(ctx, x, int(aval_in.size) * aval_in.dtype.itemsize)
+        out = _xla_lowering(ctx, x, kind=kind, groups=groups, reduce=reduce, pairs=pairs)
+    return [out]
+
+
+mlir.register_lowering(group_collective_p, _gc_lowering, platform="cpu")
+
+
+# --------------------------------------------------------------------------------------
+# The hierarchical algorithms (traced with jnp, lowered with mlir.lower_fun)
+# --------------------------------------------------------------------------------------
+
+_REDUCE_NAMES = {0: "sum", 1: "max", 2: "min"}
+
+
+def _all_reduce(x, p: Plan, reduce: str):
+    if p.L == 1 or not p.uniform:
+        return _gc(x, "all_reduce", "xla", p.groups, reduce=reduce)
+    v = x.reshape(-1)
+    m = v.shape[0]
+    chunk = -(-m // p.L)
+    if chunk * p.L != m:  # padding stays inside: sliced off before returning
+        v = jnp.pad(v, (0, chunk * p.L - m))
+    v = _gc(v, "reduce_scatter", "strata", p.intra, reduce=reduce)
+    v = _gc(v, "all_reduce", "xla", p.inter, reduce=reduce)
+    v = _gc(v, "all_gather", "strata", p.intra)
+    return v[:m].reshape(x.shape)
+
+
+def _all_gather(x, p: Plan):
+    if p.L == 1 or not p.uniform:
+        return _gc(x, "all_gather", "xla", p.groups)
+    k = x.shape[0]
+    v = _gc(x, "all_gather", "xla", p.inter)  # [F*k]: own local index, every fabric
+    v = _gc(v, "all_gather", "strata", p.intra)  # [L*F*k], (l, f) order
+    v = v.reshape(p.L * p.F, k, *x.shape[1:])
+    order = np.argsort(p.perm_lf())  # position in (l, f) order of each group rank
+    return v[order].reshape(p.L * p.F * k, *x.shape[1:])
+
+
+def _reduce_scatter(x, p: Plan, reduce: str):
+    if p.L == 1 or not p.uniform:
+        return _gc(x, "reduce_scatter", "xla", p.groups, reduce=reduce)
+    n = p.F * p.L
+    k = x.shape[0] // n
+    v = x.reshape(n, k, *x.shape[1:])[p.perm_lf()].reshape(n * k, *x.shape[1:])
+    v = _gc(v, "reduce_scatter", "strata", p.intra, reduce=reduce)  # [F*k]: my l, every f
+    return _gc(v, "reduce_scatter", "xla", p.inter, reduce=reduce)
+
+
+def _all_to_all(x, p: Plan, split_axis: int, concat_axis: int):
+    n = len(p.groups[0])
+    xs = jnp.moveaxis(x, split_axis, 0)
+    b = xs.shape[0] // n
+    rest = xs.shape[1:]
+    xs = xs.reshape(n, b, *rest)
+    if p.L == 1 or not p.uniform:
+        z = _gc(xs.reshape(n * b, *rest), "all_to_all", "xla", p.groups).reshape(n, b, *rest)
+    else:
+        v = xs[p.perm_lf()].reshape(n * b, *rest)  # blocks by (dest l, dest f)
+        v = _gc(v, "all_to_all", "strata", p.intra)  # [src l', dest f, b]
+        v = v.reshape(p.L, p.F, b, *rest).swapaxes(0, 1).reshape(n * b, *rest)
+        v = _gc(v, "all_to_all", "xla", p.inter)  # [src f, src l', b]
+        z = v.reshape(n, b, *rest)[np.argsort(p.perm_fl())]  # sources in group order
+    # z[g]: block from source g, split axis first. Back to x's layout, sources along concat.
+    w = jnp.moveaxis(z, 1, split_axis + 1)  # [n, *x.shape with split dim b]
+    w = jnp.moveaxis(w, 0, concat_axis)
+    shape = list(w.shape)
+    shape[concat_axis : concat_axis + 2] = [shape[concat_axis] * shape[concat_axis + 1]]
+    return w.reshape(shape)
+
+
+def _bits_or(a, b):
+    if a.dtype == np.bool_:
+        return a | b
+    if jnp.issubdtype(a.dtype, jnp.integer):
+        return a | b
+    u = jnp.dtype(f"uint{8 * a.dtype.itemsize}")
+    return jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(a, u) | jax.lax.bitcast_convert_type(b, u), a.dtype
+    )
+
+
+def _permute(x, p: Plan, sources: np.ndarray):
+    pairs = [(int(s), d) for d, s in enumerate(sources.tolist()) if s >= 0]
+    full = [(int(g[s]), int(g[d])) for g in p.groups for s, d in pairs]
+    if p.L == 1 or not p.uniform or jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return _gc(x, "permute", "xla", p.groups, pairs=full)
+    fab = np.array([p.f[s] == p.f[d] for s, d in pairs], bool)
+    inside = [pr for pr, same in zip(pairs, fab, strict=True) if same]
+    across = [pr for pr, same in zip(pairs, fab, strict=True) if not same]
+    out = None
+    if across:
+        cross = [(int(g[s]), int(g[d])) for g in p.groups for s, d in across]
+        out = _gc(x, "permute", "xla", p.groups, pairs=cross)
+    if inside:
+        # Partition pairs of the intra steps; strata runs them when every fabric slot has the
+        # same local pattern (one permutation for all intra groups).
+        local = {(int(p.f[s]), int(p.loc[s]), int(p.loc[d])) for s, d in inside}
+        per_slot = [{(a, b) for f, a, b in local if f == s} for s in range(p.F)]
+        intra_pairs = [(int(g[s]), int(g[d])) for g in p.groups for s, d in inside]
+        if all(ps == per_slot[0] for ps in per_slot):
+            lp = sorted(per_slot[0])
+            ip = [(grp[a], grp[b]) for grp in p.intra for a, b in lp]
+            y = _gc(x, "permute", "strata", p.intra, pairs=ip)
+        else:
+            y = _gc(x, "permute", "xla", p.groups, pairs=intra_pairs)
+        out = y if out is None else _bits_or(out, y)
+    if out is None:
+        out = jnp.zeros_like(x)
+    return out
+
+
+def _broadcast(x, p: Plan, root: int):
+    if p.L == 1 or not p.uniform:
+        v = _gc(x.reshape(1, *x.shape), "all_gather", "xla", p.groups)
+        return v[root]
+    fs, ls = int(p.f[root]), int(p.loc[root])
+    v = _gc(x.reshape(1, *x.shape), "all_gather", "xla", p.inter)[fs]  # x of (fs, my l)
+    v = _gc(v.reshape(1, *x.shape), "all_gather", "strata", p.intra)
+    return v[ls]
+
+
+# --------------------------------------------------------------------------------------
+# MoE dispatch/combine across fabrics
+# --------------------------------------------------------------------------------------
+
+
+def _acc(dtype):
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
+def _moe_dispatch(x, w, slots, p: Plan, out_shape, weighted: bool):
+    """recv [E_local, C, H] on this rank from every rank's x, by this rank's slot plan.
+
+    Every rank's token rows arrive through the hierarchical all_gather: across fabrics first
+    (each row crosses to each other fabric once), then inside the fabric through strata. The
+    rows are then scattered into their slots locally (a repeated expert shares one slot).
+    """
+    el, c, h = out_shape
+    n, k = slots.shape
+    xa = _all_gather(x, p)  # [N, H], global token order
+    flat = slots.reshape(-1)
+    tgt = jnp.where(flat >= 0, flat, el * c)
+    rows = jnp.repeat(xa, k, axis=0)  # [(g, k), H]
+    if weighted:
+        wa = _all_gather(w, p)  # [N, K]
+        same = (slots[:, :, None] == slots[:, None, :]) & (slots[:, None, :] >= 0)
+        wsum = (wa[:, None, :] * same).sum(-1)  # weights of the choices naming the slot
+        rows = (rows.astype(wa.dtype) * wsum.reshape(-1)[:, None]).astype(x.dtype)
+    recv = jnp.zeros((el * c, h), x.dtype).at[tgt].set(rows, mode="drop")
+    return recv.reshape(el, c, h)
+
+
+def _moe_partials(ey, w, slots, p: Plan):
+    """[N, H] (accumulator dtype): each global token's weighted rows of this rank's experts."""
+    el, c, h = ey.shape
+    n, k = slots.shape
+    wa = _all_gather(w, p).astype(_acc(ey.dtype))  # [N, K]
+    flat = slots.reshape(-1)
+    valid = flat >= 0
+    rows = ey.reshape(el * c, h)[jnp.where(valid, flat, 0)].astype(wa.dtype)
+    rows = jnp.where(valid[:, None], rows * wa.reshape(-1)[:, None], 0)
+    return rows.reshape(n, k, h).sum(1)
+
+
+def lower_moe_across_fabrics(ctx, target: str, args, axes: tuple, attrs: dict):
+    """The hook of the MoE primitives' lowering: when the expert axis spans fabrics, dispatch,
+    combine and the weight-gradient gather are lowered as hierarchical collectives (the same
+    semantics, layout, drop rule and gradients; the plan is computed in JAX as before):
+
+    - dispatch: all_gather of the token rows (across fabrics once per destination fabric, then
+      strata inside), each rank keeps the rows of its slots;
+    - combine: each rank forms one partial row per global token from its experts (weighted,
+      in the accumulator dtype), then a hierarchical psum_scatter: partial sums inside each
+      fabric (strata) before the 1/L shard crosses back;
+    - gather (d weights): the same psum_scatter on the per-choice scalars.
+
+    Returns None when the axis lies inside one fabric.
+    """
+    p = plan(ctx, axes)
+    if p is None:
+        return None
+    if target == "strata_moe_dispatch":
+        shape = ctx.avals_out[0].shape
+        weighted = bool(int(attrs["weighted"]))
+
+        def fn(x, w, slots, counts):
+            return _moe_dispatch(x, w, slots, p, shape, weighted)
+
+        return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
+    if target == "strata_moe_combine":
+        part_aval = ctx.avals_out[1]
+
+        def fn(ey, w, slots, rows):
+            y = _reduce_scatter(_moe_partials(ey, w, slots, p), p, "sum").astype(ey.dtype)
+            return [y, jnp.zeros(part_aval.shape, part_aval.dtype)]
+
+        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+    if target == "strata_moe_gather":
+
+        def fn(values, slots, idx):
+            flat = values.reshape(-1)
+            v = jnp.where(slots >= 0, flat[jnp.where(slots >= 0, slots, 0)], 0)
+            return _reduce_scatter(v.astype(values.dtype), p, "sum")
+
+        return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
+    raise NotImplementedError(f"strata_jax: {target} across fabric domains is not supported")
+
+
+def refuse_across_fabrics(ctx, axes: tuple, api: str) -> None:
+    """Raises NotImplementedError at lowering when a group over ``axes`` spans fabrics (for
+    operators without a hierarchical form yet, instead of waiting for peers that cannot
+    arrive)."""
+    p = plan(ctx, axes)
+    if p is not None:
+        raise NotImplementedError(
+            f"{api} over an axis whose groups span fabric domains (hosts) is not supported yet: "
+            f"groups {p.groups.tolist()} (partition ids) cross fabrics. Keep the expert axis "
+            "inside one host (e.g. a ('host', 'expert') mesh with experts on the inner axis), "
+            "or use the dense jax.lax formulation for this axis."
+        )
+
+
+def lower_across_fabrics(ctx, x, target: str, axes: tuple, attrs: dict):
+    """The hook of ``collectives._ffi_call_lowering``: lowers ``target`` hierarchically when
+    its groups span fabrics; returns None when every group lies inside one fabric."""
+    p = plan(ctx, axes)
+    if p is None:
+        return None
+    if target == "strata_all_reduce":
+        fn = lambda v: _all_reduce(v, p, _REDUCE_NAMES[int(attrs["reduce"])])  # noqa: E731
+    elif target == "strata_reduce_scatter":
+        fn = lambda v: _reduce_scatter(v, p, _REDUCE_NAMES[int(attrs["reduce"])])  # noqa: E731
+    elif target == "strata_all_gather":
+        fn = lambda v: _all_gather(v, p)  # noqa: E731
+    elif target == "strata_all_to_all":
+        s, c = int(attrs["split_axis"]), int(attrs["concat_axis"])
+        fn = lambda v: _all_to_all(v, p, s, c)  # noqa: E731
+    elif target == "strata_permute":
+        src = np.asarray(attrs["sources"])
+        fn = lambda v: _permute(v, p, src)  # noqa: E731
+    elif target == "strata_broadcast":
+        r = int(attrs["root"])
+        fn = lambda v: _broadcast(v, p, r)  # noqa: E731
+    else:
+        raise NotImplementedError(
+            f"strata_jax: {target} over a group that spans fabric domains is not supported yet "
+            f"(groups {p.groups.tolist()} cross fabrics); keep its axis inside one host."
+        )
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, x)

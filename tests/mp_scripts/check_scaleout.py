@@ -1,0 +1,169 @@
+"""Every collective over axes inside one fabric, across fabrics and over all devices, against
+jax.lax over gloo on the same inputs; gradients of psum and all_gather; evidence that no
+memory crosses a fabric.
+
+Run under the launcher with simulated hosts: ``python -m strata_jax.launch -n 4 --hosts 2
+check_scaleout.py [--private]``. Meshes: a flat axis over all devices (in process order and
+interleaved, so a group's fabrics alternate), and a 2-D ("host", "local") mesh whose outer axis
+crosses fabrics and inner axis stays inside one, reduced over "host", "local", both, and both
+in the other order. Each (mesh, axes, dtype) compiles one function with every operator, once
+with strata_jax and once with jax.lax, and compares each process's own shards. ``--private``:
+also checks that this process runs in a private mount namespace (its /tmp has none of the
+launcher's folders). Prints ``OK scaleout <checks> checks`` at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+import strata_jax as sj
+
+info = sj.init()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from strata_jax._src.fabric import _distributed_client  # noqa: E402
+
+sj.set_timeout(60)
+topo = sj.topology()
+pid = jax.process_index()
+devs = sorted(jax.devices(), key=lambda d: d.id)
+N = len(devs)
+H = len(topo["fabrics"])
+checks = 0
+
+
+def fail(msg: str) -> None:
+    print(f"FAIL process {pid}: {msg}", flush=True)
+    sys.exit(1)
+
+
+def ops(lib, axes, n: int, floating: bool):
+    """Every operator of ``lib`` (strata_jax or jax.lax) over ``axes``; per-device v: [N, 6]."""
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    some = [(n - 1, 0), (0, n // 2)] if n > 2 else [(0, n - 1)]
+
+    def bcast(v, src):
+        if lib is sj:
+            return sj.pbroadcast(v, axes, src)
+        # jax.lax.pbroadcast has no CPU lowering; its documented equivalent.
+        return jax.lax.psum(jnp.where(jax.lax.axis_index(axes) == src, v, jnp.zeros_like(v)), axes)
+
+    def body(v):
+        outs = {
+            "psum": lib.psum(v, axes),
+            "psum_odd": lib.psum(v[:3, :5], axes),  # 15 elements: padded inside a fabric
+            "pmax": lib.pmax(v, axes),
+            "pmin": lib.pmin(v, axes),
+            "all_gather": lib.all_gather(v, axes),
+            "all_gather_tiled_1": lib.all_gather(v, axes, axis=1, tiled=True),
+            "psum_scatter": lib.psum_scatter(v, axes, tiled=True),
+            "all_to_all": lib.all_to_all(v, axes, 0, 1, tiled=True),
+            "ppermute_ring": lib.ppermute(v, axes, ring),
+            "ppermute_some": lib.ppermute(v, axes, some),
+            "pbroadcast": bcast(v, n - 1),
+        }
+        if floating:
+            outs["pmean"] = lib.pmean(v, axes)
+            w = jnp.arange(v.size * n, dtype=v.dtype).reshape(n * v.shape[0], v.shape[1])
+            outs["grad_psum"] = jax.grad(lambda u: (lib.psum(u, axes) ** 2).sum())(v)
+            outs["grad_all_gather"] = jax.grad(
+                lambda u: (lib.all_gather(u, axes, tiled=True) * w).sum()
+            )(v)
+        return {k: o[None] for k, o in outs.items()}
+
+    return body
+
+
+def compare(mesh: Mesh, axes, dtype) -> None:
+    global checks
+    names = tuple(mesh.axis_names)
+    n = int(np.prod([mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,))]))
+    rng = np.random.default_rng(1234)
+    shape = (mesh.size * mesh.size, 6)  # N rows per device: divisible by any group size
+    if jnp.issubdtype(dtype, jnp.floating):
+        x = rng.standard_normal(shape).astype(np.float32).astype(dtype)
+    else:
+        x = rng.integers(-50, 50, size=shape).astype(dtype)
+    spec = P(names)
+    arr = jax.make_array_from_callback(shape, NamedSharding(mesh, spec), lambda i: x[i])
+    floating = bool(jnp.issubdtype(dtype, jnp.floating))
+    res = {}
+    for lib in (sj, jax.lax):
+        f = jax.jit(
+            jax.shard_map(ops(lib, axes, n, floating), mesh=mesh, in_specs=spec, out_specs=spec)
+        )
+        res[lib] = f(arr)
+    tol = {"bfloat16": 3e-2, "float32": 1e-5}.get(jnp.dtype(dtype).name, 0)
+    for k in res[sj]:
+        a_shards = sorted(res[sj][k].addressable_shards, key=lambda s: s.device.id)
+        b_shards = sorted(res[jax.lax][k].addressable_shards, key=lambda s: s.device.id)
+        for sa, sb in zip(a_shards, b_shards, strict=True):
+            a = np.asarray(sa.data).astype(np.float64)
+            b = np.asarray(sb.data).astype(np.float64)
+            if a.shape != b.shape or not np.allclose(a, b, rtol=tol, atol=tol * 4):
+                fail(
+                    f"{k} over {axes} on mesh {dict(mesh.shape)} {jnp.dtype(dtype).name}: "
+                    f"max diff {np.max(np.abs(a - b)) if a.shape == b.shape else a.shape}"
+                )
+            checks += 1
+
+
+flat = Mesh(np.array(devs), ("x",))
+inter = Mesh(np.array(devs[0::2] + devs[1::2]), ("x",))  # fabrics alternate along the axis
+grid = Mesh(np.array(devs).reshape(H, N // H), ("host", "local"))
+# Each dtype class crosses fabrics at least once; few programs keep the run short.
+cases = [
+    (flat, "x", (np.float32, jnp.bfloat16)),
+    (inter, "x", (np.int32,)),
+    (grid, "host", (np.float32,)),
+    (grid, "local", (np.int32,)),
+    (grid, ("local", "host"), (np.float32,)),
+]
+before = sj.comm_stats()
+for mesh, axes, dtypes in cases:
+    for dt in dtypes:
+        compare(mesh, axes, dt)
+after = sj.comm_stats()
+
+# ---- nothing crosses a fabric through shared memory ----
+client = _distributed_client()
+client.key_value_set(f"scaleout/os_pid/{pid}", str(os.getpid()))
+os_pids = [
+    int(client.blocking_key_value_get(f"scaleout/os_pid/{j}", 60000))
+    for j in range(jax.process_count())
+]
+mine = topo["fabrics"][topo["fabric"]]
+ms = sj.memory_stats()
+if ms["fabric_id"] != mine["id"]:
+    fail(f"memory_stats fabric {ms['fabric_id']} != topology {mine['id']}")
+mapped = 0
+for peer in ms["fabric_peers"]:
+    if peer["process"] not in mine["processes"] or peer["fabric_id"] != mine["id"]:
+        fail(f"a peer of another fabric is connected: {peer}")
+    if peer["process"] != pid and peer["os_pid"] != os_pids[peer["process"]]:
+        fail(f"link of process {peer['process']} ends at pid {peer['os_pid']}, not its own")
+    mapped += peer["segments_mapped"]
+if ms["peer_segments_mapped"] != mapped:
+    fail(f"{ms['peer_segments_mapped']} peer segments mapped, {mapped} from own-fabric peers")
+if len(mine["processes"]) > 1 and (mapped == 0 or after["intra_fabric_bytes"] == 0):
+    fail("no strata traffic inside the fabric")
+if after["inter_fabric_bytes"] <= before["inter_fabric_bytes"]:
+    fail("no inter-fabric bytes counted")
+if "--private" in sys.argv:
+    leaked = [e for e in os.listdir("/tmp") if e.startswith("strata-run-")]
+    if leaked or not os.path.isdir("/tmp/strata-host"):
+        fail(f"/tmp is not private to this host: {sorted(os.listdir('/tmp'))}")
+    checks += 1
+print(
+    f"topology fabric {topo['fabric']}/{H} peers {[p['process'] for p in ms['fabric_peers']]} "
+    f"intra {after['intra_fabric_bytes']} B inter {after['inter_fabric_bytes']} B",
+    flush=True,
+)
+print(f"OK scaleout {checks} checks", flush=True)
