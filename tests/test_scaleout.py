@@ -139,6 +139,44 @@ def test_moe_across_fake_fabrics(monkeypatch, rng):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=name)
 
 
+def test_operators_without_hierarchy_refuse_groups_across_fabrics(two_fake_fabrics):
+    """ragged_all_to_all and the low-latency MoE pair have no hierarchical form yet: over a
+    group that spans fabrics they fail at lowering naming the op (never wait for peers that
+    cannot arrive); inside one fabric they still run."""
+    devs = np.array(jax.devices()[:4])
+    mesh = Mesh(devs.reshape(2, 2), ("host", "local"))
+    x = jnp.ones((4 * 4, 8), jnp.float32)
+
+    def ragged_over(ax):
+        def body(v):  # one row to every peer, placed at the sender's index
+            k = jax.lax.axis_size(ax)
+            me = jax.lax.axis_index(ax).astype(jnp.int32)
+            ones, at = jnp.ones((k,), jnp.int32), jnp.arange(k, dtype=jnp.int32)
+            out = jnp.zeros_like(v)
+            return sj.ragged_all_to_all(v, out, at, ones, ones * me, ones, axis_name=ax)
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(ax), out_specs=P(ax)))
+
+    for ax in ("host", ("host", "local")):
+        with pytest.raises(NotImplementedError, match="ragged_all_to_all over a group that spans"):
+            ragged_over(ax).lower(x)
+    y = np.asarray(ragged_over("local")(x))  # inside each fabric: runs
+    want = np.zeros((2, 8, 8), np.float32)
+    want[:, :2] = 1.0
+    np.testing.assert_array_equal(y, want.reshape(16, 8))
+
+    def ll(v):
+        idx = jnp.zeros((v.shape[0], 1), jnp.int32)
+        recv, _, _ = sj.moe.low_latency_dispatch(v, idx, num_experts=4, axis_name=("host", "local"))
+        return recv
+
+    f = jax.jit(
+        jax.shard_map(ll, mesh=mesh, in_specs=P(("host", "local")), out_specs=P(("host", "local")))
+    )
+    with pytest.raises(NotImplementedError, match="over a group that spans fabric domains"):
+        f.lower(x)
+
+
 def test_plan_layouts(two_fake_fabrics):
     devs = sorted(jax.devices(), key=lambda d: d.id)[:4]
 

@@ -231,6 +231,7 @@ def lower_strata_call(
             f"strata_jax.{api}: groups must list every one of the {num_partitions} partitions "
             f"exactly once, got {g.tolist()}"
         )
+    hierarchy.check_groups_inside_fabrics(ctx, g, api)
     rule = jax.ffi.ffi_lowering(
         target, has_side_effect=True, operand_output_aliases=operand_output_aliases
     )

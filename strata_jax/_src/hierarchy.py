@@ -492,7 +492,12 @@ def lower_moe_across_fabrics(ctx, target: str, args, axes: tuple, attrs: dict):
             return _reduce_scatter(v.astype(values.dtype), p, "sum")
 
         return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
-    raise NotImplementedError(f"strata_jax: {target} across fabric domains is not supported")
+    api = target.removeprefix("strata_").replace("moe_ll_", "moe.low_latency_")
+    raise NotImplementedError(
+        f"strata_jax: {api} over a group that spans fabric domains (hosts) is not supported "
+        "yet. Keep the expert axis inside one host (e.g. a ('host', 'expert') mesh with the "
+        "experts on the inner axis), or use the normal-mode dispatch/combine across hosts."
+    )
 
 
 def refuse_across_fabrics(ctx, axes: tuple, api: str) -> None:
@@ -506,6 +511,29 @@ def refuse_across_fabrics(ctx, axes: tuple, api: str) -> None:
             f"groups {p.groups.tolist()} (partition ids) cross fabrics. Keep the expert axis "
             "inside one host (e.g. a ('host', 'expert') mesh with experts on the inner axis), "
             "or use the dense jax.lax formulation for this axis."
+        )
+
+
+def check_groups_inside_fabrics(ctx, groups: np.ndarray, api: str) -> None:
+    """Raises NotImplementedError at lowering when a strata call's explicit group spans
+    fabric domains: the shared-memory fabric cannot reach the other hosts, so such a call
+    would only wait for peers that never arrive. Operators with a hierarchical form never get
+    here with such a group (their split runs first); the others (ragged_all_to_all, the
+    low-latency MoE pair) fail here with what to change."""
+    if topology.num_fabrics() == 1:
+        return
+    axis_ctx = ctx.module_context.axis_context
+    if not isinstance(axis_ctx, SPMDAxisContext):
+        return
+    fab = np.array([_fabric_of_device(d) for d in np.asarray(axis_ctx.mesh.devices).flat])
+    gf = fab[np.asarray(groups)]
+    bad = [row for row in gf if len(set(row.tolist())) > 1]
+    if bad:
+        raise NotImplementedError(
+            f"strata_jax.{api} over a group that spans fabric domains (hosts) is not supported "
+            f"yet (fabric of each member: {bad[0].tolist()}). Keep this axis inside one host "
+            "(e.g. a ('host', 'local') mesh with the operator over 'local'), or use the jax.lax "
+            "formulation for this axis."
         )
 
 
