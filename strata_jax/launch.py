@@ -165,10 +165,22 @@ def rank_env(
     return env
 
 
+# gloo prints one such line per rank when XLA's CPU collectives connect (std::cout, no log
+# level to turn it off): noise in every multi-process run, so the prefixer drops it.
+_NOISE = (b"[Gloo] Rank ",)
+
+
+def _is_noise(line: bytes) -> bool:
+    return line.startswith(_NOISE) and b" is connected to " in line
+
+
 def _pump(src: BinaryIO, dst: BinaryIO, prefix: bytes, lock: threading.Lock) -> None:
-    """Copies src to dst line by line, each line prefixed; a final partial line gets a newline."""
+    """Copies src to dst line by line, each line prefixed; a final partial line gets a newline.
+    gloo's "Rank N is connected to M peer ranks" lines are dropped."""
     try:
         for line in iter(src.readline, b""):
+            if _is_noise(line):
+                continue
             if not line.endswith(b"\n"):
                 line += b"\n"
             with lock:

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <string>
 
 namespace strata {
 
@@ -30,5 +31,11 @@ struct Stats {
   std::atomic<uint64_t> peer_bounce_bytes{0};  // bytes read from/written to peers' bounce buffers
 };
 Stats& stats();
+
+// A sentence appended to every timeout error, set from Python (strata_jax/_src/runtime.py: the
+// dispatch-ahead explanation when XLA's launch pool is too small); empty by default. Guarded by
+// a mutex: handlers read it while Python may set it.
+void set_timeout_hint(const std::string& hint);
+std::string timeout_hint();
 
 }  // namespace strata

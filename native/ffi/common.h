@@ -19,7 +19,7 @@ inline xla::ffi::Error to_error(const std::string& msg) {
   namespace ffi = xla::ffi;
   if (msg.find("timed out") != std::string::npos) {
     stats().timeouts.fetch_add(1, std::memory_order_relaxed);
-    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg);
+    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg + timeout_hint());
   }
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg);
 }

@@ -38,6 +38,9 @@ NB_MODULE(_strata, m) {
   m.def(
       "set_timeout", [](double s) { strata::settings().timeout_ms.store(int64_t(s * 1000)); },
       nb::arg("seconds"));
+  m.def(
+      "set_timeout_hint", [](const std::string& h) { strata::set_timeout_hint(h); },
+      nb::arg("hint"));
   m.def("get_timeout", [] { return strata::settings().timeout_ms.load() / 1000.0; });
   m.def(
       "set_two_shot_bytes", [](int64_t b) { strata::settings().two_shot_bytes.store(b); },

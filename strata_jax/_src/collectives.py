@@ -172,6 +172,56 @@ def _tree_map(f, x):
     return jax.tree_util.tree_map(f, x)
 
 
+# Element types the native kernels move and reduce. Every other dtype jax.lax accepts (int2/int4,
+# uint2/uint4, the float8 and float4 families) travels widened: floats as float32 (so sums
+# accumulate in float32 and round once, like bfloat16), integers as int32/uint32 (sums wrap
+# when cast back, as in jax.lax). Moving data widened is exact both ways.
+_NATIVE_DTYPES = frozenset(
+    np.dtype(t)
+    for t in (
+        np.bool_,
+        np.int8,
+        np.int16,
+        np.int32,
+        np.int64,
+        np.uint8,
+        np.uint16,
+        np.uint32,
+        np.uint64,
+        np.float16,
+        jnp.bfloat16,
+        np.float32,
+        np.float64,
+        np.complex64,
+        np.complex128,
+    )
+)
+
+
+def _widen(v, api: str):
+    """Returns (v in a dtype the native kernels handle, the dtype to cast back to or None)."""
+    dt = np.dtype(v.dtype)
+    if dt in _NATIVE_DTYPES:
+        return v, None
+    if jnp.issubdtype(dt, jnp.floating):
+        wide = np.float32
+    elif jnp.issubdtype(dt, jnp.signedinteger):
+        wide = np.int32
+    elif jnp.issubdtype(dt, jnp.unsignedinteger):
+        wide = np.uint32
+    else:
+        names = ", ".join(sorted(str(d) for d in _NATIVE_DTYPES))
+        raise TypeError(
+            f"strata_jax.{api} does not support dtype {dt}; supported: {names}, and the narrow "
+            "int/uint/float types (int4, float8_e4m3fn, ...), which travel widened."
+        )
+    return v.astype(wide), dt
+
+
+def _narrow(y, dt):
+    return y if dt is None else y.astype(dt)
+
+
 # --------------------------------------------------------------------------------------
 # all-reduce: psum / pmax / pmin (and pmean)
 # --------------------------------------------------------------------------------------
@@ -197,8 +247,8 @@ def _all_reduce(x, axis_name, axis_index_groups, reduce: str, api: str):
         if jnp.issubdtype(v.dtype, jnp.complexfloating) and reduce != "sum":
             raise TypeError(f"strata_jax.{api} does not order complex numbers; got {v.dtype}.")
         _check_axis_names(axes, api)
-        v = _pvary_missing(v, axes)
-        return all_reduce_p.bind(v, axes=axes, reduce=reduce, invariant=_vma_on())
+        v, dt = _widen(_pvary_missing(v, axes), api)
+        return _narrow(all_reduce_p.bind(v, axes=axes, reduce=reduce, invariant=_vma_on()), dt)
 
     return _tree_map(leaf, x)
 
@@ -210,7 +260,9 @@ def psum(x, axis_name: AxisName, *, axis_index_groups=None):
 
     Args:
       x: array or pytree of arrays, any shape (0-d and zero-size included) and any dtype
-        jax.lax.psum accepts; bool is summed as int32 (as jax.lax does).
+        jax.lax.psum accepts; bool is summed as int32 (as jax.lax does). Narrow types
+        (int4/uint4/int2/uint2, float8_*, float4_*) are summed in int32/uint32/float32 and cast
+        back once (integer sums wrap; float sums round once).
       axis_name: a mesh axis name or a tuple of them (any subset of a multi-axis mesh); the
         group is every device that shares the coordinates of the other mesh axes.
       axis_index_groups: not supported (raises NotImplementedError).
@@ -375,10 +427,10 @@ def all_gather(
         ax = _canon_axis(axis, v.ndim if tiled else v.ndim + 1, "axis")
         if not tiled:
             v = jnp.expand_dims(v, ax)
-        v = _pvary_missing(v, axes)
+        v, dt = _widen(_pvary_missing(v, axes), "all_gather")
         n = _axis_size(axes)
         y = all_gather_p.bind(jnp.moveaxis(v, ax, 0), axes=axes, axis_size=n)
-        return jnp.moveaxis(y, 0, ax)
+        return _narrow(jnp.moveaxis(y, 0, ax), dt)
 
     return _tree_map(leaf, x)
 
@@ -485,9 +537,9 @@ def psum_scatter(
                 f"{v.shape[d]} but must equal the axis size {n}; pass "
                 "tiled=True to scatter blocks."
             )
-        v = _pvary_missing(v, axes)
+        v, dt = _widen(_pvary_missing(v, axes), "psum_scatter")
         y = reduce_scatter_p.bind(jnp.moveaxis(v, d, 0), axes=axes, axis_size=n)
-        y = jnp.moveaxis(y, 0, d)
+        y = _narrow(jnp.moveaxis(y, 0, d), dt)
         return y if tiled else jnp.squeeze(y, d)
 
     return _tree_map(leaf, x)
@@ -583,8 +635,9 @@ def all_to_all(
                     f"all_to_all: split_axis {s} of size {v.shape[s]} is not "
                     f"divisible by the axis size {n}."
                 )
-            v = _pvary_missing(v, axes)
-            return all_to_all_p.bind(v, axes=axes, split_axis=s, concat_axis=c, axis_size=n)
+            v, dt = _widen(_pvary_missing(v, axes), "all_to_all")
+            y = all_to_all_p.bind(v, axes=axes, split_axis=s, concat_axis=c, axis_size=n)
+            return _narrow(y, dt)
         if v.shape[s] != n:
             raise ValueError(
                 f"all_to_all(tiled=False): split_axis {s} has size {v.shape[s]} "
@@ -593,9 +646,9 @@ def all_to_all(
         # Untiled = tiled on x with a unit axis inserted where the new axis will appear.
         ins = c if c <= s else c + 1
         s2 = s + 1 if c <= s else s
-        v = _pvary_missing(jnp.expand_dims(v, ins), axes)
+        v, dt = _widen(_pvary_missing(jnp.expand_dims(v, ins), axes), "all_to_all")
         y = all_to_all_p.bind(v, axes=axes, split_axis=s2, concat_axis=ins, axis_size=n)
-        return jnp.squeeze(y, s2)
+        return _narrow(jnp.squeeze(y, s2), dt)
 
     return _tree_map(leaf, x)
 
@@ -696,8 +749,8 @@ def ppermute(x, axis_name: AxisName, perm: Sequence[tuple[int, int]]):
         v = jnp.asarray(v)
         _check_axis_names(axes, "ppermute")
         p = _check_perm(perm, _axis_size(axes))
-        v = _pvary_missing(v, axes)
-        return ppermute_p.bind(v, axes=axes, perm=p)
+        v, dt = _widen(_pvary_missing(v, axes), "ppermute")
+        return _narrow(ppermute_p.bind(v, axes=axes, perm=p), dt)
 
     return _tree_map(leaf, x)
 
@@ -783,8 +836,8 @@ def pbroadcast(x, axis_name: AxisName, source: int):
         n = _axis_size(axes)
         if not 0 <= int(source) < n:
             raise ValueError(f"pbroadcast: source {source} is outside [0, {n}).")
-        v = _pvary_missing(v, axes)
-        return pbroadcast_p.bind(v, axes=axes, source=int(source))
+        v, dt = _widen(_pvary_missing(v, axes), "pbroadcast")
+        return _narrow(pbroadcast_p.bind(v, axes=axes, source=int(source)), dt)
 
     return _tree_map(leaf, x)
 
