@@ -64,6 +64,7 @@ from strata_jax._src.collectives import (  # noqa: E402
     psum_scatter,
 )
 from strata_jax._src.fabric import init, memory_stats  # noqa: E402
+from strata_jax._src.lax_compat import disable, enable, use_for_jax_lax  # noqa: E402
 from strata_jax._src.runtime import (  # noqa: E402
     comm_stats,
     get_timeout,
@@ -92,4 +93,7 @@ __all__ = [
     "init",
     "memory_stats",
     "moe",
+    "use_for_jax_lax",
+    "enable",
+    "disable",
 ]

@@ -28,6 +28,9 @@ from strata_jax._src import runtime
 
 AxisName = Any
 
+# jax.lax's own collectives, bound before strata_jax.enable() can redirect the jax.lax names.
+_LAX = {n: getattr(jax.lax, n) for n in ("psum", "pmax", "pmin", "all_gather")}
+
 __all__ = [
     "psum",
     "pmean",
@@ -222,6 +225,13 @@ def _narrow(y, dt):
     return y if dt is None else y.astype(dt)
 
 
+def _typed_unreduced_or_reduced(v) -> bool:
+    if not isinstance(v, core.Tracer):
+        return False
+    mat = core.typeof(v).mat
+    return bool(mat.unreduced or mat.reduced)
+
+
 # --------------------------------------------------------------------------------------
 # all-reduce: psum / pmax / pmin (and pmean)
 # --------------------------------------------------------------------------------------
@@ -241,7 +251,10 @@ def _all_reduce(x, axis_name, axis_index_groups, reduce: str, api: str):
         if not isinstance(v, core.Tracer):
             # A constant has no per-device values: jax.lax computes the answer from the axis
             # size alone (e.g. psum(1, 'x') is the axis size); so do we.
-            return getattr(jax.lax, api)(v, axis_name)
+            return _LAX[api](v, axis_name)
+        if _typed_unreduced_or_reduced(v):
+            # jax.lax's types for sums left unreduced by the partitioner: only it lowers them.
+            return _LAX[api](v, axis_name)
         if reduce == "sum" and v.dtype == np.bool_:
             v = v.astype(np.int32)
         if jnp.issubdtype(v.dtype, jnp.complexfloating) and reduce != "sum":
@@ -392,7 +405,13 @@ all_gather_p = core.Primitive("strata_all_gather")
 
 
 def all_gather(
-    x, axis_name: AxisName, *, axis_index_groups=None, axis: int = 0, tiled: bool = False
+    x,
+    axis_name: AxisName,
+    *,
+    axis_index_groups=None,
+    axis: int = 0,
+    tiled: bool = False,
+    to: str = "varying",
 ):
     """Gathers ``x`` from every rank of ``axis_name``; drop-in for :func:`jax.lax.all_gather`.
 
@@ -404,20 +423,35 @@ def all_gather(
         the tuple).
       axis: where to gather (negative counts from the end).
       tiled: see above.
+      to: the result's manual axis type, as jax.lax: ``"varying"`` (default), ``"invarying"``
+        (invariant over ``axis_name``; jax.lax's all_gather_invariant, whose transpose is a
+        slice) or ``"reduced"`` (typed reduced; this one runs on jax.lax).
 
     Raises:
-      ValueError: tiled gather of a 0-d array, or ``axis`` out of range.
+      ValueError: tiled gather of a 0-d array, ``axis`` out of range, or an unknown ``to``.
       NameError / NotImplementedError: as :func:`psum`.
 
     Each rank copies every peer's input straight into its own output (one copy per byte).
+    ``to="invarying"`` is a strata psum of the input placed in its block of a zero array (the
+    one way to an invariant result without a cast JAX forbids): twice the bytes of a gather.
     """
+    if to not in ("varying", "invarying", "reduced"):
+        raise ValueError(
+            f"all_gather: to={to!r}; expected 'varying', 'invarying' or 'reduced' (as jax.lax)."
+        )
     axes = _axes(axis_name)
     _no_groups(axis_index_groups, "all_gather")
     if not axes:
         return x
+    if to == "reduced":
+        return _LAX["all_gather"](x, axis_name, axis=axis, tiled=tiled, to="reduced")
+    if to == "invarying":
+        return _tree_map(lambda v: _all_gather_invariant(v, axis_name, axes, axis, tiled), x)
 
     def leaf(v):
         v = jnp.asarray(v)
+        if _typed_unreduced_or_reduced(v):
+            return _LAX["all_gather"](v, axis_name, axis=axis, tiled=tiled)
         _check_axis_names(axes, "all_gather")
         if tiled and v.ndim == 0:
             raise ValueError(
@@ -433,6 +467,28 @@ def all_gather(
         return _narrow(jnp.moveaxis(y, 0, ax), dt)
 
     return _tree_map(leaf, x)
+
+
+def _all_gather_invariant(v, axis_name, axes: tuple, axis: int, tiled: bool):
+    v = jnp.asarray(v)
+    _check_axis_names(axes, "all_gather")
+    if tiled and v.ndim == 0:
+        raise ValueError("tiled all_gather of a 0-d array is undefined; use tiled=False.")
+    ax = _canon_axis(axis, v.ndim if tiled else v.ndim + 1, "axis")
+    if not tiled:
+        v = jnp.expand_dims(v, ax)
+    n = _axis_size(axes)
+    m = v.shape[ax]
+    shape = (*v.shape[:ax], n * m, *v.shape[ax + 1 :])
+    # Rank i's block at [i*m, (i+1)*m) of a zero array, summed over the group: the gather, typed
+    # invariant by the psum. Index in mesh order, as jax.lax.axis_index of the tuple.
+    placed = jax.lax.dynamic_update_slice_in_dim(
+        _pvary_missing(jnp.zeros(shape, v.dtype), axes),
+        _pvary_missing(v, axes),
+        jax.lax.axis_index(axis_name) * m,
+        ax,
+    )
+    return psum(placed, axis_name)
 
 
 def _all_gather_abstract_eval(aval, *, axes, axis_size):
