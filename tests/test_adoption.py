@@ -293,3 +293,19 @@ def test_collectives_benchmark_sizes_follow_nccl_tests():
     assert C.size_sweep(8, 64, 2) == [8, 16, 32, 64]
     assert C.size_sweep(8, 100, 4) == [8, 32]
     assert 4096 in C.size_sweep(8, 64 << 20, 2)
+
+
+# ------------------------------------------------------------------------------------------
+# Section 3: python -m strata_jax.info
+# ------------------------------------------------------------------------------------------
+
+
+def test_info_reports_versions_pool_and_allocator(tmp_path):
+    env = _clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    r = _run(["-m", "strata_jax.info"], cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for key in ("strata_jax ", "jaxlib ", "python ", "cpu ", "cores ", "devices ", "PJRT_NPROC "):
+        assert key in r.stdout, r.stdout
+    assert "PJRT_NPROC set in time   : True" in r.stdout, r.stdout
+    assert "launch pool threads      : 64 for 4 local devices" in r.stdout, r.stdout
+    assert "allocator preloaded      : False" in r.stdout
