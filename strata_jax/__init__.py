@@ -69,6 +69,7 @@ from strata_jax._src.runtime import (  # noqa: E402
     comm_stats,
     get_timeout,
     get_two_shot_threshold,
+    reset_stats,
     set_timeout,
     set_two_shot_threshold,
 )
@@ -90,6 +91,7 @@ __all__ = [
     "set_two_shot_threshold",
     "get_two_shot_threshold",
     "comm_stats",
+    "reset_stats",
     "init",
     "memory_stats",
     "moe",

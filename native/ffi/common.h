@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "fabric/inproc.h"
+#include "fabric/op_stats.h"
 #include "fabric/shm.h"
 #include "fabric/stats.h"
 #include "fabric/team.h"
@@ -79,7 +80,12 @@ xla::ffi::Error join_and_run(const char* name, int64_t run_id, int64_t op_id,
                              bool cross_process, Body body) {
   return join_and_run_with(
       name, run_id, op_id, pl, cross_process,
-      [&](auto& team) { return team.arrive(desc, in, out); }, body);
+      [&](auto& team) {
+        std::string e = team.arrive(desc, in, out);
+        OpTimer::arrived();  // wait vs move in comm_stats() (fabric/op_stats.h)
+        return e;
+      },
+      body);
 }
 
 // Several buffers per rank (Team::peer_buf); the output is this rank's alone, not published.

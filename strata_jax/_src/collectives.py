@@ -12,6 +12,7 @@ by the program itself, and the mesh shape, so groups over any subset of a multi-
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -175,6 +176,21 @@ def _tree_map(f, x):
     return jax.tree_util.tree_map(f, x)
 
 
+def _profiled(api: str):
+    """Names the ops of a public function ``strata.<api>`` (jax.named_scope): the name shows
+    in the HLO's op_name metadata and in jax.profiler traces next to the compute."""
+
+    def deco(f):
+        @functools.wraps(f)
+        def wrapped(*args, **kwargs):
+            with jax.named_scope(f"strata.{api}"):
+                return f(*args, **kwargs)
+
+        return wrapped
+
+    return deco
+
+
 # Element types the native kernels move and reduce. Every other dtype jax.lax accepts (int2/int4,
 # uint2/uint4, the float8 and float4 families) travels widened: floats as float32 (so sums
 # accumulate in float32 and round once, like bfloat16), integers as int32/uint32 (sums wrap
@@ -266,6 +282,7 @@ def _all_reduce(x, axis_name, axis_index_groups, reduce: str, api: str):
     return _tree_map(leaf, x)
 
 
+@_profiled("psum")
 def psum(x, axis_name: AxisName, *, axis_index_groups=None):
     """All-reduce sum of ``x`` over the mesh axis (or tuple of axes) ``axis_name``.
 
@@ -296,6 +313,7 @@ def psum(x, axis_name: AxisName, *, axis_index_groups=None):
     return _all_reduce(x, axis_name, axis_index_groups, "sum", "psum")
 
 
+@_profiled("pmax")
 def pmax(x, axis_name: AxisName, *, axis_index_groups=None):
     """All-reduce maximum over ``axis_name``; drop-in for :func:`jax.lax.pmax`.
 
@@ -306,6 +324,7 @@ def pmax(x, axis_name: AxisName, *, axis_index_groups=None):
     return _all_reduce(x, axis_name, axis_index_groups, "max", "pmax")
 
 
+@_profiled("pmin")
 def pmin(x, axis_name: AxisName, *, axis_index_groups=None):
     """All-reduce minimum over ``axis_name``; drop-in for :func:`jax.lax.pmin`.
 
@@ -314,6 +333,7 @@ def pmin(x, axis_name: AxisName, *, axis_index_groups=None):
     return _all_reduce(x, axis_name, axis_index_groups, "min", "pmin")
 
 
+@_profiled("pmean")
 def pmean(x, axis_name: AxisName, *, axis_index_groups=None):
     """All-reduce mean over ``axis_name``; drop-in for :func:`jax.lax.pmean`.
 
@@ -404,6 +424,7 @@ mlir.register_lowering(all_reduce_p, _all_reduce_lowering, platform="cpu")
 all_gather_p = core.Primitive("strata_all_gather")
 
 
+@_profiled("all_gather")
 def all_gather(
     x,
     axis_name: AxisName,
@@ -543,6 +564,7 @@ batching.fancy_primitive_batchers[all_gather_p] = _all_gather_batcher
 reduce_scatter_p = core.Primitive("strata_reduce_scatter")
 
 
+@_profiled("psum_scatter")
 def psum_scatter(
     x,
     axis_name: AxisName,
@@ -645,6 +667,7 @@ batching.fancy_primitive_batchers[reduce_scatter_p] = _reduce_scatter_batcher
 all_to_all_p = core.Primitive("strata_all_to_all")
 
 
+@_profiled("all_to_all")
 def all_to_all(
     x,
     axis_name: AxisName,
@@ -781,6 +804,7 @@ def _check_perm(perm, n: int) -> tuple:
     return perm
 
 
+@_profiled("ppermute")
 def ppermute(x, axis_name: AxisName, perm: Sequence[tuple[int, int]]):
     """Collective permutation; drop-in for :func:`jax.lax.ppermute`.
 
@@ -864,6 +888,7 @@ mlir.register_lowering(ppermute_p, _ppermute_lowering, platform="cpu")
 pbroadcast_p = core.Primitive("strata_pbroadcast")
 
 
+@_profiled("pbroadcast")
 def pbroadcast(x, axis_name: AxisName, source: int):
     """Broadcast from rank ``source`` of ``axis_name``; drop-in for :func:`jax.lax.pbroadcast`.
 

@@ -222,13 +222,46 @@ def get_two_shot_threshold() -> int:
     return int(native().get_two_shot_bytes())
 
 
-def comm_stats() -> dict[str, int]:
-    """Process-wide communication counters.
+def comm_stats() -> dict:
+    """Process-wide communication counters, in total and per operator.
 
     Returns:
       dict with ``calls`` (collective calls, counted per rank), ``zero_copy_bytes`` (bytes
       read straight from peers' buffers), ``staged_bytes`` (bytes copied through a bounce
-      buffer), ``one_shot_all_reduce``/``two_shot_all_reduce`` (algorithm choices) and
-      ``timeouts``.
+      buffer), ``one_shot_all_reduce``/``two_shot_all_reduce`` (algorithm choices),
+      ``timeouts``, and ``ops``: per operator (``psum``, ``pmax``, ``pmin``, ``psum_scatter``,
+      ``all_gather``, ``all_to_all``, ``ppermute``, ``pbroadcast``; each rank's call counted
+      once) a dict with ``calls``, ``bytes`` (input bytes per rank, summed), ``algorithm``
+      (``{"one_shot": n, "two_shot": m}`` for the all-reduces, ``{"direct": n}`` otherwise),
+      ``p50_s``/``p99_s`` (time in the handler, from a histogram with 12.5% buckets),
+      ``total_s``, ``wait_s`` (until every peer had arrived) and ``move_s`` (the rest: the
+      algorithm moving data, and the departure). ``STRATA_STATS=0`` turns the per-operator
+      counters off (their cost is measured in tests/test_comm_stats.py).
     """
-    return dict(native().comm_stats())
+    nat = native()
+    out = dict(nat.comm_stats())
+    ops = {}
+    for d in nat.op_stats():
+        name = d["name"]
+        reduce = name in ("psum", "pmax", "pmin")
+        ops[name] = {
+            "calls": d["calls"],
+            "bytes": d["bytes"],
+            "algorithm": (
+                {"one_shot": d["one_shot"], "two_shot": d["two_shot"]}
+                if reduce
+                else {"direct": d["calls"]}
+            ),
+            "p50_s": d["p50_s"],
+            "p99_s": d["p99_s"],
+            "total_s": d["total_s"],
+            "wait_s": d["wait_s"],
+            "move_s": max(0.0, d["total_s"] - d["wait_s"]),
+        }
+    out["ops"] = ops
+    return out
+
+
+def reset_stats() -> None:
+    """Zeroes the per-operator counters of :func:`comm_stats` (``ops``)."""
+    native().reset_op_stats()
