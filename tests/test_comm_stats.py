@@ -87,3 +87,37 @@ def test_stats_overhead_at_4kib_below_2_percent():
         f" us, median paired ratio overhead {overhead * 100:+.2f}%"
     )
     assert overhead < 0.02
+
+
+DEBUG_SCRIPT = """
+import strata_jax as sj
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+for n in (16, 4096, 4096):
+    f = jax.jit(jax.shard_map(lambda a: sj.psum(a, "b"), mesh=mesh, in_specs=P(("a", "b")),
+                              out_specs=P("a")))
+    f(jnp.ones(8 * n, jnp.float32))
+"""
+
+
+def test_strata_debug_info_logs_communicators_and_switches(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STRATA_", "XLA_FLAGS"))}
+    env.update(STRATA_DEBUG="INFO", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    r = subprocess.run(
+        [sys.executable, "-c", DEBUG_SCRIPT],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("strata_jax INFO [rank 0]")]
+    assert len(lines) == 3, r.stderr  # one communicator, one-shot, switch to two-shot
+    assert "new communicator: axes ('b',) (4 ranks)" in lines[0]
+    assert "one-shot" in lines[1] and "two-shot" in lines[2] and "was one-shot" in lines[2]

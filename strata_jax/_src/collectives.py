@@ -25,7 +25,7 @@ from jax._src.interpreters import ad, batching, mlir
 from jax._src.lib.mlir.dialects import hlo
 from jax._src.sharding_impls import SPMDAxisContext
 
-from strata_jax._src import runtime
+from strata_jax._src import debug, runtime
 
 AxisName = Any
 
@@ -176,6 +176,10 @@ def _tree_map(f, x):
     return jax.tree_util.tree_map(f, x)
 
 
+def _axis_arg(args, kwargs):
+    return args[1] if len(args) > 1 else kwargs.get("axis_name")
+
+
 def _profiled(api: str):
     """Names the ops of a public function ``strata.<api>`` (jax.named_scope): the name shows
     in the HLO's op_name metadata and in jax.profiler traces next to the compute."""
@@ -183,6 +187,8 @@ def _profiled(api: str):
     def deco(f):
         @functools.wraps(f)
         def wrapped(*args, **kwargs):
+            if debug.level():
+                debug.on_trace(api, args[0] if args else kwargs.get("x"), _axis_arg(args, kwargs))
             with jax.named_scope(f"strata.{api}"):
                 return f(*args, **kwargs)
 
