@@ -215,3 +215,52 @@ def test_constants_and_names_bound_before():
         np.testing.assert_allclose(f(x), np.full((8, 2), 16.0))
         hlo = _hlo(f, x)
     assert "strata_" not in hlo  # psum(1) is the axis size; bound_before is jax.lax's
+
+
+def test_all_gather_to_invarying_over_axis_tuples(rng):
+    """to='invarying' over one axis of a 3-axis mesh and over a pair of axes (axis=-1)."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("x", "y", "z"))
+    a = jnp.asarray(rng.standard_normal((4, 8)).astype(np.float32))
+
+    def body(v):
+        c = jax.lax.all_gather(v, "z", axis=0, tiled=True, to="invarying")
+        d = jax.lax.all_gather(v, ("x", "y"), axis=-1, tiled=True, to="invarying")
+        assert jax.typeof(c).mat.varying == {"x", "y"}
+        assert jax.typeof(d).mat.varying == {"z"}
+        return c, d
+
+    f = _smap(
+        body, mesh=mesh, in_specs=(P("z", ("x", "y")),), out_specs=(P(None, ("x", "y")), P("z"))
+    )
+    (want_c, want_d), (got_c, got_d), _, hlo_in = _both(f, a)
+    np.testing.assert_array_equal(got_c, want_c)
+    np.testing.assert_array_equal(got_d, want_d)
+    assert "strata_all_reduce" in hlo_in
+
+
+def test_psum_of_unreduced_input_runs_on_jax_lax(rng):
+    """A matmul left unreduced over 'x' by the partitioner, summed in a shard_map: jax.lax's
+    unreduced psum (strata has no such type), with or without use_for_jax_lax."""
+    from jax.sharding import AxisType, NamedSharding
+
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
+    x = rng.standard_normal((2, 4)).astype(np.float32)
+    y = rng.standard_normal((4, 6)).astype(np.float32)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P(None, "x")))
+        ys = jax.device_put(y, NamedSharding(mesh, P("x", None)))
+
+        def total(a, b, psum):
+            z = jnp.einsum("ab,bc->ac", a, b, out_sharding=P(unreduced={"x"}))
+            ar = jax.shard_map(lambda v: psum(v, "x"), in_specs=P(unreduced={"x"}), out_specs=P())
+            return ar(z).sum()
+
+        want = jax.jit(lambda a, b: total(a, b, lax_compat.ORIGINAL["psum"]))(xs, ys)
+        direct = jax.jit(lambda a, b: total(a, b, sj.psum))(xs, ys)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            with sj.use_for_jax_lax():
+                patched = jax.jit(lambda a, b: total(a, b, jax.lax.psum))(xs, ys)
+    np.testing.assert_allclose(want, np.sum(x @ y), rtol=1e-5)
+    np.testing.assert_allclose(direct, want, rtol=1e-6)
+    np.testing.assert_allclose(patched, want, rtol=1e-6)
