@@ -264,3 +264,23 @@ def test_psum_of_unreduced_input_runs_on_jax_lax(rng):
     np.testing.assert_allclose(want, np.sum(x @ y), rtol=1e-5)
     np.testing.assert_allclose(direct, want, rtol=1e-6)
     np.testing.assert_allclose(patched, want, rtol=1e-6)
+
+
+def test_psum_in_scan_jaxpr_names_strata_primitive(rng):
+    """Inside lax.scan: same values; the jaxpr shows strata_all_reduce where jax.lax shows
+    psum_invariant (a documented difference: the primitive is strata's)."""
+
+    def body(x):
+        def g(c, _):
+            return jax.lax.pcast(jax.lax.psum(c, "x"), "x", to="varying") * 0.5, None
+
+        return jax.lax.scan(g, x, None, length=2)[0]
+
+    x = jnp.asarray(rng.standard_normal((8, 4)).astype(np.float32))
+    f = _smap(body)
+    want, got, _, hlo_in = _both(f, x)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    with sj.use_for_jax_lax():
+        text = str(jax.make_jaxpr(f)(x))
+    assert "strata_all_reduce" in text and "psum_invariant" not in text
+    assert "psum_invariant" in str(jax.make_jaxpr(f)(x))
