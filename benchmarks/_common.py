@@ -71,20 +71,15 @@ def parse_list(
 
 
 def size_sweep(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
-    """Sizes max, max/factor, max/factor**2, ... > min, then min itself; ascending.
-
-    Anchored at the top (unlike nccl-tests' ``-b/-e/-f``, which climbs from ``-b`` and may stop
-    short of ``-e``) so that the default 8 B .. 64 MiB by 4 hits 4 KiB, 1 MiB, 16 MiB and 64 MiB.
-    """
+    """Sizes min, min*factor, min*factor**2, ... <= max (nccl-tests' ``-b/-e/-f``); ascending."""
     if min_bytes <= 0 or max_bytes < min_bytes or factor < 2:
         raise ValueError(f"bad sweep: min={min_bytes} max={max_bytes} factor={factor}")
     sizes = []
-    s = max_bytes
-    while s > min_bytes:
+    s = min_bytes
+    while s <= max_bytes:
         sizes.append(s)
-        s //= factor
-    sizes.append(min_bytes)
-    return sorted(set(sizes))
+        s *= factor
+    return sizes
 
 
 def auto_iters(nbytes: int, budget: float = 5e8, lo: int = 5, hi: int = 200) -> int:

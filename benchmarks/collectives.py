@@ -1,7 +1,7 @@
 """nccl-tests-style sweep of strata_jax collectives against jax.lax (and mpi4jax).
 
-For every op, dtype and size (bytes per device: --max-bytes, divided by --factor down to
---min-bytes, and --min-bytes itself, so 8 B .. 64 MiB by 4 hits 4 KiB, 1 MiB, 16 MiB) and every
+For every op, dtype and size (bytes per device, nccl-tests' convention: from -b/--min-bytes
+times -f/--factor up to -e/--max-bytes, default 8 B .. 64 MiB by 2) and every
 implementation in --impl, the script builds ``jax.jit(jax.shard_map(body, mesh, P('x'), P('x')))``
 where ``body`` applies the op over mesh axis ``'x'``, feeds it fresh random inputs, times --iters
 blocking calls after --warmup warm-up calls and reports the median, nccl-tests' algbw/busbw, and
@@ -584,7 +584,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--op", default="psum", help=f"comma list of {', '.join(OPS)}, or 'all'")
+    p.add_argument(
+        "--op",
+        default="psum",
+        help=f"comma list of {', '.join(OPS)}, or 'all' (default: psum)",
+    )
     p.add_argument("--dtype", default="float32", help="jax dtype name(s), comma list (float32)")
     p.add_argument(
         "--devices",
@@ -592,9 +596,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="in-process CPU devices (default 8; 1 per process with --procs)",
     )
-    p.add_argument("--min-bytes", type=C.parse_size, default=8, help="smallest size per rank (8)")
-    p.add_argument("--max-bytes", type=C.parse_size, default="64M", help="largest size (64M)")
-    p.add_argument("--factor", type=int, default=4, help="size multiplier between points (4)")
+    # nccl-tests' names: -b/--minbytes, -e/--maxbytes, -f/--stepfactor.
+    p.add_argument(
+        "-b", "--min-bytes", "--minbytes", type=C.parse_size, default=8,
+        help="smallest size per rank (default 8)",
+    )  # fmt: skip
+    p.add_argument(
+        "-e", "--max-bytes", "--maxbytes", type=C.parse_size, default="64M",
+        help="largest size per rank (default 64M)",
+    )  # fmt: skip
+    p.add_argument(
+        "-f", "--factor", "--stepfactor", type=int, default=2,
+        help="size multiplier between points, from -b up to -e (default 2)",
+    )  # fmt: skip
     p.add_argument(
         "--iters",
         type=int,

@@ -6,7 +6,48 @@ before JAX creates its CPU backend (it sizes XLA's launch thread pool; see
 ``strata_jax._src.runtime.configure_launch_threads``).
 """
 
-from strata_jax._src import runtime as _runtime
+
+def _installed_copy_if_unbuilt():
+    """The installed strata_jax when this package is an unbuilt source folder, else None.
+
+    ``python -m pytest``, ``python -m strata_jax.launch`` and ``python script.py`` run from the
+    repository root put the root first on ``sys.path``, so Python finds the source folder, which
+    has no native extension after a plain ``pip install .``. Then the installed package (found on
+    the rest of ``sys.path``) is loaded in its place and replaces this module in ``sys.modules``
+    (Python's import returns that entry). An editable install or an in-place build has the
+    extension, so nothing changes there. Without any built copy: one ImportError saying what to
+    run.
+    """
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    if importlib.util.find_spec(f"{__name__}._strata") is not None:
+        return None  # built in place, installed, or an editable install's redirect
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    rest = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != root]
+    spec = importlib.machinery.PathFinder.find_spec(__name__, rest)
+    if spec is None or spec.origin is None or os.path.dirname(spec.origin) == here:
+        raise ImportError(
+            f"strata_jax's native extension (strata_jax._strata) is not built: {here} is a "
+            "source folder without a build and no installed strata_jax was found. Run "
+            '`pip install ".[test]"` (a normal install; running from the repository root then '
+            'uses it automatically), or `pip install --no-build-isolation -e ".[test]"` for '
+            "development (see README.md, Developing)."
+        )
+    installed = importlib.util.module_from_spec(spec)
+    sys.modules[__name__] = installed
+    spec.loader.exec_module(installed)
+    return installed
+
+
+# What follows then runs against the installed copy (it is sys.modules["strata_jax"] now) and
+# only fills this discarded module object.
+_installed = _installed_copy_if_unbuilt()
+
+from strata_jax._src import runtime as _runtime  # noqa: E402
 
 _runtime.configure_launch_threads()
 
@@ -23,12 +64,14 @@ from strata_jax._src.collectives import (  # noqa: E402
     psum_scatter,
 )
 from strata_jax._src.fabric import init, memory_stats  # noqa: E402
+from strata_jax._src.lax_compat import disable, enable, use_for_jax_lax  # noqa: E402
 from strata_jax._src.ragged import ragged_all_to_all  # noqa: E402
 from strata_jax._src.runtime import (  # noqa: E402
     COLLECTIVE_ERRORS,
     comm_stats,
     get_timeout,
     get_two_shot_threshold,
+    reset_stats,
     set_timeout,
     set_two_shot_threshold,
 )
@@ -53,8 +96,12 @@ __all__ = [
     "get_two_shot_threshold",
     "comm_stats",
     "COLLECTIVE_ERRORS",
+    "reset_stats",
     "init",
     "memory_stats",
     "topology",
     "moe",
+    "use_for_jax_lax",
+    "enable",
+    "disable",
 ]

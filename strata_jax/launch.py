@@ -75,8 +75,9 @@ def alloc_library_path() -> str | None:
     """Returns the path of ``libstrata_alloc.so``, or None when it cannot be found.
 
     Looked for, in order: ``$STRATA_ALLOC_LIB`` (an explicit override: used as is, or None if that
-    file does not exist), next to this module (where ``pip install`` puts it), then in the
-    source tree's build folders (``build/**/libstrata_alloc.so``, newest first).
+    file does not exist), next to this module (where ``pip install`` puts it), then next to the
+    native extension this package loads (an editable install keeps both in site-packages). Never
+    a build folder of the source tree: that copy may be stale or from another configuration.
     """
     override = os.environ.get(ENV_ALLOC_LIB)
     if override:
@@ -85,11 +86,16 @@ def alloc_library_path() -> str | None:
     candidate = here / ALLOC_LIBRARY_NAME
     if candidate.is_file():
         return str(candidate)
-    build = here.parent / "build"
-    if build.is_dir():
-        found = sorted(build.rglob(ALLOC_LIBRARY_NAME), key=lambda p: p.stat().st_mtime)
-        if found:
-            return str(found[-1])
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("strata_jax._strata")
+    except Exception:  # noqa: BLE001 - the package itself does not import here (no jax)
+        spec = None
+    if spec is not None and spec.origin:
+        candidate = Path(spec.origin).resolve().parent / ALLOC_LIBRARY_NAME
+        if candidate.is_file():
+            return str(candidate)
     return None
 
 
@@ -170,10 +176,22 @@ def rank_env(
     return env
 
 
+# gloo prints one such line per rank when XLA's CPU collectives connect (std::cout, no log
+# level to turn it off): noise in every multi-process run, so the prefixer drops it.
+_NOISE = (b"[Gloo] Rank ",)
+
+
+def _is_noise(line: bytes) -> bool:
+    return line.startswith(_NOISE) and b" is connected to " in line
+
+
 def _pump(src: BinaryIO, dst: BinaryIO, prefix: bytes, lock: threading.Lock) -> None:
-    """Copies src to dst line by line, each line prefixed; a final partial line gets a newline."""
+    """Copies src to dst line by line, each line prefixed; a final partial line gets a newline.
+    gloo's "Rank N is connected to M peer ranks" lines are dropped."""
     try:
         for line in iter(src.readline, b""):
+            if _is_noise(line):
+                continue
             if not line.endswith(b"\n"):
                 line += b"\n"
             with lock:

@@ -20,20 +20,20 @@
 #pragma GCC visibility push(hidden)
 namespace strata::alloc {
 
-constexpr size_t kGranule = 4096;              // block sizes and offsets are multiples of this
-constexpr size_t kMinAlign = 64;               // every pool pointer is at least cache-line aligned
+constexpr size_t kGranule = 4096;  // block sizes and offsets are multiples of this
+constexpr size_t kMinAlign = 64;   // every pool pointer is at least cache-line aligned
 constexpr size_t kLargeRound = size_t{2} << 20;  // dedicated segments are multiples of 2 MiB
-constexpr size_t kMaxSegments = 16384;         // capacity of the lookup table
+constexpr size_t kMaxSegments = 16384;           // capacity of the lookup table
 
 inline size_t AlignUp(size_t x, size_t a) { return (x + a - 1) & ~(a - 1); }
 inline bool IsPow2(size_t x) { return x && !(x & (x - 1)); }
 
 // ---- configuration (interpose.cc) ----
 struct Config {
-  size_t threshold;     // requests >= threshold go to the pool
-  size_t cache_cap;     // STRATA_ALLOC_CACHE_BYTES
-  size_t segment_bytes; // shared segment size
-  size_t max_request;   // larger requests go to libc (physical memory: avoid SIGBUS on overcommit)
+  size_t threshold;      // requests >= threshold go to the pool
+  size_t cache_cap;      // STRATA_ALLOC_CACHE_BYTES
+  size_t segment_bytes;  // shared segment size
+  size_t max_request;    // larger requests go to libc (physical memory: avoid SIGBUS on overcommit)
   bool enabled;
 };
 // Loaded once the environment is readable; until then the pool is off. Returns nullptr if not yet.
@@ -49,7 +49,7 @@ void* ImplMalloc(size_t n);
 void ImplFree(void* p);
 
 // ---- metadata memory straight from mmap ----
-void* MetaMap(size_t bytes);          // zeroed, page-aligned, nullptr on failure
+void* MetaMap(size_t bytes);  // zeroed, page-aligned, nullptr on failure
 void MetaUnmap(void* p, size_t bytes);
 
 // ---- the segment lookup table (table.cc): a sorted interval array under a seqlock ----

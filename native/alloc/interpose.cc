@@ -2,10 +2,10 @@
 // everything else (and every pointer the pool does not own) to libc.
 //
 // Bootstrap: libc's functions are found with dlsym(RTLD_NEXT) on the first call. dlsym itself may
-// call malloc/calloc; while the resolving thread is inside dlsym those calls are served from a small
-// static arena (never freed, recognised by address in free/realloc). Other threads that arrive during
-// resolution wait for it to finish. Configuration is read from the environment at the first
-// allocation after `environ` is set (before that the pool is simply off).
+// call malloc/calloc; while the resolving thread is inside dlsym those calls are served from a
+// small static arena (never freed, recognised by address in free/realloc). Other threads that
+// arrive during resolution wait for it to finish. Configuration is read from the environment at the
+// first allocation after `environ` is set (before that the pool is simply off).
 #include <dlfcn.h>
 #include <errno.h>
 #include <malloc.h>
@@ -108,10 +108,20 @@ size_t ParseBytes(const char* name, size_t dflt) {
   for (; *c >= '0' && *c <= '9'; ++c) v = v * 10 + static_cast<size_t>(*c - '0');
   if (c == s) return dflt;
   switch (*c) {
-    case 'k': case 'K': v <<= 10; break;
-    case 'm': case 'M': v <<= 20; break;
-    case 'g': case 'G': v <<= 30; break;
-    default: break;
+    case 'k':
+    case 'K':
+      v <<= 10;
+      break;
+    case 'm':
+    case 'M':
+      v <<= 20;
+      break;
+    case 'g':
+    case 'G':
+      v <<= 30;
+      break;
+    default:
+      break;
   }
   return v;
 }
@@ -119,15 +129,16 @@ size_t ParseBytes(const char* name, size_t dflt) {
 void LoadConfig() {
   // Default 256 KiB, measured (tests/alloc_helpers/bench_alloc.c, 8 live buffers per step, every
   // page written once): glibc mmaps requests >= 128 KiB afresh and pays first touch every time,
-  // 102 us per 256 KiB buffer and 427 us per MiB, where the pool reuses warm pages (0.3 and 1.4 us).
-  // Below 128 KiB glibc reuses its heap (1.5 us per 64 KiB) so pooling gains little, while the
+  // 102 us per 256 KiB buffer and 427 us per MiB, where the pool reuses warm pages (0.3 and 1.4
+  // us). Below 128 KiB glibc reuses its heap (1.5 us per 64 KiB) so pooling gains little, while the
   // pool's single mutex would sit in the path of XLA's many small allocations and its 4 KiB
   // rounding would waste more. 256 KiB keeps rounding waste <= 1.6% and a shared 64 MiB segment at
   // <= 256 blocks, and makes every buffer that glibc would have mmap'd fabric memory.
   g_cfg.threshold = ParseBytes("STRATA_ALLOC_THRESHOLD", size_t{256} << 10);
   if (g_cfg.threshold < kGranule) g_cfg.threshold = kGranule;
   g_cfg.cache_cap = ParseBytes("STRATA_ALLOC_CACHE_BYTES", size_t{1} << 30);
-  g_cfg.segment_bytes = AlignUp(ParseBytes("STRATA_ALLOC_SEGMENT_BYTES", size_t{64} << 20), kLargeRound);
+  g_cfg.segment_bytes =
+      AlignUp(ParseBytes("STRATA_ALLOC_SEGMENT_BYTES", size_t{64} << 20), kLargeRound);
   if (g_cfg.segment_bytes == 0) g_cfg.segment_bytes = kLargeRound;
   long pages = sysconf(_SC_PHYS_PAGES);
   g_cfg.max_request = pages > 0 ? static_cast<size_t>(pages) * 4096 : size_t{1} << 40;
@@ -153,7 +164,9 @@ PoolResult Large(size_t n, size_t align) {
   return r;
 }
 
-bool Eligible(size_t n) { return __builtin_expect(n >= g_threshold.load(std::memory_order_relaxed), 0); }
+bool Eligible(size_t n) {
+  return __builtin_expect(n >= g_threshold.load(std::memory_order_relaxed), 0);
+}
 
 }  // namespace
 
@@ -255,9 +268,7 @@ void* AlignedPool(size_t align, size_t n) {
   return Large(n, align).ptr;
 }
 
-bool ReadyOrBoot() {
-  return g_resolve.load(std::memory_order_acquire) == 2 || Resolve();
-}
+bool ReadyOrBoot() { return g_resolve.load(std::memory_order_acquire) == 2 || Resolve(); }
 
 }  // namespace
 }  // namespace strata::alloc
@@ -307,7 +318,8 @@ STRATA_EXPORT void* aligned_alloc(size_t align, size_t n) noexcept {
 STRATA_EXPORT void* memalign(size_t align, size_t n) noexcept {
   if (!ReadyOrBoot()) return BootAlloc(n, align);
   if (align <= (size_t{1} << 40)) {
-    size_t a = align <= 1 ? 1 : size_t{1} << (64 - __builtin_clzll(align - 1));  // glibc rounds up too
+    size_t a =
+        align <= 1 ? 1 : size_t{1} << (64 - __builtin_clzll(align - 1));  // glibc rounds up too
     if (void* p = AlignedPool(a, n)) return p;
   }
   CountLibcAlloc();

@@ -8,9 +8,12 @@
 //  - Allocated blocks are found from the user pointer through PtrMap (open addressing, mmap'd).
 //  - One mutex (g_mu) guards all of it. Syscalls that may be slow (memfd_create, mmap, munmap) run
 //    outside it. Nothing under it calls malloc.
-//  - Callbacks run on one background thread, started by the first callback installation (an ordinary
+//  - Callbacks run on one background thread, started by the first callback installation (an
+//  ordinary
 //    API call, never from inside malloc). Once it exists, segment releases are handed to it so the
-//    freed-segment callback runs before munmap/close and never races an announcement of the same fd.
+//    freed-segment callback runs before munmap/close and never races an announcement of the same
+//    fd.
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -19,8 +22,6 @@
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-
-#include <dlfcn.h>
 
 #include "alloc/internal.h"
 
@@ -48,7 +49,7 @@ struct Segment;
 struct Block {
   uintptr_t start;
   size_t size;
-  Block* prev;   // address order within the segment
+  Block* prev;  // address order within the segment
   Block* next;
   Block* fprev;  // free-bin list
   Block* fnext;
@@ -65,9 +66,9 @@ struct Segment {
   size_t used;       // bytes in allocated blocks
   size_t dirty_end;  // offset high-water mark of anything ever handed out
   Block* first;
-  Segment* lprev;    // live list
+  Segment* lprev;  // live list
   Segment* lnext;
-  Segment* pnext;    // pending-release list (background thread)
+  Segment* pnext;          // pending-release list (background thread)
   uint64_t announced_gen;  // callback generation it was announced under (0: never)
   bool exportable;
 };
@@ -75,7 +76,9 @@ struct Segment {
 // Fixed-size objects from mmap'd slabs, recycled through a free list. Never returned to the OS.
 template <typename T>
 struct MetaArena {
-  struct Node { Node* next; };
+  struct Node {
+    Node* next;
+  };
   Node* free_list;
   T* Get() {
     if (!free_list) {
@@ -104,7 +107,10 @@ struct MetaArena {
 
 // user pointer -> allocated Block*. Linear probing, backward-shift deletion, grows at 1/2 load.
 struct PtrMap {
-  struct Slot { uintptr_t key; Block* val; };
+  struct Slot {
+    uintptr_t key;
+    Block* val;
+  };
   Slot* slots;
   size_t cap;  // power of two (0 before first use)
   size_t count;
@@ -192,7 +198,9 @@ std::atomic<bool> g_atfork_registered{false};
 
 // Striped counter of allocations passed to libc: a shared atomic would bounce a cache line between
 // every allocating thread. Threads are spread by their stack address.
-struct alignas(64) Stripe { std::atomic<uint64_t> n; };
+struct alignas(64) Stripe {
+  std::atomic<uint64_t> n;
+};
 Stripe g_libc_allocs[16];
 
 struct Lock {
@@ -212,7 +220,10 @@ void BinPush(Block* b) {
   g_bins[b->bin] = b;
 }
 void BinPop(Block* b) {
-  if (b->fprev) b->fprev->fnext = b->fnext; else g_bins[b->bin] = b->fnext;
+  if (b->fprev)
+    b->fprev->fnext = b->fnext;
+  else
+    g_bins[b->bin] = b->fnext;
   if (b->fnext) b->fnext->fprev = b->fprev;
   b->fprev = b->fnext = nullptr;
 }
@@ -255,7 +266,10 @@ bool SplitTail(Block* b, uintptr_t at) {
 }
 
 void Unlink(Block* b) {
-  if (b->prev) b->prev->next = b->next; else b->seg->first = b->next;
+  if (b->prev)
+    b->prev->next = b->next;
+  else
+    b->seg->first = b->next;
   if (b->next) b->next->prev = b->prev;
 }
 
@@ -314,7 +328,10 @@ void LinkLive(Segment* s) {
   g_live = s;
 }
 void UnlinkLive(Segment* s) {
-  if (s->lprev) s->lprev->lnext = s->lnext; else g_live = s->lnext;
+  if (s->lprev)
+    s->lprev->lnext = s->lnext;
+  else
+    g_live = s->lnext;
   if (s->lnext) s->lnext->lprev = s->lprev;
 }
 
@@ -684,8 +701,9 @@ extern "C" {
 STRATA_ALLOC_API int strata_alloc_lookup(const void* p, size_t len, strata_seg_info* out) {
   TableHit h;
   if (!TableFind(reinterpret_cast<uintptr_t>(p), len, &h) || h.fd < 0) return 0;
-  if (out) *out = {h.id, h.fd, reinterpret_cast<void*>(h.base), h.size,
-                   reinterpret_cast<uintptr_t>(p) - h.base};
+  if (out)
+    *out = {h.id, h.fd, reinterpret_cast<void*>(h.base), h.size,
+            reinterpret_cast<uintptr_t>(p) - h.base};
   return 1;
 }
 

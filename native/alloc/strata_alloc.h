@@ -1,12 +1,12 @@
 /* strata_alloc: registration-on-allocation pool (libstrata_alloc.so).
  *
  * Loaded with LD_PRELOAD, the library interposes the malloc family. Every allocation of at least
- * STRATA_ALLOC_THRESHOLD bytes is carved from a "fabric segment": a memfd mapped MAP_SHARED, which a
- * peer process can map from the fd (SCM_RIGHTS / pidfd_getfd). Everything smaller, and every pointer
- * the pool does not own, goes to libc untouched.
+ * STRATA_ALLOC_THRESHOLD bytes is carved from a "fabric segment": a memfd mapped MAP_SHARED, which
+ * a peer process can map from the fd (SCM_RIGHTS / pidfd_getfd). Everything smaller, and every
+ * pointer the pool does not own, goes to libc untouched.
  *
- * The rest of strata finds this API with dlsym(RTLD_DEFAULT, "strata_alloc_lookup") etc., so it works
- * whether or not the library was preloaded (when it is not, the lookups simply find nothing).
+ * The rest of strata finds this API with dlsym(RTLD_DEFAULT, "strata_alloc_lookup") etc., so it
+ * works whether or not the library was preloaded (when it is not, the lookups simply find nothing).
  *
  * Environment (read once, at the first allocation after the environment is available):
  *   STRATA_ALLOC_THRESHOLD      bytes (suffix K/M/G allowed, minimum 4K); default 256K (measured:
@@ -41,18 +41,18 @@ typedef struct strata_seg_info {
 } strata_seg_info;
 
 typedef struct strata_alloc_stats_t {
-  uint64_t segments;          /* live segments */
-  uint64_t segment_bytes;     /* bytes mapped in live segments */
-  uint64_t bytes_in_use;      /* bytes in allocated pool blocks (rounded to 4 KiB) */
-  uint64_t bytes_cached;      /* free bytes kept in live segments */
-  uint64_t pool_allocs;       /* allocations served from the pool */
-  uint64_t pool_frees;        /* pool blocks freed */
-  uint64_t libc_allocs;       /* allocations passed to libc (all sizes) */
-  uint64_t segments_created;  /* segments ever created */
-  uint64_t segments_released; /* segments returned to the OS */
-  uint64_t segments_announced;/* new-segment callback invocations */
-  uint64_t threshold;         /* effective threshold (UINT64_MAX when the pool is off) */
-  uint64_t cache_cap;         /* effective STRATA_ALLOC_CACHE_BYTES */
+  uint64_t segments;           /* live segments */
+  uint64_t segment_bytes;      /* bytes mapped in live segments */
+  uint64_t bytes_in_use;       /* bytes in allocated pool blocks (rounded to 4 KiB) */
+  uint64_t bytes_cached;       /* free bytes kept in live segments */
+  uint64_t pool_allocs;        /* allocations served from the pool */
+  uint64_t pool_frees;         /* pool blocks freed */
+  uint64_t libc_allocs;        /* allocations passed to libc (all sizes) */
+  uint64_t segments_created;   /* segments ever created */
+  uint64_t segments_released;  /* segments returned to the OS */
+  uint64_t segments_announced; /* new-segment callback invocations */
+  uint64_t threshold;          /* effective threshold (UINT64_MAX when the pool is off) */
+  uint64_t cache_cap;          /* effective STRATA_ALLOC_CACHE_BYTES */
 } strata_alloc_stats_t;
 
 typedef void (*strata_seg_callback)(const strata_seg_info* info, void* user);
@@ -79,7 +79,8 @@ STRATA_ALLOC_API void strata_alloc_flush(void);
 
 STRATA_ALLOC_API void strata_alloc_stats(strata_alloc_stats_t* out);
 
-/* 1 when this library's malloc family is the one the process uses (LD_PRELOAD) and the pool is on. */
+/* 1 when this library's malloc family is the one the process uses (LD_PRELOAD) and the pool is on.
+ */
 STRATA_ALLOC_API int strata_alloc_active(void);
 
 STRATA_ALLOC_API int strata_alloc_abi_version(void);

@@ -7,9 +7,9 @@
 //           retry if s1 != s2.
 // The release fence orders the odd store before the entry stores; a reader whose relaxed loads
 // observed any of those stores synchronises through the fences and so reads s2 != s1 (Boehm, "Can
-// seqlocks get along with programming language memory models?", 2012). All entry fields are atomics,
-// so a torn read is a retried read, never UB; a reader clamps indices so garbage cannot send it out
-// of bounds.
+// seqlocks get along with programming language memory models?", 2012). All entry fields are
+// atomics, so a torn read is a retried read, never UB; a reader clamps indices so garbage cannot
+// send it out of bounds.
 #include <algorithm>
 
 #include "alloc/internal.h"
@@ -24,8 +24,8 @@ struct Entry {
   std::atomic<int> fd;
 };
 
-// Zero-initialised static storage: valid before any constructor runs. 16384 * 32 B = 512 KiB of BSS,
-// touched only as far as it is used.
+// Zero-initialised static storage: valid before any constructor runs. 16384 * 32 B = 512 KiB of
+// BSS, touched only as far as it is used.
 Entry g_entries[kMaxSegments];
 std::atomic<size_t> g_count{0};
 std::atomic<uint64_t> g_seq{0};
@@ -37,7 +37,9 @@ void WriteBegin() {
   g_seq.store(g_seq.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
 }
-void WriteEnd() { g_seq.store(g_seq.load(std::memory_order_relaxed) + 1, std::memory_order_release); }
+void WriteEnd() {
+  g_seq.store(g_seq.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+}
 
 void CopyEntry(Entry& dst, const Entry& src) {
   dst.base.store(src.base.load(std::memory_order_relaxed), std::memory_order_relaxed);
@@ -51,7 +53,10 @@ size_t UpperBound(size_t n, uintptr_t p) {
   size_t lo = 0, hi = n;
   while (lo < hi) {
     size_t mid = (lo + hi) / 2;
-    if (g_entries[mid].base.load(std::memory_order_relaxed) <= p) lo = mid + 1; else hi = mid;
+    if (g_entries[mid].base.load(std::memory_order_relaxed) <= p)
+      lo = mid + 1;
+    else
+      hi = mid;
   }
   return lo;
 }
@@ -72,7 +77,8 @@ bool TableInsert(uintptr_t base, size_t size, uint64_t id, int fd) {
   WriteEnd();
   // The hull only grows; relaxed is enough since it is a hint checked before the seqlock read.
   if (base < g_lo.load(std::memory_order_relaxed)) g_lo.store(base, std::memory_order_relaxed);
-  if (base + size > g_hi.load(std::memory_order_relaxed)) g_hi.store(base + size, std::memory_order_relaxed);
+  if (base + size > g_hi.load(std::memory_order_relaxed))
+    g_hi.store(base + size, std::memory_order_relaxed);
   return true;
 }
 
@@ -112,7 +118,10 @@ bool TableFind(uintptr_t p, size_t len, TableHit* hit) {
     size_t lo = 0, hi = n;
     while (lo < hi) {
       size_t mid = (lo + hi) / 2;
-      if (g_entries[mid].base.load(std::memory_order_relaxed) <= p) lo = mid + 1; else hi = mid;
+      if (g_entries[mid].base.load(std::memory_order_relaxed) <= p)
+        lo = mid + 1;
+      else
+        hi = mid;
     }
     bool found = false;
     TableHit h{};

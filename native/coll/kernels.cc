@@ -1,10 +1,10 @@
 #include "coll/kernels.h"
 
+#include <emmintrin.h>
+
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-
-#include <emmintrin.h>
 #include <limits>
 #include <type_traits>
 
@@ -120,22 +120,38 @@ int dtype_size(int32_t dtype) {
 
 const char* dtype_name(int32_t dtype) {
   switch (static_cast<DT>(dtype)) {
-    case DT::PRED: return "bool";
-    case DT::S8: return "int8";
-    case DT::U8: return "uint8";
-    case DT::S16: return "int16";
-    case DT::U16: return "uint16";
-    case DT::F16: return "float16";
-    case DT::BF16: return "bfloat16";
-    case DT::S32: return "int32";
-    case DT::U32: return "uint32";
-    case DT::F32: return "float32";
-    case DT::S64: return "int64";
-    case DT::U64: return "uint64";
-    case DT::F64: return "float64";
-    case DT::C64: return "complex64";
-    case DT::C128: return "complex128";
-    default: return "unsupported";
+    case DT::PRED:
+      return "bool";
+    case DT::S8:
+      return "int8";
+    case DT::U8:
+      return "uint8";
+    case DT::S16:
+      return "int16";
+    case DT::U16:
+      return "uint16";
+    case DT::F16:
+      return "float16";
+    case DT::BF16:
+      return "bfloat16";
+    case DT::S32:
+      return "int32";
+    case DT::U32:
+      return "uint32";
+    case DT::F32:
+      return "float32";
+    case DT::S64:
+      return "int64";
+    case DT::U64:
+      return "uint64";
+    case DT::F64:
+      return "float64";
+    case DT::C64:
+      return "complex64";
+    case DT::C128:
+      return "complex128";
+    default:
+      return "unsupported";
   }
 }
 
@@ -152,29 +168,42 @@ void reduce_n(int32_t dtype, ReduceOp op, const void* const* srcs, int n, void* 
   reduce_n_to(dtype, op, srcs, n, static_cast<char*>(dst) + b * es, b, e);
 }
 
-void reduce_n_to(int32_t dtype, ReduceOp op, const void* const* srcs, int n, void* dst,
-                 size_t b, size_t e) {
+void reduce_n_to(int32_t dtype, ReduceOp op, const void* const* srcs, int n, void* dst, size_t b,
+                 size_t e) {
   if (b >= e) return;
   switch (static_cast<DT>(dtype)) {
     case DT::PRED:  // bool max/min = OR/AND on 0/1 bytes; psum of bool is int32 (Python side)
-    case DT::U8: return reduce_dispatch_op<uint8_t>(op, srcs, n, dst, b, e);
-    case DT::S8: return reduce_dispatch_op<int8_t>(op, srcs, n, dst, b, e);
-    case DT::S16: return reduce_dispatch_op<int16_t>(op, srcs, n, dst, b, e);
-    case DT::U16: return reduce_dispatch_op<uint16_t>(op, srcs, n, dst, b, e);
-    case DT::S32: return reduce_dispatch_op<int32_t>(op, srcs, n, dst, b, e);
-    case DT::U32: return reduce_dispatch_op<uint32_t>(op, srcs, n, dst, b, e);
-    case DT::S64: return reduce_dispatch_op<int64_t>(op, srcs, n, dst, b, e);
-    case DT::U64: return reduce_dispatch_op<uint64_t>(op, srcs, n, dst, b, e);
-    case DT::F32: return reduce_dispatch_op<float>(op, srcs, n, dst, b, e);
-    case DT::F64: return reduce_dispatch_op<double>(op, srcs, n, dst, b, e);
-    case DT::BF16: return reduce_dispatch_op<bf16>(op, srcs, n, dst, b, e);
-    case DT::F16: return reduce_dispatch_op<f16>(op, srcs, n, dst, b, e);
+    case DT::U8:
+      return reduce_dispatch_op<uint8_t>(op, srcs, n, dst, b, e);
+    case DT::S8:
+      return reduce_dispatch_op<int8_t>(op, srcs, n, dst, b, e);
+    case DT::S16:
+      return reduce_dispatch_op<int16_t>(op, srcs, n, dst, b, e);
+    case DT::U16:
+      return reduce_dispatch_op<uint16_t>(op, srcs, n, dst, b, e);
+    case DT::S32:
+      return reduce_dispatch_op<int32_t>(op, srcs, n, dst, b, e);
+    case DT::U32:
+      return reduce_dispatch_op<uint32_t>(op, srcs, n, dst, b, e);
+    case DT::S64:
+      return reduce_dispatch_op<int64_t>(op, srcs, n, dst, b, e);
+    case DT::U64:
+      return reduce_dispatch_op<uint64_t>(op, srcs, n, dst, b, e);
+    case DT::F32:
+      return reduce_dispatch_op<float>(op, srcs, n, dst, b, e);
+    case DT::F64:
+      return reduce_dispatch_op<double>(op, srcs, n, dst, b, e);
+    case DT::BF16:
+      return reduce_dispatch_op<bf16>(op, srcs, n, dst, b, e);
+    case DT::F16:
+      return reduce_dispatch_op<f16>(op, srcs, n, dst, b, e);
     // complex sums are sums of the real and imaginary parts
     case DT::C64:
       return reduce_dispatch_op<float>(ReduceOp::kSum, srcs, n, dst, 2 * b, 2 * e);
     case DT::C128:
       return reduce_dispatch_op<double>(ReduceOp::kSum, srcs, n, dst, 2 * b, 2 * e);
-    default: return;
+    default:
+      return;
   }
 }
 

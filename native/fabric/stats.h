@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <string>
 
 namespace strata {
 
@@ -41,5 +42,11 @@ struct Stats {
   std::atomic<uint64_t> failures{0};    // strata calls that returned an error (any cause)
 };
 Stats& stats();
+
+// A sentence appended to every timeout error, set from Python (strata_jax/_src/runtime.py: the
+// dispatch-ahead explanation when XLA's launch pool is too small); empty by default. Guarded by
+// a mutex: handlers read it while Python may set it.
+void set_timeout_hint(const std::string& hint);
+std::string timeout_hint();
 
 }  // namespace strata

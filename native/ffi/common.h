@@ -8,6 +8,7 @@
 
 #include "fabric/inflight.h"
 #include "fabric/inproc.h"
+#include "fabric/op_stats.h"
 #include "fabric/shm.h"
 #include "fabric/stats.h"
 #include "fabric/team.h"
@@ -22,7 +23,7 @@ inline xla::ffi::Error to_error(const std::string& msg) {
   stats().failures.fetch_add(1, std::memory_order_relaxed);
   if (msg.find("timed out") != std::string::npos) {
     stats().timeouts.fetch_add(1, std::memory_order_relaxed);
-    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg);
+    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg + timeout_hint());
   }
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg);
 }
@@ -101,7 +102,12 @@ xla::ffi::Error join_and_run(const char* name, int64_t run_id, int64_t op_id, co
                              Body body) {
   return join_and_run_with(
       name, run_id, op_id, pl, cross_process,
-      [&](auto& team) { return team.arrive(desc, in, out); }, body);
+      [&](auto& team) {
+        std::string e = team.arrive(desc, in, out);
+        OpTimer::arrived();  // wait vs move in comm_stats() (fabric/op_stats.h)
+        return e;
+      },
+      body);
 }
 
 // Several buffers per rank (Team::peer_buf); the output is this rank's alone, not published.

@@ -5,6 +5,7 @@
 
 #include "coll/collectives.h"
 #include "fabric/inproc.h"
+#include "fabric/op_stats.h"
 #include "fabric/shm.h"
 #include "fabric/stats.h"
 #include "ffi/common.h"
@@ -32,6 +33,7 @@ ffi::Error run_collective(const char* name, ffi::RunId run, int64_t op_id, ffi::
   if (desc.in_bytes == 0 && desc.out_bytes == 0) return ffi::Error::Success();
   desc.name = name;
   stats().calls.fetch_add(1, std::memory_order_relaxed);
+  OpTimer timer(name, desc.in_bytes, desc.algo);  // comm_stats()["ops"] (fabric/op_stats.h)
   return join_and_run(name, run.run_id, op_id, pl, desc, in, out, /*cross_process=*/true,
                       [&](Team& t) { return body(t, pl); });
 }

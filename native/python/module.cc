@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "fabric/inproc.h"
+#include "fabric/op_stats.h"
 #include "fabric/shm.h"
 #include "fabric/stats.h"
 #include "ffi/handlers.h"
@@ -44,6 +45,30 @@ NB_MODULE(_strata, m) {
   m.def(
       "set_timeout", [](double s) { strata::settings().timeout_ms.store(int64_t(s * 1000)); },
       nb::arg("seconds"));
+  m.def(
+      "set_timeout_hint", [](const std::string& h) { strata::set_timeout_hint(h); },
+      nb::arg("hint"));
+  m.def("op_stats", [] {
+    nb::list out;
+    for (const strata::OpStats* s : strata::op_stats_all()) {
+      auto ld = [](const std::atomic<uint64_t>& a) { return a.load(std::memory_order_relaxed); };
+      nb::dict d;
+      d["name"] = s->name;
+      d["calls"] = ld(s->calls);
+      d["bytes"] = ld(s->bytes);
+      d["one_shot"] = ld(s->algo[0]);
+      d["two_shot"] = ld(s->algo[1]);
+      d["total_s"] = ld(s->total_ns) * 1e-9;
+      d["wait_s"] = ld(s->wait_ns) * 1e-9;
+      d["p50_s"] = strata::op_stats_quantile(*s, 0.5) * 1e-9;
+      d["p99_s"] = strata::op_stats_quantile(*s, 0.99) * 1e-9;
+      out.append(d);
+    }
+    return out;
+  });
+  m.def("reset_op_stats", [] { strata::reset_op_stats(); });
+  m.def(
+      "set_op_stats_enabled", [](bool on) { strata::set_op_stats_enabled(on); }, nb::arg("on"));
   m.def("get_timeout", [] { return strata::settings().timeout_ms.load() / 1000.0; });
   m.def(
       "set_two_shot_bytes", [](int64_t b) { strata::settings().two_shot_bytes.store(b); },

@@ -6,11 +6,11 @@
 // long spinning steals the core from the peer we are waiting for: the spin budget is small.
 #pragma once
 
+#include <sched.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-
-#include <sched.h>
 
 namespace strata {
 

@@ -14,6 +14,7 @@ strata inside each fabric, XLA's own collectives between (``hierarchy.py``).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -26,9 +27,12 @@ from jax._src.interpreters import ad, batching, mlir
 from jax._src.lib.mlir.dialects import hlo
 from jax._src.sharding_impls import SPMDAxisContext
 
-from strata_jax._src import hierarchy, runtime
+from strata_jax._src import debug, hierarchy, runtime
 
 AxisName = Any
+
+# jax.lax's own collectives, bound before strata_jax.enable() can redirect the jax.lax names.
+_LAX = {n: getattr(jax.lax, n) for n in ("psum", "pmax", "pmin", "all_gather")}
 
 __all__ = [
     "psum",
@@ -265,6 +269,84 @@ def _tree_map(f, x):
     return jax.tree_util.tree_map(f, x)
 
 
+def _axis_arg(args, kwargs):
+    return args[1] if len(args) > 1 else kwargs.get("axis_name")
+
+
+def _profiled(api: str):
+    """Names the ops of a public function ``strata.<api>`` (jax.named_scope): the name shows
+    in the HLO's op_name metadata and in jax.profiler traces next to the compute."""
+
+    def deco(f):
+        @functools.wraps(f)
+        def wrapped(*args, **kwargs):
+            if debug.level():
+                debug.on_trace(api, args[0] if args else kwargs.get("x"), _axis_arg(args, kwargs))
+            with jax.named_scope(f"strata.{api}"):
+                return f(*args, **kwargs)
+
+        return wrapped
+
+    return deco
+
+
+# Element types the native kernels move and reduce. Every other dtype jax.lax accepts (int2/int4,
+# uint2/uint4, the float8 and float4 families) travels widened: floats as float32 (so sums
+# accumulate in float32 and round once, like bfloat16), integers as int32/uint32 (sums wrap
+# when cast back, as in jax.lax). Moving data widened is exact both ways.
+_NATIVE_DTYPES = frozenset(
+    np.dtype(t)
+    for t in (
+        np.bool_,
+        np.int8,
+        np.int16,
+        np.int32,
+        np.int64,
+        np.uint8,
+        np.uint16,
+        np.uint32,
+        np.uint64,
+        np.float16,
+        jnp.bfloat16,
+        np.float32,
+        np.float64,
+        np.complex64,
+        np.complex128,
+    )
+)
+
+
+def _widen(v, api: str):
+    """Returns (v in a dtype the native kernels handle, the dtype to cast back to or None)."""
+    dt = np.dtype(v.dtype)
+    if dt in _NATIVE_DTYPES:
+        return v, None
+    if jnp.issubdtype(dt, jnp.floating):
+        wide = np.float32
+    elif jnp.issubdtype(dt, jnp.signedinteger):
+        wide = np.int32
+    elif jnp.issubdtype(dt, jnp.unsignedinteger):
+        wide = np.uint32
+    else:
+        names = ", ".join(sorted(str(d) for d in _NATIVE_DTYPES))
+        raise TypeError(
+            f"strata_jax.{api} does not support dtype {dt}; supported: {names}, and the narrow "
+            "int/uint/float types (int4, float8_e4m3fn, ...), which travel widened."
+        )
+    return v.astype(wide), dt
+
+
+def _narrow(y, dt):
+    return y if dt is None else y.astype(dt)
+
+
+def _typed_unreduced_or_reduced(v) -> bool:
+    if not isinstance(v, core.Tracer):
+        return False
+    mat = core.typeof(v).mat
+    return bool(mat.unreduced or mat.reduced)
+
+
 # --------------------------------------------------------------------------------------
 # all-reduce: psum / pmax / pmin (and pmean)
 # --------------------------------------------------------------------------------------
@@ -284,18 +366,22 @@ def _all_reduce(x, axis_name, axis_index_groups, reduce: str, api: str):
         if not isinstance(v, core.Tracer):
             # A constant has no per-device values: jax.lax computes the answer from the axis
             # size alone (e.g. psum(1, 'x') is the axis size); so do we.
-            return getattr(jax.lax, api)(v, axis_name)
+            return _LAX[api](v, axis_name)
+        if _typed_unreduced_or_reduced(v):
+            # jax.lax's types for sums left unreduced by the partitioner: only it lowers them.
+            return _LAX[api](v, axis_name)
         if reduce == "sum" and v.dtype == np.bool_:
             v = v.astype(np.int32)
         if jnp.issubdtype(v.dtype, jnp.complexfloating) and reduce != "sum":
             raise TypeError(f"strata_jax.{api} does not order complex numbers; got {v.dtype}.")
         _check_axis_names(axes, api)
-        v = _pvary_missing(v, axes)
-        return all_reduce_p.bind(v, axes=axes, reduce=reduce, invariant=_vma_on())
+        v, dt = _widen(_pvary_missing(v, axes), api)
+        return _narrow(all_reduce_p.bind(v, axes=axes, reduce=reduce, invariant=_vma_on()), dt)
 
     return _tree_map(leaf, x)
 
 
+@_profiled("psum")
 def psum(x, axis_name: AxisName, *, axis_index_groups=None):
     """All-reduce sum of ``x`` over the mesh axis (or tuple of axes) ``axis_name``.
 
@@ -303,7 +389,9 @@ def psum(x, axis_name: AxisName, *, axis_index_groups=None):
 
     Args:
       x: array or pytree of arrays, any shape (0-d and zero-size included) and any dtype
-        jax.lax.psum accepts; bool is summed as int32 (as jax.lax does).
+        jax.lax.psum accepts; bool is summed as int32 (as jax.lax does). Narrow types
+        (int4/uint4/int2/uint2, float8_*, float4_*) are summed in int32/uint32/float32 and cast
+        back once (integer sums wrap; float sums round once).
       axis_name: a mesh axis name or a tuple of them (any subset of a multi-axis mesh); the
         group is every device that shares the coordinates of the other mesh axes.
       axis_index_groups: not supported (raises NotImplementedError).
@@ -324,6 +412,7 @@ def psum(x, axis_name: AxisName, *, axis_index_groups=None):
     return _all_reduce(x, axis_name, axis_index_groups, "sum", "psum")
 
 
+@_profiled("pmax")
 def pmax(x, axis_name: AxisName, *, axis_index_groups=None):
     """All-reduce maximum over ``axis_name``; drop-in for :func:`jax.lax.pmax`.
 
@@ -334,6 +423,7 @@ def pmax(x, axis_name: AxisName, *, axis_index_groups=None):
     return _all_reduce(x, axis_name, axis_index_groups, "max", "pmax")
 
 
+@_profiled("pmin")
 def pmin(x, axis_name: AxisName, *, axis_index_groups=None):
     """All-reduce minimum over ``axis_name``; drop-in for :func:`jax.lax.pmin`.
 
@@ -342,6 +432,7 @@ def pmin(x, axis_name: AxisName, *, axis_index_groups=None):
     return _all_reduce(x, axis_name, axis_index_groups, "min", "pmin")
 
 
+@_profiled("pmean")
 def pmean(x, axis_name: AxisName, *, axis_index_groups=None):
     """All-reduce mean over ``axis_name``; drop-in for :func:`jax.lax.pmean`.
 
@@ -432,8 +523,15 @@ mlir.register_lowering(all_reduce_p, _all_reduce_lowering, platform="cpu")
 all_gather_p = core.Primitive("strata_all_gather")
 
 
+@_profiled("all_gather")
 def all_gather(
-    x, axis_name: AxisName, *, axis_index_groups=None, axis: int = 0, tiled: bool = False
+    x,
+    axis_name: AxisName,
+    *,
+    axis_index_groups=None,
+    axis: int = 0,
+    tiled: bool = False,
+    to: str = "varying",
 ):
     """Gathers ``x`` from every rank of ``axis_name``; drop-in for :func:`jax.lax.all_gather`.
 
@@ -445,20 +543,35 @@ def all_gather(
         the tuple).
       axis: where to gather (negative counts from the end).
       tiled: see above.
+      to: the result's manual axis type, as jax.lax: ``"varying"`` (default), ``"invarying"``
+        (invariant over ``axis_name``; jax.lax's all_gather_invariant, whose transpose is a
+        slice) or ``"reduced"`` (typed reduced; this one runs on jax.lax).
 
     Raises:
-      ValueError: tiled gather of a 0-d array, or ``axis`` out of range.
+      ValueError: tiled gather of a 0-d array, ``axis`` out of range, or an unknown ``to``.
       NameError / NotImplementedError: as :func:`psum`.
 
     Each rank copies every peer's input straight into its own output (one copy per byte).
+    ``to="invarying"`` is a strata psum of the input placed in its block of a zero array (the
+    one way to an invariant result without a cast JAX forbids): twice the bytes of a gather.
     """
+    if to not in ("varying", "invarying", "reduced"):
+        raise ValueError(
+            f"all_gather: to={to!r}; expected 'varying', 'invarying' or 'reduced' (as jax.lax)."
+        )
     axes = _axes(axis_name)
     _no_groups(axis_index_groups, "all_gather")
     if not axes:
         return x
+    if to == "reduced":
+        return _LAX["all_gather"](x, axis_name, axis=axis, tiled=tiled, to="reduced")
+    if to == "invarying":
+        return _tree_map(lambda v: _all_gather_invariant(v, axis_name, axes, axis, tiled), x)
 
     def leaf(v):
         v = jnp.asarray(v)
+        if _typed_unreduced_or_reduced(v):
+            return _LAX["all_gather"](v, axis_name, axis=axis, tiled=tiled)
         _check_axis_names(axes, "all_gather")
         if tiled and v.ndim == 0:
             raise ValueError(
@@ -468,12 +581,34 @@ def all_gather(
         ax = _canon_axis(axis, v.ndim if tiled else v.ndim + 1, "axis")
         if not tiled:
             v = jnp.expand_dims(v, ax)
-        v = _pvary_missing(v, axes)
+        v, dt = _widen(_pvary_missing(v, axes), "all_gather")
         n = _axis_size(axes)
         y = all_gather_p.bind(jnp.moveaxis(v, ax, 0), axes=axes, axis_size=n)
-        return jnp.moveaxis(y, 0, ax)
+        return _narrow(jnp.moveaxis(y, 0, ax), dt)
 
     return _tree_map(leaf, x)
+
+
+def _all_gather_invariant(v, axis_name, axes: tuple, axis: int, tiled: bool):
+    v = jnp.asarray(v)
+    _check_axis_names(axes, "all_gather")
+    if tiled and v.ndim == 0:
+        raise ValueError("tiled all_gather of a 0-d array is undefined; use tiled=False.")
+    ax = _canon_axis(axis, v.ndim if tiled else v.ndim + 1, "axis")
+    if not tiled:
+        v = jnp.expand_dims(v, ax)
+    n = _axis_size(axes)
+    m = v.shape[ax]
+    shape = (*v.shape[:ax], n * m, *v.shape[ax + 1 :])
+    # Rank i's block at [i*m, (i+1)*m) of a zero array, summed over the group: the gather, typed
+    # invariant by the psum. Index in mesh order, as jax.lax.axis_index of the tuple.
+    placed = jax.lax.dynamic_update_slice_in_dim(
+        _pvary_missing(jnp.zeros(shape, v.dtype), axes),
+        _pvary_missing(v, axes),
+        jax.lax.axis_index(axis_name) * m,
+        ax,
+    )
+    return psum(placed, axis_name)
 
 
 def _all_gather_abstract_eval(aval, *, axes, axis_size):
@@ -528,6 +663,7 @@ batching.fancy_primitive_batchers[all_gather_p] = _all_gather_batcher
 reduce_scatter_p = core.Primitive("strata_reduce_scatter")
 
 
+@_profiled("psum_scatter")
 def psum_scatter(
     x,
     axis_name: AxisName,
@@ -578,9 +714,9 @@ def psum_scatter(
                 f"{v.shape[d]} but must equal the axis size {n}; pass "
                 "tiled=True to scatter blocks."
             )
-        v = _pvary_missing(v, axes)
+        v, dt = _widen(_pvary_missing(v, axes), "psum_scatter")
         y = reduce_scatter_p.bind(jnp.moveaxis(v, d, 0), axes=axes, axis_size=n)
-        y = jnp.moveaxis(y, 0, d)
+        y = _narrow(jnp.moveaxis(y, 0, d), dt)
         return y if tiled else jnp.squeeze(y, d)
 
     return _tree_map(leaf, x)
@@ -630,6 +766,7 @@ batching.fancy_primitive_batchers[reduce_scatter_p] = _reduce_scatter_batcher
 all_to_all_p = core.Primitive("strata_all_to_all")
 
 
+@_profiled("all_to_all")
 def all_to_all(
     x,
     axis_name: AxisName,
@@ -676,8 +813,9 @@ def all_to_all(
                     f"all_to_all: split_axis {s} of size {v.shape[s]} is not "
                     f"divisible by the axis size {n}."
                 )
-            v = _pvary_missing(v, axes)
-            return all_to_all_p.bind(v, axes=axes, split_axis=s, concat_axis=c, axis_size=n)
+            v, dt = _widen(_pvary_missing(v, axes), "all_to_all")
+            y = all_to_all_p.bind(v, axes=axes, split_axis=s, concat_axis=c, axis_size=n)
+            return _narrow(y, dt)
         if v.shape[s] != n:
             raise ValueError(
                 f"all_to_all(tiled=False): split_axis {s} has size {v.shape[s]} "
@@ -686,9 +824,9 @@ def all_to_all(
         # Untiled = tiled on x with a unit axis inserted where the new axis will appear.
         ins = c if c <= s else c + 1
         s2 = s + 1 if c <= s else s
-        v = _pvary_missing(jnp.expand_dims(v, ins), axes)
+        v, dt = _widen(_pvary_missing(jnp.expand_dims(v, ins), axes), "all_to_all")
         y = all_to_all_p.bind(v, axes=axes, split_axis=s2, concat_axis=ins, axis_size=n)
-        return jnp.squeeze(y, s2)
+        return _narrow(jnp.squeeze(y, s2), dt)
 
     return _tree_map(leaf, x)
 
@@ -765,6 +903,7 @@ def _check_perm(perm, n: int) -> tuple:
     return perm
 
 
+@_profiled("ppermute")
 def ppermute(x, axis_name: AxisName, perm: Sequence[tuple[int, int]]):
     """Collective permutation; drop-in for :func:`jax.lax.ppermute`.
 
@@ -789,8 +928,8 @@ def ppermute(x, axis_name: AxisName, perm: Sequence[tuple[int, int]]):
         v = jnp.asarray(v)
         _check_axis_names(axes, "ppermute")
         p = _check_perm(perm, _axis_size(axes))
-        v = _pvary_missing(v, axes)
-        return ppermute_p.bind(v, axes=axes, perm=p)
+        v, dt = _widen(_pvary_missing(v, axes), "ppermute")
+        return _narrow(ppermute_p.bind(v, axes=axes, perm=p), dt)
 
     return _tree_map(leaf, x)
 
@@ -848,6 +987,7 @@ mlir.register_lowering(ppermute_p, _ppermute_lowering, platform="cpu")
 pbroadcast_p = core.Primitive("strata_pbroadcast")
 
 
+@_profiled("pbroadcast")
 def pbroadcast(x, axis_name: AxisName, source: int):
     """Broadcast from rank ``source`` of ``axis_name``; drop-in for :func:`jax.lax.pbroadcast`.
 
@@ -876,8 +1016,8 @@ def pbroadcast(x, axis_name: AxisName, source: int):
         n = _axis_size(axes)
         if not 0 <= int(source) < n:
             raise ValueError(f"pbroadcast: source {source} is outside [0, {n}).")
-        v = _pvary_missing(v, axes)
-        return pbroadcast_p.bind(v, axes=axes, source=int(source))
+        v, dt = _widen(_pvary_missing(v, axes), "pbroadcast")
+        return _narrow(pbroadcast_p.bind(v, axes=axes, source=int(source)), dt)
 
     return _tree_map(leaf, x)
 

@@ -211,6 +211,12 @@ def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
     if env is not None:
         _install_exit_hooks()
     if not jax.distributed.is_initialized() and env is not None:
+        if runtime._backend_initialized():
+            raise RuntimeError(
+                "strata_jax.init() was called after JAX created its backend, so it can no "
+                "longer set the device count or join the other processes: call "
+                "strata_jax.init() before any other use of jax (right after the imports)."
+            )
         jax.config.update("jax_num_cpu_devices", env["local_device_count"])
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(

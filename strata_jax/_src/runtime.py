@@ -40,8 +40,10 @@ def configure_launch_threads() -> None:
     """
     want = max(_MIN_LAUNCH_THREADS, 2 * _requested_cpu_devices())
     cur = os.environ.get("PJRT_NPROC")
+    _register_backend_hook()
     if cur is None:
         if _backend_initialized():
+            launch_pool["set_in_time"] = False
             warnings.warn(
                 "strata_jax was imported after JAX created its CPU backend, so it could not "
                 "size XLA's launch thread pool: dispatching many multi-device calls ahead "
@@ -52,6 +54,103 @@ def configure_launch_threads() -> None:
             )
             return
         os.environ["PJRT_NPROC"] = str(want)
+
+
+# What strata knows about XLA's CPU launch pool (``python -m strata_jax.info`` prints it):
+# whether PJRT_NPROC was in the environment when JAX created its CPU backend, the pool size that
+# follows (max(PJRT_NPROC | NPROC | cores, devices)) and the number of local CPU devices.
+launch_pool: dict = {"set_in_time": None, "threads": None, "devices": None}
+
+_DEADLOCK_TIMEOUT_S = 20.0
+_timeout_chosen = "STRATA_TIMEOUT_S" in os.environ  # the user picked a timeout: keep it
+_launch_checked = False
+
+
+def _pool_threads(devices: int) -> int:
+    for var in ("PJRT_NPROC", "NPROC"):
+        v = os.environ.get(var, "")
+        if v.isdigit() and int(v) > 0:
+            return max(int(v), devices)
+    return max(os.cpu_count() or 1, devices)
+
+
+def _register_backend_hook() -> None:
+    try:
+        from jax._src import xla_bridge
+
+        if _on_backend_created not in xla_bridge._backend_initialization_hooks:
+            xla_bridge.register_backend_initialization_hook(_on_backend_created)
+    except Exception:  # pragma: no cover - private API moved: the lowering-time check remains
+        pass
+
+
+def _on_backend_created(backend) -> None:
+    """Runs when JAX creates a backend: records the launch pool, catches a missing init()."""
+    if getattr(backend, "platform", None) != "cpu":
+        return
+    if launch_pool["set_in_time"] is None:
+        launch_pool["set_in_time"] = "PJRT_NPROC" in os.environ
+    check_launcher_init()
+
+
+def check_launcher_init() -> None:
+    """Raises when this process runs under the launcher but ``strata_jax.init()`` was not called.
+
+    Without init() each rank creates a one-process JAX backend: every collective then runs over
+    one process and returns its input (psum of one rank), a silently wrong result.
+    """
+    from strata_jax import launch
+
+    env = launch.distributed_env()
+    if env is None or env["num_processes"] < 2:
+        return
+    import jax
+
+    if jax.distributed.is_initialized():
+        return
+    raise RuntimeError(
+        f"This process is rank {env['process_id']} of {env['num_processes']} started by "
+        "strata_jax.launch, but strata_jax.init() was not called before JAX created its "
+        "backend: every rank would run as a separate one-process job and collectives would "
+        "silently return wrong results. Call strata_jax.init() first, before any other use "
+        "of jax."
+    )
+
+
+def _check_launch_pool() -> None:
+    """At the first lowering after the backend exists: a too-small launch pool gets a short
+    timeout and a timeout error that names the dispatch-ahead deadlock and its fix."""
+    global _launch_checked
+    if _launch_checked or not _backend_initialized():
+        return
+    check_launcher_init()
+    _launch_checked = True
+    import jax
+
+    n = jax.local_device_count("cpu")
+    threads = _pool_threads(n)
+    launch_pool.update(threads=threads, devices=n)
+    if launch_pool["set_in_time"] is None:
+        launch_pool["set_in_time"] = False
+    if n < 2 or threads >= 2 * n:
+        return
+    shortened = ""
+    if not _timeout_chosen:
+        _native.set_timeout(_DEADLOCK_TIMEOUT_S)
+        shortened = (
+            f" (strata shortened its timeout to {_DEADLOCK_TIMEOUT_S:g} s for this reason; "
+            "strata_jax.set_timeout overrides)"
+        )
+    _native.set_timeout_hint(
+        f" Likely cause: the dispatch-ahead deadlock of XLA's CPU client. Its launch pool "
+        f"has {threads} threads for {n} devices (fewer than 2x): strata_jax was imported "
+        "after JAX created its CPU backend"
+        + ("" if launch_pool["set_in_time"] else " and PJRT_NPROC was not set in time")
+        + ". With ~32 multi-device calls dispatched ahead without blocking, a device never "
+        "gets a thread, so its peers wait for it here. Fix: import strata_jax before any "
+        f"other use of jax (or set PJRT_NPROC>={2 * n} in the environment), or block on a "
+        "result every few calls (jax.block_until_ready)" + shortened + "."
+    )
 
 
 def _backend_initialized() -> bool:
@@ -77,6 +176,8 @@ def native():
         for name, capsule in _strata.handlers().items():
             jax.ffi.register_ffi_target(name, capsule, platform="cpu", api_version=1)
         _native = _strata
+    if not _launch_checked:
+        _check_launch_pool()
     return _native
 
 
@@ -92,8 +193,10 @@ def set_timeout(seconds: float) -> None:
     A collective that times out raises one of :data:`COLLECTIVE_ERRORS` naming the operation,
     the missing ranks and the phase it was in; it never hangs forever.
     """
+    global _timeout_chosen
     if not seconds > 0:
         raise ValueError(f"timeout must be positive seconds, got {seconds!r}")
+    _timeout_chosen = True
     native().set_timeout(float(seconds))
 
 
@@ -119,16 +222,49 @@ def get_two_shot_threshold() -> int:
     return int(native().get_two_shot_bytes())
 
 
-def comm_stats() -> dict[str, int]:
-    """Process-wide communication counters.
+def comm_stats() -> dict:
+    """Process-wide communication counters, in total and per operator.
 
     Returns:
       dict with ``calls`` (collective calls, counted per rank), ``zero_copy_bytes`` (bytes
       read straight from peers' buffers), ``staged_bytes`` (bytes copied through a bounce
-      buffer), ``one_shot_all_reduce``/``two_shot_all_reduce`` (algorithm choices) and
-      ``timeouts``.
+      buffer), ``one_shot_all_reduce``/``two_shot_all_reduce`` (algorithm choices),
+      ``timeouts``, and ``ops``: per operator (``psum``, ``pmax``, ``pmin``, ``psum_scatter``,
+      ``all_gather``, ``all_to_all``, ``ppermute``, ``pbroadcast``; each rank's call counted
+      once) a dict with ``calls``, ``bytes`` (input bytes per rank, summed), ``algorithm``
+      (``{"one_shot": n, "two_shot": m}`` for the all-reduces, ``{"direct": n}`` otherwise),
+      ``p50_s``/``p99_s`` (time in the handler, from a histogram with 12.5% buckets),
+      ``total_s``, ``wait_s`` (until every peer had arrived) and ``move_s`` (the rest: the
+      algorithm moving data, and the departure). ``STRATA_STATS=0`` turns the per-operator
+      counters off (their cost is measured in tests/test_comm_stats.py).
     """
-    return dict(native().comm_stats())
+    nat = native()
+    out = dict(nat.comm_stats())
+    ops = {}
+    for d in nat.op_stats():
+        name = d["name"]
+        reduce = name in ("psum", "pmax", "pmin")
+        ops[name] = {
+            "calls": d["calls"],
+            "bytes": d["bytes"],
+            "algorithm": (
+                {"one_shot": d["one_shot"], "two_shot": d["two_shot"]}
+                if reduce
+                else {"direct": d["calls"]}
+            ),
+            "p50_s": d["p50_s"],
+            "p99_s": d["p99_s"],
+            "total_s": d["total_s"],
+            "wait_s": d["wait_s"],
+            "move_s": max(0.0, d["total_s"] - d["wait_s"]),
+        }
+    out["ops"] = ops
+    return out
+
+
+def reset_stats() -> None:
+    """Zeroes the per-operator counters of :func:`comm_stats` (``ops``)."""
+    native().reset_op_stats()
 
 
 def _collective_errors() -> tuple[type[Exception], ...]:

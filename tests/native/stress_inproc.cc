@@ -29,7 +29,7 @@ int main(int argc, char** argv) {
   for (int g = 0; g < groups; ++g) {
     for (int r = 0; r < n; ++r) {
       threads.emplace_back([&, g, r] {
-        std::mt19937 gen(1234 + g);  // same stream in every rank of a group: known inputs
+        std::mt19937 gen(1234 + g);         // same stream in every rank of a group: known inputs
         std::mt19937 mine(99 + g * n + r);  // differs per rank: algorithm proposals disagree
         for (int it = 0; it < iters; ++it) {
           const size_t count = 1 + gen() % 5000;

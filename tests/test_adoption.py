@@ -1,0 +1,311 @@
+"""What a new user meets first: running the tests and scripts from the repository root, a
+missing native extension, the launcher's pitfalls (forgetting init(), init() after jax), the
+dispatch-ahead deadlock when strata_jax is imported late, narrow dtypes and pmap.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from io import BytesIO
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import strata_jax as sj
+from strata_jax import launch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+INSTALLED = Path(sj.__file__).resolve().parent
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("STRATA_", "XLA_FLAGS", "LD_PRELOAD", "JAX_", "PJRT_NPROC"))
+    }
+    env.update(extra)
+    return env
+
+
+def _run(args, *, cwd, env=None, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=env if env is not None else _clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _script(tmp_path: Path, body: str, name: str = "script.py") -> str:
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(body))
+    return str(p)
+
+
+needs_unbuilt_source = pytest.mark.skipif(
+    INSTALLED == ROOT / "strata_jax",
+    reason="the source folder itself is the imported package (built in place)",
+)
+
+
+# ------------------------------------------------------------------------------------------
+# Section 1: the repository root does not shadow the installed package
+# ------------------------------------------------------------------------------------------
+
+
+@needs_unbuilt_source
+def test_import_from_repo_root_uses_the_built_package():
+    code = "import strata_jax, sys; print(sys.modules['strata_jax'].__file__)"
+    r = _run(["-c", code], cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines()[0] == str(INSTALLED / "__init__.py"), r.stdout
+
+
+@pytest.mark.slow
+@needs_unbuilt_source
+def test_python_m_pytest_from_repo_root(tmp_path):
+    r = _run(
+        ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_collectives.py::test_pmean"],
+        cwd=ROOT,
+        timeout=240,
+    )
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert " passed" in r.stdout
+
+
+def test_missing_extension_says_what_to_run(tmp_path):
+    src = tmp_path / "src"
+    skip = shutil.ignore_patterns("*.so", "__pycache__")
+    shutil.copytree(ROOT / "strata_jax", src / "strata_jax", ignore=skip)
+    # -S: no site-packages, so no installed copy to fall back to.
+    r = _run(["-S", "-c", "import strata_jax"], cwd=src, env=_clean_env(PYTHONPATH=str(src)))
+    assert r.returncode != 0
+    assert "ImportError" in r.stderr and "native extension" in r.stderr, r.stderr[-2000:]
+    assert 'pip install ".[test]"' in r.stderr
+    assert r.stderr.count("is not built") == 1
+
+
+@needs_unbuilt_source
+def test_launcher_from_repo_root_uses_installed_package_and_allocator(tmp_path):
+    script = _script(
+        tmp_path,
+        """
+        import os, strata_jax
+        from strata_jax import launch
+        print("pkg", strata_jax.__file__)
+        print("preload", os.environ.get("LD_PRELOAD", ""))
+        """,
+    )
+    r = _run(["-m", "strata_jax.launch", "-n", "1", script], cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"pkg {INSTALLED / '__init__.py'}" in r.stdout, r.stdout
+    assert str(ROOT / "build") not in r.stdout, r.stdout
+
+
+# ------------------------------------------------------------------------------------------
+# Section 5: launcher pitfalls
+# ------------------------------------------------------------------------------------------
+
+
+def test_launcher_drops_gloo_connection_lines():
+    src = BytesIO(
+        b"[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer "
+        b"ranks is : 1\nresult 3\n[Gloo] something else\n"
+    )
+    out = BytesIO()
+    src.close = lambda: None
+    launch._pump(src, out, b"[rank 1] ", __import__("threading").Lock())
+    assert out.getvalue() == b"[rank 1] result 3\n[rank 1] [Gloo] something else\n"
+
+
+FORGOT_INIT = """
+import strata_jax as sj  # no sj.init(): each rank would be a one-process job
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()), ("x",))
+f = jax.jit(jax.shard_map(lambda a: sj.psum(a, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))
+print("result", f(jnp.ones(jax.device_count())))
+"""
+
+INIT_AFTER_JAX = """
+import jax
+jax.devices()  # JAX creates its backend before strata_jax is even imported
+import strata_jax as sj
+sj.init()
+print("no error")
+"""
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        (FORGOT_INIT, "Call strata_jax.init() first"),
+        (INIT_AFTER_JAX, "call strata_jax.init() before any other use of jax"),
+    ],
+    ids=["forgot_init", "init_after_jax"],
+)
+def test_launcher_misuse_fails_with_the_fix(tmp_path, body, expected):
+    script = _script(tmp_path, body)
+    r = _run(["-m", "strata_jax.launch", "-n", "2", "--no-preload", script], cwd=tmp_path)
+    assert r.returncode != 0, r.stdout
+    assert "result" not in r.stdout and "no error" not in r.stdout
+    assert expected in r.stderr, r.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------
+# Section 5: the dispatch-ahead deadlock when strata_jax is imported after the backend
+# ------------------------------------------------------------------------------------------
+
+LATE_IMPORT = """
+import os, sys, time
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+jax.devices()  # the backend exists before strata_jax sizes the launch pool
+import warnings
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    import strata_jax as sj
+    from strata_jax._src import runtime
+print("warned", any("imported after JAX created" in str(x.message) for x in w))
+mesh = Mesh(np.array(jax.devices()), ("x",))
+f = jax.jit(jax.shard_map(lambda a: sj.psum(a, "x") * 0.5, mesh=mesh, in_specs=P("x"),
+                          out_specs=P("x")))
+x = jnp.ones(8)
+f.lower(x)  # first strata lowering: the pool is checked
+print("pool", runtime.launch_pool["threads"], runtime.launch_pool["devices"],
+      runtime.launch_pool["set_in_time"])
+print("timeout", sj.get_timeout())
+if sys.argv[1:] == ["run"]:
+    t0 = time.monotonic()
+    try:
+        for _ in range(200):
+            x = f(x)
+        jax.block_until_ready(x)
+        print("no deadlock")
+    except Exception as e:
+        print("elapsed", round(time.monotonic() - t0))
+        print("error", " ".join(str(e).split())[-3000:])
+"""
+
+
+def _late_env():
+    # 8 devices and 2 pool threads: fewer than 2N whatever the machine's core count.
+    return _clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=8", NPROC="2")
+
+
+def test_late_import_gets_short_timeout_and_explanation(tmp_path):
+    r = _run([_script(tmp_path, LATE_IMPORT)], cwd=tmp_path, env=_late_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "warned True" in r.stdout
+    assert "pool 8 8 False" in r.stdout, r.stdout
+    assert "timeout 20.0" in r.stdout, r.stdout
+
+
+@pytest.mark.slow
+def test_late_import_dispatch_ahead_deadlock_fails_fast_and_says_why(tmp_path):
+    r = _run([_script(tmp_path, LATE_IMPORT), "run"], cwd=tmp_path, env=_late_env(), timeout=150)
+    out = r.stdout
+    if "no deadlock" in out:
+        pytest.skip("XLA did not deadlock this time")
+    assert "error" in out, (out + r.stderr)[-3000:]
+    assert "dispatch-ahead deadlock" in out and "import strata_jax before" in out, out
+    assert int(out.split("elapsed ")[1].split()[0]) < 60, out
+
+
+# ------------------------------------------------------------------------------------------
+# Section 5: narrow dtypes and pmap
+# ------------------------------------------------------------------------------------------
+
+NARROW = ["int4", "uint4", "float8_e4m3fn", "float8_e5m2"]
+
+
+def _shard(body, x, out_specs=None):
+    out_specs = P() if out_specs is None else out_specs
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=out_specs))(x)
+
+
+@pytest.mark.parametrize("dtype", NARROW)
+@pytest.mark.parametrize("op", ["psum", "pmax", "pmin"])
+def test_narrow_dtype_reductions_match_jax_lax(rng, dtype, op):
+    dt = jnp.dtype(dtype)
+    hi = 1 if jnp.issubdtype(dt, jnp.integer) else 4
+    lo = 0 if dtype.startswith("u") else -hi
+    x = jnp.asarray(rng.integers(lo, hi + 1, size=(8, 16)).astype(np.float32)).astype(dt)
+    got = _shard(lambda a: getattr(sj, op)(a, "x"), x)
+    want = _shard(lambda a: getattr(jax.lax, op)(a, "x"), x)
+    assert got.dtype == want.dtype == dt
+    np.testing.assert_array_equal(np.asarray(got.astype(np.float32)), want.astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", ["int4", "float8_e4m3fn"])
+def test_narrow_dtype_data_movement_is_exact(rng, dtype):
+    x = jnp.asarray(rng.integers(0, 2, size=(8, 8)).astype(np.float32)).astype(dtype)
+    perm = [(i, (i + 3) % 8) for i in range(8)]
+    for f, g, spec in [
+        (lambda a: sj.all_gather(a, "x"), lambda a: jax.lax.all_gather(a, "x"), P("x")),
+        (lambda a: sj.ppermute(a, "x", perm), lambda a: jax.lax.ppermute(a, "x", perm), P("x")),
+        (
+            lambda a: sj.all_to_all(a, "x", 1, 1, tiled=True),
+            lambda a: jax.lax.all_to_all(a, "x", 1, 1, tiled=True),
+            P("x"),
+        ),
+    ]:
+        got, want = _shard(f, x, spec), _shard(g, x, spec)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
+
+
+def test_pmap_runs_on_strata_and_matches_jax_lax(rng):
+    x = jnp.asarray(rng.standard_normal((8, 5)).astype(np.float32))
+    perm = [(i, (i + 1) % 8) for i in range(8)]
+    for f, g in [
+        (lambda a: sj.psum(a, "i"), lambda a: jax.lax.psum(a, "i")),
+        (lambda a: sj.pmean(a, "i"), lambda a: jax.lax.pmean(a, "i")),
+        (lambda a: sj.all_gather(a, "i"), lambda a: jax.lax.all_gather(a, "i")),
+        (lambda a: sj.ppermute(a, "i", perm), lambda a: jax.lax.ppermute(a, "i", perm)),
+    ]:
+        pf = jax.pmap(f, axis_name="i")
+        assert "strata_" in pf.lower(x).as_text()
+        np.testing.assert_allclose(pf(x), jax.pmap(g, axis_name="i")(x), rtol=1e-6)
+    grad = jax.pmap(jax.grad(lambda a: sj.psum(a, "i").sum()), axis_name="i")(x)
+    np.testing.assert_allclose(grad, np.ones_like(x) * 8)
+
+
+def test_collectives_benchmark_sizes_follow_nccl_tests():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import _common as C
+    finally:
+        sys.path.pop(0)
+    assert C.size_sweep(8, 64, 2) == [8, 16, 32, 64]
+    assert C.size_sweep(8, 100, 4) == [8, 32]
+    assert 4096 in C.size_sweep(8, 64 << 20, 2)
+
+
+# ------------------------------------------------------------------------------------------
+# Section 3: python -m strata_jax.info
+# ------------------------------------------------------------------------------------------
+
+
+def test_info_reports_versions_pool_and_allocator(tmp_path):
+    env = _clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    r = _run(["-m", "strata_jax.info"], cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for key in ("strata_jax ", "jaxlib ", "python ", "cpu ", "cores ", "devices ", "PJRT_NPROC "):
+        assert key in r.stdout, r.stdout
+    assert "PJRT_NPROC set in time   : True" in r.stdout, r.stdout
+    assert "launch pool threads      : 64 for 4 local devices" in r.stdout, r.stdout
+    assert "allocator preloaded      : False" in r.stdout

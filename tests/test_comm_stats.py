@@ -1,0 +1,123 @@
+"""comm_stats() per operator, reset_stats(), profiler names, and the cost of keeping the stats."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import strata_jax as sj
+from strata_jax._src import runtime
+
+
+def _f(body, out_specs=None):
+    out_specs = P() if out_specs is None else out_specs
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=out_specs))
+
+
+def test_comm_stats_per_operator(rng):
+    x = jnp.asarray(rng.standard_normal((8, 256)).astype(np.float32))  # 1 KiB per rank
+    ps = _f(lambda a: sj.psum(a, "x"))
+    ag = _f(lambda a: sj.all_gather(a, "x"), P("x"))
+    jax.block_until_ready((ps(x), ag(x)))
+    sj.reset_stats()
+    for _ in range(3):
+        jax.block_until_ready(ps(x))
+    jax.block_until_ready(ag(x))
+    ops = sj.comm_stats()["ops"]
+    assert set(ops) == {"psum", "all_gather"}, ops
+    p = ops["psum"]
+    assert p["calls"] == 3 * 8 and p["bytes"] == 3 * 8 * 1024
+    assert sum(p["algorithm"].values()) == p["calls"]
+    want = "two_shot" if 1024 >= sj.get_two_shot_threshold() else "one_shot"
+    assert p["algorithm"][want] == p["calls"]
+    assert 0 < p["p50_s"] <= p["p99_s"]
+    assert p["wait_s"] + p["move_s"] == pytest.approx(p["total_s"])
+    assert ops["all_gather"]["calls"] == 8 and ops["all_gather"]["algorithm"] == {"direct": 8}
+    sj.reset_stats()
+    assert sj.comm_stats()["ops"] == {}
+
+
+def test_profiler_name_in_hlo_metadata():
+    f = _f(lambda a: sj.psum(a, "x") + sj.all_gather(a, "x").sum(0), P("x"))
+    text = f.lower(jnp.ones((8, 4))).compile().as_text()
+    assert "strata.psum" in text and "strata.all_gather" in text
+
+
+def _median_call_s(f, x, reps: int) -> float:
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+@pytest.mark.slow
+def test_stats_overhead_at_4kib_below_2_percent():
+    """Stats on vs off, interleaved in rounds on the same jitted psum of 4 KiB per rank."""
+    x = jnp.ones((8, 1024), jnp.float32)
+    f = _f(lambda a: sj.psum(a, "x"))
+    jax.block_until_ready(f(x))
+    ratios, on, off = [], [], []
+    nat = runtime.native()
+    try:
+        for i in range(30):
+            # Paired rounds, order alternating, so that drift of a shared machine cancels.
+            first = bool(i % 2)
+            nat.set_op_stats_enabled(first)
+            a = _median_call_s(f, x, 40)
+            nat.set_op_stats_enabled(not first)
+            b = _median_call_s(f, x, 40)
+            t_on, t_off = (a, b) if first else (b, a)
+            on.append(t_on)
+            off.append(t_off)
+            ratios.append(t_on / t_off)
+    finally:
+        nat.set_op_stats_enabled(True)
+    overhead = float(np.median(ratios)) - 1
+    print(
+        f"4 KiB psum x8: stats on {np.median(on) * 1e6:.1f} us, off {np.median(off) * 1e6:.1f}"
+        f" us, median paired ratio overhead {overhead * 100:+.2f}%"
+    )
+    assert overhead < 0.02
+
+
+DEBUG_SCRIPT = """
+import strata_jax as sj
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+for n in (16, 4096, 4096):
+    f = jax.jit(jax.shard_map(lambda a: sj.psum(a, "b"), mesh=mesh, in_specs=P(("a", "b")),
+                              out_specs=P("a")))
+    f(jnp.ones(8 * n, jnp.float32))
+"""
+
+
+def test_strata_debug_info_logs_communicators_and_switches(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STRATA_", "XLA_FLAGS"))}
+    env.update(STRATA_DEBUG="INFO", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    r = subprocess.run(
+        [sys.executable, "-c", DEBUG_SCRIPT],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("strata_jax INFO [rank 0]")]
+    assert len(lines) == 3, r.stderr  # one communicator, one-shot, switch to two-shot
+    assert "new communicator: axes ('b',) (4 ranks)" in lines[0]
+    assert "one-shot" in lines[1] and "two-shot" in lines[2] and "was one-shot" in lines[2]

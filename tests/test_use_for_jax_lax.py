@@ -1,0 +1,286 @@
+"""strata_jax.use_for_jax_lax() / enable() / disable(): unmodified jax.lax code runs on strata.
+
+Oracle: the same function traced without the context (jax.lax) on the same fresh random input.
+The lowered HLO shows strata's custom calls inside the context and none outside. The cases that
+failed in JAX's own shard_map tests under a plain monkeypatch are here in our own words:
+all_gather's ``to=``, partly automatic shard_map (falls back), vmap axis names (fall back).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import strata_jax as sj
+from strata_jax._src import lax_compat
+
+
+def _mesh1d():
+    return Mesh(np.array(jax.devices()), ("x",))
+
+
+X = P("x")
+
+
+def _smap(body, mesh=None, in_specs=X, out_specs=X, **kw):
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh or _mesh1d(), in_specs=in_specs, out_specs=out_specs, **kw)
+    )
+
+
+def _hlo(f, *args) -> str:
+    return f.lower(*args).as_text()
+
+
+def _both(f, *args):
+    """(result with jax.lax, result on strata, HLO outside, HLO inside): one jitted function."""
+    want, hlo_out = f(*args), _hlo(f, *args)
+    with sj.use_for_jax_lax():
+        got, hlo_in = f(*args), _hlo(f, *args)
+    return want, got, hlo_out, hlo_in
+
+
+def _mean_grad(g):
+    return jax.lax.pmean(g, "x")  # library code written against jax.lax, unchanged
+
+
+def test_unmodified_pmean_runs_on_strata(rng):
+    x = jnp.asarray(rng.standard_normal((8, 32)).astype(np.float32))
+    f = _smap(_mean_grad, out_specs=P())
+    want, got, hlo_out, hlo_in = _both(f, x)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert "strata_all_reduce" in hlo_in
+    assert "strata_" not in hlo_out and "all-reduce" in hlo_out or "all_reduce" in hlo_out
+    # Outside again: the jit cache key includes the setting, so jax.lax is back.
+    assert "strata_" not in _hlo(f, x)
+
+
+def test_optax_style_gradient_mean(rng):
+    """An optax-like update: grads of a loss, tree-mapped jax.lax.pmean, an SGD step."""
+    params = {
+        "w": jnp.asarray(rng.standard_normal((4, 3)).astype(np.float32)),
+        "b": jnp.asarray(rng.standard_normal((3,)).astype(np.float32)),
+    }
+    xs = jnp.asarray(rng.standard_normal((8 * 5, 4)).astype(np.float32))
+    ys = jnp.asarray(rng.standard_normal((8 * 5, 3)).astype(np.float32))
+
+    def step(p, x, y):
+        loss = lambda p: jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+        grads = jax.grad(loss)(p)
+        grads = jax.tree_util.tree_map(lambda g: jax.lax.pmean(g, axis_name="x"), grads)
+        return jax.tree_util.tree_map(lambda a, g: a - 0.1 * g, p, grads)
+
+    f = _smap(step, in_specs=(P(), P("x"), P("x")), out_specs=P())
+    want, got, hlo_out, hlo_in = _both(f, params, xs, ys)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), got, want)
+    assert hlo_in.count("strata_all_reduce") >= 2 and "strata_" not in hlo_out
+
+
+PERM = [(i, (i + 3) % 8) for i in range(8)]
+CASES = {
+    "psum": (lambda a: jax.lax.psum(a, "x"), P()),
+    "pmax": (lambda a: jax.lax.pmax(a, "x"), P()),
+    "pmin": (lambda a: jax.lax.pmin(a, "x"), P()),
+    "all_gather": (lambda a: jax.lax.all_gather(a, "x", axis=1), P("x")),
+    "all_gather_tiled": (lambda a: jax.lax.all_gather(a, "x", tiled=True), P("x")),
+    "all_gather_to_invarying": (
+        lambda a: jax.lax.all_gather(a, "x", axis=0, tiled=True, to="invarying"),
+        P(),
+    ),
+    "psum_scatter": (lambda a: jax.lax.psum_scatter(a, "x", tiled=True), P("x")),
+    "all_to_all": (lambda a: jax.lax.all_to_all(a, "x", 0, 1, tiled=True), P("x")),
+    "ppermute": (lambda a: jax.lax.ppermute(a, "x", PERM), P("x")),
+}
+TARGET = {"psum": "strata_all_reduce", "pmax": "strata_all_reduce", "pmin": "strata_all_reduce"}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_collective_matches_jax_lax(rng, name):
+    body, out_specs = CASES[name]
+    x = jnp.asarray(rng.standard_normal((8 * 8, 6)).astype(np.float32))
+    want, got, hlo_out, hlo_in = _both(_smap(body, out_specs=out_specs), x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert "strata_" in hlo_in and "strata_" not in hlo_out
+    if name in TARGET:
+        assert TARGET[name] in hlo_in
+
+
+def test_all_gather_to_invarying_gradient_is_a_slice(rng):
+    """all_gather(to='invarying') transposes to a slice (jax.lax's all_gather_invariant)."""
+    x = jnp.asarray(rng.standard_normal((8 * 2, 3)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((8 * 2, 3)).astype(np.float32))
+
+    def loss(a):
+        full = jax.lax.all_gather(a, "x", tiled=True, to="invarying")
+        return jnp.sum(full * w)
+
+    f = _smap(jax.grad(loss))
+    want, got, _, _ = _both(f, x)
+    np.testing.assert_allclose(got, want, rtol=1e-6)  # no communication in either: a slice
+
+
+def test_strata_all_gather_takes_to_keyword(rng):
+    x = jnp.asarray(rng.standard_normal((8 * 2, 3)).astype(np.float32))
+    for to in ("varying", "invarying"):
+        spec = P("x") if to == "varying" else P()
+        got = _smap(lambda a, to=to: sj.all_gather(a, "x", tiled=True, to=to), out_specs=spec)(x)
+        lax_ag = lambda a, to=to: jax.lax.all_gather(a, "x", tiled=True, to=to)
+        want = _smap(lax_ag, out_specs=spec)(x)
+        np.testing.assert_array_equal(got, want)
+    types = []
+
+    def body(a):
+        mine = sj.all_gather(a, "x", tiled=True, to="reduced")
+        theirs = lax_compat.ORIGINAL["all_gather"](a, "x", tiled=True, to="reduced")
+        types.append((jax.typeof(mine), jax.typeof(theirs)))
+        return a
+
+    _smap(body)(x)
+    assert types[0][0] == types[0][1] and "x" in types[0][0].mat.reduced
+    with pytest.raises(ValueError, match="to="):
+        _smap(lambda a: sj.all_gather(a, "x", to="sideways"))(x)
+
+
+def _fallback(f, *args, cause: str):
+    lax_compat._warned.discard(next((c for c in lax_compat._warned if cause in c), ""))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        want, got, _, hlo_in = _both(f, *args)
+    msgs = [str(m.message) for m in w if "use_for_jax_lax" in str(m.message)]
+    assert any(cause in m for m in msgs), msgs
+    assert "strata_" not in hlo_in
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    return msgs
+
+
+def test_axis_index_groups_falls_back_with_one_warning(rng):
+    x = jnp.asarray(rng.standard_normal((8, 4)).astype(np.float32))
+    groups = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    f = jax.pmap(lambda a: jax.lax.psum(a, "i", axis_index_groups=groups), axis_name="i")
+    msgs = _fallback(f, x, cause="axis_index_groups")
+    assert len(msgs) == 1  # once per cause, though traced twice (function and lowering)
+
+
+def test_partly_automatic_shard_map_falls_back(rng):
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    x = jnp.asarray(rng.standard_normal((8, 4)).astype(np.float32))
+    f = _smap(
+        lambda a: jax.lax.psum(a, "a"), mesh=mesh, in_specs=P("a"), out_specs=P(), axis_names={"a"}
+    )
+    _fallback(f, x, cause="partly automatic")
+
+
+def test_vmap_axis_name_falls_back(rng):
+    x = jnp.asarray(rng.standard_normal((8, 3)).astype(np.float32))
+    f = jax.jit(jax.vmap(lambda a: jax.lax.psum(a, "v"), axis_name="v"))
+    _fallback(f, x, cause="not inside jax.shard_map")
+
+
+def test_pmap_runs_on_strata(rng):
+    x = jnp.asarray(rng.standard_normal((8, 3)).astype(np.float32))
+    f = jax.pmap(lambda a: jax.lax.pmean(a, "i"), axis_name="i")
+    want, got, hlo_out, hlo_in = _both(f, x)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert "strata_" in hlo_in and "strata_" not in hlo_out
+
+
+def test_enable_disable_and_nesting(rng):
+    x = jnp.asarray(rng.standard_normal((8, 3)).astype(np.float32))
+    f = _smap(_mean_grad, out_specs=P())
+    try:
+        sj.enable()
+        assert lax_compat.is_enabled() and "strata_" in _hlo(f, x)
+        with sj.use_for_jax_lax(False):
+            assert "strata_" not in _hlo(f, x)
+        assert "strata_" in _hlo(f, x)
+    finally:
+        sj.disable()
+    assert not lax_compat.is_enabled() and "strata_" not in _hlo(f, x)
+
+
+def test_constants_and_names_bound_before():
+    # What `from jax.lax import psum` gave before the first use_for_jax_lax()/enable() in the
+    # process (here the tests have installed the dispatchers already): not redirected.
+    bound_before = lax_compat.ORIGINAL["psum"]
+
+    f = _smap(lambda a: a * jax.lax.psum(1, "x") + bound_before(a, "x"))
+    x = jnp.ones((8, 2), jnp.float32)
+    with sj.use_for_jax_lax():
+        np.testing.assert_allclose(f(x), np.full((8, 2), 16.0))
+        hlo = _hlo(f, x)
+    assert "strata_" not in hlo  # psum(1) is the axis size; bound_before is jax.lax's
+
+
+def test_all_gather_to_invarying_over_axis_tuples(rng):
+    """to='invarying' over one axis of a 3-axis mesh and over a pair of axes (axis=-1)."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("x", "y", "z"))
+    a = jnp.asarray(rng.standard_normal((4, 8)).astype(np.float32))
+
+    def body(v):
+        c = jax.lax.all_gather(v, "z", axis=0, tiled=True, to="invarying")
+        d = jax.lax.all_gather(v, ("x", "y"), axis=-1, tiled=True, to="invarying")
+        assert jax.typeof(c).mat.varying == {"x", "y"}
+        assert jax.typeof(d).mat.varying == {"z"}
+        return c, d
+
+    f = _smap(
+        body, mesh=mesh, in_specs=(P("z", ("x", "y")),), out_specs=(P(None, ("x", "y")), P("z"))
+    )
+    (want_c, want_d), (got_c, got_d), _, hlo_in = _both(f, a)
+    np.testing.assert_array_equal(got_c, want_c)
+    np.testing.assert_array_equal(got_d, want_d)
+    assert "strata_all_reduce" in hlo_in
+
+
+def test_psum_of_unreduced_input_runs_on_jax_lax(rng):
+    """A matmul left unreduced over 'x' by the partitioner, summed in a shard_map: jax.lax's
+    unreduced psum (strata has no such type), with or without use_for_jax_lax."""
+    from jax.sharding import AxisType, NamedSharding
+
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
+    x = rng.standard_normal((2, 4)).astype(np.float32)
+    y = rng.standard_normal((4, 6)).astype(np.float32)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P(None, "x")))
+        ys = jax.device_put(y, NamedSharding(mesh, P("x", None)))
+
+        def total(a, b, psum):
+            z = jnp.einsum("ab,bc->ac", a, b, out_sharding=P(unreduced={"x"}))
+            ar = jax.shard_map(lambda v: psum(v, "x"), in_specs=P(unreduced={"x"}), out_specs=P())
+            return ar(z).sum()
+
+        want = jax.jit(lambda a, b: total(a, b, lax_compat.ORIGINAL["psum"]))(xs, ys)
+        direct = jax.jit(lambda a, b: total(a, b, sj.psum))(xs, ys)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            with sj.use_for_jax_lax():
+                patched = jax.jit(lambda a, b: total(a, b, jax.lax.psum))(xs, ys)
+    np.testing.assert_allclose(want, np.sum(x @ y), rtol=1e-5)
+    np.testing.assert_allclose(direct, want, rtol=1e-6)
+    np.testing.assert_allclose(patched, want, rtol=1e-6)
+
+
+def test_psum_in_scan_jaxpr_names_strata_primitive(rng):
+    """Inside lax.scan: same values; the jaxpr shows strata_all_reduce where jax.lax shows
+    psum_invariant (a documented difference: the primitive is strata's)."""
+
+    def body(x):
+        def g(c, _):
+            return jax.lax.pcast(jax.lax.psum(c, "x"), "x", to="varying") * 0.5, None
+
+        return jax.lax.scan(g, x, None, length=2)[0]
+
+    x = jnp.asarray(rng.standard_normal((8, 4)).astype(np.float32))
+    f = _smap(body)
+    want, got, _, hlo_in = _both(f, x)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    with sj.use_for_jax_lax():
+        text = str(jax.make_jaxpr(f)(x))
+    assert "strata_all_reduce" in text and "psum_invariant" not in text
+    assert "psum_invariant" in str(jax.make_jaxpr(f)(x))
