@@ -23,9 +23,9 @@ std::string validate(const Team& t, const RaggedShape& s) {
       const int64_t slot = j * per + i % per, expect = recv[slot];
       std::string what;
       if (size != expect)
-        what = "rank " + std::to_string(j) + " sends " + std::to_string(size) +
-               " rows but rank " + std::to_string(d) + "'s recv_sizes[" +
-               std::to_string(slot) + "] is " + std::to_string(expect);
+        what = "rank " + std::to_string(j) + " sends " + std::to_string(size) + " rows but rank " +
+               std::to_string(d) + "'s recv_sizes[" + std::to_string(slot) + "] is " +
+               std::to_string(expect);
       else if (size < 0)
         what = "negative send size " + std::to_string(size);
       else if (in_off < 0 || in_off > s.operand_rows - size)
@@ -36,8 +36,8 @@ std::string validate(const Team& t, const RaggedShape& s) {
                ") are outside the output's " + std::to_string(s.output_rows) + " rows";
       if (!what.empty()) {
         std::ostringstream os;
-        os << "strata_jax ragged_all_to_all: slice " << i << " of rank " << j << " (to rank "
-           << d << "): " << what;
+        os << "strata_jax ragged_all_to_all: slice " << i << " of rank " << j << " (to rank " << d
+           << "): " << what;
         return os.str();
       }
     }
@@ -47,8 +47,7 @@ std::string validate(const Team& t, const RaggedShape& s) {
 
 }  // namespace
 
-std::string ragged_all_to_all(Team& t, const RaggedShape& s, char* result,
-                              uint64_t* peer_bytes) {
+std::string ragged_all_to_all(Team& t, const RaggedShape& s, char* result, uint64_t* peer_bytes) {
   std::string err = validate(t, s);
   if (!err.empty()) return err;
   uint64_t from_peers = 0;

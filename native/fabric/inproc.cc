@@ -89,8 +89,8 @@ InProcTeam::InProcTeam(std::shared_ptr<CallSlot> slot, const CallKey& key, const
 InProcTeam::~InProcTeam() {
   // The last rank out removes the call from the table. Ranks that failed leave too, so a
   // failed call never pins memory; a late rank then finds no slot and times out on its own.
-  const bool last = slot_->leaving.fetch_add(1, std::memory_order_acq_rel) + 1 ==
-                    static_cast<uint32_t>(size_);
+  const bool last =
+      slot_->leaving.fetch_add(1, std::memory_order_acq_rel) + 1 == static_cast<uint32_t>(size_);
   if (slot_->failed.load(std::memory_order_acquire)) {
     std::string msg;
     {
@@ -128,8 +128,7 @@ std::string InProcTeam::barrier(const char* phase) {
   }
   auto deadline = Clock::now() + std::chrono::milliseconds(settings().timeout_ms.load());
   bool ok = wait_until(
-      &slot_->arrivals,
-      [&] { return slot_->arrivals.load(std::memory_order_acquire) >= target; },
+      &slot_->arrivals, [&] { return slot_->arrivals.load(std::memory_order_acquire) >= target; },
       [&] { return slot_->failed.load(std::memory_order_acquire); }, deadline);
   if (ok) return {};
   if (slot_->failed.load(std::memory_order_acquire)) {
@@ -140,13 +139,12 @@ std::string InProcTeam::barrier(const char* phase) {
   for (int j = 0; j < size_; ++j)
     if (slot_->peers[j].reached.load(std::memory_order_acquire) < barriers_) missing.push_back(j);
   std::ostringstream os;
-  os << "strata_jax " << op_name_ << ": timed out after "
-     << settings().timeout_ms.load() / 1000.0 << " s in phase '" << phase
-     << "' waiting for rank(s) [";
+  os << "strata_jax " << op_name_ << ": timed out after " << settings().timeout_ms.load() / 1000.0
+     << " s in phase '" << phase << "' waiting for rank(s) [";
   for (size_t i = 0; i < missing.size(); ++i) os << (i ? ", " : "") << missing[i];
-  os << "] of a group of " << size_ << " (group " << key_.group << ", op " << key_.op_id
-     << ", run " << key_.run_id << "); reported by rank " << rank_ << " (partition "
-     << partition_ << "). A peer never reached this collective: check that every device "
+  os << "] of a group of " << size_ << " (group " << key_.group << ", op " << key_.op_id << ", run "
+     << key_.run_id << "); reported by rank " << rank_ << " (partition " << partition_
+     << "). A peer never reached this collective: check that every device "
      << "executes the same sequence of collectives, or raise strata_jax.set_timeout().";
   return fail(os.str());
 }
@@ -163,9 +161,9 @@ std::string InProcTeam::arrive(const OpDesc& desc, const void* in, void* out) {
     if (!o.same_as(desc)) {
       std::ostringstream os;
       os << "strata_jax " << op_name_ << ": ranks disagree on the collective (rank " << rank_
-         << ": " << desc.name << ", dtype " << desc.dtype << ", " << desc.in_bytes
-         << " B in, " << desc.out_bytes << " B out; rank " << j << ": " << o.name << ", dtype "
-         << o.dtype << ", " << o.in_bytes << " B in, " << o.out_bytes
+         << ": " << desc.name << ", dtype " << desc.dtype << ", " << desc.in_bytes << " B in, "
+         << desc.out_bytes << " B out; rank " << j << ": " << o.name << ", dtype " << o.dtype
+         << ", " << o.in_bytes << " B in, " << o.out_bytes
          << " B out). Every rank of a group must call the same collective with the same "
             "shape and dtype.";
       // Every rank sees the same descriptors, so every rank fails here: nobody touches a

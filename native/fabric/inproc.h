@@ -27,8 +27,7 @@ struct CallKey {
   uint64_t occurrence;
   int64_t group;
   bool operator==(const CallKey& o) const {
-    return run_id == o.run_id && op_id == o.op_id && occurrence == o.occurrence &&
-           group == o.group;
+    return run_id == o.run_id && op_id == o.op_id && occurrence == o.occurrence && group == o.group;
   }
 };
 struct CallKeyHash {

@@ -1,5 +1,7 @@
 // Rendezvous in the control segment, the ShmTeam and the bounce buffers of the shared-memory
 // fabric (see shm.h). Sockets and registration are in shm_link.cc.
+#include "fabric/shm.h"
+
 #include <errno.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -11,7 +13,6 @@
 
 #include "coll/kernels.h"
 #include "fabric/inproc.h"
-#include "fabric/shm.h"
 #include "fabric/stats.h"
 
 namespace strata {
@@ -20,9 +21,12 @@ std::atomic<ShmFabric*> ShmFabric::active_{nullptr};
 
 const char* reg_mode_name(RegMode m) {
   switch (m) {
-    case RegMode::kOnAlloc: return "on_alloc";
-    case RegMode::kOnUse: return "on_use";
-    case RegMode::kStaging: return "staging";
+    case RegMode::kOnAlloc:
+      return "on_alloc";
+    case RegMode::kOnUse:
+      return "on_use";
+    case RegMode::kStaging:
+      return "staging";
   }
   return "?";
 }
@@ -169,8 +173,8 @@ Bounce* ShmFabric::acquire_bounce(size_t bytes, bool critical, std::string* err)
     return best;
   }
   // A new one (the first is made at connect time, off the critical path): whole 2 MiB units.
-  size_t size = bytes < (size_t{4} << 20) ? (size_t{4} << 20) : (bytes + (2u << 20) - 1) &
-                                                                     ~size_t((2u << 20) - 1);
+  size_t size = bytes < (size_t{4} << 20) ? (size_t{4} << 20)
+                                          : (bytes + (2u << 20) - 1) & ~size_t((2u << 20) - 1);
   int fd = static_cast<int>(syscall(SYS_memfd_create, "strata_bounce", MFD_CLOEXEC));
   if (fd < 0 || ftruncate(fd, static_cast<off_t>(size)) != 0) {
     if (fd >= 0) close(fd);
@@ -183,8 +187,8 @@ Bounce* ShmFabric::acquire_bounce(size_t bytes, bool critical, std::string* err)
     *err = std::string("cannot map a bounce buffer: ") + strerror(errno);
     return nullptr;
   }
-  auto b = std::make_unique<Bounce>(Bounce{kBounceIdBit | next_bounce_id_++, fd,
-                                           static_cast<char*>(base), size, true});
+  auto b = std::make_unique<Bounce>(
+      Bounce{kBounceIdBit | next_bounce_id_++, fd, static_cast<char*>(base), size, true});
   *err = export_segment(b->id, fd, size, critical);
   if (!err->empty()) {
     munmap(base, size);
@@ -251,8 +255,7 @@ std::string ShmTeam::barrier(const char* phase) {
   }
   auto deadline = Clock::now() + std::chrono::milliseconds(settings().timeout_ms.load());
   bool ok = wait_until(
-      &slot_->arrivals,
-      [&] { return slot_->arrivals.load(std::memory_order_acquire) >= target; },
+      &slot_->arrivals, [&] { return slot_->arrivals.load(std::memory_order_acquire) >= target; },
       [&] {
         if (slot_->failed.load(std::memory_order_acquire) != 0) return true;
         // A missing rank whose process disconnected (exited or was killed) never comes: fail
@@ -325,7 +328,7 @@ std::string ShmTeam::arrival_barrier(const OpDesc& desc) {
   release_bounce_ = true;
   err = check_peers(desc);
   if (!err.empty()) return fail(err);  // every rank sees the same descriptors and fails here
-  release_bounce_ = false;  // from here on a peer may already be using it
+  release_bounce_ = false;             // from here on a peer may already be using it
   descs_.assign(size_, desc);
   for (int j = 0; j < size_; ++j) descs_[j].algo = slot_->peers[j].algo;
   return {};
@@ -391,15 +394,15 @@ std::string ShmTeam::arrive(const OpDesc& desc, const void* in, void* out) {
   // Which of my buffers peers can reach directly: inside an allocator segment, which then must
   // be exported (done already by the allocator thread in on_alloc mode; now in on_use mode).
   strata_seg_info in_seg{}, out_seg{};
-  bool in_ok = desc.in_bytes == 0 ||
-               (!staging && api.lookup && api.lookup(in, desc.in_bytes, &in_seg));
-  bool out_ok = desc.out_bytes == 0 ||
-                (!staging && api.lookup && api.lookup(out, desc.out_bytes, &out_seg));
+  bool in_ok =
+      desc.in_bytes == 0 || (!staging && api.lookup && api.lookup(in, desc.in_bytes, &in_seg));
+  bool out_ok =
+      desc.out_bytes == 0 || (!staging && api.lookup && api.lookup(out, desc.out_bytes, &out_seg));
   std::string err;
   if (in_ok && desc.in_bytes)
     err = f_->export_segment(in_seg.segment_id, in_seg.fd, in_seg.size, true);
-  if (err.empty() && out_ok && desc.out_bytes && !(desc.in_bytes && in_seg.segment_id ==
-                                                   out_seg.segment_id))
+  if (err.empty() && out_ok && desc.out_bytes &&
+      !(desc.in_bytes && in_seg.segment_id == out_seg.segment_id))
     err = f_->export_segment(out_seg.segment_id, out_seg.fd, out_seg.size, true);
   if (!err.empty()) return fail(std::string("strata_jax ") + op_name_ + ": " + err);
 

@@ -88,17 +88,17 @@ struct ShmPeer {
   uint64_t buf_seg[kMaxBufs], buf_off[kMaxBufs], buf_ptr[kMaxBufs], buf_bytes[kMaxBufs];
   // Barriers this rank entered (release), read by the timeout path to name missing ranks.
   std::atomic<uint32_t> reached;
-  int32_t algo;  // the rank's algorithm proposal (OpDesc::algo); everyone follows rank 0's
+  int32_t algo;    // the rank's algorithm proposal (OpDesc::algo); everyone follows rank 0's
   int64_t device;  // the rank's global device id (for messages)
   char name[32];   // the rank's op name (for messages)
 };
 
 struct ShmSlot {
   // Key and size: written under the control mutex when the slot is claimed, read under it.
-  uint64_t tag;  // 0: free
-  uint64_t comm;             // the key: communicator hash,
-  uint64_t exec, op, occ;    // execution number on it, op index, occurrence
-  int64_t group;       // the group's index in the first joiner's program (for messages)
+  uint64_t tag;            // 0: free
+  uint64_t comm;           // the key: communicator hash,
+  uint64_t exec, op, occ;  // execution number on it, op index, occurrence
+  int64_t group;           // the group's index in the first joiner's program (for messages)
   int32_t size;
   // Total barrier entries of all ranks (barrier k complete at k * size); futex word.
   std::atomic<uint32_t> arrivals;
@@ -172,7 +172,7 @@ class ShmTeam final : public Team {
     uint64_t off, bytes;
   };
   std::vector<CopyBack> copy_back_;  // staged `written` buffers, copied back at departure
-  std::vector<OpDesc> descs_;  // copies of the peers' published descriptors (after arrival)
+  std::vector<OpDesc> descs_;        // copies of the peers' published descriptors (after arrival)
   bool any_staged_ = false;
   // Staging of this rank's own buffers.
   struct Bounce* bounce_ = nullptr;

@@ -45,7 +45,8 @@ ssize_t recv_msg(int sock, LinkMsg* m, int* fd) {
   h.msg_control = ctrl;
   h.msg_controllen = sizeof(ctrl);
   ssize_t n;
-  do n = recvmsg(sock, &h, MSG_CMSG_CLOEXEC); while (n < 0 && errno == EINTR);
+  do n = recvmsg(sock, &h, MSG_CMSG_CLOEXEC);
+  while (n < 0 && errno == EINTR);
   if (n <= 0) return n;
   for (cmsghdr* c = CMSG_FIRSTHDR(&h); c; c = CMSG_NXTHDR(&h, c))
     if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
@@ -75,7 +76,8 @@ bool send_msg(int sock, const LinkMsg& m, int fd) {
     std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
   }
   ssize_t n;
-  do n = sendmsg(sock, &h, MSG_NOSIGNAL); while (n < 0 && errno == EINTR);
+  do n = sendmsg(sock, &h, MSG_NOSIGNAL);
+  while (n < 0 && errno == EINTR);
   return n == static_cast<ssize_t>(sizeof(m));
 }
 
@@ -88,8 +90,8 @@ void on_new_segment(const strata_seg_info* info, void* user) {
   auto* f = static_cast<ShmFabric*>(user);
   if (f->mode() != RegMode::kOnAlloc) return;  // on_use: exported when a collective meets it
   std::string err = f->export_segment(info->segment_id, info->fd, info->size, false);
-  if (!err.empty()) std::fprintf(stderr, "strata_jax: registering a segment failed: %s\n",
-                                 err.c_str());
+  if (!err.empty())
+    std::fprintf(stderr, "strata_jax: registering a segment failed: %s\n", err.c_str());
 }
 
 void on_free_segment(const strata_seg_info* info, void* user) {
@@ -120,7 +122,8 @@ std::string ShmFabric::listen(const std::string& dir, int proc, std::string* pat
   std::string p = dir + "/fabric-" + std::to_string(proc) + ".sock";
   sockaddr_un addr{};
   if (p.size() >= sizeof(addr.sun_path))
-    return "socket path too long for a unix socket (" + p + "); set STRATA_RUN_DIR or TMPDIR "
+    return "socket path too long for a unix socket (" + p +
+           "); set STRATA_RUN_DIR or TMPDIR "
            "to a shorter folder";
   int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
   if (s < 0) return errno_str("socket");
@@ -167,8 +170,8 @@ std::string ShmFabric::connect(int proc, int nprocs, const std::vector<std::stri
     while (::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
       if ((errno != ECONNREFUSED && errno != ENOENT && errno != EAGAIN) ||
           Clock::now() > deadline) {
-        std::string e = errno_str(("connect to process " + std::to_string(j) + " at " +
-                                   paths[j]).c_str());
+        std::string e =
+            errno_str(("connect to process " + std::to_string(j) + " at " + paths[j]).c_str());
         close(s);
         return e;
       }
@@ -416,8 +419,8 @@ void ShmFabric::receiver_main() {
         void* base = mmap(nullptr, m.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         close(fd);
         if (base == MAP_FAILED) {
-          std::fprintf(stderr, "strata_jax: mapping a segment of process %d failed: %s\n",
-                       who[i], strerror(errno));
+          std::fprintf(stderr, "strata_jax: mapping a segment of process %d failed: %s\n", who[i],
+                       strerror(errno));
           continue;
         }
 #ifdef MADV_POPULATE_WRITE

@@ -9,22 +9,22 @@
 namespace strata {
 
 struct Stats {
-  std::atomic<uint64_t> calls{0};             // collective calls (per rank)
-  std::atomic<uint64_t> zero_copy_bytes{0};   // bytes read straight from peers' buffers
-  std::atomic<uint64_t> staged_bytes{0};      // bytes copied through a bounce buffer
-  std::atomic<uint64_t> one_shot{0};          // all-reduce algorithm choices
+  std::atomic<uint64_t> calls{0};            // collective calls (per rank)
+  std::atomic<uint64_t> zero_copy_bytes{0};  // bytes read straight from peers' buffers
+  std::atomic<uint64_t> staged_bytes{0};     // bytes copied through a bounce buffer
+  std::atomic<uint64_t> one_shot{0};         // all-reduce algorithm choices
   std::atomic<uint64_t> two_shot{0};
   std::atomic<uint64_t> timeouts{0};
   std::atomic<uint64_t> moe_calls{0};
   // Shared-memory fabric (fabric/shm.h). "Registration" = exporting a segment's fd to every
   // peer and mapping it there.
-  std::atomic<uint64_t> reg_critical{0};      // registrations a collective had to do or wait for
-  std::atomic<uint64_t> reg_critical_ns{0};   // time collectives spent on them
-  std::atomic<uint64_t> reg_offpath{0};       // segments exported from the allocator's thread
+  std::atomic<uint64_t> reg_critical{0};     // registrations a collective had to do or wait for
+  std::atomic<uint64_t> reg_critical_ns{0};  // time collectives spent on them
+  std::atomic<uint64_t> reg_offpath{0};      // segments exported from the allocator's thread
   std::atomic<uint64_t> reg_offpath_ns{0};
   std::atomic<uint64_t> exported_segments{0};  // live segments of this process shared with peers
   std::atomic<uint64_t> exported_bytes{0};
-  std::atomic<uint64_t> mapped_segments{0};    // live peer segments mapped here
+  std::atomic<uint64_t> mapped_segments{0};  // live peer segments mapped here
   std::atomic<uint64_t> mapped_bytes{0};
   std::atomic<uint64_t> staged_calls{0};       // calls that staged at least one buffer
   std::atomic<uint64_t> bounce_bytes{0};       // bytes in this process's bounce buffers

@@ -17,10 +17,8 @@ ffi::Error CountImpl(ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>, int64_t bytes)
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CountInterFabricHandler, CountImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("bytes"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    CountInterFabricHandler, CountImpl,
+    ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int64_t>("bytes"));
 
 }  // namespace strata

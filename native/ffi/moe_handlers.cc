@@ -228,8 +228,8 @@ ffi::Error MoeLowLatencyDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyB
   d.algo = static_cast<int32_t>(push);
   d.in_bytes = x.size_bytes();
   d.out_bytes = recv->size_bytes();
-  return run_moe(name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d, bufs, moe::kLLDispBufs,
-                 [&](Team& t) -> std::string {
+  return run_moe(name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d, bufs,
+                 moe::kLLDispBufs, [&](Team& t) -> std::string {
                    s.ranks = t.size();
                    if (rd[1] != s.ranks * max_tokens)
                      return "strata_jax moe.low_latency_dispatch: internal error: receive "
@@ -246,17 +246,17 @@ ffi::Error MoeLowLatencyDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyB
 ffi::Error MoeLowLatencyCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyBuffer weights,
                                     ffi::AnyBuffer idx, ffi::AnyBuffer src_slots,
                                     ffi::AnyBuffer pid, ffi::Result<ffi::AnyBuffer> y,
-                                    int64_t op_id, I64s groups, int64_t group_size,
-                                    I64s device_ids, int64_t max_tokens) {
+                                    int64_t op_id, I64s groups, int64_t group_size, I64s device_ids,
+                                    int64_t max_tokens) {
   const char* name = "moe.low_latency_combine";
   const int32_t dt = static_cast<int32_t>(ey.element_type());
   if (!moe::row_dtype_supported(dt))
     return invalid(name, std::string("unsupported dtype ") + dtype_name(dt));
   auto ed = ey.dimensions(), wd = weights.dimensions(), yd = y->dimensions();
   if (ed.size() != 3 || wd.size() != 2 || yd.size() != 2 ||
-      weights.element_type() != acc_type(ey.element_type()) || !is_i32(idx) ||
-      !is_i32(src_slots) || y->element_type() != ey.element_type() || yd[0] != wd[0] ||
-      yd[1] != ed[2] || idx.element_count() != weights.element_count() ||
+      weights.element_type() != acc_type(ey.element_type()) || !is_i32(idx) || !is_i32(src_slots) ||
+      y->element_type() != ey.element_type() || yd[0] != wd[0] || yd[1] != ed[2] ||
+      idx.element_count() != weights.element_count() ||
       src_slots.element_count() != weights.element_count())
     return invalid(name, "internal error: operand shapes or dtypes do not match");
   moe::MoeShape s;
@@ -275,8 +275,8 @@ ffi::Error MoeLowLatencyCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyB
   d.aux = s.topk * 1'000'000 + max_tokens;
   d.in_bytes = ey.size_bytes();
   d.out_bytes = y->size_bytes();
-  return run_moe(name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d, bufs, moe::kLLCombBufs,
-                 [&](Team& t) -> std::string {
+  return run_moe(name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d, bufs,
+                 moe::kLLCombBufs, [&](Team& t) -> std::string {
                    s.ranks = t.size();
                    if (ed[1] != s.ranks * max_tokens)
                      return "strata_jax moe.low_latency_combine: internal error: expert "

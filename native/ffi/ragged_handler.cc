@@ -24,8 +24,8 @@ ffi::Error invalid(const std::string& what) {
 
 ffi::Error RaggedAllToAllImpl(ffi::RunId run, ffi::AnyBuffer operand, ffi::AnyBuffer output,
                               ffi::AnyBuffer plan, ffi::AnyBuffer pid,
-                              ffi::Result<ffi::AnyBuffer> result, int64_t op_id,
-                              I64s groups, int64_t group_size, I64s device_ids) {
+                              ffi::Result<ffi::AnyBuffer> result, int64_t op_id, I64s groups,
+                              int64_t group_size, I64s device_ids) {
   const int32_t dt = static_cast<int32_t>(operand.element_type());
   if (dtype_size(dt) == 0) return invalid(std::string("unsupported dtype ") + dtype_name(dt));
   auto od = operand.dimensions(), md = output.dimensions(), pd = plan.dimensions();
@@ -47,7 +47,8 @@ ffi::Error RaggedAllToAllImpl(ffi::RunId run, ffi::AnyBuffer operand, ffi::AnyBu
   s.slices = pd[1];
   s.row_bytes = s.output_rows ? output.size_bytes() / s.output_rows
                               : (s.operand_rows ? operand.size_bytes() / s.operand_rows : 0);
-  if (s.slices % pl.size) return invalid("the number of slices is not a multiple of the group size");
+  if (s.slices % pl.size)
+    return invalid("the number of slices is not a multiple of the group size");
   char* res = static_cast<char*>(result->untyped_data());
   // The result starts as `output`: XLA aliases them, so normally there is nothing to copy.
   if (res != output.untyped_data() && output.size_bytes())
@@ -84,8 +85,7 @@ ffi::Error RaggedAllToAllImpl(ffi::RunId run, ffi::AnyBuffer operand, ffi::AnyBu
                             [&](Team& t) -> std::string {
                               uint64_t moved = 0;
                               std::string e = ragged_all_to_all(t, s, res, &moved);
-                              (t.zero_copy() ? stats().zero_copy_bytes
-                                             : stats().peer_bounce_bytes)
+                              (t.zero_copy() ? stats().zero_copy_bytes : stats().peer_bounce_bytes)
                                   .fetch_add(moved, std::memory_order_relaxed);
                               return e;
                             });

@@ -13,7 +13,6 @@ namespace {
 
 using DT = xla::ffi::DataType;
 
-
 // Phase 1 on this (expert) rank: partials[rows[g]] = sum_k w_g[k] * expert_y[slots[g, k]] for
 // every global token g with a kept slot here.
 template <class T>
@@ -60,7 +59,6 @@ void reduce_partials(Team& t, const MoeShape& s, T* y) {
     store_row<T>(y + tok * H, acc.data(), H);
   }
 }
-
 
 }  // namespace
 

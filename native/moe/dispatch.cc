@@ -14,8 +14,6 @@ namespace {
 
 using DT = xla::ffi::DataType;
 
-
-
 // Unweighted: the first kept slot of a token gets the row from the source (the one fabric
 // crossing); the token's other slots on this rank copy it locally.
 void dispatch_copy(Team& t, const MoeShape& s, const int32_t* slots, char* out) {
@@ -77,8 +75,10 @@ bool row_dtype_supported(int32_t dtype) {
     case DT::F32:
     case DT::F64:
     case DT::BF16:
-    case DT::F16: return true;
-    default: return false;
+    case DT::F16:
+      return true;
+    default:
+      return false;
   }
 }
 
@@ -95,9 +95,7 @@ std::string dispatch(Team& t, const MoeShape& s, const int32_t* slots, const int
     std::memset(out + (e * s.capacity + used) * rb, 0, (s.capacity - used) * rb);
   }
   if (weighted) {
-    with_row_type(s.dtype, [&](auto tag) {
-      dispatch_weighted<decltype(tag)>(t, s, slots, out);
-    });
+    with_row_type(s.dtype, [&](auto tag) { dispatch_weighted<decltype(tag)>(t, s, slots, out); });
   } else {
     dispatch_copy(t, s, slots, out);
   }

@@ -54,14 +54,14 @@ enum GatherBuf : int {
 };
 
 struct MoeShape {
-  int64_t ranks = 0;     // R
-  int64_t tokens = 0;    // T per rank
-  int64_t topk = 0;      // K
-  int64_t hidden = 0;    // H
+  int64_t ranks = 0;          // R
+  int64_t tokens = 0;         // T per rank
+  int64_t topk = 0;           // K
+  int64_t hidden = 0;         // H
   int64_t local_experts = 0;  // E_local
-  int64_t capacity = 0;  // C
-  int32_t dtype = 0;     // xla::ffi::DataType of the rows
-  int esize = 0;         // bytes per element
+  int64_t capacity = 0;       // C
+  int32_t dtype = 0;          // xla::ffi::DataType of the rows
+  int esize = 0;              // bytes per element
   int64_t row_bytes() const { return hidden * esize; }
 };
 
@@ -81,10 +81,10 @@ std::string dispatch(Team& t, const MoeShape& s, const int32_t* slots, const int
 std::string combine(Team& t, const MoeShape& s, const void* expert_y, const int32_t* slots,
                     const int32_t* rows, void* y);
 
-// out[T, K] (float32 or float64, as the values) = for each choice e = topk_idx[t, k] >= 0, the value of the token's slot on the
-// expert's rank (read from that rank's kGathSlots and kGathValues); 0 for -1 or dropped.
+// out[T, K] (float32 or float64, as the values) = for each choice e = topk_idx[t, k] >= 0, the
+// value of the token's slot on the expert's rank (read from that rank's kGathSlots and
+// kGathValues); 0 for -1 or dropped.
 std::string gather_values(Team& t, const MoeShape& s, const int32_t* topk_idx, void* out);
-
 
 // ---- Low-latency mode (DeepEP's low_latency_dispatch/combine, for decode) ----
 // Static shapes for any routing: recv [E_local, R * M, H] (M = max tokens per rank >= T), so

@@ -19,11 +19,16 @@ template <class F>
 void with_row_type(int32_t dtype, F&& f) {
   using DT = xla::ffi::DataType;
   switch (static_cast<DT>(dtype)) {
-    case DT::F32: return f(float{});
-    case DT::F64: return f(double{});
-    case DT::BF16: return f(bf16{});
-    case DT::F16: return f(f16{});
-    default: return;
+    case DT::F32:
+      return f(float{});
+    case DT::F64:
+      return f(double{});
+    case DT::BF16:
+      return f(bf16{});
+    case DT::F16:
+      return f(f16{});
+    default:
+      return;
   }
 }
 

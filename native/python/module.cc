@@ -67,8 +67,7 @@ NB_MODULE(_strata, m) {
     return out;
   });
   m.def("reset_op_stats", [] { strata::reset_op_stats(); });
-  m.def(
-      "set_op_stats_enabled", [](bool on) { strata::set_op_stats_enabled(on); }, nb::arg("on"));
+  m.def("set_op_stats_enabled", [](bool on) { strata::set_op_stats_enabled(on); }, nb::arg("on"));
   m.def("get_timeout", [] { return strata::settings().timeout_ms.load() / 1000.0; });
   m.def(
       "set_two_shot_bytes", [](int64_t b) { strata::settings().two_shot_bytes.store(b); },
@@ -115,10 +114,14 @@ NB_MODULE(_strata, m) {
       "fabric_connect",
       [](int proc, int nprocs, const std::vector<std::string>& paths, const std::string& mode) {
         strata::RegMode m;
-        if (mode == "on_alloc") m = strata::RegMode::kOnAlloc;
-        else if (mode == "on_use") m = strata::RegMode::kOnUse;
-        else if (mode == "staging") m = strata::RegMode::kStaging;
-        else throw std::invalid_argument("registration mode must be on_alloc, on_use or staging");
+        if (mode == "on_alloc")
+          m = strata::RegMode::kOnAlloc;
+        else if (mode == "on_use")
+          m = strata::RegMode::kOnUse;
+        else if (mode == "staging")
+          m = strata::RegMode::kStaging;
+        else
+          throw std::invalid_argument("registration mode must be on_alloc, on_use or staging");
         std::string err;
         {
           nb::gil_scoped_release nogil;  // blocks until every peer has connected
