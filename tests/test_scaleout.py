@@ -42,7 +42,7 @@ SCRIPTS = HERE / "mp_scripts"
 def two_fake_fabrics(monkeypatch):
     """Devices 0-1 in fabric 0, 2-3 in fabric 1 (as two hosts of two would be)."""
     monkeypatch.setattr(topology, "_map", topology.FabricMap(("a", "b"), 0))
-    monkeypatch.setattr(hierarchy, "_fabric_of_device", lambda d: d.id // 2)
+    monkeypatch.setattr(topology, "fabric_of_device", lambda d: d.id // 2)
     yield
 
 
@@ -131,7 +131,7 @@ def test_moe_across_fake_fabrics(monkeypatch, rng):
     ey = rng.standard_normal((8, capacity, h)).astype(np.float32)
     want = _moe_step(mesh, x, idx, w, ey, capacity)
     monkeypatch.setattr(topology, "_map", topology.FabricMap(("a", "b"), 0))
-    monkeypatch.setattr(hierarchy, "_fabric_of_device", lambda d: d.id // 2)
+    monkeypatch.setattr(topology, "fabric_of_device", lambda d: d.id // 2)
     before = sj.comm_stats()["inter_fabric_bytes"]
     got = _moe_step(mesh, x, idx, w, ey, capacity)
     assert sj.comm_stats()["inter_fabric_bytes"] > before  # the hierarchical path ran

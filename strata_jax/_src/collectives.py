@@ -15,19 +15,16 @@ strata inside each fabric, XLA's own collectives between (``hierarchy.py``).
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import config, core
+from jax._src import core
 from jax._src.interpreters import ad, batching, mlir
-from jax._src.lib.mlir.dialects import hlo
-from jax._src.sharding_impls import SPMDAxisContext
 
-from strata_jax._src import debug, hierarchy, runtime
+from strata_jax._src import debug, hierarchy, lowering
 
 AxisName = Any
 
@@ -47,209 +44,14 @@ __all__ = [
 ]
 
 # --------------------------------------------------------------------------------------
-# Shared helpers
+# Helpers of the collectives here (the ones every primitive shares: lowering.py)
 # --------------------------------------------------------------------------------------
-
-
-def next_op_id(ctx) -> int:
-    """A per-program index of strata calls, the op id half of a call's rendezvous key.
-
-    The key is (run id, op id, occurrence, group): the run id is unique per execution and equal
-    on every device and process of it, so op ids only need to be unique within one program.
-    Counting per lowered module (not per Python process) keeps them equal across processes
-    even when the processes lower different numbers of other programs.
-    """
-    # ModuleContext has slots; its primitive-lowering cache is one dict shared by every
-    # context of the module, so it can hold the counter under a private key.
-    cache = ctx.module_context.cached_primitive_lowerings
-    key = ("strata_jax", "op_counter")
-    cache[key] = cache.get(key, 0) + 1
-    return cache[key]
-
-
-def _axes(axis_name: AxisName) -> tuple:
-    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
-def _no_groups(axis_index_groups, api: str) -> None:
-    if axis_index_groups is not None:
-        raise NotImplementedError(
-            f"strata_jax.{api} does not support axis_index_groups. Use a mesh axis for the "
-            "group instead (e.g. reshape the mesh so the groups are one mesh axis), or call "
-            f"jax.lax.{api} for this call."
-        )
-
-
-def _check_axis_names(axes: tuple, api: str) -> None:
-    if len(set(axes)) != len(axes):
-        raise ValueError(f"strata_jax.{api}: axis names {axes} repeat a name; name each axis once.")
-    env = core.get_axis_env()
-    for name in axes:
-        if isinstance(name, int):
-            raise TypeError(
-                f"strata_jax.{api} takes named mesh axes only, got positional axis {name}; "
-                "reduce positional axes with jnp first."
-            )
-        if not env.axis_exists(name):
-            raise NameError(
-                f"Found an unbound axis name: {name}. To fix this, call strata_jax.{api} "
-                "under jax.shard_map over a mesh with that axis."
-            )
-
-
-def _axis_size(axes: tuple) -> int:
-    env = core.get_axis_env()
-    return math.prod(env.axis_size(a) for a in axes)
-
-
-def _vma_on() -> bool:
-    return bool(config._check_vma.value)
-
-
-def _pvary_missing(x, axes: tuple):
-    """Casts x to varying over the axes it is not yet varying over (as jax.lax does)."""
-    if not _vma_on():
-        return x
-    missing = tuple(a for a in axes if a not in core.typeof(x).mat.varying)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _effects(axes: tuple):
-    return {core.NamedAxisEffect(a) for a in axes}
-
-
-def _varying_out(aval, vma):
-    return aval.update(manual_axis_type=aval.mat.update(varying=frozenset(vma)))
-
-
-def _require_varying(api: str, aval, axes: tuple) -> None:
-    if _vma_on() and any(a not in aval.mat.varying for a in axes):
-        raise ValueError(
-            f"strata_jax.{api} needs an input that varies over {axes}; got "
-            f"{aval.str_short(True)}. Call it through strata_jax.{api} (which casts) or "
-            "jax.lax.pcast(x, axes, to='varying') first."
-        )
 
 
 def _canon_axis(axis: int, ndim: int, what: str) -> int:
     if not -ndim <= axis < ndim:
         raise ValueError(f"{what}={axis} is out of range for an array of rank {ndim - 0}.")
     return axis % ndim
-
-
-def _spmd_mesh(ctx, api: str):
-    axis_ctx = ctx.module_context.axis_context
-    if not isinstance(axis_ctx, SPMDAxisContext):
-        raise NotImplementedError(
-            f"strata_jax.{api} runs inside jax.shard_map (got {type(axis_ctx).__name__}); "
-            "wrap the computation in jax.shard_map over a Mesh."
-        )
-    mesh = axis_ctx.mesh
-    names = tuple(mesh.axis_names)
-    manual = axis_ctx.manual_axes
-    if manual and frozenset(manual) != frozenset(names):
-        raise NotImplementedError(
-            f"strata_jax.{api} needs every mesh axis to be manual in jax.shard_map "
-            f"(manual: {sorted(map(str, manual))}, mesh: {names}); drop axis_names= or use "
-            "jax.lax for partially automatic meshes."
-        )
-    return mesh
-
-
-def _mesh_placement(ctx, axes: tuple, api: str):
-    """(mesh shape, indices of ``axes`` in it) as int64 arrays, after checking the context."""
-    mesh = _spmd_mesh(ctx, api)
-    names = tuple(mesh.axis_names)
-    sizes = tuple(int(s) for s in mesh.axis_sizes)
-    idx = tuple(names.index(a) for a in axes)
-    return np.asarray(sizes, np.int64), np.asarray(idx, np.int64)
-
-
-def mesh_groups(ctx, axes: tuple, api: str) -> np.ndarray:
-    """The groups of a collective over mesh axes ``axes``, as jax.lax forms them.
-
-    Returns an int64 array [num_groups, group_size] of partition indices (row-major positions
-    in the mesh): row g lists the members of group g, in rank order (``axes`` in the given
-    order, the first one major). Groups are ordered by the remaining axes' coordinates.
-    """
-    mesh_shape, idx = _mesh_placement(ctx, axes, api)
-    nd = len(mesh_shape)
-    rest = [d for d in range(nd) if d not in set(idx.tolist())]
-    parts = np.arange(int(np.prod(mesh_shape)), dtype=np.int64).reshape(tuple(mesh_shape))
-    order = rest + [int(a) for a in idx]
-    return parts.transpose(order).reshape(-1, int(np.prod(mesh_shape[idx])) if len(idx) else 1)
-
-
-def _partition_device_ids(ctx, num_partitions: int) -> np.ndarray:
-    """Global device id of every partition (the program's device assignment, in partition
-    order): the members of a communicator as every process names them."""
-    try:
-        ids = np.asarray([d.id for d in _spmd_mesh(ctx, "collective").devices.flat], np.int64)
-    except Exception:  # an abstract mesh has no devices: partitions name themselves
-        ids = np.arange(num_partitions, dtype=np.int64)
-    if ids.size != num_partitions:
-        ids = np.arange(num_partitions, dtype=np.int64)
-    return ids
-
-
-def lower_strata_call(
-    ctx,
-    target: str,
-    api: str,
-    operands: Sequence,
-    groups,
-    *,
-    operand_output_aliases: dict[int, int] | None = None,
-    **attrs,
-):
-    """Lowers one strata FFI call over explicit groups: the one place that builds the call.
-
-    Args:
-      ctx: the lowering context of the primitive (its ``avals_in`` describe ``operands``).
-      target: the registered FFI target, e.g. ``"strata_all_reduce"``.
-      api: the user-facing name for error messages, e.g. ``"psum"``.
-      operands: the primitive's MLIR operands (the partition id is appended here).
-      groups: int array [num_groups, group_size] of partition indices (row-major positions in
-        the shard_map mesh); every partition in exactly one row; rank = position in the row.
-        ``mesh_groups(ctx, axes, api)`` gives jax.lax's groups for mesh axes; any other
-        partition of the devices (e.g. only the ranks of one fabric along an axis) works too.
-      operand_output_aliases: as in ``jax.ffi.ffi_lowering`` (e.g. ``{1: 0}``: result 0
-        reuses operand 1's buffer).
-      **attrs: the handler's own attributes (reduce, root, sources, ...).
-
-    The call gets the attributes ``op_id`` (``next_op_id``), ``groups`` (flattened),
-    ``group_size`` and ``device_ids`` (global device id per partition): in one process calls
-    meet by (run id, op id, occurrence, group); across processes by the communicator (the
-    members' global device ids) and a per-communicator sequence number (native/fabric/shm.h).
-    """
-    runtime.native()
-    mesh = _spmd_mesh(ctx, api)
-    num_partitions = int(np.prod([int(s) for s in mesh.axis_sizes]))
-    g = np.asarray(groups, np.int64)
-    if g.ndim != 2 or g.shape[1] < 1:
-        raise ValueError(
-            f"strata_jax.{api}: groups must be [num_groups, group_size], got {g.shape}"
-        )
-    if sorted(g.ravel().tolist()) != list(range(num_partitions)):
-        raise ValueError(
-            f"strata_jax.{api}: groups must list every one of the {num_partitions} partitions "
-            f"exactly once, got {g.tolist()}"
-        )
-    hierarchy.check_groups_inside_fabrics(ctx, g, api)
-    rule = jax.ffi.ffi_lowering(
-        target, has_side_effect=True, operand_output_aliases=operand_output_aliases
-    )
-    sub = ctx.replace(avals_in=[*ctx.avals_in, core.ShapedArray((), np.uint32)])
-    return rule(
-        sub,
-        *operands,
-        hlo.partition_id(),
-        op_id=next_op_id(ctx),
-        groups=g.ravel(),
-        group_size=np.int64(g.shape[1]),
-        device_ids=_partition_device_ids(ctx, num_partitions),
-        **attrs,
-    )
 
 
 def _ffi_call_lowering(target: str, api: str):
@@ -260,7 +62,9 @@ def _ffi_call_lowering(target: str, api: str):
         split = hierarchy.lower_across_fabrics(ctx, x, target, axes, attrs)
         if split is not None:
             return split
-        return lower_strata_call(ctx, target, api, [x], mesh_groups(ctx, axes, api), **attrs)
+        return lowering.lower_strata_call(
+            ctx, target, api, [x], lowering.mesh_groups(ctx, axes, api), **attrs
+        )
 
     return lower
 
@@ -357,8 +161,8 @@ all_reduce_p = core.Primitive("strata_all_reduce")
 
 
 def _all_reduce(x, axis_name, axis_index_groups, reduce: str, api: str):
-    axes = _axes(axis_name)
-    _no_groups(axis_index_groups, api)
+    axes = lowering.axis_tuple(axis_name)
+    lowering.check_no_groups(axis_index_groups, api)
     if not axes:
         return x
 
@@ -374,9 +178,11 @@ def _all_reduce(x, axis_name, axis_index_groups, reduce: str, api: str):
             v = v.astype(np.int32)
         if jnp.issubdtype(v.dtype, jnp.complexfloating) and reduce != "sum":
             raise TypeError(f"strata_jax.{api} does not order complex numbers; got {v.dtype}.")
-        _check_axis_names(axes, api)
-        v, dt = _widen(_pvary_missing(v, axes), api)
-        return _narrow(all_reduce_p.bind(v, axes=axes, reduce=reduce, invariant=_vma_on()), dt)
+        lowering.check_axis_names(axes, api)
+        v, dt = _widen(lowering.pvary_missing(v, axes), api)
+        return _narrow(
+            all_reduce_p.bind(v, axes=axes, reduce=reduce, invariant=lowering.vma_on()), dt
+        )
 
     return _tree_map(leaf, x)
 
@@ -439,23 +245,23 @@ def pmean(x, axis_name: AxisName, *, axis_index_groups=None):
     ``psum(x) / n`` with n the group size (integer inputs give floats, as jax.lax).
     Errors as :func:`psum`.
     """
-    _no_groups(axis_index_groups, "pmean")
-    axes = _axes(axis_name)
+    lowering.check_no_groups(axis_index_groups, "pmean")
+    axes = lowering.axis_tuple(axis_name)
     y = psum(x, axis_name)
     if not axes:
         return y
-    n = _axis_size(axes)
+    n = lowering.axis_size(axes)
     return _tree_map(lambda v: v / n, y)
 
 
 def _all_reduce_abstract_eval(aval, *, axes, reduce, invariant):
-    _check_axis_names(axes, "psum")
+    lowering.check_axis_names(axes, "psum")
     if invariant:
-        _require_varying("psum", aval, axes)
-        out = _varying_out(aval, (a for a in aval.mat.varying if a not in axes))
+        lowering.require_varying("psum", aval, axes)
+        out = lowering.varying_out(aval, (a for a in aval.mat.varying if a not in axes))
     else:
         out = aval
-    return out, _effects(axes)
+    return out, lowering.effects(axes)
 
 
 def _all_reduce_transpose(ct, x, *, axes, reduce, invariant):
@@ -559,8 +365,8 @@ def all_gather(
         raise ValueError(
             f"all_gather: to={to!r}; expected 'varying', 'invarying' or 'reduced' (as jax.lax)."
         )
-    axes = _axes(axis_name)
-    _no_groups(axis_index_groups, "all_gather")
+    axes = lowering.axis_tuple(axis_name)
+    lowering.check_no_groups(axis_index_groups, "all_gather")
     if not axes:
         return x
     if to == "reduced":
@@ -572,7 +378,7 @@ def all_gather(
         v = jnp.asarray(v)
         if _typed_unreduced_or_reduced(v):
             return _LAX["all_gather"](v, axis_name, axis=axis, tiled=tiled)
-        _check_axis_names(axes, "all_gather")
+        lowering.check_axis_names(axes, "all_gather")
         if tiled and v.ndim == 0:
             raise ValueError(
                 "tiled all_gather of a 0-d array is undefined; use tiled=False "
@@ -581,8 +387,8 @@ def all_gather(
         ax = _canon_axis(axis, v.ndim if tiled else v.ndim + 1, "axis")
         if not tiled:
             v = jnp.expand_dims(v, ax)
-        v, dt = _widen(_pvary_missing(v, axes), "all_gather")
-        n = _axis_size(axes)
+        v, dt = _widen(lowering.pvary_missing(v, axes), "all_gather")
+        n = lowering.axis_size(axes)
         y = all_gather_p.bind(jnp.moveaxis(v, ax, 0), axes=axes, axis_size=n)
         return _narrow(jnp.moveaxis(y, 0, ax), dt)
 
@@ -591,20 +397,20 @@ def all_gather(
 
 def _all_gather_invariant(v, axis_name, axes: tuple, axis: int, tiled: bool):
     v = jnp.asarray(v)
-    _check_axis_names(axes, "all_gather")
+    lowering.check_axis_names(axes, "all_gather")
     if tiled and v.ndim == 0:
         raise ValueError("tiled all_gather of a 0-d array is undefined; use tiled=False.")
     ax = _canon_axis(axis, v.ndim if tiled else v.ndim + 1, "axis")
     if not tiled:
         v = jnp.expand_dims(v, ax)
-    n = _axis_size(axes)
+    n = lowering.axis_size(axes)
     m = v.shape[ax]
     shape = (*v.shape[:ax], n * m, *v.shape[ax + 1 :])
     # Rank i's block at [i*m, (i+1)*m) of a zero array, summed over the group: the gather, typed
     # invariant by the psum. Index in mesh order, as jax.lax.axis_index of the tuple.
     placed = jax.lax.dynamic_update_slice_in_dim(
-        _pvary_missing(jnp.zeros(shape, v.dtype), axes),
-        _pvary_missing(v, axes),
+        lowering.pvary_missing(jnp.zeros(shape, v.dtype), axes),
+        lowering.pvary_missing(v, axes),
         jax.lax.axis_index(axis_name) * m,
         ax,
     )
@@ -612,10 +418,10 @@ def _all_gather_invariant(v, axis_name, axes: tuple, axis: int, tiled: bool):
 
 
 def _all_gather_abstract_eval(aval, *, axes, axis_size):
-    _check_axis_names(axes, "all_gather")
-    _require_varying("all_gather", aval, axes)
+    lowering.check_axis_names(axes, "all_gather")
+    lowering.require_varying("all_gather", aval, axes)
     shape = (aval.shape[0] * axis_size, *aval.shape[1:])
-    return aval.update(shape=shape), _effects(axes)
+    return aval.update(shape=shape), lowering.effects(axes)
 
 
 def _all_gather_transpose(ct, x, *, axes, axis_size):
@@ -689,20 +495,20 @@ def psum_scatter(
     Each rank reduces its own block from every peer's input into its own output (the balanced
     first half of a two-shot all-reduce). float16/bfloat16 accumulate in float32.
     """
-    axes = _axes(axis_name)
-    _no_groups(axis_index_groups, "psum_scatter")
+    axes = lowering.axis_tuple(axis_name)
+    lowering.check_no_groups(axis_index_groups, "psum_scatter")
     if not axes:
         return x
 
     def leaf(v):
         v = jnp.asarray(v)
-        _check_axis_names(axes, "psum_scatter")
+        lowering.check_axis_names(axes, "psum_scatter")
         if v.ndim == 0:
             raise ValueError("psum_scatter of a 0-d array is undefined; reshape x to (n,).")
         if v.dtype == np.bool_:
             v = v.astype(np.int32)
         d = _canon_axis(scatter_dimension, v.ndim, "scatter_dimension")
-        n = _axis_size(axes)
+        n = lowering.axis_size(axes)
         if tiled and v.shape[d] % n:
             raise ValueError(
                 f"psum_scatter(tiled=True): dimension {d} of size {v.shape[d]} "
@@ -714,7 +520,7 @@ def psum_scatter(
                 f"{v.shape[d]} but must equal the axis size {n}; pass "
                 "tiled=True to scatter blocks."
             )
-        v, dt = _widen(_pvary_missing(v, axes), "psum_scatter")
+        v, dt = _widen(lowering.pvary_missing(v, axes), "psum_scatter")
         y = reduce_scatter_p.bind(jnp.moveaxis(v, d, 0), axes=axes, axis_size=n)
         y = _narrow(jnp.moveaxis(y, 0, d), dt)
         return y if tiled else jnp.squeeze(y, d)
@@ -723,11 +529,11 @@ def psum_scatter(
 
 
 def _reduce_scatter_abstract_eval(aval, *, axes, axis_size):
-    _check_axis_names(axes, "psum_scatter")
-    _require_varying("psum_scatter", aval, axes)
+    lowering.check_axis_names(axes, "psum_scatter")
+    lowering.require_varying("psum_scatter", aval, axes)
     if aval.shape[0] % axis_size:
         raise ValueError(f"psum_scatter: leading size {aval.shape[0]} not divisible by {axis_size}")
-    return aval.update(shape=(aval.shape[0] // axis_size, *aval.shape[1:])), _effects(axes)
+    return aval.update(shape=(aval.shape[0] // axis_size, *aval.shape[1:])), lowering.effects(axes)
 
 
 def _reduce_scatter_transpose(ct, x, *, axes, axis_size):
@@ -794,17 +600,17 @@ def all_to_all(
     Each rank copies block i of every peer's input straight into its output with strided
     copies: no transpose before or after, whatever the axes.
     """
-    axes = _axes(axis_name)
-    _no_groups(axis_index_groups, "all_to_all")
+    axes = lowering.axis_tuple(axis_name)
+    lowering.check_no_groups(axis_index_groups, "all_to_all")
     if not axes:
         return x
 
     def leaf(v):
         v = jnp.asarray(v)
-        _check_axis_names(axes, "all_to_all")
+        lowering.check_axis_names(axes, "all_to_all")
         if v.ndim == 0:
             raise ValueError("all_to_all of a 0-d array is undefined.")
-        n = _axis_size(axes)
+        n = lowering.axis_size(axes)
         s = _canon_axis(split_axis, v.ndim, "split_axis")
         c = _canon_axis(concat_axis, v.ndim, "concat_axis")
         if tiled:
@@ -813,7 +619,7 @@ def all_to_all(
                     f"all_to_all: split_axis {s} of size {v.shape[s]} is not "
                     f"divisible by the axis size {n}."
                 )
-            v, dt = _widen(_pvary_missing(v, axes), "all_to_all")
+            v, dt = _widen(lowering.pvary_missing(v, axes), "all_to_all")
             y = all_to_all_p.bind(v, axes=axes, split_axis=s, concat_axis=c, axis_size=n)
             return _narrow(y, dt)
         if v.shape[s] != n:
@@ -824,7 +630,7 @@ def all_to_all(
         # Untiled = tiled on x with a unit axis inserted where the new axis will appear.
         ins = c if c <= s else c + 1
         s2 = s + 1 if c <= s else s
-        v, dt = _widen(_pvary_missing(jnp.expand_dims(v, ins), axes), "all_to_all")
+        v, dt = _widen(lowering.pvary_missing(jnp.expand_dims(v, ins), axes), "all_to_all")
         y = all_to_all_p.bind(v, axes=axes, split_axis=s2, concat_axis=ins, axis_size=n)
         return _narrow(jnp.squeeze(y, s2), dt)
 
@@ -832,8 +638,8 @@ def all_to_all(
 
 
 def _all_to_all_abstract_eval(aval, *, axes, split_axis, concat_axis, axis_size):
-    _check_axis_names(axes, "all_to_all")
-    _require_varying("all_to_all", aval, axes)
+    lowering.check_axis_names(axes, "all_to_all")
+    lowering.require_varying("all_to_all", aval, axes)
     shape = list(aval.shape)
     if shape[split_axis] % axis_size:
         raise ValueError(
@@ -841,7 +647,7 @@ def _all_to_all_abstract_eval(aval, *, axes, split_axis, concat_axis, axis_size)
         )
     shape[split_axis] //= axis_size
     shape[concat_axis] *= axis_size
-    return aval.update(shape=tuple(shape)), _effects(axes)
+    return aval.update(shape=tuple(shape)), lowering.effects(axes)
 
 
 def _all_to_all_transpose(ct, x, *, axes, split_axis, concat_axis, axis_size):
@@ -920,24 +726,24 @@ def ppermute(x, axis_name: AxisName, perm: Sequence[tuple[int, int]]):
 
     Each destination copies its source's buffer straight into its own output.
     """
-    axes = _axes(axis_name)
+    axes = lowering.axis_tuple(axis_name)
     if not axes:
         return x
 
     def leaf(v):
         v = jnp.asarray(v)
-        _check_axis_names(axes, "ppermute")
-        p = _check_perm(perm, _axis_size(axes))
-        v, dt = _widen(_pvary_missing(v, axes), "ppermute")
+        lowering.check_axis_names(axes, "ppermute")
+        p = _check_perm(perm, lowering.axis_size(axes))
+        v, dt = _widen(lowering.pvary_missing(v, axes), "ppermute")
         return _narrow(ppermute_p.bind(v, axes=axes, perm=p), dt)
 
     return _tree_map(leaf, x)
 
 
 def _ppermute_abstract_eval(aval, *, axes, perm):
-    _check_axis_names(axes, "ppermute")
-    _require_varying("ppermute", aval, axes)
-    return aval, _effects(axes)
+    lowering.check_axis_names(axes, "ppermute")
+    lowering.require_varying("ppermute", aval, axes)
+    return aval, lowering.effects(axes)
 
 
 def _ppermute_transpose(ct, x, *, axes, perm):
@@ -965,7 +771,7 @@ def _ppermute_batcher(axis_data, vals_in, dims_in, *, axes, perm):
 
 def _ppermute_lowering(ctx, x, *, axes, perm):
     # jax.lax.ppermute indexes a multi-axis group in mesh order, whatever the tuple order.
-    mesh_shape, idx = _mesh_placement(ctx, axes, "ppermute")
+    mesh_shape, idx = lowering.mesh_placement(ctx, axes, "ppermute")
     names = ctx.module_context.axis_context.mesh.axis_names
     axes = tuple(sorted(axes, key=names.index))
     sources = np.full(int(np.prod(mesh_shape[idx])), -1, np.int64)
@@ -1006,33 +812,33 @@ def pbroadcast(x, axis_name: AxisName, source: int):
     Every rank copies the source's buffer straight into its own output. (jax.lax.pbroadcast
     has no CPU lowering; its documented equivalent is psum of x masked to the source.)
     """
-    axes = _axes(axis_name)
+    axes = lowering.axis_tuple(axis_name)
     if not axes:
         return x
 
     def leaf(v):
         v = jnp.asarray(v)
-        _check_axis_names(axes, "pbroadcast")
-        n = _axis_size(axes)
+        lowering.check_axis_names(axes, "pbroadcast")
+        n = lowering.axis_size(axes)
         if not 0 <= int(source) < n:
             raise ValueError(f"pbroadcast: source {source} is outside [0, {n}).")
-        v, dt = _widen(_pvary_missing(v, axes), "pbroadcast")
+        v, dt = _widen(lowering.pvary_missing(v, axes), "pbroadcast")
         return _narrow(pbroadcast_p.bind(v, axes=axes, source=int(source)), dt)
 
     return _tree_map(leaf, x)
 
 
 def _pbroadcast_abstract_eval(aval, *, axes, source):
-    _check_axis_names(axes, "pbroadcast")
-    _require_varying("pbroadcast", aval, axes)
-    return aval, _effects(axes)
+    lowering.check_axis_names(axes, "pbroadcast")
+    lowering.require_varying("pbroadcast", aval, axes)
+    return aval, lowering.effects(axes)
 
 
 def _pbroadcast_transpose(ct, x, *, axes, source):
     is_source = jax.lax.axis_index(axes) == source
     total = psum(ct, axes)
-    if _vma_on():
-        total = _pvary_missing(total, axes)
+    if lowering.vma_on():
+        total = lowering.pvary_missing(total, axes)
     return [jnp.where(is_source, total, jnp.zeros_like(total))]
 
 

@@ -50,15 +50,11 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 from jax._src.sharding_impls import SPMDAxisContext
 
-from strata_jax._src import topology
+from strata_jax._src import lowering, topology
 
 # --------------------------------------------------------------------------------------
 # The plan: groups of the collective and how fabrics cut them
 # --------------------------------------------------------------------------------------
-
-
-def _fabric_of_device(d) -> int:
-    return topology.fabric_of_process(d.process_index)
 
 
 @dataclass(frozen=True)
@@ -110,7 +106,7 @@ def plan(ctx, axes: tuple) -> Plan | None:
     rest = [i for i in range(len(names)) if i not in idx]
     n = math.prod(sizes[i] for i in idx)
     groups = np.arange(math.prod(sizes)).reshape(sizes).transpose(rest + idx).reshape(-1, n)
-    fab = np.array([_fabric_of_device(d) for d in np.asarray(mesh.devices).flat])
+    fab = np.array([topology.fabric_of_device(d) for d in np.asarray(mesh.devices).flat])
     gf = fab[groups]
     if all(len(set(row.tolist())) == 1 for row in gf):
         return None
@@ -250,11 +246,9 @@ _REDUCE_CODES = {"sum": 0, "max": 1, "min": 2}
 
 
 def _strata_lowering(ctx, x, *, kind, groups, reduce, pairs):
-    """One strata call over explicit intra-fabric groups (``lower_strata_call``)."""
+    """One strata call over explicit intra-fabric groups (``lowering.lower_strata_call``)."""
     if kind not in _STRATA_TARGETS:
         return _xla_lowering(ctx, x, kind=kind, groups=groups, reduce=reduce, pairs=pairs)
-    from strata_jax._src.collectives import lower_strata_call
-
     attrs: dict = {}
     if kind == "reduce_scatter":
         attrs["reduce"] = np.int32(_REDUCE_CODES[reduce])
@@ -269,7 +263,9 @@ def _strata_lowering(ctx, x, *, kind, groups, reduce, pairs):
                 sources[first[d]] = first[s]
         attrs["sources"] = sources
     target = _STRATA_TARGETS[kind]
-    (out,) = lower_strata_call(ctx, target, kind, [x], np.asarray(groups, np.int64), **attrs)
+    (out,) = lowering.lower_strata_call(
+        ctx, target, kind, [x], np.asarray(groups, np.int64), **attrs
+    )
     return out
 
 
@@ -511,29 +507,6 @@ def refuse_across_fabrics(ctx, axes: tuple, api: str) -> None:
             f"groups {p.groups.tolist()} (partition ids) cross fabrics. Keep the expert axis "
             "inside one host (e.g. a ('host', 'expert') mesh with experts on the inner axis), "
             "or use the dense jax.lax formulation for this axis."
-        )
-
-
-def check_groups_inside_fabrics(ctx, groups: np.ndarray, api: str) -> None:
-    """Raises NotImplementedError at lowering when a strata call's explicit group spans
-    fabric domains: the shared-memory fabric cannot reach the other hosts, so such a call
-    would only wait for peers that never arrive. Operators with a hierarchical form never get
-    here with such a group (their split runs first); the others (ragged_all_to_all, the
-    low-latency MoE pair) fail here with what to change."""
-    if topology.num_fabrics() == 1:
-        return
-    axis_ctx = ctx.module_context.axis_context
-    if not isinstance(axis_ctx, SPMDAxisContext):
-        return
-    fab = np.array([_fabric_of_device(d) for d in np.asarray(axis_ctx.mesh.devices).flat])
-    gf = fab[np.asarray(groups)]
-    bad = [row for row in gf if len(set(row.tolist())) > 1]
-    if bad:
-        raise NotImplementedError(
-            f"strata_jax.{api} over a group that spans fabric domains (hosts) is not supported "
-            f"yet (fabric of each member: {bad[0].tolist()}). Keep this axis inside one host "
-            "(e.g. a ('host', 'local') mesh with the operator over 'local'), or use the jax.lax "
-            "formulation for this axis."
         )
 
 

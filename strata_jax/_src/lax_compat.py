@@ -34,6 +34,8 @@ from collections.abc import Callable, Iterator
 import jax
 from jax._src import config, core
 
+from strata_jax._src import collectives, ragged
+
 # The jax.lax collectives as jax defines them, captured before any patching.
 ORIGINAL: dict[str, Callable] = {
     name: getattr(jax.lax, name)
@@ -65,9 +67,8 @@ _warned: set[str] = set()
 
 
 def _strata_functions() -> dict[str, Callable]:
-    import strata_jax
-
-    return {n: getattr(strata_jax, n) for n in ORIGINAL if hasattr(strata_jax, n)}
+    public = {n: getattr(m, n) for m in (collectives, ragged) for n in m.__all__}
+    return {n: public[n] for n in ORIGINAL if n in public}
 
 
 def _leaves_typed_unreduced_or_reduced(x) -> bool:

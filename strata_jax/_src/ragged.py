@@ -31,15 +31,7 @@ from jax._src.interpreters import ad, batching, mlir
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 
-from strata_jax._src.collectives import (
-    _axes,
-    _axis_size,
-    _check_axis_names,
-    _effects,
-    _vma_on,
-    lower_strata_call,
-    mesh_groups,
-)
+from strata_jax._src import lowering
 
 AxisName = Any
 
@@ -112,12 +104,12 @@ def ragged_all_to_all(
     the output's cotangent is zero on the received rows), batchable with ``jax.vmap``.
     Algorithm: receivers pull their slices straight from the peers' operands (module doc).
     """
-    axes = _axes(axis_name)
+    axes = lowering.axis_tuple(axis_name)
     groups = _canon_groups(axis_index_groups, None)
     args = [jnp.asarray(v) for v in (operand, output)] + [
         jnp.asarray(v) for v in (input_offsets, send_sizes, output_offsets, recv_sizes)
     ]
-    if _vma_on() and all(isinstance(v, core.Tracer) for v in args[:2]):
+    if lowering.vma_on() and all(isinstance(v, core.Tracer) for v in args[:2]):
         vma = frozenset(axes).union(*(core.typeof(v).mat.varying for v in args))
         for k in (0, 1):
             missing = tuple(a for a in vma if a not in core.typeof(args[k]).mat.varying)
@@ -157,7 +149,7 @@ def _abstract_eval(
                 f"ragged_all_to_all {name} must be rank 1 with positive dimension size, "
                 f"but got shape {v.shape}"
             )
-    _check_axis_names(axis_name, "ragged_all_to_all")
+    lowering.check_axis_names(axis_name, "ragged_all_to_all")
     k = input_offsets.shape[0]
     if {send_sizes.shape[0], output_offsets.shape[0], recv_sizes.shape[0]} != {k}:
         raise ValueError(
@@ -175,16 +167,16 @@ def _abstract_eval(
             f"ragged_all_to_all: operand ({operand.dtype}) and output ({output.dtype}) must "
             "have one dtype"
         )
-    n = _axis_size(axis_name)
+    n = lowering.axis_size(axis_name)
     groups = _canon_groups(axis_index_groups, n)
     g = len(groups[0]) if groups else n
     if k % g:
         raise ValueError(f"ragged_all_to_all: {k} slices is not a multiple of the group size {g}")
     out = output.update(shape=output.shape, weak_type=False)
-    if _vma_on():
+    if lowering.vma_on():
         vma = frozenset(axis_name).union(operand.mat.varying, output.mat.varying)
         out = out.update(manual_axis_type=out.mat.update(varying=vma))
-    return out, _effects(axis_name)
+    return out, lowering.effects(axis_name)
 
 
 def _lowering(
@@ -199,7 +191,7 @@ def _lowering(
     axis_name,
     axis_index_groups,
 ):
-    base = mesh_groups(ctx, axis_name, "ragged_all_to_all")  # [G, n]: the axis groups
+    base = lowering.mesh_groups(ctx, axis_name, "ragged_all_to_all")  # [G, n]: the axis groups
     if axis_index_groups:
         # Each index group of each axis group is a team of its own: rank = position in it.
         groups = np.asarray([row[list(g)] for row in base for g in axis_index_groups], np.int64)
@@ -220,7 +212,7 @@ def _lowering(
     sub = ctx.replace(
         avals_in=[ctx.avals_in[0], ctx.avals_in[1], core.ShapedArray((4, k), np.dtype(np.int64))]
     )
-    return lower_strata_call(
+    return lowering.lower_strata_call(
         sub,
         "strata_ragged_all_to_all",
         "ragged_all_to_all",
@@ -244,7 +236,7 @@ def _jvp(primals, tangents, **params):
 def _exchange(v, axis_name, groups):
     """Tiled all_to_all of a [K] integer vector within the groups, as a ragged exchange."""
     k = v.shape[0]
-    n = len(groups[0]) if groups else _axis_size(axis_name)
+    n = len(groups[0]) if groups else lowering.axis_size(axis_name)
     per = k // n
     me = jax.lax.axis_index(axis_name)
     if groups:
@@ -285,7 +277,7 @@ def _transpose(
         return [operand_t, output_t] + [None] * 4
     op_aval = operand.aval if ad.is_undefined_primal(operand) else core.typeof(operand)
     zero = jnp.zeros(op_aval.shape, op_aval.dtype)
-    if _vma_on():
+    if lowering.vma_on():
         missing = tuple(
             a for a in core.typeof(t).mat.varying if a not in core.typeof(zero).mat.varying
         )

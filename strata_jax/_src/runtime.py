@@ -1,4 +1,6 @@
-"""Native module loading, FFI target registration and process-wide settings.
+"""Process-wide settings, the launch-pool check, and ``native()``: the extension for callers.
+
+The extension itself is imported and its FFI targets registered in ``extension.py``.
 
 Importing strata_jax must happen before JAX creates its CPU backend: XLA's CPU client sizes
 its launch thread pool then (see ``configure_launch_threads``).
@@ -9,6 +11,8 @@ from __future__ import annotations
 import os
 import re
 import warnings
+
+from strata_jax._src import extension
 
 _MIN_LAUNCH_THREADS = 64
 
@@ -136,12 +140,12 @@ def _check_launch_pool() -> None:
         return
     shortened = ""
     if not _timeout_chosen:
-        _native.set_timeout(_DEADLOCK_TIMEOUT_S)
+        extension.load().set_timeout(_DEADLOCK_TIMEOUT_S)
         shortened = (
             f" (strata shortened its timeout to {_DEADLOCK_TIMEOUT_S:g} s for this reason; "
             "strata_jax.set_timeout overrides)"
         )
-    _native.set_timeout_hint(
+    extension.load().set_timeout_hint(
         f" Likely cause: the dispatch-ahead deadlock of XLA's CPU client. Its launch pool "
         f"has {threads} threads for {n} devices (fewer than 2x): strata_jax was imported "
         "after JAX created its CPU backend"
@@ -162,23 +166,13 @@ def _backend_initialized() -> bool:
         return False
 
 
-_native = None
-
-
 def native():
-    """The loaded ``strata_jax._strata`` extension, with its FFI targets registered."""
-    global _native
-    if _native is None:
-        import jax
-
-        from strata_jax import _strata
-
-        for name, capsule in _strata.handlers().items():
-            jax.ffi.register_ffi_target(name, capsule, platform="cpu", api_version=1)
-        _native = _strata
+    """The loaded ``strata_jax._strata`` extension, with its FFI targets registered
+    (``extension.load()``); checks the launch pool at first use after the backend exists."""
+    module = extension.load()
     if not _launch_checked:
         _check_launch_pool()
-    return _native
+    return module
 
 
 def set_timeout(seconds: float) -> None:

@@ -89,6 +89,11 @@ def fabric_of_process(p: int) -> int:
     return m.index_of_process(p)
 
 
+def fabric_of_device(d) -> int:
+    """Fabric index of a jax device ``d`` (the fabric of its process)."""
+    return fabric_of_process(d.process_index)
+
+
 def num_fabrics() -> int:
     return 1 if _map is None else len(_map.names)
 

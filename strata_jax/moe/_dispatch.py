@@ -64,18 +64,8 @@ import numpy as np
 from jax._src import core
 from jax._src.interpreters import mlir
 
-from strata_jax._src import hierarchy
-from strata_jax._src.collectives import (
-    _axes,
-    _axis_size,
-    _check_axis_names,
-    _effects,
-    _pvary_missing,
-    _vma_on,
-    all_gather,
-    lower_strata_call,
-    mesh_groups,
-)
+from strata_jax._src import hierarchy, lowering
+from strata_jax._src.collectives import all_gather
 
 AxisName = Any
 
@@ -144,7 +134,7 @@ class MoELayout:
 
 def _out_aval(like, shape, dtype, operands, axes):
     aval = like.update(shape=tuple(shape), dtype=jnp.dtype(dtype))
-    if not _vma_on():
+    if not lowering.vma_on():
         return aval
     vma = frozenset(axes).union(*(o.mat.varying for o in operands))
     return aval.update(manual_axis_type=aval.mat.update(varying=vma))
@@ -156,7 +146,9 @@ def _lower(target: str, api: str):
         split = hierarchy.lower_moe_across_fabrics(ctx, target, args, axes, attrs)
         if split is not None:
             return split
-        return lower_strata_call(ctx, target, api, args, mesh_groups(ctx, axes, api), **attrs)
+        return lowering.lower_strata_call(
+            ctx, target, api, args, lowering.mesh_groups(ctx, axes, api), **attrs
+        )
 
     return lower
 
@@ -170,7 +162,7 @@ def _dispatch_abstract_eval(x, w, slots, counts, *, axes, capacity, weighted):
     out = _out_aval(
         x, (counts.shape[0], capacity, x.shape[1]), x.dtype, (x, w, slots, counts), axes
     )
-    return out, _effects(axes)
+    return out, lowering.effects(axes)
 
 
 moe_dispatch_p.def_effectful_abstract_eval(_dispatch_abstract_eval)
@@ -192,7 +184,7 @@ def _combine_abstract_eval(ey, w, slots, rows, *, axes, num_rows):
     ops = (ey, w, slots, rows)
     y = _out_aval(ey, (w.shape[0], ey.shape[2]), ey.dtype, ops, axes)
     part = _out_aval(ey, (num_rows, ey.shape[2]), ey.dtype, ops, axes)
-    return [y, part], _effects(axes)
+    return [y, part], lowering.effects(axes)
 
 
 moe_combine_p.def_effectful_abstract_eval(_combine_abstract_eval)
@@ -209,7 +201,9 @@ moe_gather_p = core.Primitive("strata_moe_gather")
 
 
 def _gather_abstract_eval(values, slots, idx, *, axes):
-    return _out_aval(values, idx.shape, values.dtype, (values, slots, idx), axes), _effects(axes)
+    return _out_aval(values, idx.shape, values.dtype, (values, slots, idx), axes), lowering.effects(
+        axes
+    )
 
 
 moe_gather_p.def_effectful_abstract_eval(_gather_abstract_eval)
@@ -223,9 +217,9 @@ mlir.register_lowering(
 
 
 def _bind_dispatch(x, w, layout: MoELayout, weighted: bool):
-    axes = _axes(layout.axis_name)
+    axes = lowering.axis_tuple(layout.axis_name)
     x, w, slots, counts = (
-        _pvary_missing(v, axes) for v in (x, w, layout.slots, layout.recv_counts)
+        lowering.pvary_missing(v, axes) for v in (x, w, layout.slots, layout.recv_counts)
     )
     return moe_dispatch_p.bind(
         x, w, slots, counts, axes=axes, capacity=layout.capacity, weighted=weighted
@@ -233,8 +227,10 @@ def _bind_dispatch(x, w, layout: MoELayout, weighted: bool):
 
 
 def _bind_combine(ey, w, layout: MoELayout):
-    axes = _axes(layout.axis_name)
-    ey, w, slots, rows = (_pvary_missing(v, axes) for v in (ey, w, layout.slots, layout.rows))
+    axes = lowering.axis_tuple(layout.axis_name)
+    ey, w, slots, rows = (
+        lowering.pvary_missing(v, axes) for v in (ey, w, layout.slots, layout.rows)
+    )
     el, c = ey.shape[0], ey.shape[1]
     num_rows = min(slots.shape[0], el * c)
     y, _ = moe_combine_p.bind(ey, w, slots, rows, axes=axes, num_rows=num_rows)
@@ -242,8 +238,10 @@ def _bind_combine(ey, w, layout: MoELayout):
 
 
 def _bind_gather(values, layout: MoELayout):
-    axes = _axes(layout.axis_name)
-    values, slots, idx = (_pvary_missing(v, axes) for v in (values, layout.slots, layout.topk_idx))
+    axes = lowering.axis_tuple(layout.axis_name)
+    values, slots, idx = (
+        lowering.pvary_missing(v, axes) for v in (values, layout.slots, layout.topk_idx)
+    )
     return moe_gather_p.bind(values, slots, idx, axes=axes)
 
 
@@ -325,8 +323,8 @@ def _first_occurrence(idx):
 
 
 def _check(name: str, axes: tuple, num_experts: int, topk_idx, x=None):
-    _check_axis_names(axes, f"moe.{name}")
-    r = _axis_size(axes)
+    lowering.check_axis_names(axes, f"moe.{name}")
+    r = lowering.axis_size(axes)
     if not isinstance(num_experts, (int, np.integer)) or num_experts <= 0:
         raise ValueError(
             f"strata_jax.moe.{name}: num_experts must be a positive int, got {num_experts!r}."
@@ -374,7 +372,7 @@ def dispatch_layout(topk_idx, num_experts: int, axis_name: AxisName):
     Raises:
       ValueError: bad shapes/dtypes or E not divisible by R.
     """
-    axes = _axes(axis_name)
+    axes = lowering.axis_tuple(axis_name)
     r = _check("dispatch_layout", axes, num_experts, topk_idx)
     el = num_experts // r
     idx = _sanitize(topk_idx, num_experts)
@@ -390,7 +388,7 @@ def dispatch_layout(topk_idx, num_experts: int, axis_name: AxisName):
 
 def _plan(idx, num_experts: int, capacity: int, axes: tuple):
     """Destination-side plan of this rank from the gathered routing of all ranks."""
-    r = _axis_size(axes)
+    r = lowering.axis_size(axes)
     el = num_experts // r
     me = jax.lax.axis_index(axes).astype(jnp.int32)
     g_idx = all_gather(idx, axes, tiled=True)  # [N, K], N = R * T, (source rank, token) order
@@ -442,7 +440,7 @@ def dispatch(x, topk_idx, *, num_experts: int, axis_name: AxisName, capacity: in
     A token's row crosses the fabric at most once per destination rank (pulled from x's own
     buffer by the destination, then copied locally to the token's other experts there).
     """
-    axes = _axes(axis_name)
+    axes = lowering.axis_tuple(axis_name)
     x = jnp.asarray(x)
     topk_idx = jnp.asarray(topk_idx)
     r = _check("dispatch", axes, num_experts, topk_idx, x)
@@ -455,7 +453,7 @@ def dispatch(x, topk_idx, *, num_experts: int, axis_name: AxisName, capacity: in
             f"None, got {capacity!r}."
         )
     capacity = int(capacity)
-    idx = _pvary_missing(_sanitize(topk_idx, num_experts), axes)
+    idx = lowering.pvary_missing(_sanitize(topk_idx, num_experts), axes)
     recv_counts, recv_dropped, dropped, slots, rows = _plan(idx, num_experts, capacity, axes)
     layout = MoELayout(
         recv_counts=recv_counts,
@@ -469,7 +467,7 @@ def dispatch(x, topk_idx, *, num_experts: int, axis_name: AxisName, capacity: in
         capacity=capacity,
         axis_name=tuple(axis_name) if isinstance(axis_name, list) else axis_name,
     )
-    return _dispatch_rows(_pvary_missing(x, axes), layout), layout
+    return _dispatch_rows(lowering.pvary_missing(x, axes), layout), layout
 
 
 def combine(expert_y, layout: MoELayout, topk_weights):
@@ -499,11 +497,11 @@ def combine(expert_y, layout: MoELayout, topk_weights):
             "strata_jax.moe.combine: layout must be the MoELayout returned by "
             f"strata_jax.moe.dispatch, got {type(layout).__name__}."
         )
-    axes = _axes(layout.axis_name)
-    _check_axis_names(axes, "moe.combine")
+    axes = lowering.axis_tuple(layout.axis_name)
+    lowering.check_axis_names(axes, "moe.combine")
     expert_y = jnp.asarray(expert_y)
     topk_weights = jnp.asarray(topk_weights)
-    r = _axis_size(axes)
+    r = lowering.axis_size(axes)
     t, k = layout.topk_idx.shape
     want = (layout.num_experts // r, layout.capacity)
     if expert_y.ndim != 3 or tuple(expert_y.shape[:2]) != want:
@@ -523,7 +521,9 @@ def combine(expert_y, layout: MoELayout, topk_weights):
             f"[{t}, {k}] like topk_idx, got {topk_weights.dtype}"
             f"{list(topk_weights.shape)}."
         )
-    return _combine_rows(_pvary_missing(expert_y, axes), _pvary_missing(topk_weights, axes), layout)
+    return _combine_rows(
+        lowering.pvary_missing(expert_y, axes), lowering.pvary_missing(topk_weights, axes), layout
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -570,7 +570,7 @@ def _ll_dispatch_abstract_eval(x, idx, *, axes, ranks, local_experts, max_tokens
     recv = _out_aval(x, (local_experts, ranks * max_tokens, x.shape[1]), x.dtype, ops, axes)
     counts = _out_aval(idx, (local_experts,), jnp.int32, ops, axes)
     slots = _out_aval(idx, idx.shape, jnp.int32, ops, axes)
-    return [recv, counts, slots], _effects(axes)
+    return [recv, counts, slots], lowering.effects(axes)
 
 
 moe_ll_dispatch_p.def_effectful_abstract_eval(_ll_dispatch_abstract_eval)
@@ -588,9 +588,9 @@ moe_ll_combine_p = core.Primitive("strata_moe_ll_combine")
 
 
 def _ll_combine_abstract_eval(ey, w, idx, slots, *, axes, max_tokens):
-    return _out_aval(ey, (w.shape[0], ey.shape[2]), ey.dtype, (ey, w, idx, slots), axes), _effects(
-        axes
-    )
+    return _out_aval(
+        ey, (w.shape[0], ey.shape[2]), ey.dtype, (ey, w, idx, slots), axes
+    ), lowering.effects(axes)
 
 
 moe_ll_combine_p.def_effectful_abstract_eval(_ll_combine_abstract_eval)
@@ -645,7 +645,7 @@ def low_latency_dispatch(
     One arrival publishes x, the ids and the receive buffer (no all_gather of the ids first);
     each rank computes its receive counts and its choices' rows from the published ids.
     """
-    axes = _axes(axis_name)
+    axes = lowering.axis_tuple(axis_name)
     x = jnp.asarray(x)
     topk_idx = jnp.asarray(topk_idx)
     r = _check("low_latency_dispatch", axes, num_experts, topk_idx, x)
@@ -660,9 +660,9 @@ def low_latency_dispatch(
         raise ValueError(
             f"strata_jax.moe.low_latency_dispatch: algo must be one of {_LL_ALGOS}, got {algo!r}."
         )
-    idx = _pvary_missing(_sanitize(topk_idx, num_experts), axes)
+    idx = lowering.pvary_missing(_sanitize(topk_idx, num_experts), axes)
     recv, counts, slots = moe_ll_dispatch_p.bind(
-        _pvary_missing(x, axes),
+        lowering.pvary_missing(x, axes),
         idx,
         axes=axes,
         ranks=r,
@@ -707,11 +707,11 @@ def low_latency_combine(expert_y, handle: LowLatencyHandle, topk_weights):
             "strata_jax.moe.low_latency_combine: handle must be the LowLatencyHandle returned "
             f"by strata_jax.moe.low_latency_dispatch, got {type(handle).__name__}."
         )
-    axes = _axes(handle.axis_name)
-    _check_axis_names(axes, "moe.low_latency_combine")
+    axes = lowering.axis_tuple(handle.axis_name)
+    lowering.check_axis_names(axes, "moe.low_latency_combine")
     expert_y = jnp.asarray(expert_y)
     topk_weights = jnp.asarray(topk_weights)
-    r = _axis_size(axes)
+    r = lowering.axis_size(axes)
     t, k = handle.topk_idx.shape
     want = (handle.num_experts // r, r * handle.max_tokens_per_rank)
     if expert_y.ndim != 3 or tuple(expert_y.shape[:2]) != want:
@@ -731,7 +731,7 @@ def low_latency_combine(expert_y, handle: LowLatencyHandle, topk_weights):
             f"[{t}, {k}] like topk_idx, got {topk_weights.dtype}{list(topk_weights.shape)}."
         )
     ey, w, idx, slots = (
-        _pvary_missing(v, axes)
+        lowering.pvary_missing(v, axes)
         for v in (
             expert_y,
             topk_weights.astype(_acc_dtype(expert_y.dtype)),

@@ -20,6 +20,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from strata_jax._src.collectives import all_gather
+from strata_jax._src.ragged import ragged_all_to_all
 from strata_jax.moe import _sort
 
 AxisName = Any
@@ -59,7 +61,7 @@ def _experts(
 
 def _native_ops():
     try:
-        from strata_jax.moe import combine, dispatch  # noqa: PLC0415 (lazy: optional module)
+        from strata_jax.moe._dispatch import combine, dispatch  # noqa: PLC0415 (optional module)
     except ImportError as e:
         raise NotImplementedError(
             "moe_mlp(impl='strata') needs strata_jax.moe.dispatch and strata_jax.moe.combine, "
@@ -243,9 +245,6 @@ def _dropless(x, topk_idx, topk_w, w1, w2, *, num_experts, axis_name, activation
     most ``M = R * T * min(K, E_local)`` rows (every token of every rank routed there). The
     received buffer is [M, H]; rows past the received count are never read.
     """
-    from strata_jax._src.collectives import all_gather  # noqa: PLC0415 (import cycle)
-    from strata_jax._src.ragged import ragged_all_to_all  # noqa: PLC0415
-
     t, h = x.shape
     k = topk_idx.shape[1]
     nr = jax.lax.axis_size(axis_name)
