@@ -590,14 +590,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     for impl in ("strata", "strata_ragged"):
         if impl in runs and base:
-            s = runs[base]["median_s"] / runs[impl]["median_s"]
-            ms = {k: runs[k]["median_s"] * 1e3 for k in (impl, base)}
-            say(
-                f"# speed: {impl} step is {max(s, 1 / s):.2f}x "
-                f"{'faster' if s >= 1 else 'slower'} than {base} ({ms[impl]:.1f} vs "
-                f"{ms[base]:.1f} ms median; goal >= 1.3x faster: "
-                f"{'met' if s >= 1.3 else 'not met'})"
-            )
+            say(C.speed_sentence(impl, runs[impl]["median_s"], base, runs[base]["median_s"]))
 
     if args.save is not None:
         from jax.experimental import multihost_utils

@@ -412,13 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             f": {'OK' if good else 'FAILED'}"
         )
     if "strata" in runs and base:
-        s = runs[base]["median_s"] / runs["strata"]["median_s"]
-        word = "faster" if s >= 1 else "slower"
-        say(
-            f"# speed: strata's median step {1e3 * runs['strata']['median_s']:.1f} ms vs xla's "
-            f"{1e3 * runs[base]['median_s']:.1f} ms: strata {max(s, 1 / s):.2f}x {word} "
-            f"(goal: strata >= 1.3x faster: {'met' if s >= 1.3 else 'not met'})"
-        )
+        say(C.speed_sentence("strata", runs["strata"]["median_s"], base, runs[base]["median_s"]))
 
     if lead:
         args.out.mkdir(parents=True, exist_ok=True)

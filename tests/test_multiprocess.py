@@ -231,6 +231,23 @@ def test_rank_exiting_after_a_collective_error_ends_the_job_fast(tmp_path):
     assert after < 6.0, f"the job lived {after:.2f} s after the error"
 
 
+def test_rank_quitting_mid_job_fails_its_peers_at_once(tmp_path):
+    """A rank that calls sys.exit(0) while its peer enters a collective: the peer fails at
+    once naming it ("exited or was killed"), not at the timeout (was: the full
+    STRATA_TIMEOUT_S, 300 s by default, because the quitting rank sat in jax.distributed's
+    shutdown barrier with its fabric links still open)."""
+    _require_allocator()
+    r = _launch(
+        2, "failure_modes.py", "quit", str(tmp_path), timeout=150, strata_timeout=60, grace=None
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    assert "rank 1 (device" in out and "exited or was killed" in out, out[-3000:]
+    took = float((tmp_path / "quit-caught").read_text())
+    print(f"peer failed {took:.2f} s after entering the collective")
+    assert took < 10.0, f"the peer waited {took:.2f} s (timeout 60 s)"
+
+
 def _start_by_hand(script: str, nproc: int, *args: str, strata_timeout: float = 60):
     """Starts nproc ranks without the strata launcher, as mpirun/srun would: each calls
     jax.distributed.initialize itself (coordinator address and rank on its command line)."""

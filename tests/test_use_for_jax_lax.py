@@ -284,3 +284,18 @@ def test_psum_in_scan_jaxpr_names_strata_primitive(rng):
         text = str(jax.make_jaxpr(f)(x))
     assert "strata_all_reduce" in text and "psum_invariant" not in text
     assert "psum_invariant" in str(jax.make_jaxpr(f)(x))
+
+
+def test_unbound_axis_name_raises_strata_name_error_without_fallback_warning():
+    """A typo in an axis name inside the context: strata's NameError (what to change), not a
+    "vmap axis name" fallback warning followed by JAX's bare AssertionError."""
+    import warnings
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    f = jax.jit(
+        jax.shard_map(lambda v: jax.lax.psum(v, "y"), mesh=mesh, in_specs=P("x"), out_specs=P())
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with sj.use_for_jax_lax(), pytest.raises(NameError, match="unbound axis name: y"):
+            f(jnp.ones(4))

@@ -205,6 +205,12 @@ class ShmFabric {
   // from connect): unlink_socket().
   std::string connect(int proc, int nprocs, const std::vector<std::string>& paths, RegMode mode);
   void unlink_socket();
+  // This process is exiting: shut its links down so that every peer's receiver sees them close
+  // at once and a peer waiting for one of this process's ranks fails now ("exited or was
+  // killed") instead of at the timeout. Ranks that already arrived are not waited for, so a
+  // peer still finishing a call this process completed is not affected. The sockets stay open
+  // (the receiver thread owns them) and mapped segments stay valid for the peers.
+  void leave();
 
   RegMode mode() const { return mode_; }
   int proc() const { return proc_; }

@@ -148,6 +148,11 @@ void ShmFabric::unlink_socket() {
   listen_fd_ = -1;
 }
 
+void ShmFabric::leave() {
+  for (int fd : links_)
+    if (fd >= 0) ::shutdown(fd, SHUT_RDWR);
+}
+
 std::string ShmFabric::connect(int proc, int nprocs, const std::vector<std::string>& paths,
                                RegMode mode) {
   if (active()) return "the shared-memory fabric is already connected";

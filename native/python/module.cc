@@ -131,6 +131,9 @@ NB_MODULE(_strata, m) {
       },
       nb::arg("process_id"), nb::arg("num_processes"), nb::arg("paths"), nb::arg("mode"));
   m.def("fabric_unlink", [] { strata::ShmFabric::instance().unlink_socket(); });
+  m.def("fabric_leave", [] {
+    if (strata::ShmFabric* f = strata::ShmFabric::active()) f->leave();
+  });
   m.def("fabric_info", []() -> nb::object {
     strata::ShmFabric* f = strata::ShmFabric::active();
     if (!f) return nb::none();

@@ -105,6 +105,11 @@ def _skip_distributed_shutdown_if_broken() -> None:
     import threading
 
     why = _broken_job()
+    # Leave the fabric first, whatever the exit: a peer still waiting in a collective for
+    # this process (which will never arrive: it is exiting, e.g. by sys.exit() mid-job) fails
+    # at once naming it, instead of at the timeout while this process waits for it in
+    # jax.distributed's shutdown barrier. Peers that are done with this process see nothing.
+    runtime.native().fabric_leave()
     if not why:
         return
     from jax._src import distributed

@@ -94,6 +94,9 @@ def fallback_cause(axis_name, axis_index_groups, x) -> str | None:
     if manual != set(mesh.axis_names):
         return "the enclosing jax.shard_map is partly automatic (axis_names= a subset of the mesh)"
     if any(a not in manual for a in axes):
+        env = core.get_axis_env()
+        if not all(a in manual or env.axis_exists(a) for a in axes):
+            return None  # an unbound name (a typo): strata raises its NameError saying so
         return "an axis name is not a mesh axis of the enclosing jax.shard_map (a vmap axis name)"
     if _leaves_typed_unreduced_or_reduced(x):
         return "an input is typed unreduced/reduced (only jax.lax implements those types)"

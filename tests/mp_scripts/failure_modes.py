@@ -9,6 +9,10 @@ continues with ``COORDINATOR NUM_PROCESSES PROCESS_ID`` and the script calls
 - ``none``: the same loop, nobody dies (a rerun right after ``kill`` must pass).
 - ``exit``: rank 1 sleeps 120 s at step 5; rank 0 times out there ($STRATA_TIMEOUT_S),
   catches the error, writes the time to OUT_DIR/caught and calls ``sys.exit(1)``.
+- ``quit``: rank 1 calls ``sys.exit(0)`` at step 5 (a script bailing out mid-job); rank 0
+  enters the psum there and must fail at once naming rank 1, writing the time it took to
+  OUT_DIR/quit-caught (not wait out $STRATA_TIMEOUT_S while rank 1 sits in jax.distributed's
+  shutdown barrier waiting for it).
 Each rank writes its pid to OUT_DIR/pid-<rank>.
 """
 
@@ -50,7 +54,17 @@ x = jax.make_array_from_callback(
 )
 f(x).block_until_ready()
 kill_rank = int(os.environ.get("KILL_RANK", "2"))
-for step in range({"kill": 200, "none": 30, "exit": 10}[mode]):
+for step in range({"kill": 200, "none": 30, "exit": 10, "quit": 10}[mode]):
+    if mode == "quit" and step == 5:
+        if rank == 1:
+            sys.exit(0)
+        t0 = time.time()
+        try:
+            f(x).block_until_ready()
+        except sj.COLLECTIVE_ERRORS as e:
+            (out / "quit-caught").write_text(f"{time.time() - t0!r}")
+            print("caught:", str(e)[:300], flush=True)
+            sys.exit(1)
     if mode == "kill" and step == 20 and rank == kill_rank:
         (out / "killed").write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
