@@ -234,6 +234,16 @@ def _private_mounts_reason() -> str | None:
     """None when a private mount namespace can be made here, else why not."""
     if os.geteuid() != 0:
         return "unshare --mount needs root (CI runs as root)"
+    import strata_jax
+
+    hidden = ("/tmp/", "/dev/shm/")  # each simulated host gets a private tmpfs on these
+    for what, path in (
+        ("the Python interpreter", sys.executable),
+        ("the installed strata_jax", os.path.dirname(strata_jax.__file__)),
+        ("the test scripts", str(SCRIPTS)),
+    ):
+        if os.path.abspath(path).startswith(hidden):
+            return f"{what} lives under /tmp or /dev/shm ({path}), which a private mount hides"
     if not shutil.which("unshare") or not shutil.which("nsenter"):
         return "unshare/nsenter (util-linux) not installed"
     r = subprocess.run(
