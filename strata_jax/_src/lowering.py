@@ -61,11 +61,6 @@ def next_op_id(ctx) -> int:
     Counting per lowered module (not per Python process) keeps them equal across processes
     even when the processes lower different numbers of other programs.
     """
-    # Every strata primitive registers its lowering with cacheable=False: JAX otherwise lowers
-    # equal applications (same primitive, params and avals, e.g. psum(v) and psum(sin v)) once
-    # and reuses that lowering, so they would share one op id and be told apart only by their
-    # run-time start order, which differs between devices: across processes psum(v) then
-    # paired with psum(sin v) (found by tests/mp_scripts/call_matching.py).
     # ModuleContext has slots; its primitive-lowering cache is one dict shared by every
     # context of the module, so it can hold the counter under a private key.
     cache = ctx.module_context.cached_primitive_lowerings
