@@ -233,11 +233,12 @@ def test_rank_exiting_after_a_collective_error_ends_the_job_fast(tmp_path):
 
 @pytest.mark.xfail(
     strict=False,
-    reason="KNOWN FAULT, intermittent (about 1 run in 3 on a loaded 2-core machine): two "
-    "independent psums of the same size in one program (psum(v), psum(sin v)) run at once on "
-    "a device, and across 2 processes x 2 devices one process's psum(v) sometimes pairs with "
-    "the other's psum(sin v): wrong values, no error. Root cause not found yet (README, "
-    "Known issues).",
+    reason="KNOWN FAULT, intermittent (about 1 run in 3 on a loaded 2-core machine): JAX shares "
+    "one lowering, and so one op index, between equal collectives (psum(v), psum(sin v)); XLA "
+    "starts them in a different order on each device, so across 2 processes x 2 devices one "
+    "process's psum(v) can pair with the other's psum(sin v): wrong values, no error. "
+    "Uncacheable lowerings fix it but break edge case 13 (rank-dependent cond branches): see "
+    "README, Known fault.",
 )
 def test_independent_collectives_in_one_program_across_processes(monkeypatch):
     _require_allocator()
