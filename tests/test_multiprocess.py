@@ -168,9 +168,11 @@ def test_calls_meet_by_communicator_not_call_site():
     """2 processes x 2 devices (local and remote peers in one group). Case 17: the same
     function called from two source lines returns the sum on every rank. Case 18: ranks
     disagree on the size: all raise within a second naming psum and both sizes (20 s timeout).
-    Dispatch-ahead of several programs: right values, never two executions in flight on one
-    device (independent collectives inside one program: the xfail test below). The exception
-    types a failed collective raises (strata_jax.COLLECTIVE_ERRORS)."""
+    Independent collectives inside one program (XLA runs them at once on a device; equal ones,
+    psum(v) and psum(sin v), once paired wrongly across processes when JAX shared one lowering
+    and so one op id between them) and dispatch-ahead of several programs: right values, never
+    two executions in flight on one device. The exception types a failed collective raises
+    (strata_jax.COLLECTIVE_ERRORS)."""
     _require_allocator()
     r = _launch(2, "call_matching.py", devices=2, timeout=120)
     out = r.stdout + r.stderr
@@ -229,24 +231,6 @@ def test_rank_exiting_after_a_collective_error_ends_the_job_fast(tmp_path):
     after = ended - float((tmp_path / "caught").read_text())
     print(f"case 20: launcher done {after:.2f} s after the error was caught")
     assert after < 6.0, f"the job lived {after:.2f} s after the error"
-
-
-@pytest.mark.xfail(
-    strict=False,
-    reason="KNOWN FAULT, intermittent (about 1 run in 3 on a loaded 2-core machine): JAX shares "
-    "one lowering, and so one op index, between equal collectives (psum(v), psum(sin v)); XLA "
-    "starts them in a different order on each device, so across 2 processes x 2 devices one "
-    "process's psum(v) can pair with the other's psum(sin v): wrong values, no error. "
-    "Uncacheable lowerings fix it but break edge case 13 (rank-dependent cond branches): see "
-    "README, Known fault.",
-)
-def test_independent_collectives_in_one_program_across_processes(monkeypatch):
-    _require_allocator()
-    monkeypatch.setenv("CALL_MATCHING_INDEPENDENT", "1")
-    r = _launch(2, "call_matching.py", devices=2, timeout=120)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-3000:]
-    assert out.count("OK all") == 2, out[-3000:]
 
 
 def test_rank_quitting_mid_job_fails_its_peers_at_once(tmp_path):

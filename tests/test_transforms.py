@@ -238,6 +238,29 @@ def test_1000_chained_calls_dispatched_ahead(op):
     np.testing.assert_array_equal(y, np.full_like(y, want))
 
 
+def test_equal_collectives_in_one_program_get_distinct_op_ids():
+    """psum(v), psum(sin v), psum(v*v): the same primitive, params and avals. JAX caches equal
+    lowerings unless told not to; a shared lowering gave all three one op id, and across
+    processes XLA's start order then paired psum(v) on one process with psum(sin v) on another."""
+    import re
+
+    mesh = mesh1d()
+    f = smap(
+        lambda v: jnp.stack(
+            [sj.psum(v, "x"), sj.psum(jnp.sin(v), "x"), sj.pmax(2 * v, "x"), sj.psum(v * v, "x")]
+        ),
+        mesh,
+        P("x"),
+        P(),
+    )
+    x = jnp.linspace(-1.0, 1.0, 8 * 4, dtype=jnp.float32)
+    ids = re.findall(r"op_id = (\d+)", f.lower(x).as_text())
+    assert len(ids) == 4 and len(set(ids)) == 4, ids
+    xs = np.asarray(x).reshape(8, 4)
+    want = np.stack([xs.sum(0), np.sin(xs).sum(0), (2 * xs).max(0), (xs * xs).sum(0)])
+    np.testing.assert_allclose(np.asarray(f(x)), want, rtol=1e-5, atol=1e-6)
+
+
 def test_many_programs_with_loops_interleaved():
     """Thousands of executions of several looping programs: the per-run bookkeeping of the
     in-process fabric is dropped by recency. XLA's run ids look like hashes (often negative,

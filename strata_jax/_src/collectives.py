@@ -319,7 +319,7 @@ all_reduce_p.def_effectful_abstract_eval(_all_reduce_abstract_eval)
 ad.deflinear2(all_reduce_p, _all_reduce_transpose)
 ad.primitive_jvps[all_reduce_p] = _all_reduce_jvp
 batching.fancy_primitive_batchers[all_reduce_p] = _all_reduce_batcher
-mlir.register_lowering(all_reduce_p, _all_reduce_lowering, platform="cpu")
+mlir.register_lowering(all_reduce_p, _all_reduce_lowering, platform="cpu", cacheable=False)
 
 
 # --------------------------------------------------------------------------------------
@@ -456,6 +456,7 @@ mlir.register_lowering(
         ctx, x, axes=axes
     ),
     platform="cpu",
+    cacheable=False,
 )
 all_gather_p.def_effectful_abstract_eval(_all_gather_abstract_eval)
 ad.deflinear2(all_gather_p, _all_gather_transpose)
@@ -559,6 +560,7 @@ mlir.register_lowering(
         ctx, x, axes=axes, reduce=np.int32(0)
     ),
     platform="cpu",
+    cacheable=False,
 )
 reduce_scatter_p.def_effectful_abstract_eval(_reduce_scatter_abstract_eval)
 ad.deflinear2(reduce_scatter_p, _reduce_scatter_transpose)
@@ -680,6 +682,7 @@ mlir.register_lowering(
         "strata_all_to_all", "all_to_all"
     )(ctx, x, axes=axes, split_axis=int(split_axis), concat_axis=int(concat_axis)),
     platform="cpu",
+    cacheable=False,
 )
 all_to_all_p.def_effectful_abstract_eval(_all_to_all_abstract_eval)
 ad.deflinear2(all_to_all_p, _all_to_all_transpose)
@@ -783,7 +786,7 @@ def _ppermute_lowering(ctx, x, *, axes, perm):
 ppermute_p.def_effectful_abstract_eval(_ppermute_abstract_eval)
 ad.deflinear2(ppermute_p, _ppermute_transpose)
 batching.fancy_primitive_batchers[ppermute_p] = _ppermute_batcher
-mlir.register_lowering(ppermute_p, _ppermute_lowering, platform="cpu")
+mlir.register_lowering(ppermute_p, _ppermute_lowering, platform="cpu", cacheable=False)
 
 
 # --------------------------------------------------------------------------------------
@@ -864,4 +867,5 @@ mlir.register_lowering(
         ctx, x, axes=axes, root=int(source)
     ),
     platform="cpu",
+    cacheable=False,
 )

@@ -286,7 +286,7 @@ def _gc_lowering(ctx, x, *, kind, engine, groups, reduce, pairs):
     return [out]
 
 
-mlir.register_lowering(group_collective_p, _gc_lowering, platform="cpu")
+mlir.register_lowering(group_collective_p, _gc_lowering, platform="cpu", cacheable=False)
 
 
 # --------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax._src import config, core
+from jax._src.interpreters import mlir
 from jax._src.lib.mlir.dialects import hlo
 from jax._src.sharding_impls import SPMDAxisContext
 
@@ -53,6 +54,9 @@ __all__ = [
 ]
 
 
+_OP_COUNTER = ("strata_jax", "op_counter")
+
+
 def next_op_id(ctx) -> int:
     """A per-program index of strata calls, the op id half of a call's rendezvous key.
 
@@ -61,12 +65,54 @@ def next_op_id(ctx) -> int:
     Counting per lowered module (not per Python process) keeps them equal across processes
     even when the processes lower different numbers of other programs.
     """
+    # Every strata primitive registers its lowering with cacheable=False: JAX otherwise lowers
+    # equal applications (same primitive, params and avals, e.g. psum(v) and psum(sin v)) once
+    # and reuses that lowering, so they would share one op id and be told apart only by their
+    # run-time start order, which differs between devices: across processes psum(v) then
+    # paired with psum(sin v) (found by tests/mp_scripts/call_matching.py).
     # ModuleContext has slots; its primitive-lowering cache is one dict shared by every
     # context of the module, so it can hold the counter under a private key.
     cache = ctx.module_context.cached_primitive_lowerings
-    key = ("strata_jax", "op_counter")
-    cache[key] = cache.get(key, 0) + 1
-    return cache[key]
+    cache[_OP_COUNTER] = cache.get(_OP_COUNTER, 0) + 1
+    return cache[_OP_COUNTER]
+
+
+def _number_branches_from_the_cond() -> None:
+    """Op ids count strata calls in program order; the branches of a ``lax.cond``/``switch``
+    are alternatives, so each branch restarts from the id at the cond and the cond ends at the
+    largest. Ranks that take different branches (edge case 13) then meet at the same op id, and
+    equal calls in one branch still get ids of their own. Done by wrapping JAX's cond lowering,
+    which lowers each branch with ``mlir.jaxpr_subcomp``."""
+    from jax._src.lax.control_flow import conditionals
+
+    rule = conditionals._cond_lowering
+
+    def cond_lowering(ctx, *args, **params):
+        cache = ctx.module_context.cached_primitive_lowerings
+        start = cache.get(_OP_COUNTER, 0)
+        top = [start]
+        depth = [0]
+        subcomp = mlir.jaxpr_subcomp
+
+        def branch(*a, **k):
+            if depth[0] == 0:  # a branch of this cond (not a computation nested inside one)
+                cache[_OP_COUNTER] = start
+            depth[0] += 1
+            try:
+                return subcomp(*a, **k)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    top[0] = max(top[0], cache.get(_OP_COUNTER, 0))
+
+        mlir.jaxpr_subcomp = branch
+        try:
+            return rule(ctx, *args, **params)
+        finally:
+            mlir.jaxpr_subcomp = subcomp
+            cache[_OP_COUNTER] = top[0]
+
+    mlir.register_lowering(conditionals.cond_p, cond_lowering)
 
 
 def axis_tuple(axis_name: AxisName) -> tuple:
@@ -280,3 +326,6 @@ def lower_strata_call(
         device_ids=partition_device_ids(ctx, num_partitions),
         **attrs,
     )
+
+
+_number_branches_from_the_cond()

@@ -355,5 +355,5 @@ ragged_all_to_all_p.def_impl(_impl)
 ragged_all_to_all_p.def_effectful_abstract_eval(_abstract_eval)
 ad.primitive_jvps[ragged_all_to_all_p] = _jvp
 ad.primitive_transposes[ragged_all_to_all_p] = _transpose
-mlir.register_lowering(ragged_all_to_all_p, _lowering, platform="cpu")
+mlir.register_lowering(ragged_all_to_all_p, _lowering, platform="cpu", cacheable=False)
 batching.fancy_primitive_batchers[ragged_all_to_all_p] = _batcher

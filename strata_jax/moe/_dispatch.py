@@ -172,6 +172,7 @@ mlir.register_lowering(
         "strata_moe_dispatch", "moe.dispatch"
     )(ctx, x, w, slots, counts, axes=axes, weighted=np.int64(weighted)),
     platform="cpu",
+    cacheable=False,
 )
 
 # combine_p(expert_y [E_local, C, H], weights [T, K] (accumulator dtype), slots [N, K], rows [N])
@@ -194,6 +195,7 @@ mlir.register_lowering(
         ctx, ey, w, slots, rows, axes=axes
     ),
     platform="cpu",
+    cacheable=False,
 )
 
 # gather_p(values [E_local, C] f32/f64, slots [N, K], topk_idx [T, K]) -> [T, K] values' dtype
@@ -213,6 +215,7 @@ mlir.register_lowering(
         ctx, values, slots, idx, axes=axes
     ),
     platform="cpu",
+    cacheable=False,
 )
 
 
@@ -580,6 +583,7 @@ mlir.register_lowering(
         "strata_moe_ll_dispatch", "moe.low_latency_dispatch"
     )(ctx, x, idx, axes=axes, max_tokens=np.int64(max_tokens), push=np.int64(push)),
     platform="cpu",
+    cacheable=False,
 )
 
 # ll_combine_p(expert_y [E_local, R * M, H], w [T, K] acc dtype, idx [T, K], src_slots [T, K])
@@ -600,6 +604,7 @@ mlir.register_lowering(
         "strata_moe_ll_combine", "moe.low_latency_combine"
     )(ctx, ey, w, idx, slots, axes=axes, max_tokens=np.int64(max_tokens)),
     platform="cpu",
+    cacheable=False,
 )
 
 

@@ -80,14 +80,10 @@ multi = sm(
 )
 want = np.stack([xs.sum(0), np.sin(xs).sum(0), (2 * xs).max(0), (xs * xs).sum(0)])
 gx = global_array(xs)
-# KNOWN FAULT (README "Known issues"): now and then, psum(v) on one process pairs with
-# psum(sin v) on the other (same op, dtype and size, so the arrival check cannot tell). It is
-# checked on its own (CALL_MATCHING_INDEPENDENT=1, a non-strict xfail test) until it is fixed.
-check_independent = os.environ.get("CALL_MATCHING_INDEPENDENT") == "1"
 for out in [multi(gx) for _ in range(4)]:
     for s in out.addressable_shards:
         got = np.asarray(s.data)[0, :, 0]
-        if check_independent and not np.allclose(got, want, rtol=1e-5, atol=1e-3):
+        if not np.allclose(got, want, rtol=1e-5, atol=1e-3):
             bad = [i for i in range(4) if not np.allclose(got[i], want[i], rtol=1e-5, atol=1e-3)]
             fail(f"independent collectives in one program paired wrongly: rows {bad}")
 progs = [
