@@ -6,6 +6,7 @@ how (and whether) to import ``strata_jax``, which must come before jax creates i
 Contents:
   * arguments: :func:`parse_size`, :func:`format_size`, :func:`parse_list`, :func:`size_sweep`
   * timing: :func:`time_calls`, :func:`median`
+  * the machine's memory bandwidth: :func:`stream_copy_gbs` (STREAM's "copy")
   * output: :class:`Table` (nccl-tests-style fixed-width rows), :func:`write_csv`,
     :func:`write_json`, :func:`progress`, :func:`plot_lines`
   * machine description: :func:`machine_info`, :func:`print_machine`
@@ -161,6 +162,49 @@ def time_interleaved(
 def median(xs: Iterable[float]) -> float:
     xs = list(xs)
     return statistics.median(xs) if xs else float("nan")
+
+
+_STREAM_CACHE: dict[int, float] = {}
+
+
+def stream_copy_gbs(traffic_bytes: int, repeats: int = 7, threads: int | None = None) -> float:
+    """This machine's memory bandwidth for ``traffic_bytes`` of traffic, in GB/s (1e9 B/s).
+
+    STREAM's "copy" kernel (McCalpin, https://www.cs.virginia.edu/stream/): ``b[:] = a`` over
+    arrays of ``traffic_bytes / 2`` bytes each, split across ``threads`` threads (default: every
+    core; numpy releases the GIL while it copies), counted as STREAM counts it: bytes read plus
+    bytes written over the time. Pages are touched before timing, so this is the rate of data
+    already in memory, not of first-touch page faults. Median of ``repeats`` after one warm-up;
+    cached per size within the process. Small sizes run from cache (so the "bandwidth" is the
+    cache's); sizes are capped at 2 GiB of traffic.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    traffic = int(min(max(traffic_bytes, 1 << 12), 2 << 30))
+    if traffic in _STREAM_CACHE:
+        return _STREAM_CACHE[traffic]
+    n = max(1, traffic // 2 // 8)
+    a = np.ones(n, np.float64)
+    b = np.zeros(n, np.float64)
+    k = max(1, min(threads or os.cpu_count() or 1, n))
+    bounds = [(i * n // k, (i + 1) * n // k) for i in range(k)]
+
+    def part(i: int) -> None:
+        lo, hi = bounds[i]
+        np.copyto(b[lo:hi], a[lo:hi])
+
+    times = []
+    with ThreadPoolExecutor(k) as pool:
+        for r in range(repeats + 1):
+            t0 = time.perf_counter()
+            list(pool.map(part, range(k)))
+            if r:
+                times.append(time.perf_counter() - t0)
+    gbs = 2 * n * 8 / median(times) / 1e9
+    _STREAM_CACHE[traffic] = gbs
+    return gbs
 
 
 # --------------------------------------------------------------------------------------------------

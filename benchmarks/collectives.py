@@ -95,6 +95,16 @@ class OpSpec:
             return (n - 1) / n
         return 1.0
 
+    def min_traffic(self, nbytes: int, n: int) -> int:
+        """Bytes the op must move through memory, all n ranks together (the algorithm's floor):
+        every input byte read once and every output byte written once. size = nbytes as in
+        nccl-tests (all_gather: the output per rank; psum_scatter: the input per rank)."""
+        if self.kind in ("allgather", "broadcast"):
+            return (n + 1) * nbytes  # inputs total nbytes (broadcast: the root's), n outputs
+        if self.kind == "reducescatter":
+            return (n + 1) * nbytes  # n inputs of nbytes, outputs total nbytes
+        return 2 * n * nbytes  # allreduce, alltoall, sendrecv: n inputs and n outputs
+
     def in_count(self, count: int, n: int) -> int:
         """Per-rank input elements for a `count`-element size buffer."""
         return count // n if self.kind == "allgather" else count
@@ -386,6 +396,10 @@ def run_sweep(
     rows: list[dict[str, Any]] = []
     for k, pt in enumerate(points):
         spec = OPS[pt.op]
+        # The memory floor: STREAM copy of the same traffic, measured now, before this point's
+        # arrays exist (main process only; every process shares the one machine's memory).
+        traffic = spec.min_traffic(pt.nbytes, ctx.n)
+        stream = C.stream_copy_gbs(traffic) if ctx.is_main else None
         x = runner.make_input(pt, seed + k)
         amax = float(np.sqrt(2.0)) if pt.dtype.kind == "c" else 1.0
         tol = (
@@ -445,6 +459,9 @@ def run_sweep(
                 mean_us=ctx.max_across(float(np.mean(times[impl]))) * 1e6,
                 error=ref_error,
                 inter_fabric_bytes=inter.get(impl),
+                traffic_bytes=traffic,
+                stream_gbs=stream,
+                mem_share=(traffic / t / 1e9 / stream) if stream else None,
             )
         del firsts, last
         step()
@@ -506,15 +523,18 @@ def make_table(impls: Sequence[str]) -> C.Table:
             C.Column("time(us)", 11, ".1f"),
             C.Column("algbw", 7, ".2f"),
             C.Column("busbw", 7, ".2f"),
+            C.Column("%mem", 5, ".0f"),
             C.Column("#wrong", 7),
             C.Column("inter(B)", 10),
         ]
-        groups.append((f" {impl} ", 5))
+        groups.append((f" {impl} ", 6))
     others = [i for i in impls if i != "strata"] if "strata" in impls else []
     for o in others:
         cols.append(C.Column(f"{o}/strata", max(12, len(o) + 7), ".2f"))
     if others:
         groups.append((" speedup ", len(others)))
+    cols.append(C.Column("stream", 7, ".2f"))
+    groups.append(("", 1))
     return C.Table(cols, groups)
 
 
@@ -522,16 +542,20 @@ def table_row(table: C.Table, pt: Point, results: dict[str, dict[str, Any]]) -> 
     vals: list[Any] = [pt.nbytes, pt.count, pt.dtype.name, pt.op]
     for r in results.values():
         if r.get("time_us") is None:
-            vals += ["error", None, None, None, None]
+            vals += ["error", None, None, None, None, None]
         else:
             inter = r.get("inter_fabric_bytes")
-            vals += [r["time_us"], r["algbw_gbs"], r["busbw_gbs"], r["wrong"], inter]
+            share = r.get("mem_share")
+            pct = None if share is None else 100 * share
+            vals += [r["time_us"], r["algbw_gbs"], r["busbw_gbs"], pct, r["wrong"], inter]
     base = results.get("strata", {}).get("time_us")
     if base is not None or "strata" in results:
         for impl, r in results.items():
             if impl != "strata":
                 t = r.get("time_us")
                 vals.append(t / base if (t and base) else None)
+    streams = [r.get("stream_gbs") for r in results.values() if r.get("stream_gbs")]
+    vals.append(streams[0] if streams else None)
     return table.row(vals)
 
 
@@ -768,6 +792,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "# time       : median of iters blocking calls after warm-up, impls interleaved call by"
         " call; algbw = size/time; busbw = algbw * 2(N-1)/N all-reduce, (N-1)/N"
         " all_gather/psum_scatter/all_to_all, 1 ppermute/pbroadcast (GB/s = 1e9 B/s)"
+    )
+    write(
+        "# %mem       : the op's memory floor (every input byte read once, every output byte"
+        " written once, all ranks: 2N*size all-reduce/all_to_all/ppermute, (N+1)*size all_gather/"
+        "psum_scatter/pbroadcast) over its time, as % of 'stream' = this machine's STREAM copy"
+        " bandwidth (GB/s, read+write, all cores, pages already touched) for the same bytes,"
+        " measured in this run just before the point"
     )
     write(
         "# #wrong     : elements != jax.lax (bitwise; float psum/psum_scatter: |d| > (N-1)*N*eps*"

@@ -1,6 +1,7 @@
 #include "coll/kernels.h"
 
 #include <emmintrin.h>
+#include <sys/mman.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -9,87 +10,12 @@
 #include <type_traits>
 
 #include "coll/elem.h"
+#include "coll/reduce_impl.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace strata {
-namespace {
 
 using DT = xla::ffi::DataType;
-
-template <class T>
-using Traits = Elem<T>;
-
-template <class A>
-inline A op_sum(A a, A b) {
-  if constexpr (std::is_integral_v<A>) {
-    using U = std::make_unsigned_t<A>;
-    return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));
-  } else {
-    return a + b;
-  }
-}
-template <class A>
-inline A op_max(A a, A b) {
-  if constexpr (std::is_floating_point_v<A>) {
-    A r = a > b ? a : b;
-    return (a != a || b != b) ? a + b : r;  // NaN if either is NaN (a+b is NaN then)
-  } else {
-    return a > b ? a : b;
-  }
-}
-template <class A>
-inline A op_min(A a, A b) {
-  if constexpr (std::is_floating_point_v<A>) {
-    A r = a < b ? a : b;
-    return (a != a || b != b) ? a + b : r;
-  } else {
-    return a < b ? a : b;
-  }
-}
-
-// Tiles keep the partial result in L1 while every input streams through once.
-constexpr size_t kTile = 2048;
-
-// Writes element i to dst_at_begin[i - begin].
-template <class T, ReduceOp OP>
-void reduce_typed(const void* const* srcs, int n, void* dst_at_begin, size_t begin, size_t end) {
-  using Tr = Traits<T>;
-  using A = typename Tr::Acc;
-  T* dst = static_cast<T*>(dst_at_begin) - begin;
-  A acc[kTile];
-  for (size_t t0 = begin; t0 < end; t0 += kTile) {
-    const size_t len = (end - t0 < kTile) ? end - t0 : kTile;
-    const T* s0 = static_cast<const T*>(srcs[0]) + t0;
-    for (size_t i = 0; i < len; ++i) acc[i] = Tr::load(s0[i]);
-    for (int k = 1; k < n; ++k) {
-      const T* s = static_cast<const T*>(srcs[k]) + t0;
-      if constexpr (OP == ReduceOp::kSum) {
-        for (size_t i = 0; i < len; ++i) acc[i] = op_sum<A>(acc[i], Tr::load(s[i]));
-      } else if constexpr (OP == ReduceOp::kMax) {
-        for (size_t i = 0; i < len; ++i) acc[i] = op_max<A>(acc[i], Tr::load(s[i]));
-      } else {
-        for (size_t i = 0; i < len; ++i) acc[i] = op_min<A>(acc[i], Tr::load(s[i]));
-      }
-    }
-    T* d = dst + t0;
-    for (size_t i = 0; i < len; ++i) d[i] = Tr::store(acc[i]);
-  }
-}
-
-template <class T>
-void reduce_dispatch_op(ReduceOp op, const void* const* srcs, int n, void* dst, size_t b,
-                        size_t e) {
-  switch (op) {
-    case ReduceOp::kSum:
-      return reduce_typed<T, ReduceOp::kSum>(srcs, n, dst, b, e);
-    case ReduceOp::kMax:
-      return reduce_typed<T, ReduceOp::kMax>(srcs, n, dst, b, e);
-    case ReduceOp::kMin:
-      return reduce_typed<T, ReduceOp::kMin>(srcs, n, dst, b, e);
-  }
-}
-
-}  // namespace
 
 int dtype_size(int32_t dtype) {
   switch (static_cast<DT>(dtype)) {
@@ -168,43 +94,18 @@ void reduce_n(int32_t dtype, ReduceOp op, const void* const* srcs, int n, void* 
   reduce_n_to(dtype, op, srcs, n, static_cast<char*>(dst) + b * es, b, e);
 }
 
+// The AVX2 + F16C build of the kernels (kernels_avx2.cc), where the CPU has them.
+void reduce_n_to_avx2(int32_t dtype, ReduceOp op, const void* const* srcs, int n, void* dst,
+                      size_t b, size_t e);
+
 void reduce_n_to(int32_t dtype, ReduceOp op, const void* const* srcs, int n, void* dst, size_t b,
                  size_t e) {
   if (b >= e) return;
-  switch (static_cast<DT>(dtype)) {
-    case DT::PRED:  // bool max/min = OR/AND on 0/1 bytes; psum of bool is int32 (Python side)
-    case DT::U8:
-      return reduce_dispatch_op<uint8_t>(op, srcs, n, dst, b, e);
-    case DT::S8:
-      return reduce_dispatch_op<int8_t>(op, srcs, n, dst, b, e);
-    case DT::S16:
-      return reduce_dispatch_op<int16_t>(op, srcs, n, dst, b, e);
-    case DT::U16:
-      return reduce_dispatch_op<uint16_t>(op, srcs, n, dst, b, e);
-    case DT::S32:
-      return reduce_dispatch_op<int32_t>(op, srcs, n, dst, b, e);
-    case DT::U32:
-      return reduce_dispatch_op<uint32_t>(op, srcs, n, dst, b, e);
-    case DT::S64:
-      return reduce_dispatch_op<int64_t>(op, srcs, n, dst, b, e);
-    case DT::U64:
-      return reduce_dispatch_op<uint64_t>(op, srcs, n, dst, b, e);
-    case DT::F32:
-      return reduce_dispatch_op<float>(op, srcs, n, dst, b, e);
-    case DT::F64:
-      return reduce_dispatch_op<double>(op, srcs, n, dst, b, e);
-    case DT::BF16:
-      return reduce_dispatch_op<bf16>(op, srcs, n, dst, b, e);
-    case DT::F16:
-      return reduce_dispatch_op<f16>(op, srcs, n, dst, b, e);
-    // complex sums are sums of the real and imaginary parts
-    case DT::C64:
-      return reduce_dispatch_op<float>(ReduceOp::kSum, srcs, n, dst, 2 * b, 2 * e);
-    case DT::C128:
-      return reduce_dispatch_op<double>(ReduceOp::kSum, srcs, n, dst, 2 * b, 2 * e);
-    default:
-      return;
-  }
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  if (avx2) return reduce_n_to_avx2(dtype, op, srcs, n, dst, b, e);
+#endif
+  reduce_n_to_isa(dtype, op, srcs, n, dst, b, e);
 }
 
 namespace {
@@ -242,6 +143,19 @@ void copy_bytes(void* dst, const void* src, size_t bytes) {
     _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
   }
   std::memcpy(d + body, s + body, bytes - body);
+}
+
+void prepare_output(void* dst, size_t bytes) {
+  static const bool enabled = [] {
+    const char* e = std::getenv("STRATA_THP");
+    return !(e && e[0] == '0');
+  }();
+  if (!enabled || bytes < kHugeOutputBytes) return;
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const uintptr_t b = (reinterpret_cast<uintptr_t>(dst) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t e = (reinterpret_cast<uintptr_t>(dst) + bytes) & ~(kHuge - 1);
+  // Advice only: failure (no THP, a pool mapping that refuses it) changes nothing but speed.
+  if (e > b) (void)madvise(reinterpret_cast<void*>(b), e - b, MADV_HUGEPAGE);
 }
 
 // Orders this thread's non-temporal stores before its later stores (the barrier's release).

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "coll/kernels.h"
 #include "fabric/inflight.h"
 #include "fabric/inproc.h"
 #include "fabric/op_stats.h"
@@ -103,6 +104,8 @@ xla::ffi::Error join_and_run(const char* name, int64_t run_id, int64_t op_id, co
   return join_and_run_with(
       name, run_id, op_id, pl, cross_process,
       [&](auto& team) {
+        // Before peers may write into it (they do after the arrival barrier).
+        prepare_output(out, desc.out_bytes);
         std::string e = team.arrive(desc, in, out);
         OpTimer::arrived();  // wait vs move in comm_stats() (fabric/op_stats.h)
         return e;
