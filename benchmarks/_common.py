@@ -6,10 +6,11 @@ how (and whether) to import ``strata_jax``, which must come before jax creates i
 Contents:
   * arguments: :func:`parse_size`, :func:`format_size`, :func:`parse_list`, :func:`size_sweep`
   * timing: :func:`time_calls`, :func:`median`
-  * the machine's memory bandwidth: :func:`stream_copy_gbs` (STREAM's "copy")
+  * the machine's memory bandwidth: :func:`stream_add_gbs` (STREAM's "add", run by XLA)
   * output: :class:`Table` (nccl-tests-style fixed-width rows), :func:`write_csv`,
     :func:`write_json`, :func:`progress`, :func:`plot_lines`
   * machine description: :func:`machine_info`, :func:`print_machine`
+  * the allocator: :func:`reexec_with_allocator`
 """
 
 from __future__ import annotations
@@ -164,46 +165,82 @@ def median(xs: Iterable[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-_STREAM_CACHE: dict[int, float] = {}
+def reexec_with_allocator(enabled: bool = True) -> str:
+    """Re-run this script under ``LD_PRELOAD=libstrata_alloc.so`` unless it already is, then
+    return a line for the header saying which allocator serves XLA's buffers.
 
-
-def stream_copy_gbs(traffic_bytes: int, repeats: int = 7, threads: int | None = None) -> float:
-    """This machine's memory bandwidth for ``traffic_bytes`` of traffic, in GB/s (1e9 B/s).
-
-    STREAM's "copy" kernel (McCalpin, https://www.cs.virginia.edu/stream/): ``b[:] = a`` over
-    arrays of ``traffic_bytes / 2`` bytes each, split across ``threads`` threads (default: every
-    core; numpy releases the GIL while it copies), counted as STREAM counts it: bytes read plus
-    bytes written over the time. Pages are touched before timing, so this is the rate of data
-    already in memory, not of first-touch page faults. Median of ``repeats`` after one warm-up;
-    cached per size within the process. Small sizes run from cache (so the "bandwidth" is the
-    cache's); sizes are capped at 2 GiB of traffic.
+    The deployment shape (``python -m strata_jax.launch`` preloads it too): every large XLA
+    buffer, of every implementation in the process, comes from the pool's reused, already
+    registered memory. Without it glibc serves each large buffer from a fresh mmap, and the
+    first-touch page faults (about 2 us per 4 KiB page here) dominate every implementation at
+    large sizes. Must run before jax (or anything that allocates large buffers) is imported;
+    a no-op when ``enabled`` is false or the library is not found (the line says so).
     """
-    from concurrent.futures import ThreadPoolExecutor
+    if "strata_alloc" in os.environ.get("LD_PRELOAD", ""):
+        return "libstrata_alloc (LD_PRELOAD): XLA buffers of every implementation from its pool"
+    if not enabled:
+        return "glibc (--no-preload): large XLA buffers are fresh mmapped pages every call"
+    try:
+        from strata_jax.launch import alloc_library_path  # no jax backend created yet
+    except Exception as e:
+        return f"glibc (strata_jax.launch not importable: {type(e).__name__})"
+    lib = alloc_library_path()
+    if not lib:
+        return "glibc (libstrata_alloc.so not found)"
+    pre = os.environ.get("LD_PRELOAD")
+    os.environ["LD_PRELOAD"] = f"{lib}:{pre}" if pre else lib
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, *sys.argv])
+    raise AssertionError("unreachable")
 
+
+_STREAM_CACHE: dict[tuple[int, int], float] = {}
+
+
+def stream_add_gbs(mesh: Any, traffic_bytes: int, repeats: int = 7) -> float:
+    """Memory bandwidth of the machine behind ``mesh``'s devices for ``traffic_bytes`` of
+    traffic, in GB/s (1e9 B/s): STREAM's "add" kernel (McCalpin,
+    https://www.cs.virginia.edu/stream/), run by XLA itself on every device of the mesh at once.
+
+    ``a = a + b`` over float32 arrays sharded across the mesh (``traffic_bytes / 3`` bytes each,
+    all devices together), ``a`` donated so the sum is written in place: every byte of ``a`` and
+    ``b`` is read once and every byte of ``a`` written once, the 3 units STREAM counts, with no
+    hidden read-for-ownership and no first-touch page faults (pages are touched before timing).
+    All devices run together, so it is the rate of all cores, i.e. of the memory. Median of
+    ``repeats`` after two warm-ups; the max over processes when several run the mesh (every
+    process must call it). Cached per (mesh size, traffic) within the process. Small sizes run
+    from cache, so their "bandwidth" is the cache's.
+    """
+    import jax
+    import jax.numpy as jnp
     import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    traffic = int(min(max(traffic_bytes, 1 << 12), 2 << 30))
-    if traffic in _STREAM_CACHE:
-        return _STREAM_CACHE[traffic]
-    n = max(1, traffic // 2 // 8)
-    a = np.ones(n, np.float64)
-    b = np.zeros(n, np.float64)
-    k = max(1, min(threads or os.cpu_count() or 1, n))
-    bounds = [(i * n // k, (i + 1) * n // k) for i in range(k)]
-
-    def part(i: int) -> None:
-        lo, hi = bounds[i]
-        np.copyto(b[lo:hi], a[lo:hi])
-
+    n = int(mesh.devices.size)
+    per = max(16, traffic_bytes // 3 // 4 // n)  # float32 elements per device
+    key = (n, per)
+    if key in _STREAM_CACHE:
+        return _STREAM_CACHE[key]
+    sharding = NamedSharding(mesh, P(mesh.axis_names))
+    shape = (n * per,)
+    a = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=sharding)()
+    b = jax.jit(lambda: jnp.ones(shape, jnp.float32), out_shardings=sharding)()
+    add = jax.jit(lambda x, y: x + y, donate_argnums=0, out_shardings=sharding)
     times = []
-    with ThreadPoolExecutor(k) as pool:
-        for r in range(repeats + 1):
-            t0 = time.perf_counter()
-            list(pool.map(part, range(k)))
-            if r:
-                times.append(time.perf_counter() - t0)
-    gbs = 2 * n * 8 / median(times) / 1e9
-    _STREAM_CACHE[traffic] = gbs
+    for r in range(repeats + 2):
+        t0 = time.perf_counter()
+        a = jax.block_until_ready(add(a, b))
+        if r >= 2:
+            times.append(time.perf_counter() - t0)
+    t = median(times)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        t = float(np.max(multihost_utils.process_allgather(np.asarray(t, np.float64))))
+    gbs = 3 * 4 * n * per / t / 1e9
+    _STREAM_CACHE[key] = gbs
+    del a, b
     return gbs
 
 

@@ -33,6 +33,11 @@ Usage::
     python benchmarks/collectives.py --procs 4 --impl strata,xla
     mpirun -n 4 python benchmarks/collectives.py --procs 4 --impl strata,xla,mpi4jax
 
+In-process runs re-run themselves under ``LD_PRELOAD=libstrata_alloc.so`` (the deployment
+shape: the launcher preloads it for --procs runs), so every implementation's large buffers come
+from reused memory; ``--no-preload`` measures plain glibc, where first-touch page faults on fresh
+outputs dominate every implementation at large sizes.
+
 Notes: jax.lax.pbroadcast has no CPU lowering in jaxlib 0.10, so the 'xla' pbroadcast (and the
 reference for pbroadcast) is its documented equivalent ``psum(where(axis_index == source, x, 0))``.
 Each call is waited for before the next is dispatched: dispatching multi-device launches far ahead
@@ -396,10 +401,10 @@ def run_sweep(
     rows: list[dict[str, Any]] = []
     for k, pt in enumerate(points):
         spec = OPS[pt.op]
-        # The memory floor: STREAM copy of the same traffic, measured now, before this point's
-        # arrays exist (main process only; every process shares the one machine's memory).
+        # The memory floor: STREAM add of the same traffic on the same devices, measured now,
+        # before this point's arrays exist (every process takes part, as in any jitted call).
         traffic = spec.min_traffic(pt.nbytes, ctx.n)
-        stream = C.stream_copy_gbs(traffic) if ctx.is_main else None
+        stream = C.stream_add_gbs(ctx.mesh, traffic)
         x = runner.make_input(pt, seed + k)
         amax = float(np.sqrt(2.0)) if pt.dtype.kind == "c" else 1.0
         tol = (
@@ -654,6 +659,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="base seed of the random inputs")
     p.add_argument("--platform", default="cpu", help="jax platform of the mesh devices (cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--no-preload",
+        action="store_true",
+        help="in-process: do not re-run under LD_PRELOAD=libstrata_alloc.so (plain glibc: "
+        "every large XLA buffer of every implementation is fresh mmapped pages, and page "
+        "faults dominate both at large sizes); --procs runs use the launcher's setting",
+    )
     a = p.parse_args(argv)
     try:
         a.ops = C.parse_list(a.op, list(OPS))
@@ -720,6 +732,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     multi = args.procs is not None
     if multi and not os.environ.get(CHILD_ENV) and not _under_mpi():
         return relaunch(args, argv)
+    # In-process: the deployment's allocator, as the launcher sets it for --procs runs.
+    allocator = C.reexec_with_allocator(not args.no_preload and not multi)
 
     if "strata" in args.impls and _strata is None:
         sys.exit(
@@ -765,6 +779,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     write("# strata_jax collectives benchmark (nccl-tests style)")
     C.print_machine(info, write)
     write(f"# strata_jax : {info['strata_jax']}")
+    write(f"# allocator  : {allocator}")
     write(
         f"# compared   : {', '.join(args.impls)}  ('xla' = jax.lax"
         + (" over gloo" if multi else "")
@@ -796,9 +811,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     write(
         "# %mem       : the op's memory floor (every input byte read once, every output byte"
         " written once, all ranks: 2N*size all-reduce/all_to_all/ppermute, (N+1)*size all_gather/"
-        "psum_scatter/pbroadcast) over its time, as % of 'stream' = this machine's STREAM copy"
-        " bandwidth (GB/s, read+write, all cores, pages already touched) for the same bytes,"
-        " measured in this run just before the point"
+        "psum_scatter/pbroadcast) over its time, as % of 'stream' = the memory bandwidth of"
+        " these devices (GB/s): STREAM add a = a + b by XLA on every device at once, in place,"
+        " for the same bytes, measured in this run just before the point"
     )
     write(
         "# #wrong     : elements != jax.lax (bitwise; float psum/psum_scatter: |d| > (N-1)*N*eps*"

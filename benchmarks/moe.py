@@ -142,14 +142,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     impls = C.parse_list(args.impl, IMPLS)
-    if not args.no_preload and "strata_alloc" not in os.environ.get("LD_PRELOAD", ""):
-        from strata_jax.launch import alloc_library_path  # no jax backend created yet
-
-        lib = alloc_library_path()
-        if lib:  # the allocator must be loaded at process start: re-run under it
-            pre = os.environ.get("LD_PRELOAD")
-            os.environ["LD_PRELOAD"] = f"{lib}:{pre}" if pre else lib
-            os.execv(sys.executable, [sys.executable, *sys.argv])
+    allocator = C.reexec_with_allocator(not args.no_preload)
+    args.allocator = allocator
+    if "not found" in allocator:
         print("# warning    : libstrata_alloc.so not found; running without it", file=sys.stderr)
     flags = os.environ.get("XLA_FLAGS", "")
     if "--xla_force_host_platform_device_count" not in flags:
@@ -284,6 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     info = C.machine_info()
     C.print_machine(info)
+    print(f"# allocator  : {args.allocator}")
     print(
         f"# moe        : R={R} T={T}/rank H={H} E={E} K={K} dtype={dt.name} "
         f"capacity={cap} per expert (= R * {cs}, cf {args.capacity_factor}), "
@@ -390,6 +386,7 @@ def low_latency(args: argparse.Namespace) -> int:
 
     info = C.machine_info()
     C.print_machine(info)
+    print(f"# allocator  : {args.allocator}")
     print(
         f"# moe ll     : R={R} H={H} E={E} K={K} dtype={dt.name}, T per rank {tokens}; "
         f"receive buffer [E/R, R*T, H] for every impl; {args.ll_iters} timed calls per "

@@ -44,7 +44,7 @@ void copy_fence();
 // advice the same first write takes one fault per 2 MiB. Memory that is already populated (a
 // reused heap block, a pool segment) is left as it is. Off with STRATA_THP=0; a no-op where the
 // kernel has no THP.
-constexpr size_t kHugeOutputBytes = 4 << 20;
+constexpr size_t kHugeOutputBytes = 2 << 20;
 void prepare_output(void* dst, size_t bytes);
 
 }  // namespace strata
