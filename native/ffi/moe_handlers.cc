@@ -98,8 +98,8 @@ ffi::Error MoeDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer weig
 }
 
 // expert_y [E_local, C, H], weights [T, K] (f64 for f64 rows, else f32), slots [N, K] i32, rows [N]
-// i32
-// -> y [T, H], partials [J, H] (scratch the peers read in phase 2).
+// i32 -> y [T, H], partials [J, H] (J = 0 from the Python side: the one-pass combine needs no
+// scratch; the result stays for the hierarchical lowering's signature).
 ffi::Error MoeCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyBuffer weights,
                           ffi::AnyBuffer slots, ffi::AnyBuffer rows, ffi::AnyBuffer pid,
                           ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> partials,
@@ -124,11 +124,10 @@ ffi::Error MoeCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyBuffer weig
   s.capacity = ed[1];
   s.dtype = dt;
   s.esize = dtype_size(dt);
-  if (y->size_bytes() == 0 && partials->size_bytes() == 0) return ffi::Error::Success();
+  if (y->size_bytes() == 0) return ffi::Error::Success();  // T = 0 on every rank (static shapes)
   BufRef bufs[moe::kCombBufs];
-  bufs[moe::kCombWeights] = BufRef{weights.untyped_data(), weights.size_bytes(), false};
-  bufs[moe::kCombPartials] = BufRef{partials->untyped_data(), partials->size_bytes(), true};
-  bufs[moe::kCombRows] = BufRef{rows.untyped_data(), rows.size_bytes(), false};
+  bufs[moe::kCombExpertY] = BufRef{ey.untyped_data(), ey.size_bytes(), false};
+  bufs[moe::kCombSlots] = BufRef{slots.untyped_data(), slots.size_bytes(), false};
   OpDesc d;
   d.kind = kMoeCombine;
   d.dtype = dt;
@@ -141,9 +140,7 @@ ffi::Error MoeCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyBuffer weig
                    if (sd[0] != s.ranks * s.tokens)
                      return "strata_jax moe.combine: internal error: plan does not match the "
                             "group size";
-                   return moe::combine(
-                       t, s, ey.untyped_data(), static_cast<const int32_t*>(slots.untyped_data()),
-                       static_cast<const int32_t*>(rows.untyped_data()), y->untyped_data());
+                   return moe::combine(t, s, weights.untyped_data(), y->untyped_data());
                  });
 }
 

@@ -7,9 +7,14 @@
 //   * dispatch: a token row crosses the fabric at most once per destination rank, however many
 //     of its experts live there. The destination pulls it from the source rank's own XLA buffer
 //     (zero-copy) into the first of its slots, then copies it locally into the other slots.
-//   * combine: every expert rank first sums, per source token, the weighted rows of all its
-//     local experts into one partial row (phase 1); after a barrier each source rank pulls one
-//     partial row per destination rank and sums them (phase 2).
+//   * combine: every source rank pulls, for each of its tokens, the expert rows of the token's
+//     kept choices straight from the expert ranks' own expert_y buffers (zero-copy), weights
+//     them with its own weights and sums them: one pass, no intermediate buffer, no barrier
+//     between phases. Inside one fabric every rank reads every peer's memory at the same cost
+//     as its own, so DeepEP's two-phase combine (expert ranks pre-sum per token, then the
+//     source pulls one partial row per rank) only adds a write and a read of the partial rows
+//     and a barrier: it measured 2x the time of this one. Across fabrics the pre-sum is what
+//     saves link bytes, and the hierarchical lowering does it (strata_jax/_src/hierarchy.py).
 //
 // Index conventions (N = R * T global tokens, g = source_rank * T + token):
 //   slots   [N, K] int32, per destination rank: slots[g, k] = e_local * C + position of token g
@@ -41,11 +46,9 @@ enum DispatchBuf : int {
   kDispBufs = 2,
 };
 enum CombineBuf : int {
-  kCombWeights = 0,   // [T, K] accumulator type, read by the expert ranks in phase 1
-  kCombPartials = 1,  // [J, H] per-token partial sums: written by the owner in phase 1
-                      // (through peer_buf(rank, kCombPartials)), read by the sources in phase 2
-  kCombRows = 2,      // [N] int32: the owner's rows plan
-  kCombBufs = 3,
+  kCombExpertY = 0,  // [E_local, C, H] the owner's expert outputs, read by the tokens' ranks
+  kCombSlots = 1,    // [N, K] int32: the owner's slots plan
+  kCombBufs = 2,
 };
 enum GatherBuf : int {
   kGathValues = 0,  // [E_local * C] float32 or float64 (s.dtype)
@@ -74,12 +77,11 @@ bool row_dtype_supported(int32_t dtype);
 std::string dispatch(Team& t, const MoeShape& s, const int32_t* slots, const int32_t* counts,
                      bool weighted, void* out);
 
-// Phase 1: partials[rows[g]] = sum_k w_g[k] * expert_y[slots[g, k]] (weights read from the
-// source); barrier; phase 2: y[t] = sum over ranks r, in rank order, of partials_r[rows_r[g]]
-// for g = me * T + t. `slots`/`rows` are this rank's plan; the partials are this rank's
-// published kCombPartials buffer (written through peer_buf(rank, kCombPartials)).
-std::string combine(Team& t, const MoeShape& s, const void* expert_y, const int32_t* slots,
-                    const int32_t* rows, void* y);
+// y[t] = sum over expert ranks r in rank order of (sum over k in order of w[t, k] *
+// expert_y_r[slots_r[g, k]] where slots_r[g, k] >= 0), g = me * T + t, accumulated in the rows'
+// accumulator type and rounded once. Reads the peers' kCombExpertY and kCombSlots; `w` [T, K]
+// is this rank's weights in the accumulator type.
+std::string combine(Team& t, const MoeShape& s, const void* w, void* y);
 
 // out[T, K] (float32 or float64, as the values) = for each choice e = topk_idx[t, k] >= 0, the
 // value of the token's slot on the expert's rank (read from that rank's kGathSlots and

@@ -176,7 +176,8 @@ mlir.register_lowering(
 )
 
 # combine_p(expert_y [E_local, C, H], weights [T, K] (accumulator dtype), slots [N, K], rows [N])
-#   -> (y [T, H], partials [J, H]); partials is scratch the peers read in phase 2.
+#   -> (y [T, H], partials [J, H]); partials is an empty [0, H] placeholder (J = 0): the
+#   one-pass combine needs no scratch.
 moe_combine_p = core.Primitive("strata_moe_combine")
 moe_combine_p.multiple_results = True
 
@@ -234,9 +235,8 @@ def _bind_combine(ey, w, layout: MoELayout):
     ey, w, slots, rows = (
         lowering.pvary_missing(v, axes) for v in (ey, w, layout.slots, layout.rows)
     )
-    el, c = ey.shape[0], ey.shape[1]
-    num_rows = min(slots.shape[0], el * c)
-    y, _ = moe_combine_p.bind(ey, w, slots, rows, axes=axes, num_rows=num_rows)
+    # num_rows=0: the native combine is one pass and needs no partial rows (native/moe/moe.h)
+    y, _ = moe_combine_p.bind(ey, w, slots, rows, axes=axes, num_rows=0)
     return y
 
 
