@@ -218,7 +218,7 @@ def stream_add_gbs(mesh: Any, traffic_bytes: int, repeats: int = 7) -> float:
     from jax.sharding import PartitionSpec as P
 
     n = int(mesh.devices.size)
-    per = max(16, traffic_bytes // 3 // 4 // n)  # float32 elements per device
+    per = max(16, int(traffic_bytes) // 3 // 4 // n)  # float32 elements per device
     key = (n, per)
     if key in _STREAM_CACHE:
         return _STREAM_CACHE[key]

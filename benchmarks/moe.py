@@ -292,6 +292,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     times, outs = C.time_interleaved(fns, args.iters, args.warmup)
     med = {k: C.median(v) for k, v in times.items()}
+    # The memory floor of a phase: its token rows read once and written once, all ranks
+    # (2 * R * bytes_per_rank), at the bandwidth of these devices measured now (STREAM add).
+    floor_traffic = 2 * R * bytes_per_rank
+    stream = C.stream_add_gbs(mesh, floor_traffic)
 
     tol = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}.get(dt.name, 1e-4)
     checks = {}
@@ -306,8 +310,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             C.Column("phase", 8),
             C.Column("time(ms)", 9, ".2f"),
             C.Column("GB/s/rank", 9, ".2f"),
+            C.Column("floor(ms)", 9, ".2f"),
+            C.Column("x floor", 7, ".2f"),
             C.Column("vs strata", 9, ".2f"),
         ]
+    )
+    print(
+        f"# floor      : the phase's token rows read once and written once by all ranks "
+        f"({C.format_size(floor_traffic)} per phase) at {stream:.1f} GB/s, the STREAM add "
+        "bandwidth of these devices measured in this run; x floor = time / floor"
     )
     for line in table.header_lines():
         print(line)
@@ -318,13 +329,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             nbytes = bytes_per_rank * (2 if phase == "d+c" else 1)
             st = med.get(f"strata {phase}")
             ratio = t / st if st else None
-            print(table.row([name, phase, t * 1e3, nbytes / t / 1e9, ratio]))
+            floor = floor_traffic * (2 if phase == "d+c" else 1) / (stream * 1e9)
+            print(
+                table.row([name, phase, t * 1e3, nbytes / t / 1e9, floor * 1e3, t / floor, ratio])
+            )
             rows.append(
                 dict(
                     impl=name,
                     phase=phase,
                     time_ms=t * 1e3,
                     gbps_per_rank=nbytes / t / 1e9,
+                    floor_ms=floor * 1e3,
+                    times_floor=t / floor,
+                    stream_gbs=stream,
                     slowdown_vs_strata=ratio,
                 )
             )
