@@ -124,6 +124,10 @@ void copy_bytes(void* dst, const void* src, size_t bytes) {
     if (bytes) std::memcpy(dst, src, bytes);
     return;
   }
+  copy_bytes_stream(dst, src, bytes);
+}
+
+void copy_bytes_stream(void* dst, const void* src, size_t bytes) {
   char* d = static_cast<char*>(dst);
   const char* s = static_cast<const char*>(src);
   const size_t head = (16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15;

@@ -34,6 +34,9 @@ void reduce_n_to(int32_t dtype, ReduceOp op, const void* const* srcs, int n, voi
 // before publishing the data to another thread (non-temporal stores are weakly ordered).
 constexpr size_t kStreamBytes = 32 * 1024;
 void copy_bytes(void* dst, const void* src, size_t bytes);
+// Non-temporal stores whatever the size: for many small copies (rows) into a large buffer that
+// is only written here, where copy_bytes would take each one as a small, cached copy.
+void copy_bytes_stream(void* dst, const void* src, size_t bytes);
 void copy_fence();
 
 // Outputs of at least kHugeOutputBytes: before a call writes its output, prepare_output asks the

@@ -14,26 +14,29 @@ namespace {
 
 using DT = xla::ffi::DataType;
 
-// Unweighted: the first kept slot of a token gets the row from the source (the one fabric
-// crossing); the token's other slots on this rank copy it locally.
+// Unweighted: the token's row is read from the source once (the one fabric crossing; it stays
+// in cache for the token's other slots here) and written to each distinct slot with
+// non-temporal stores: recv_x is only written here, so its lines need not be read for ownership
+// (a third of the traffic of a cached copy).
 void dispatch_copy(Team& t, const MoeShape& s, const int32_t* slots, char* out) {
   const int64_t N = s.ranks * s.tokens, K = s.topk, rb = s.row_bytes();
   for (int64_t g = 0; g < N; ++g) {
     const int32_t* sl = slots + g * K;
-    int32_t first = -1;
+    const char* row = nullptr;
     for (int64_t k = 0; k < K; ++k) {
       const int32_t slot = sl[k];
       if (slot < 0) continue;
-      if (first < 0) {
-        first = slot;
+      bool seen = false;  // a token naming one expert twice has one slot
+      for (int64_t j = 0; j < k; ++j) seen |= sl[j] == slot;
+      if (seen) continue;
+      if (!row) {
         const int src = static_cast<int>(g / s.tokens);
-        const char* row = static_cast<const char*>(t.peer_buf(src, kDispX)) + (g % s.tokens) * rb;
-        copy_bytes(out + slot * rb, row, rb);
-      } else if (slot != first) {
-        copy_bytes(out + slot * rb, out + first * rb, rb);
+        row = static_cast<const char*>(t.peer_buf(src, kDispX)) + (g % s.tokens) * rb;
       }
+      copy_bytes_stream(out + slot * rb, row, rb);
     }
   }
+  copy_fence();  // the departure barrier publishes the rows (non-temporal stores are weak)
 }
 
 // Weighted (the cotangent of combine w.r.t. expert_y): slot row = (sum of the token's weights
