@@ -118,6 +118,9 @@ struct ShmControl {
 
 class ShmFabric;
 
+// The hash of a call's key (comm, exec, op, occ); never 0 (0 marks a free slot).
+uint64_t slot_tag(uint64_t comm, uint64_t exec, uint64_t op, uint64_t occ);
+
 class ShmTeam final : public Team {
  public:
   ShmTeam(ShmFabric* f, ShmSlot* slot, const Placement& pl, const char* op_name);
@@ -240,6 +243,15 @@ class ShmFabric {
   std::vector<int> link_pids() const { return link_pids_; }
   std::vector<std::pair<uint64_t, uint64_t>> mapped_by_owner() const;
 
+  // The rendezvous key of a call (see the opening comment); the general path (join) and the
+  // low-latency path (shm_ll.h) both take it here, once per call.
+  struct CallSeq {
+    uint64_t exec, op, occ;
+  };
+  CallSeq next_seq(const Placement& pl, int64_t run_id, int64_t op_id);
+  // The low-latency path's region (shm_ll.h), mapped right after the control block.
+  char* ll_region() const;
+
   Bounce* acquire_bounce(size_t bytes, bool critical, std::string* err);
   void release_bounce(Bounce* b);
 
@@ -283,11 +295,6 @@ class ShmFabric {
   std::vector<std::unique_ptr<Bounce>> bounces_;
   uint64_t next_bounce_id_ = 1;
 
-  // The rendezvous key of a call (see the opening comment).
-  struct CallSeq {
-    uint64_t exec, op, occ;
-  };
-  CallSeq next_seq(const Placement& pl, int64_t run_id, int64_t op_id);
   // Per (device, communicator): the last execution (run id) that called it, how many
   // executions did, and the occurrences of each op in the current one. A handful of
   // communicators per device, so the map stays small.

@@ -1,0 +1,174 @@
+"""Small-message latency across processes: strata against jax.lax over gloo and a jitted no-op.
+
+One process per device (the script re-launches itself under ``python -m strata_jax.launch -n
+--procs``). For every op and size it builds three programs on the same one-axis mesh, all
+``jax.jit(jax.shard_map(body, mesh, P('x'), P('x')))``:
+
+  * ``strata``: ``body = strata_jax.<op>``,
+  * ``xla``: ``body = jax.lax.<op>`` (over gloo, XLA's CPU collectives across processes),
+  * ``noop``: ``body = lambda x: x + 0`` -- one launch of a program on the same mesh with the
+    same input and output, no collective: the floor a collective call cannot go below.
+
+and times them interleaved call by call (call 1 of each, call 2 of each, ...) in ``--rounds``
+alternations of ``--iters`` calls each, every call blocked to completion, fresh random inputs
+per point, results checked against jax.lax. It prints p10/p50/p99 of each and the ratios
+``strata / noop`` (goal <= 1.5: a collective costs at most half a launch more than the launch)
+and ``xla / strata`` (how many times faster strata is than jax.lax over gloo). Timings are
+rank 0's; the ``max p50`` column is the largest median over all ranks.
+
+Usage::
+
+    python benchmarks/latency.py --procs 4 --op psum -b 4K -e 64K
+    python benchmarks/latency.py --procs 2 --op psum,all_gather -b 4K -e 4K --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+CHILD_ENV = "STRATA_BENCH_CHILD"
+
+if os.environ.get(CHILD_ENV):
+    import strata_jax as sj  # noqa: I001  (before jax creates its CPU backend)
+
+import numpy as np
+
+try:
+    import _common as C
+except ImportError:  # imported as a module from elsewhere
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _common as C
+
+AXIS = "x"
+OPS = ("psum", "pmax", "pmin", "all_gather", "psum_scatter", "all_to_all", "ppermute")
+IMPLS = ("strata", "xla", "noop")
+
+
+def _body(lib: Any, op: str, n: int) -> Any:
+    if op in ("psum", "pmax", "pmin"):
+        return lambda x: getattr(lib, op)(x, AXIS)
+    if op == "all_gather":
+        return lambda x: lib.all_gather(x, AXIS, axis=0, tiled=True)
+    if op == "psum_scatter":
+        return lambda x: lib.psum_scatter(x, AXIS, scatter_dimension=0, tiled=True)
+    if op == "all_to_all":
+        return lambda x: lib.all_to_all(x, AXIS, 0, 0, tiled=True)
+    if op == "ppermute":
+        return lambda x: lib.ppermute(x, AXIS, [(i, (i + 1) % n) for i in range(n)])
+    raise ValueError(op)
+
+
+def _percentiles(ts: list[float]) -> tuple[float, float, float]:
+    a = np.asarray(ts) * 1e6
+    p10, p50, p99 = np.percentile(a, [10, 50, 99])
+    return float(p10), float(p50), float(p99)
+
+
+def child(args: argparse.Namespace) -> int:
+    import jax
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    sj.init()
+    devs = sorted(jax.devices(), key=lambda d: d.id)
+    n = len(devs)
+    mesh = Mesh(np.array(devs), (AXIS,))
+    main = jax.process_index() == 0
+    write = print if main else (lambda *a, **k: None)
+    info = C.machine_info()
+    write("# strata_jax small-message latency across processes (benchmarks/latency.py)")
+    C.print_machine(info, write)
+    write(
+        f"# setup      : {jax.process_count()} processes x {jax.local_device_count()} device, "
+        f"mesh axis '{AXIS}' of {n}; strata vs jax.lax over gloo vs a jitted no-op (x + 0) on "
+        f"the same mesh; {args.rounds} rounds x {args.iters} calls, interleaved call by call, "
+        f"each blocked; times of rank 0 in us (load average {os.getloadavg()[0]:.1f})"
+    )
+    header = (
+        f"{'op':>12} {'size':>8} {'impl':>7} {'p10':>9} {'p50':>9} {'p99':>9} {'max p50':>9} "
+        f"{'#wrong':>6}"
+    )
+    write("#" + header[1:])
+    sharding = NamedSharding(mesh, P(AXIS))
+    rows = []
+    for op in C.parse_list(args.op, OPS):
+        for nbytes in C.size_sweep(args.min_bytes, args.max_bytes, args.factor):
+            count = max(n, nbytes // 4)
+            count -= count % n
+            per = count if op not in ("all_gather",) else count // n
+            rng = np.random.default_rng(args.seed + nbytes)
+            host = rng.standard_normal(n * per).astype(np.float32)
+            x = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
+            fns = {}
+            for impl in IMPLS:
+                lib = sj if impl == "strata" else jax.lax
+                body = (lambda v: v + 0) if impl == "noop" else _body(lib, op, n)
+                f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+                fns[impl] = lambda f=f: f(x)
+            outs = {k: np.asarray(jax.block_until_ready(f()).addressable_data(0)) for k, f in fns.items()}
+            wrong = int(np.count_nonzero(~np.isclose(outs["strata"], outs["xla"], atol=1e-5)))
+            times: dict[str, list[float]] = {k: [] for k in IMPLS}
+            for _ in range(args.rounds):
+                multihost_utils.sync_global_devices("latency round")
+                t, _o = C.time_interleaved(fns, args.iters, warmup=args.warmup)
+                for k in IMPLS:
+                    times[k] += t[k]
+            pct = {k: _percentiles(v) for k, v in times.items()}
+            p50s = multihost_utils.process_allgather(np.array([pct[k][1] for k in IMPLS]))
+            p50max = np.asarray(p50s).reshape(-1, len(IMPLS)).max(axis=0)
+            size = C.format_size(count * 4)
+            for i, k in enumerate(IMPLS):
+                p10, p50, p99 = pct[k]
+                w = wrong if k == "strata" else 0
+                write(
+                    f" {op:>11} {size:>8} {k:>7} {p10:9.1f} {p50:9.1f} {p99:9.1f} "
+                    f"{p50max[i]:9.1f} {w:>6}"
+                )
+            s, xl, no = pct["strata"], pct["xla"], pct["noop"]
+            write(
+                f" {op:>11} {size:>8} {'ratio':>7} strata/noop p10 {s[0] / no[0]:.2f} "
+                f"p50 {s[1] / no[1]:.2f} p99 {s[2] / no[2]:.2f}; xla/strata p50 "
+                f"{xl[1] / s[1]:.1f}x (strata {'faster' if xl[1] > s[1] else 'slower'})"
+            )
+            st = sj.comm_stats()["ops"].get(op, {})
+            if st.get("calls"):
+                write(
+                    f" {op:>11} {size:>8} {'handler':>7} strata handler p50 "
+                    f"{st['p50_s'] * 1e6:.1f} us, p99 {st['p99_s'] * 1e6:.1f} us; of the total "
+                    f"{st['wait_s'] / max(st['total_s'], 1e-12):.0%} waiting for peers"
+                )
+            sj.reset_stats()
+            rows.append({"op": op, "bytes": count * 4, "pct": pct, "wrong": wrong})
+    if main and args.json:
+        C.write_json(Path(args.json), {"machine": info, "rows": rows})
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--procs", type=int, default=4, help="processes (one device each)")
+    ap.add_argument("--op", default="psum", help=f"comma list of {OPS} or 'all'")
+    ap.add_argument("-b", "--min-bytes", type=C.parse_size, default=4096)
+    ap.add_argument("-e", "--max-bytes", type=C.parse_size, default=65536)
+    ap.add_argument("-f", "--factor", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=100, help="calls per round of each impl")
+    ap.add_argument("--rounds", type=int, default=5, help="alternations (each after a sync)")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default="", help="write the rows as JSON here (rank 0)")
+    args = ap.parse_args()
+    if os.environ.get(CHILD_ENV):
+        return child(args)
+    env = dict(os.environ, **{CHILD_ENV: "1"})
+    cmd = [sys.executable, "-m", "strata_jax.launch", "-n", str(args.procs), __file__, *sys.argv[1:]]
+    return subprocess.call(cmd, env=env, cwd=os.environ.get("TMPDIR", "/tmp"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
