@@ -31,11 +31,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-CHILD_ENV = "STRATA_BENCH_CHILD"
-
-if os.environ.get(CHILD_ENV):
-    import strata_jax as sj  # noqa: I001  (before jax creates its CPU backend)
-
 import numpy as np
 
 try:
@@ -44,6 +39,7 @@ except ImportError:  # imported as a module from elsewhere
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import _common as C
 
+CHILD_ENV = "STRATA_BENCH_CHILD"
 AXIS = "x"
 OPS = ("psum", "pmax", "pmin", "all_gather", "psum_scatter", "all_to_all", "ppermute")
 IMPLS = ("strata", "xla", "noop")
@@ -70,6 +66,7 @@ def _percentiles(ts: list[float]) -> tuple[float, float, float]:
 
 
 def child(args: argparse.Namespace) -> int:
+    import strata_jax as sj  # noqa: I001  (before jax creates its CPU backend)
     import jax
     from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding
@@ -110,14 +107,23 @@ def child(args: argparse.Namespace) -> int:
                 lib = sj if impl == "strata" else jax.lax
                 body = (lambda v: v + 0) if impl == "noop" else _body(lib, op, n)
                 f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
-                fns[impl] = lambda f=f: f(x)
-            outs = {k: np.asarray(jax.block_until_ready(f()).addressable_data(0)) for k, f in fns.items()}
+                fns[impl] = lambda f=f, x=x: f(x)
+            outs = {
+                k: np.asarray(jax.block_until_ready(f()).addressable_data(0))
+                for k, f in fns.items()
+            }
             wrong = int(np.count_nonzero(~np.isclose(outs["strata"], outs["xla"], atol=1e-5)))
             times: dict[str, list[float]] = {k: [] for k in IMPLS}
             for _ in range(args.rounds):
-                multihost_utils.sync_global_devices("latency round")
-                t, _o = C.time_interleaved(fns, args.iters, warmup=args.warmup)
-                for k in IMPLS:
+                if args.interleave == "call":
+                    multihost_utils.sync_global_devices("latency round")
+                    t, _o = C.time_interleaved(fns, args.iters, warmup=args.warmup)
+                    for k in IMPLS:
+                        times[k] += t[k]
+                    continue
+                for k in IMPLS:  # blocks: each impl's calls back to back, then the next
+                    multihost_utils.sync_global_devices("latency block")
+                    t, _o = C.time_interleaved({k: fns[k]}, args.iters, warmup=args.warmup)
                     times[k] += t[k]
             pct = {k: _percentiles(v) for k, v in times.items()}
             p50s = multihost_utils.process_allgather(np.array([pct[k][1] for k in IMPLS]))
@@ -160,13 +166,27 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=100, help="calls per round of each impl")
     ap.add_argument("--rounds", type=int, default=5, help="alternations (each after a sync)")
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument(
+        "--interleave",
+        choices=("call", "block"),
+        default="call",
+        help="alternate call by call, or in blocks of --iters calls per impl per round",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="", help="write the rows as JSON here (rank 0)")
     args = ap.parse_args()
     if os.environ.get(CHILD_ENV):
         return child(args)
     env = dict(os.environ, **{CHILD_ENV: "1"})
-    cmd = [sys.executable, "-m", "strata_jax.launch", "-n", str(args.procs), __file__, *sys.argv[1:]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "strata_jax.launch",
+        "-n",
+        str(args.procs),
+        __file__,
+        *sys.argv[1:],
+    ]
     return subprocess.call(cmd, env=env, cwd=os.environ.get("TMPDIR", "/tmp"))
 
 

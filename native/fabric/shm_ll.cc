@@ -6,6 +6,7 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -229,13 +230,16 @@ std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* 
       if (ready()) return {};
       return missing_message(phase, missing());
     }
-    auto slice = std::min(deadline, arriving ? next_straddle_check : now + std::chrono::milliseconds(
-                                                                               50)) -
-                 now;
+    auto slice =
+        std::min(deadline, arriving ? next_straddle_check : now + std::chrono::milliseconds(50)) -
+        now;
     const int64_t ns = std::max<int64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(slice).count(), 100'000);
+    // Register, then re-check (the fence orders ready()'s acquire loads after the increment):
+    // a notifier that loaded sleepers == 0 stored its condition before, so ready() sees it.
     sleepers->fetch_add(1, std::memory_order_seq_cst);
     const uint32_t seen = word->load(std::memory_order_seq_cst);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
     if (!ready() && failed_.empty()) futex_wait(word, seen, ns, /*shared=*/true);
     sleepers->fetch_sub(1, std::memory_order_relaxed);
   }
@@ -269,8 +273,8 @@ std::string ShmLlTeam::claim(LlEntry** out, Clock::time_point deadline) {
       [&] {
         // Ranks that have not finished reading the slot this rank would reuse next.
         std::vector<int> m;
-        const uint64_t bits =
-            entry(rank_, next.load(std::memory_order_relaxed))->read_by.load(std::memory_order_acquire);
+        const uint64_t bits = entry(rank_, next.load(std::memory_order_relaxed))
+                                  ->read_by.load(std::memory_order_acquire);
         for (int j = 0; j < size_; ++j)
           if (j != rank_ && !(bits >> j & 1)) m.push_back(j);
         return m;
@@ -306,7 +310,6 @@ std::string ShmLlTeam::arrive(const OpDesc& desc, const void* in, void* out) {
   if (desc.in_bytes) std::memcpy(data_of(me), in, desc.in_bytes);  // regular stores, no fence
   me->stamp.store(tag_, std::memory_order_seq_cst);
   me->claim.store(0, std::memory_order_release);
-  notify(&ch_->epoch, &ch_->sleepers);
   found_[rank_] = me;
   in_[rank_] = data_of(me);
 
@@ -319,23 +322,34 @@ std::string ShmLlTeam::arrive(const OpDesc& desc, const void* in, void* out) {
       found_[j] = e;
       in_[j] = data_of(e);
       --left;
-      if (e->kind != desc.kind || e->dtype != desc.dtype || e->reduce != desc.reduce ||
-          e->aux != desc.aux || e->in_bytes != desc.in_bytes || e->out_bytes != desc.out_bytes) {
+      if (failed_.empty() &&
+          (e->kind != desc.kind || e->dtype != desc.dtype || e->reduce != desc.reduce ||
+           e->aux != desc.aux || e->in_bytes != desc.in_bytes || e->out_bytes != desc.out_bytes)) {
         failed_ = mismatch(desc);
-        return false;
+        notify(&ch_->epoch, &ch_->sleepers);  // waiters see it now, not at their next slice
       }
     }
-    return left == 0;
+    return left == 0 && failed_.empty();
   };
-  err = wait(
-      &ch_->epoch, &ch_->sleepers, ready,
-      [&] {
-        std::vector<int> m;
-        for (int j = 0; j < size_; ++j)
-          if (!found_[j]) m.push_back(j);
-        return m;
-      },
-      "arrive", deadline, &desc);
+  // Only the last rank to publish wakes the sleepers (nobody can finish before it, so waking
+  // on every publish would only make the waiters that still miss a peer take the cores the
+  // missing peers need: 3 wasted wake-ups per call with 4 ranks). Each rank stores its stamp,
+  // then a seq_cst fence, then scans: of the ranks publishing at the same time, the one whose
+  // fence comes last sees every other stamp, so at least one rank sees the call complete and
+  // wakes. A rank that finds a disagreement wakes everyone too (they fail at once).
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  const bool complete = ready();
+  if (complete || !failed_.empty()) notify(&ch_->epoch, &ch_->sleepers);
+  err = complete ? failed_
+                 : wait(
+                       &ch_->epoch, &ch_->sleepers, ready,
+                       [&] {
+                         std::vector<int> m;
+                         for (int j = 0; j < size_; ++j)
+                           if (!found_[j]) m.push_back(j);
+                         return m;
+                       },
+                       "arrive", deadline, &desc);
   if (!err.empty()) {
     if (err.find("disagree") != std::string::npos)
       stats().mismatches.fetch_add(1, std::memory_order_relaxed);
@@ -407,9 +421,9 @@ std::string ShmLlTeam::straddler(const OpDesc& desc) {
     // threshold while this rank's is below, so the ranks disagree on the size. Name both sides
     // and fail the general slot too, so its waiters stop at once.
     std::ostringstream os;
-    os << "strata_jax " << op_name_ << ": ranks disagree on a collective call (execution #"
-       << exec_ << " on their communicator, op " << op_ << ", occurrence " << occ_
-       << ", group of " << size_ << "): ";
+    os << "strata_jax " << op_name_ << ": ranks disagree on a collective call (execution #" << exec_
+       << " on their communicator, op " << op_ << ", occurrence " << occ_ << ", group of " << size_
+       << "): ";
     int shown = 0;
     auto item = [&](int j, int64_t dev, const char* name, int32_t dt, uint64_t in_b,
                     uint64_t out_b) {

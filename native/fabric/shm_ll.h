@@ -77,11 +77,11 @@ static_assert(sizeof(LlEntry) <= kLlHeaderBytes, "LlEntry header too large");
 // A communicator's channel. Fields up to `offset` are written once under the control mutex when
 // the channel is claimed (comm last) and read-only afterwards.
 struct LlChannel {
-  uint64_t comm;           // 0: free
-  int32_t size;            // ranks
-  uint32_t data_bytes;     // threshold = data room per slot; 0: no LL path for this comm
-  uint64_t offset;         // of rank 0's ring from the region start
-  uint64_t entry_bytes;    // header + data room, multiple of 64
+  uint64_t comm;         // 0: free
+  int32_t size;          // ranks
+  uint32_t data_bytes;   // threshold = data room per slot; 0: no LL path for this comm
+  uint64_t offset;       // of rank 0's ring from the region start
+  uint64_t entry_bytes;  // header + data room, multiple of 64
   // Futex words and their sleeper counts: `epoch` for waiters of peers' data, `freed` for an
   // owner waiting until its peers finished reading a slot it wants to reuse (rare). A notifier
   // changes the condition with a seq_cst store, then loads the count (seq_cst) and bumps the
@@ -135,7 +135,7 @@ class ShmLlTeam final : public Team {
                    Missing missing, const char* phase, Clock::time_point deadline,
                    const OpDesc* arriving);
   std::string mismatch(const OpDesc& desc) const;  // names every found rank's op, dtype, size
-  std::string straddler(const OpDesc& desc);  // a peer in the general rendezvous of this key
+  std::string straddler(const OpDesc& desc);       // a peer in the general rendezvous of this key
   std::string missing_message(const char* phase, const std::vector<int>& missing) const;
   static void notify(std::atomic<uint32_t>* word, std::atomic<uint32_t>* sleepers);
   void mark_read();

@@ -58,8 +58,8 @@ inline std::string placement(xla::ffi::AnyBuffer pid, const GroupAttrs& g, Place
 // own output (Arrive then calls team.arrive(desc, in, out)).
 template <bool kMayLl = false, class Arrive, class Body>
 xla::ffi::Error join_and_run_with(const char* name, int64_t run_id, int64_t op_id,
-                                  const Placement& pl, bool cross_process, Arrive arrive,
-                                  Body body, const OpDesc* ll_desc = nullptr) {
+                                  const Placement& pl, bool cross_process, Arrive arrive, Body body,
+                                  const OpDesc* ll_desc = nullptr) {
   std::string err;
   // Measures, and guards, the ordering rule (inflight.h). Only groups of more than one rank:
   // XLA orders single-device programs by their own per-device queue, which may overlap a
