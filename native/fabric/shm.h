@@ -39,6 +39,9 @@
 //    once (never the timeout).
 //    Out of scope, by nature: an extra identical execution on one rank pairs with its peers'
 //    next identical one (NCCL and gloo behave the same).
+//  - The low-latency path (shm_ll.h): calls of at most STRATA_LL_BYTES per rank skip the slot
+//    and both barriers; the data travels with its key through per-rank slot rings in the region
+//    after the control block, under the same keys and with the same checks.
 //  - Staging (shm.cc): a buffer the allocator does not own (below its threshold, allocator not
 //    preloaded) or every buffer in staging mode is copied through a bounce buffer of this
 //    process that every peer mapped when it was created.

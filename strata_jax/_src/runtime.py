@@ -223,7 +223,8 @@ def comm_stats() -> dict:
       dict with ``calls`` (collective calls, counted per rank), ``zero_copy_bytes`` (bytes
       read straight from peers' buffers), ``staged_bytes`` (bytes copied through a bounce
       buffer), ``one_shot_all_reduce``/``two_shot_all_reduce`` (algorithm choices),
-      ``timeouts``, and ``ops``: per operator (``psum``, ``pmax``, ``pmin``, ``psum_scatter``,
+      ``timeouts``, ``low_latency_calls`` (calls across processes that took the small-message
+      path, native/fabric/shm_ll.h), and ``ops``: per operator (``psum``, ``pmax``, ``pmin``, ``psum_scatter``,
       ``all_gather``, ``all_to_all``, ``ppermute``, ``pbroadcast``; each rank's call counted
       once) a dict with ``calls``, ``bytes`` (input bytes per rank, summed), ``algorithm``
       (``{"one_shot": n, "two_shot": m}`` for the all-reduces, ``{"direct": n}`` otherwise),
