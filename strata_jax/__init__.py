@@ -70,9 +70,11 @@ from strata_jax._src.runtime import (  # noqa: E402
     COLLECTIVE_ERRORS,
     comm_stats,
     get_timeout,
+    get_low_latency_threshold,
     get_two_shot_threshold,
     reset_stats,
     set_timeout,
+    set_low_latency_threshold,
     set_two_shot_threshold,
 )
 from strata_jax._src.topology import topology  # noqa: E402
@@ -94,6 +96,8 @@ __all__ = [
     "get_timeout",
     "set_two_shot_threshold",
     "get_two_shot_threshold",
+    "set_low_latency_threshold",
+    "get_low_latency_threshold",
     "comm_stats",
     "COLLECTIVE_ERRORS",
     "reset_stats",

@@ -40,21 +40,28 @@ int env_int(const char* name, int dflt) {
   return v && *v ? std::atoi(v) : dflt;
 }
 
-bool oversubscribed(const ShmFabric* f) {
-  return f->nprocs() > static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
-}
-
-// Threshold of input bytes per rank (STRATA_LL_BYTES, K/M suffixes; 0 turns the path off).
-size_t ll_threshold() {
+// Threshold of input bytes per rank from STRATA_LL_BYTES (K/M suffixes; 0 turns the path off).
+int64_t env_ll_bytes() {
   const char* v = std::getenv("STRATA_LL_BYTES");
-  if (!v || !*v) return kLlDefaultBytes;
+  if (!v || !*v) return static_cast<int64_t>(kLlDefaultBytes);
   char* end = nullptr;
   double x = std::strtod(v, &end);
   if (end && (*end == 'k' || *end == 'K')) x *= 1024;
   if (end && (*end == 'm' || *end == 'M')) x *= 1024 * 1024;
-  if (!(x > 0)) return 0;
-  return x > static_cast<double>(kLlMaxBytes) ? kLlMaxBytes : static_cast<size_t>(x);
+  return x > 0 ? static_cast<int64_t>(x) : 0;
 }
+
+// Relaxed: a setting read when a channel is created, not a synchronization flag.
+std::atomic<int64_t> g_ll_bytes{env_ll_bytes()};
+
+size_t ll_threshold() {
+  const int64_t b = g_ll_bytes.load(std::memory_order_relaxed);
+  if (b <= 0) return 0;
+  return static_cast<size_t>(b) > kLlMaxBytes ? kLlMaxBytes : static_cast<size_t>(b);
+}
+
+// A wait at least this short would have been caught by spinning (2000 pauses: ~50 us).
+constexpr int kLlSpinWindowUs = 40;
 
 size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -108,6 +115,9 @@ LlChannel* channel_for(ShmFabric* f, uint64_t comm, int size) {
 }
 
 }  // namespace
+
+void set_ll_bytes(int64_t bytes) { g_ll_bytes.store(bytes, std::memory_order_relaxed); }
+int64_t get_ll_bytes() { return static_cast<int64_t>(ll_threshold()); }
 
 // ---- joining ----
 
@@ -182,20 +192,44 @@ template <class Ready, class Missing>
 std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* sleepers,
                             Ready ready, Missing missing, const char* phase,
                             Clock::time_point deadline, const OpDesc* arriving) {
-  static const int spins = env_int("STRATA_LL_SPINS", oversubscribed(f_) ? 0 : 2000);
-  static const int yields = env_int("STRATA_LL_YIELDS", oversubscribed(f_) ? 2 : 16);
+  // Spinning pays only while the awaited peers are running; with more runnable threads than
+  // cores (more processes than cores, or other jobs) it takes the core they need. So the spin
+  // budget adapts, like glibc's adaptive mutexes: it grows (to STRATA_LL_SPINS pauses, about
+  // 50 us) after waits short enough that spinning would have caught them, and halves after
+  // longer ones, down to 0 (straight to the futex). Relaxed: a per-process heuristic.
+  static const int max_spins = env_int("STRATA_LL_SPINS", 2000);
+  static const int max_yields = env_int("STRATA_LL_YIELDS", 4);
+  static std::atomic<int> budget{max_spins};
+  const int spins = budget.load(std::memory_order_relaxed);
+  const int yields = spins > 0 ? max_yields : 0;
+  const auto t0 = Clock::now();
+  auto adapt = [](bool quick) {
+    const int b = budget.load(std::memory_order_relaxed);
+    budget.store(quick ? std::min(max_spins, 2 * b + 64) : b / 2, std::memory_order_relaxed);
+  };
   for (int i = 0; i < spins; ++i) {
-    if (ready()) return {};
+    if (ready()) {
+      adapt(true);
+      return {};
+    }
     if (!failed_.empty()) return failed_;
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
 #endif
   }
   for (int i = 0; i < yields; ++i) {
-    if (ready()) return {};
+    if (ready()) {
+      adapt(true);
+      return {};
+    }
     if (!failed_.empty()) return failed_;
     sched_yield();
   }
+  struct AdaptOnExit {  // after the sleeping phase: would spinning have caught this wait?
+    Clock::time_point t0;
+    void (*adapt)(bool);
+    ~AdaptOnExit() { adapt(Clock::now() - t0 < std::chrono::microseconds(kLlSpinWindowUs)); }
+  } adapt_on_exit{t0, adapt};
   const auto start = Clock::now();
   auto next_straddle_check = start + std::chrono::milliseconds(2);
   for (;;) {

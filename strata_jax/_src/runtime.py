@@ -216,6 +216,26 @@ def get_two_shot_threshold() -> int:
     return int(native().get_two_shot_bytes())
 
 
+def set_low_latency_threshold(nbytes: int) -> None:
+    """Sets the input size per rank (bytes) up to which calls across processes take the
+    low-latency path (data and arrival travel together through shared slots; no barriers).
+
+    Args:
+      nbytes: threshold in bytes (>= 0; 0 turns the path off; at most 1 MiB is used);
+        ``STRATA_LL_BYTES`` sets it at start-up (default 64 KiB). A communicator (group of
+        devices) takes the value of the process that first calls a collective on it and keeps
+        it, so every rank of it agrees: set it before the first collective on a group.
+    """
+    if nbytes < 0:
+        raise ValueError(f"threshold must be >= 0 bytes, got {nbytes}")
+    native().set_ll_bytes(int(nbytes))
+
+
+def get_low_latency_threshold() -> int:
+    """Returns the low-latency threshold new communicators get, in bytes per rank."""
+    return int(native().get_ll_bytes())
+
+
 def comm_stats() -> dict:
     """Process-wide communication counters, in total and per operator.
 
