@@ -48,3 +48,20 @@ def test_low_latency_killed_peer_fails_fast():
     assert "rank 2 was killed by SIGKILL" in out, out[-3000:]
     assert out.count("OK ll killed peer") == 3, out[-3000:]
     assert r.returncode != 0
+
+
+def test_low_latency_threshold_setting():
+    import strata_jax as sj
+
+    keep = sj.get_low_latency_threshold()
+    try:
+        sj.set_low_latency_threshold(4096)
+        assert sj.get_low_latency_threshold() == 4096
+        sj.set_low_latency_threshold(1 << 30)  # clamped to the slot size limit
+        assert sj.get_low_latency_threshold() == 1 << 20
+        sj.set_low_latency_threshold(0)  # off
+        assert sj.get_low_latency_threshold() == 0
+        with pytest.raises(ValueError, match=">= 0"):
+            sj.set_low_latency_threshold(-1)
+    finally:
+        sj.set_low_latency_threshold(keep)
