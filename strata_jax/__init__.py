@@ -69,12 +69,12 @@ from strata_jax._src.ragged import ragged_all_to_all  # noqa: E402
 from strata_jax._src.runtime import (  # noqa: E402
     COLLECTIVE_ERRORS,
     comm_stats,
-    get_timeout,
     get_low_latency_threshold,
+    get_timeout,
     get_two_shot_threshold,
     reset_stats,
-    set_timeout,
     set_low_latency_threshold,
+    set_timeout,
     set_two_shot_threshold,
 )
 from strata_jax._src.topology import topology  # noqa: E402

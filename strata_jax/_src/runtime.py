@@ -240,17 +240,17 @@ def comm_stats() -> dict:
     """Process-wide communication counters, in total and per operator.
 
     Returns:
-      dict with ``calls`` (collective calls, counted per rank), ``zero_copy_bytes`` (bytes
-      read straight from peers' buffers), ``staged_bytes`` (bytes copied through a bounce
-      buffer), ``one_shot_all_reduce``/``two_shot_all_reduce`` (algorithm choices),
-      ``timeouts``, ``low_latency_calls`` (calls across processes that took the small-message
-      path, native/fabric/shm_ll.h), and ``ops``: per operator (``psum``, ``pmax``, ``pmin``, ``psum_scatter``,
-      ``all_gather``, ``all_to_all``, ``ppermute``, ``pbroadcast``; each rank's call counted
-      once) a dict with ``calls``, ``bytes`` (input bytes per rank, summed), ``algorithm``
-      (``{"one_shot": n, "two_shot": m}`` for the all-reduces, ``{"direct": n}`` otherwise),
-      ``p50_s``/``p99_s`` (time in the handler, from a histogram with 12.5% buckets),
-      ``total_s``, ``wait_s`` (until every peer had arrived) and ``move_s`` (the rest: the
-      algorithm moving data, and the departure). ``STRATA_STATS=0`` turns the per-operator
+      dict with ``calls`` (collective calls, counted per rank), ``zero_copy_bytes`` (bytes read
+      straight from peers' buffers), ``staged_bytes`` (bytes copied through a bounce buffer),
+      ``one_shot_all_reduce``/``two_shot_all_reduce`` (algorithm choices), ``timeouts``,
+      ``low_latency_calls`` (calls across processes that took the small-message path,
+      native/fabric/shm_ll.h), and ``ops``: per operator (``psum``, ``pmax``, ``pmin``,
+      ``psum_scatter``, ``all_gather``, ``all_to_all``, ``ppermute``, ``pbroadcast``; each
+      rank's call counted once) a dict with ``calls``, ``bytes`` (input bytes per rank, summed),
+      ``algorithm`` (``{"one_shot": n, "two_shot": m}`` for the all-reduces, ``{"direct": n}``
+      otherwise), ``p50_s``/``p99_s`` (time in the handler, from a histogram with 12.5%
+      buckets), ``total_s``, ``wait_s`` (until every peer had arrived) and ``move_s`` (the rest:
+      the algorithm moving data, and the departure). ``STRATA_STATS=0`` turns the per-operator
       counters off (their cost is measured in tests/test_comm_stats.py).
     """
     nat = native()
