@@ -69,9 +69,11 @@ from strata_jax._src.ragged import ragged_all_to_all  # noqa: E402
 from strata_jax._src.runtime import (  # noqa: E402
     COLLECTIVE_ERRORS,
     comm_stats,
+    get_low_latency_threshold,
     get_timeout,
     get_two_shot_threshold,
     reset_stats,
+    set_low_latency_threshold,
     set_timeout,
     set_two_shot_threshold,
 )
@@ -94,6 +96,8 @@ __all__ = [
     "get_timeout",
     "set_two_shot_threshold",
     "get_two_shot_threshold",
+    "set_low_latency_threshold",
+    "get_low_latency_threshold",
     "comm_stats",
     "COLLECTIVE_ERRORS",
     "reset_stats",

@@ -54,14 +54,6 @@ class CtlLock {
   pthread_mutex_t* mu_;
 };
 
-uint64_t slot_tag(uint64_t comm, uint64_t exec, uint64_t op, uint64_t occ) {
-  uint64_t h = comm * 0x9E3779B97F4A7C15ull;
-  h ^= exec + 0x632BE59BD9B4E019ull + (h << 6) + (h >> 2);
-  h ^= op + 0x94D049BB133111EBull + (h << 6) + (h >> 2);
-  h ^= occ + (h << 6) + (h >> 2);
-  return h | 1;  // 0 marks a free slot
-}
-
 int env_int(const char* name, int dflt) {
   const char* v = std::getenv(name);
   return v && *v ? std::atoi(v) : dflt;
@@ -86,6 +78,18 @@ constexpr size_t kAlign = 64;
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 }  // namespace
+
+uint64_t slot_tag(uint64_t comm, uint64_t exec, uint64_t op, uint64_t occ) {
+  uint64_t h = comm * 0x9E3779B97F4A7C15ull;
+  h ^= exec + 0x632BE59BD9B4E019ull + (h << 6) + (h >> 2);
+  h ^= op + 0x94D049BB133111EBull + (h << 6) + (h >> 2);
+  h ^= occ + (h << 6) + (h >> 2);
+  return h | 1;  // 0 marks a free slot
+}
+
+char* ShmFabric::ll_region() const {
+  return reinterpret_cast<char*>(ctl_) + ((sizeof(ShmControl) + 4095) & ~size_t{4095});
+}
 
 ShmFabric::CallSeq ShmFabric::next_seq(const Placement& pl, int64_t run_id, int64_t op_id) {
   std::lock_guard<std::mutex> lock(seq_mu_);

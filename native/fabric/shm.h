@@ -39,6 +39,9 @@
 //    once (never the timeout).
 //    Out of scope, by nature: an extra identical execution on one rank pairs with its peers'
 //    next identical one (NCCL and gloo behave the same).
+//  - The low-latency path (shm_ll.h): calls of at most STRATA_LL_BYTES per rank skip the slot
+//    and both barriers; the data travels with its key through per-rank slot rings in the region
+//    after the control block, under the same keys and with the same checks.
 //  - Staging (shm.cc): a buffer the allocator does not own (below its threshold, allocator not
 //    preloaded) or every buffer in staging mode is copied through a bounce buffer of this
 //    process that every peer mapped when it was created.
@@ -117,6 +120,9 @@ struct ShmControl {
 };
 
 class ShmFabric;
+
+// The hash of a call's key (comm, exec, op, occ); never 0 (0 marks a free slot).
+uint64_t slot_tag(uint64_t comm, uint64_t exec, uint64_t op, uint64_t occ);
 
 class ShmTeam final : public Team {
  public:
@@ -240,6 +246,15 @@ class ShmFabric {
   std::vector<int> link_pids() const { return link_pids_; }
   std::vector<std::pair<uint64_t, uint64_t>> mapped_by_owner() const;
 
+  // The rendezvous key of a call (see the opening comment); the general path (join) and the
+  // low-latency path (shm_ll.h) both take it here, once per call.
+  struct CallSeq {
+    uint64_t exec, op, occ;
+  };
+  CallSeq next_seq(const Placement& pl, int64_t run_id, int64_t op_id);
+  // The low-latency path's region (shm_ll.h), mapped right after the control block.
+  char* ll_region() const;
+
   Bounce* acquire_bounce(size_t bytes, bool critical, std::string* err);
   void release_bounce(Bounce* b);
 
@@ -283,11 +298,6 @@ class ShmFabric {
   std::vector<std::unique_ptr<Bounce>> bounces_;
   uint64_t next_bounce_id_ = 1;
 
-  // The rendezvous key of a call (see the opening comment).
-  struct CallSeq {
-    uint64_t exec, op, occ;
-  };
-  CallSeq next_seq(const Placement& pl, int64_t run_id, int64_t op_id);
   // Per (device, communicator): the last execution (run id) that called it, how many
   // executions did, and the occurrences of each op in the current one. A handful of
   // communicators per device, so the map stays small.

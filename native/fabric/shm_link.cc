@@ -17,6 +17,7 @@
 
 #include "fabric/inproc.h"
 #include "fabric/shm.h"
+#include "fabric/shm_ll.h"
 #include "fabric/stats.h"
 
 namespace strata {
@@ -211,7 +212,8 @@ std::string ShmFabric::connect(int proc, int nprocs, const std::vector<std::stri
   }
   // The control segment: made by process 0, mapped by everyone.
   int cfd = -1;
-  const size_t csize = (sizeof(ShmControl) + 4095) & ~size_t{4095};
+  // The control block, then the low-latency path's region (shm_ll.h; sparse until touched).
+  const size_t csize = ((sizeof(ShmControl) + 4095) & ~size_t{4095}) + kLlRegionBytes;
   if (proc == 0) {
     cfd = static_cast<int>(syscall(SYS_memfd_create, "strata_control", MFD_CLOEXEC));
     if (cfd < 0 || ftruncate(cfd, static_cast<off_t>(csize)) != 0)

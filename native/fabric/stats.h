@@ -38,8 +38,9 @@ struct Stats {
   // cross-process rendezvous rule relies on the second staying 1 (fabric/shm.h).
   std::atomic<uint64_t> max_calls_in_flight{0};
   std::atomic<uint64_t> max_runs_in_flight{0};
-  std::atomic<uint64_t> mismatches{0};  // calls failed because ranks disagreed on the op
-  std::atomic<uint64_t> failures{0};    // strata calls that returned an error (any cause)
+  std::atomic<uint64_t> low_latency_calls{0};  // calls on the small-message path (shm_ll.h)
+  std::atomic<uint64_t> mismatches{0};         // calls failed because ranks disagreed on the op
+  std::atomic<uint64_t> failures{0};           // strata calls that returned an error (any cause)
 };
 Stats& stats();
 

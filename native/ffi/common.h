@@ -11,6 +11,7 @@
 #include "fabric/inproc.h"
 #include "fabric/op_stats.h"
 #include "fabric/shm.h"
+#include "fabric/shm_ll.h"
 #include "fabric/stats.h"
 #include "fabric/team.h"
 #include "xla/ffi/api/ffi.h"
@@ -53,10 +54,13 @@ inline std::string placement(xla::ffi::AnyBuffer pid, const GroupAttrs& g, Place
 // buffers). `cross_process` says whether the operator supports the shared-memory fabric; one
 // that does not fails clearly when several processes are connected instead of waiting for
 // peers that cannot arrive.
-template <class Arrive, class Body>
+// kMayLl: the call may take the shared-memory fabric's low-latency path (fabric/shm_ll.h) when
+// `ll_desc` is given and small enough; only for operators that read peer_in() and write their
+// own output (Arrive then calls team.arrive(desc, in, out)).
+template <bool kMayLl = false, class Arrive, class Body>
 xla::ffi::Error join_and_run_with(const char* name, int64_t run_id, int64_t op_id,
-                                  const Placement& pl, bool cross_process, Arrive arrive,
-                                  Body body) {
+                                  const Placement& pl, bool cross_process, Arrive arrive, Body body,
+                                  const OpDesc* ll_desc = nullptr) {
   std::string err;
   // Measures, and guards, the ordering rule (inflight.h). Only groups of more than one rank:
   // XLA orders single-device programs by their own per-device queue, which may overlap a
@@ -78,6 +82,18 @@ xla::ffi::Error join_and_run_with(const char* name, int64_t run_id, int64_t op_i
     // this process's own devices directly (a handler cannot tell from the mesh alone which
     // processes a group spans: that needs the program's device assignment). Calls meet by
     // communicator and execution number on it, not by run id (fabric/shm.h).
+    if constexpr (kMayLl) {
+      auto ll = ll_desc ? ShmLlTeam::join(shm, pl, run_id, op_id, *ll_desc, name, &err) : nullptr;
+      if (!err.empty()) return to_error(err);
+      if (ll) {
+        err = arrive(*ll);
+        if (err.empty()) err = body(*ll);
+        std::string derr = ll->depart();  // marks the peers' slots read; never waits
+        if (err.empty()) err = derr;
+        if (!err.empty()) return to_error(err);
+        return xla::ffi::Error::Success();
+      }
+    }
     auto team = shm->join(pl, run_id, op_id, name, &err);
     if (!team) return to_error(err);
     err = arrive(*team);
@@ -101,7 +117,7 @@ template <class Body>
 xla::ffi::Error join_and_run(const char* name, int64_t run_id, int64_t op_id, const Placement& pl,
                              const OpDesc& desc, const void* in, void* out, bool cross_process,
                              Body body) {
-  return join_and_run_with(
+  return join_and_run_with<true>(
       name, run_id, op_id, pl, cross_process,
       [&](auto& team) {
         // Before peers may write into it (they do after the arrival barrier).
@@ -110,7 +126,7 @@ xla::ffi::Error join_and_run(const char* name, int64_t run_id, int64_t op_id, co
         OpTimer::arrived();  // wait vs move in comm_stats() (fabric/op_stats.h)
         return e;
       },
-      body);
+      body, cross_process ? &desc : nullptr);
 }
 
 // Several buffers per rank (Team::peer_buf); the output is this rank's alone, not published.

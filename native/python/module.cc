@@ -8,6 +8,7 @@
 #include "fabric/inproc.h"
 #include "fabric/op_stats.h"
 #include "fabric/shm.h"
+#include "fabric/shm_ll.h"
 #include "fabric/stats.h"
 #include "ffi/handlers.h"
 #include "ffi/hier_handlers.h"
@@ -73,6 +74,8 @@ NB_MODULE(_strata, m) {
       "set_two_shot_bytes", [](int64_t b) { strata::settings().two_shot_bytes.store(b); },
       nb::arg("nbytes"));
   m.def("get_two_shot_bytes", [] { return strata::settings().two_shot_bytes.load(); });
+  m.def("set_ll_bytes", [](int64_t b) { strata::set_ll_bytes(b); });
+  m.def("get_ll_bytes", [] { return strata::get_ll_bytes(); });
   m.def("comm_stats", [] {
     auto& s = strata::stats();
     nb::dict d;
@@ -90,6 +93,7 @@ NB_MODULE(_strata, m) {
     d["max_calls_in_flight_per_device"] = s.max_calls_in_flight.load(std::memory_order_relaxed);
     d["max_runs_in_flight_per_device"] = s.max_runs_in_flight.load(std::memory_order_relaxed);
     d["mismatches"] = s.mismatches.load(std::memory_order_relaxed);
+    d["low_latency_calls"] = s.low_latency_calls.load(std::memory_order_relaxed);
     d["failures"] = s.failures.load(std::memory_order_relaxed);
     return d;
   });

@@ -216,20 +216,41 @@ def get_two_shot_threshold() -> int:
     return int(native().get_two_shot_bytes())
 
 
+def set_low_latency_threshold(nbytes: int) -> None:
+    """Sets the input size per rank (bytes) up to which calls across processes take the
+    low-latency path (data and arrival travel together through shared slots; no barriers).
+
+    Args:
+      nbytes: threshold in bytes (>= 0; 0 turns the path off; at most 1 MiB is used);
+        ``STRATA_LL_BYTES`` sets it at start-up (default 64 KiB). A communicator (group of
+        devices) takes the value of the process that first calls a collective on it and keeps
+        it, so every rank of it agrees: set it before the first collective on a group.
+    """
+    if nbytes < 0:
+        raise ValueError(f"threshold must be >= 0 bytes, got {nbytes}")
+    native().set_ll_bytes(int(nbytes))
+
+
+def get_low_latency_threshold() -> int:
+    """Returns the low-latency threshold new communicators get, in bytes per rank."""
+    return int(native().get_ll_bytes())
+
+
 def comm_stats() -> dict:
     """Process-wide communication counters, in total and per operator.
 
     Returns:
-      dict with ``calls`` (collective calls, counted per rank), ``zero_copy_bytes`` (bytes
-      read straight from peers' buffers), ``staged_bytes`` (bytes copied through a bounce
-      buffer), ``one_shot_all_reduce``/``two_shot_all_reduce`` (algorithm choices),
-      ``timeouts``, and ``ops``: per operator (``psum``, ``pmax``, ``pmin``, ``psum_scatter``,
-      ``all_gather``, ``all_to_all``, ``ppermute``, ``pbroadcast``; each rank's call counted
-      once) a dict with ``calls``, ``bytes`` (input bytes per rank, summed), ``algorithm``
-      (``{"one_shot": n, "two_shot": m}`` for the all-reduces, ``{"direct": n}`` otherwise),
-      ``p50_s``/``p99_s`` (time in the handler, from a histogram with 12.5% buckets),
-      ``total_s``, ``wait_s`` (until every peer had arrived) and ``move_s`` (the rest: the
-      algorithm moving data, and the departure). ``STRATA_STATS=0`` turns the per-operator
+      dict with ``calls`` (collective calls, counted per rank), ``zero_copy_bytes`` (bytes read
+      straight from peers' buffers), ``staged_bytes`` (bytes copied through a bounce buffer),
+      ``one_shot_all_reduce``/``two_shot_all_reduce`` (algorithm choices), ``timeouts``,
+      ``low_latency_calls`` (calls across processes that took the small-message path,
+      native/fabric/shm_ll.h), and ``ops``: per operator (``psum``, ``pmax``, ``pmin``,
+      ``psum_scatter``, ``all_gather``, ``all_to_all``, ``ppermute``, ``pbroadcast``; each
+      rank's call counted once) a dict with ``calls``, ``bytes`` (input bytes per rank, summed),
+      ``algorithm`` (``{"one_shot": n, "two_shot": m}`` for the all-reduces, ``{"direct": n}``
+      otherwise), ``p50_s``/``p99_s`` (time in the handler, from a histogram with 12.5%
+      buckets), ``total_s``, ``wait_s`` (until every peer had arrived) and ``move_s`` (the rest:
+      the algorithm moving data, and the departure). ``STRATA_STATS=0`` turns the per-operator
       counters off (their cost is measured in tests/test_comm_stats.py).
     """
     nat = native()

@@ -1,0 +1,515 @@
+// The low-latency path of the shared-memory fabric (see shm_ll.h).
+#include "fabric/shm_ll.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+
+#include "coll/kernels.h"
+#include "fabric/inproc.h"
+#include "fabric/stats.h"
+
+namespace strata {
+namespace {
+
+// The control segment's robust mutex (as in shm.cc): a holder killed while holding it leaves it
+// EOWNERDEAD; the channel table changes in single stores, so the next owner goes on.
+class CtlLock {
+ public:
+  explicit CtlLock(pthread_mutex_t* mu) : mu_(mu) {
+    if (pthread_mutex_lock(mu_) == EOWNERDEAD) pthread_mutex_consistent(mu_);
+  }
+  ~CtlLock() { pthread_mutex_unlock(mu_); }
+  CtlLock(const CtlLock&) = delete;
+  CtlLock& operator=(const CtlLock&) = delete;
+
+ private:
+  pthread_mutex_t* mu_;
+};
+
+int env_int(const char* name, int dflt) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : dflt;
+}
+
+// Threshold of input bytes per rank from STRATA_LL_BYTES (K/M suffixes; 0 turns the path off).
+int64_t env_ll_bytes() {
+  const char* v = std::getenv("STRATA_LL_BYTES");
+  if (!v || !*v) return static_cast<int64_t>(kLlDefaultBytes);
+  char* end = nullptr;
+  double x = std::strtod(v, &end);
+  if (end && (*end == 'k' || *end == 'K')) x *= 1024;
+  if (end && (*end == 'm' || *end == 'M')) x *= 1024 * 1024;
+  return x > 0 ? static_cast<int64_t>(x) : 0;
+}
+
+// Relaxed: a setting read when a channel is created, not a synchronization flag.
+std::atomic<int64_t> g_ll_bytes{env_ll_bytes()};
+
+size_t ll_threshold() {
+  const int64_t b = g_ll_bytes.load(std::memory_order_relaxed);
+  if (b <= 0) return 0;
+  return static_cast<size_t>(b) > kLlMaxBytes ? kLlMaxBytes : static_cast<size_t>(b);
+}
+
+// A wait at least this short would have been caught by spinning (2000 pauses: ~50 us).
+constexpr int kLlSpinWindowUs = 40;
+
+size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+uint64_t others_mask(int size, int owner) {
+  const uint64_t all = size >= 64 ? ~uint64_t{0} : (uint64_t{1} << size) - 1;
+  return all & ~(uint64_t{1} << owner);
+}
+
+// Channels by communicator, cached per process (channels are never freed, so a pointer found
+// once stays valid; nullptr: the table was full, which it then stays for every process).
+std::mutex g_cache_mu;
+std::unordered_map<uint64_t, LlChannel*> g_cache;
+
+LlChannel* channel_for(ShmFabric* f, uint64_t comm, int size) {
+  {
+    std::lock_guard<std::mutex> lock(g_cache_mu);
+    auto it = g_cache.find(comm);
+    if (it != g_cache.end()) return it->second;
+  }
+  auto* reg = reinterpret_cast<LlRegion*>(f->ll_region());
+  LlChannel* ch = nullptr;
+  {
+    // The mutex orders the claimer's plain stores before every later locker's loads.
+    CtlLock lock(&f->control()->mu);
+    LlChannel* free_ch = nullptr;
+    for (LlChannel& c : reg->channels) {
+      if (c.comm == comm) {
+        ch = &c;
+        break;
+      }
+      if (!free_ch && c.comm == 0) free_ch = &c;
+    }
+    if (!ch && free_ch) {
+      ch = free_ch;
+      const size_t data = round_up(ll_threshold(), 64);
+      const size_t entry = kLlHeaderBytes + data;
+      const size_t table = round_up(sizeof(LlRegion), 4096);
+      const size_t need = static_cast<size_t>(size) * kLlEntries * entry;
+      const bool fits = size <= 64 && data > 0 && table + reg->used + need <= kLlRegionBytes;
+      ch->size = size;
+      ch->data_bytes = fits ? static_cast<uint32_t>(data) : 0;  // 0: general path only
+      ch->entry_bytes = entry;
+      ch->offset = table + reg->used;
+      if (fits) reg->used += need;
+      ch->comm = comm;  // the slots are fresh memfd pages: stamps, claims and bits all 0
+    }
+  }
+  std::lock_guard<std::mutex> lock(g_cache_mu);
+  g_cache[comm] = ch;
+  return ch;
+}
+
+}  // namespace
+
+void set_ll_bytes(int64_t bytes) { g_ll_bytes.store(bytes, std::memory_order_relaxed); }
+int64_t get_ll_bytes() { return static_cast<int64_t>(ll_threshold()); }
+
+// ---- joining ----
+
+std::unique_ptr<ShmLlTeam> ShmLlTeam::join(ShmFabric* f, const Placement& pl, int64_t run_id,
+                                           int64_t op_id, const OpDesc& desc, const char* op_name,
+                                           std::string* err) {
+  if (pl.size < 2 || pl.size > 64 || desc.in_bytes > kLlMaxBytes) return nullptr;
+  LlChannel* ch = channel_for(f, pl.comm, pl.size);
+  if (!ch || ch->data_bytes == 0 || desc.in_bytes > ch->data_bytes) return nullptr;
+  if (ch->size != pl.size) {
+    *err = std::string("strata_jax ") + op_name + ": ranks disagree on the group size (" +
+           std::to_string(ch->size) + " vs " + std::to_string(pl.size) + ")";
+    return nullptr;
+  }
+  auto t = std::make_unique<ShmLlTeam>(f, ch, f->ll_region(), pl, op_name);
+  const ShmFabric::CallSeq seq = f->next_seq(pl, run_id, op_id);
+  t->comm_ = pl.comm;
+  t->exec_ = seq.exec;
+  t->op_ = seq.op;
+  t->occ_ = seq.occ;
+  t->tag_ = slot_tag(pl.comm, seq.exec, seq.op, seq.occ);
+  stats().low_latency_calls.fetch_add(1, std::memory_order_relaxed);
+  return t;
+}
+
+ShmLlTeam::ShmLlTeam(ShmFabric* f, LlChannel* ch, char* region, const Placement& pl,
+                     const char* op_name)
+    : f_(f),
+      ch_(ch),
+      region_(region),
+      rank_(pl.rank),
+      size_(pl.size),
+      partition_(pl.partition),
+      device_(pl.device),
+      member_parts_(pl.member_parts),
+      device_ids_(pl.device_ids),
+      op_name_(op_name),
+      in_(pl.size, nullptr),
+      found_(pl.size, nullptr) {}
+
+ShmLlTeam::~ShmLlTeam() { mark_read(); }
+
+LlEntry* ShmLlTeam::entry(int rank, uint32_t pos) const {
+  const size_t ring = static_cast<size_t>(kLlEntries) * ch_->entry_bytes;
+  return reinterpret_cast<LlEntry*>(region_ + ch_->offset + static_cast<size_t>(rank) * ring +
+                                    static_cast<size_t>(pos % kLlEntries) * ch_->entry_bytes);
+}
+
+static char* data_of(LlEntry* e) { return reinterpret_cast<char*>(e) + kLlHeaderBytes; }
+
+LlEntry* ShmLlTeam::find(int j) const {
+  for (uint32_t p = 0; p < static_cast<uint32_t>(kLlEntries); ++p) {
+    LlEntry* e = entry(j, p);
+    // acquire: pairs with the owner's stamp store; the header and data written before it are
+    // visible, and stay put until this rank sets its read_by bit.
+    if (e->stamp.load(std::memory_order_acquire) == tag_ && e->exec == exec_ && e->op == op_ &&
+        e->occ == occ_)
+      return e;
+  }
+  return nullptr;
+}
+
+void ShmLlTeam::notify(std::atomic<uint32_t>* word, std::atomic<uint32_t>* sleepers) {
+  // seq_cst load after the caller's seq_cst store of the condition (see LlChannel).
+  if (sleepers->load(std::memory_order_seq_cst) != 0) {
+    word->fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(word, /*shared=*/true);
+  }
+}
+
+template <class Ready, class Missing>
+std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* sleepers,
+                            Ready ready, Missing missing, const char* phase,
+                            Clock::time_point deadline, const OpDesc* arriving) {
+  // Spinning pays only while the awaited peers are running; with more runnable threads than
+  // cores (more processes than cores, or other jobs) it takes the core they need. So the spin
+  // budget adapts, like glibc's adaptive mutexes: it grows (to STRATA_LL_SPINS pauses, about
+  // 50 us) after waits short enough that spinning would have caught them, and halves after
+  // longer ones, down to 0 (straight to the futex). Relaxed: a per-process heuristic.
+  static const int max_spins = env_int("STRATA_LL_SPINS", 2000);
+  static const int max_yields = env_int("STRATA_LL_YIELDS", 4);
+  static std::atomic<int> budget{max_spins};
+  const int spins = budget.load(std::memory_order_relaxed);
+  const int yields = spins > 0 ? max_yields : 0;
+  const auto t0 = Clock::now();
+  auto adapt = [](bool quick) {
+    const int b = budget.load(std::memory_order_relaxed);
+    budget.store(quick ? std::min(max_spins, 2 * b + 64) : b / 2, std::memory_order_relaxed);
+  };
+  for (int i = 0; i < spins; ++i) {
+    if (ready()) {
+      adapt(true);
+      return {};
+    }
+    if (!failed_.empty()) return failed_;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+  for (int i = 0; i < yields; ++i) {
+    if (ready()) {
+      adapt(true);
+      return {};
+    }
+    if (!failed_.empty()) return failed_;
+    sched_yield();
+  }
+  struct AdaptOnExit {  // after the sleeping phase: would spinning have caught this wait?
+    Clock::time_point t0;
+    void (*adapt)(bool);
+    ~AdaptOnExit() { adapt(Clock::now() - t0 < std::chrono::microseconds(kLlSpinWindowUs)); }
+  } adapt_on_exit{t0, adapt};
+  const auto start = Clock::now();
+  auto next_straddle_check = start + std::chrono::milliseconds(2);
+  for (;;) {
+    if (ready()) return {};
+    if (!failed_.empty()) return failed_;
+    const auto now = Clock::now();
+    // A missing rank whose process disconnected (exited or was killed) never comes.
+    std::vector<int> miss = missing();
+    std::string dead;
+    for (int j : miss) {
+      if (!member_parts_ || !device_ids_) break;
+      const int64_t dev = device_ids_[member_parts_[j]];
+      const int p = f_->device_proc(dev);
+      if (p < 0 || p == f_->proc() || f_->peer_alive(p)) continue;
+      dead += (dead.empty() ? "rank " : ", rank ") + std::to_string(j) + " (device " +
+              std::to_string(dev) + ", process " + std::to_string(p) + ")";
+    }
+    if (!dead.empty()) {
+      return std::string("strata_jax ") + op_name_ + ": " + dead +
+             " exited or was killed before reaching this collective in phase '" + phase +
+             "' (group of " + std::to_string(size_) + "; reported by rank " +
+             std::to_string(rank_) + ", process " + std::to_string(f_->proc()) +
+             "). The job cannot complete this collective.";
+    }
+    // A peer that took the general path for this call (its size is above the threshold).
+    if (arriving && now >= next_straddle_check) {
+      next_straddle_check = now + std::chrono::milliseconds(10);
+      std::string m = straddler(*arriving);
+      if (!m.empty()) return m;
+    }
+    if (now >= deadline) {
+      if (ready()) return {};
+      return missing_message(phase, missing());
+    }
+    auto slice =
+        std::min(deadline, arriving ? next_straddle_check : now + std::chrono::milliseconds(50)) -
+        now;
+    const int64_t ns = std::max<int64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(slice).count(), 100'000);
+    // Register, then re-check (the fence orders ready()'s acquire loads after the increment):
+    // a notifier that loaded sleepers == 0 stored its condition before, so ready() sees it.
+    sleepers->fetch_add(1, std::memory_order_seq_cst);
+    const uint32_t seen = word->load(std::memory_order_seq_cst);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (!ready() && failed_.empty()) futex_wait(word, seen, ns, /*shared=*/true);
+    sleepers->fetch_sub(1, std::memory_order_relaxed);
+  }
+}
+
+std::string ShmLlTeam::claim(LlEntry** out, Clock::time_point deadline) {
+  const uint64_t others = others_mask(size_, rank_);
+  std::atomic<uint32_t>& next = ch_->next[rank_];
+  LlEntry* got = nullptr;
+  // Free: never used, or every peer read the previous occupant (acquire: their reads happen
+  // before this rank's rewrite). Starting at `next`, the first free slot wins; a slot left
+  // unread by a failed call is skipped, not waited for.
+  auto try_claim = [&]() -> bool {
+    const uint32_t start = next.load(std::memory_order_relaxed);
+    for (uint32_t k = 0; k < static_cast<uint32_t>(kLlEntries); ++k) {
+      LlEntry* e = entry(rank_, start + k);
+      uint32_t zero = 0;
+      if (!e->claim.compare_exchange_strong(zero, 1, std::memory_order_acq_rel)) continue;
+      if (e->stamp.load(std::memory_order_acquire) == 0 ||
+          (e->read_by.load(std::memory_order_acquire) & others) == others) {
+        next.store(start + k + 1, std::memory_order_relaxed);
+        got = e;
+        return true;
+      }
+      e->claim.store(0, std::memory_order_release);
+    }
+    return false;
+  };
+  std::string err = wait(
+      &ch_->freed, &ch_->free_sleepers, try_claim,
+      [&] {
+        // Ranks that have not finished reading the slot this rank would reuse next.
+        std::vector<int> m;
+        const uint64_t bits = entry(rank_, next.load(std::memory_order_relaxed))
+                                  ->read_by.load(std::memory_order_acquire);
+        for (int j = 0; j < size_; ++j)
+          if (j != rank_ && !(bits >> j & 1)) m.push_back(j);
+        return m;
+      },
+      "reuse", deadline, nullptr);
+  *out = got;
+  return err;
+}
+
+std::string ShmLlTeam::arrive(const OpDesc& desc, const void* in, void* out) {
+  const auto deadline = Clock::now() + std::chrono::milliseconds(settings().timeout_ms.load());
+  out_ = out;
+  LlEntry* me = nullptr;
+  std::string err = claim(&me, deadline);
+  if (!err.empty()) return err;
+  // Every peer has read the previous occupant and nobody reads the header or data before the
+  // new stamp: plain stores, published by the seq_cst (release) stamp store below.
+  me->stamp.store(0, std::memory_order_relaxed);
+  me->read_by.store(0, std::memory_order_relaxed);
+  me->exec = exec_;
+  me->op = op_;
+  me->occ = occ_;
+  me->kind = desc.kind;
+  me->dtype = desc.dtype;
+  me->reduce = desc.reduce;
+  me->aux = desc.aux;
+  me->proc = f_->proc();
+  me->device = device_;
+  me->in_bytes = desc.in_bytes;
+  me->out_bytes = desc.out_bytes;
+  std::strncpy(me->name, desc.name ? desc.name : "", sizeof(me->name) - 1);
+  me->name[sizeof(me->name) - 1] = 0;
+  if (desc.in_bytes) std::memcpy(data_of(me), in, desc.in_bytes);  // regular stores, no fence
+  me->stamp.store(tag_, std::memory_order_seq_cst);
+  me->claim.store(0, std::memory_order_release);
+  found_[rank_] = me;
+  in_[rank_] = data_of(me);
+
+  int left = size_ - 1;
+  auto ready = [&]() -> bool {
+    for (int j = 0; j < size_ && left > 0; ++j) {
+      if (found_[j]) continue;
+      LlEntry* e = find(j);
+      if (!e) continue;
+      found_[j] = e;
+      in_[j] = data_of(e);
+      --left;
+      if (failed_.empty() &&
+          (e->kind != desc.kind || e->dtype != desc.dtype || e->reduce != desc.reduce ||
+           e->aux != desc.aux || e->in_bytes != desc.in_bytes || e->out_bytes != desc.out_bytes)) {
+        failed_ = mismatch(desc);
+        notify(&ch_->epoch, &ch_->sleepers);  // waiters see it now, not at their next slice
+      }
+    }
+    return left == 0 && failed_.empty();
+  };
+  // Only the last rank to publish wakes the sleepers (nobody can finish before it, so waking
+  // on every publish would only make the waiters that still miss a peer take the cores the
+  // missing peers need: 3 wasted wake-ups per call with 4 ranks). Each rank stores its stamp,
+  // then a seq_cst fence, then scans: of the ranks publishing at the same time, the one whose
+  // fence comes last sees every other stamp, so at least one rank sees the call complete and
+  // wakes. A rank that finds a disagreement wakes everyone too (they fail at once).
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  const bool complete = ready();
+  if (complete || !failed_.empty()) notify(&ch_->epoch, &ch_->sleepers);
+  err = complete ? failed_
+                 : wait(
+                       &ch_->epoch, &ch_->sleepers, ready,
+                       [&] {
+                         std::vector<int> m;
+                         for (int j = 0; j < size_; ++j)
+                           if (!found_[j]) m.push_back(j);
+                         return m;
+                       },
+                       "arrive", deadline, &desc);
+  if (!err.empty()) {
+    if (err.find("disagree") != std::string::npos)
+      stats().mismatches.fetch_add(1, std::memory_order_relaxed);
+    return err;
+  }
+  descs_.assign(size_, desc);
+  for (OpDesc& d : descs_) d.algo = 0;  // one-shot: each rank reads the slots, writes its own
+  return {};
+}
+
+void ShmLlTeam::mark_read() {
+  if (read_marked_) return;
+  read_marked_ = true;
+  bool any = false;
+  for (int j = 0; j < size_; ++j) {
+    if (j == rank_ || !found_[j]) continue;
+    // seq_cst (an acq_rel RMW): this rank's reads of the slot happen before the owner's
+    // rewrite, and the store half of the freed/free_sleepers handshake.
+    found_[j]->read_by.fetch_or(uint64_t{1} << rank_, std::memory_order_seq_cst);
+    any = true;
+  }
+  if (any) notify(&ch_->freed, &ch_->free_sleepers);
+}
+
+std::string ShmLlTeam::depart() {
+  mark_read();
+  return {};
+}
+
+std::string ShmLlTeam::barrier(const char* phase) {
+  return std::string("strata_jax ") + op_name_ + ": internal error: barrier '" + phase +
+         "' on the low-latency path";
+}
+
+std::string ShmLlTeam::mismatch(const OpDesc& desc) const {
+  std::ostringstream os;
+  os << "strata_jax " << op_name_ << ": ranks disagree on a collective call (execution #" << exec_
+     << " on their communicator, op " << op_ << ", occurrence " << occ_ << ", group of " << size_
+     << "): ";
+  int shown = 0;
+  for (int j = 0; j < size_; ++j) {
+    const LlEntry* o = found_[j];
+    if (!o) continue;
+    if (shown == 8) {
+      os << "; ...";
+      break;
+    }
+    if (shown++) os << "; ";
+    const int es = dtype_size(o->dtype);
+    os << "rank " << j << " (device " << o->device << "): " << o->name << " "
+       << dtype_name(o->dtype) << "[" << (es ? o->in_bytes / es : 0) << "] (" << o->in_bytes
+       << " B in, " << o->out_bytes << " B out";
+    if (o->aux) os << ", aux " << o->aux;
+    os << ")";
+  }
+  (void)desc;
+  os << ". Every rank of a group must make the same sequence of collective calls with the same "
+        "op, shape and dtype.";
+  return os.str();
+}
+
+std::string ShmLlTeam::straddler(const OpDesc& desc) {
+  ShmControl* ctl = f_->control();
+  CtlLock lock(&ctl->mu);
+  for (ShmSlot& s : ctl->slots) {
+    if (s.tag != tag_ || s.comm != comm_ || s.exec != exec_ || s.op != op_ || s.occ != occ_)
+      continue;
+    // A peer met this call in the general rendezvous: its input is above the low-latency
+    // threshold while this rank's is below, so the ranks disagree on the size. Name both sides
+    // and fail the general slot too, so its waiters stop at once.
+    std::ostringstream os;
+    os << "strata_jax " << op_name_ << ": ranks disagree on a collective call (execution #" << exec_
+       << " on their communicator, op " << op_ << ", occurrence " << occ_ << ", group of " << size_
+       << "): ";
+    int shown = 0;
+    auto item = [&](int j, int64_t dev, const char* name, int32_t dt, uint64_t in_b,
+                    uint64_t out_b) {
+      if (shown++) os << "; ";
+      const int es = dtype_size(dt);
+      os << "rank " << j << " (device " << dev << "): " << name << " " << dtype_name(dt) << "["
+         << (es ? in_b / es : 0) << "] (" << in_b << " B in, " << out_b << " B out)";
+    };
+    for (int j = 0; j < size_ && shown < 8; ++j)
+      if (const LlEntry* o = found_[j])
+        item(j, o->device, o->name, o->dtype, o->in_bytes, o->out_bytes);
+    for (int j = 0; j < s.size && j < size_ && shown < 8; ++j) {
+      const ShmPeer& o = s.peers[j];
+      // acquire: pairs with the release store of `reached` that published the descriptor.
+      if (found_[j] || o.reached.load(std::memory_order_acquire) < 1) continue;
+      item(j, o.device, o.name, o.dtype, o.in_bytes, o.out_bytes);
+    }
+    os << " (sizes on both sides of the low-latency threshold of " << ch_->data_bytes
+       << " B). Every rank of a group must make the same sequence of collective calls with the "
+          "same op, shape and dtype.";
+    (void)desc;
+    const std::string msg = os.str();
+    uint32_t expected = 0;
+    // As ShmTeam::fail: one writer of the message (acq_rel CAS), published by the release
+    // store of 2; the wake makes the slot's waiters see it now.
+    if (s.failed.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
+      std::strncpy(s.failure, msg.c_str(), sizeof(s.failure) - 1);
+      s.failure[sizeof(s.failure) - 1] = 0;
+      s.failed.store(2, std::memory_order_release);
+    }
+    futex_wake_all(&s.arrivals, true);
+    return msg;
+  }
+  return {};
+}
+
+std::string ShmLlTeam::missing_message(const char* phase, const std::vector<int>& missing) const {
+  std::ostringstream os;
+  os << "strata_jax " << op_name_ << ": timed out after " << settings().timeout_ms.load() / 1000.0
+     << " s in phase '" << phase << "' waiting for rank(s) [";
+  for (size_t i = 0; i < missing.size(); ++i) os << (i ? ", " : "") << missing[i];
+  os << "] of a group of " << size_ << " (execution #" << exec_ << " on communicator " << std::hex
+     << comm_ << std::dec << ", low-latency path); reported by rank " << rank_ << " (partition "
+     << partition_ << ", process " << f_->proc() << ")";
+  std::string dead = f_->dead_peers();
+  if (!dead.empty()) os << "; process(es) " << dead << " disconnected (exited or killed)";
+  if (std::strcmp(phase, "reuse") == 0)
+    os << ". These peers never finished reading an earlier call of this rank.";
+  else
+    os << ". A peer never reached this collective: check that every device executes the same "
+          "sequence of collectives, or raise strata_jax.set_timeout().";
+  return os.str();
+}
+
+}  // namespace strata

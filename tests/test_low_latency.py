@@ -1,0 +1,67 @@
+"""The low-latency path for small messages across processes (native/fabric/shm_ll.h).
+
+Each case launches tests/mp_scripts/check_low_latency.py, which checks against numpy (and
+psum against jax.lax) every operator on both sides of the threshold in several dtypes, long
+runs of consecutive calls that reuse the slots (a 300-step scan alternating both paths, two
+collectives in flight at once, 200 calls chained on the device), ranks that disagree on a
+size (on the low-latency path and across the two paths: every rank fails within 2 s naming
+both sizes, and the job computes right afterwards), and a SIGKILLed peer (the others fail
+within 2 s naming it). About 25 s in all on the loaded 2-core test machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+from _mp_util import launch
+
+from strata_jax import launch as strata_launch
+
+
+def _require_allocator() -> None:
+    if strata_launch.alloc_library_path() is None:
+        pytest.skip("libstrata_alloc.so not built")
+
+
+def test_low_latency_four_processes():
+    _require_allocator()
+    r, _ = launch(4, "check_low_latency.py", timeout=240)
+    out = r.stdout
+    assert r.returncode == 0, out[-3000:]
+    assert out.count("OK ll mismatch both low-latency") == 4, out[-3000:]
+    assert out.count("OK ll mismatch across paths") == 4, out[-3000:]
+    assert out.count("checks rank") == 4, out[-3000:]
+
+
+def test_low_latency_two_processes_two_devices_each():
+    """Local and remote peers in one group: a process's own ranks meet in the slots too."""
+    _require_allocator()
+    r, _ = launch(2, "check_low_latency.py", devices=2, timeout=240)
+    out = r.stdout
+    assert r.returncode == 0, out[-3000:]
+    assert out.count("checks rank") == 2, out[-3000:]
+
+
+def test_low_latency_killed_peer_fails_fast():
+    _require_allocator()
+    r, _ = launch(4, "check_low_latency.py", "kill", timeout=120, grace=10)
+    out = r.stdout
+    assert "rank 2 was killed by SIGKILL" in out, out[-3000:]
+    assert out.count("OK ll killed peer") == 3, out[-3000:]
+    assert r.returncode != 0
+
+
+def test_low_latency_threshold_setting():
+    import strata_jax as sj
+
+    keep = sj.get_low_latency_threshold()
+    try:
+        sj.set_low_latency_threshold(4096)
+        assert sj.get_low_latency_threshold() == 4096
+        sj.set_low_latency_threshold(1 << 30)  # clamped to the slot size limit
+        assert sj.get_low_latency_threshold() == 1 << 20
+        sj.set_low_latency_threshold(0)  # off
+        assert sj.get_low_latency_threshold() == 0
+        with pytest.raises(ValueError, match=">= 0"):
+            sj.set_low_latency_threshold(-1)
+    finally:
+        sj.set_low_latency_threshold(keep)
