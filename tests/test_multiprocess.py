@@ -179,6 +179,7 @@ def test_calls_meet_by_communicator_not_call_site():
     assert r.returncode == 0, out[-3000:]
     assert out.count("OK case 17 two call sites [4.0, 4.0, 4.0, 4.0]") == 2, out[-3000:]
     assert out.count("OK case 18 mismatch raised") == 2, out[-3000:]
+    assert out.count("OK case 18b empty on one rank raised") == 2, out[-3000:]
     assert out.count("OK errors") == 1, out[-3000:]
     assert out.count("OK all") == 2, out[-3000:]
 

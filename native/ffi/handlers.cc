@@ -30,7 +30,11 @@ ffi::Error run_collective(const char* name, ffi::RunId run, int64_t op_id, ffi::
   Placement pl;
   std::string err = placement(pid, ga, &pl);
   if (!err.empty()) return to_error(std::string("strata_jax ") + name + ": " + err);
-  if (desc.in_bytes == 0 && desc.out_bytes == 0) return ffi::Error::Success();
+  // Nothing to move. In one process every rank has the same shapes (one SPMD program), so all
+  // skip together; across processes a rank's shapes may differ from its peers' (different
+  // programs), so the call still meets them and a zero-vs-nonzero mismatch fails at once.
+  if (desc.in_bytes == 0 && desc.out_bytes == 0 && !ShmFabric::active())
+    return ffi::Error::Success();
   desc.name = name;
   stats().calls.fetch_add(1, std::memory_order_relaxed);
   OpTimer timer(name, desc.in_bytes, desc.algo);  // comm_stats()["ops"] (fabric/op_stats.h)
