@@ -129,6 +129,7 @@ except sj.COLLECTIVE_ERRORS as e:
         fail(f"case 18 after {dt:.2f} s: {msg[:600]}")
     print(f"OK case 18 mismatch raised after {dt:.3f} s: {msg[:400]}", flush=True)
 
+
 # ---- case 18b: one rank's array is empty ----
 # XLA runs no collective for an empty array, so rank 0's empty call returns at once and its
 # next call meets rank 1's: they differ (f32[3] vs f32[5]) and both fail at once, naming both.
