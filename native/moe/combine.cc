@@ -24,22 +24,17 @@ void combine_typed(Team& t, const MoeShape& s, const typename Elem<T>::Acc* w, T
     ey[r] = static_cast<const T*>(t.peer_buf(static_cast<int>(r), kCombExpertY));
     slots[r] = static_cast<const int32_t*>(t.peer_buf(static_cast<int>(r), kCombSlots));
   }
-  std::vector<Acc> acc(H), part(H);
+  std::vector<Acc> acc(H);
   for (int64_t tok = 0; tok < s.tokens; ++tok) {
     const Acc* wt = w + tok * K;
     std::fill(acc.begin(), acc.end(), Acc(0));
+    // Expert ranks in rank order, each one's choices in k order: a fixed order, so the result
+    // does not depend on timing or on which rank computes it.
     for (int64_t r = 0; r < R; ++r) {
       if (!slots[r]) continue;
       const int32_t* sl = slots[r] + (base + tok) * K;
-      bool any = false;
-      for (int64_t k = 0; k < K; ++k) any |= sl[k] >= 0;
-      if (!any) continue;
-      // The expert rank's partial row first, then into the token's sum: the order of the
-      // two-phase combine, so results do not depend on which rank computes them.
-      std::fill(part.begin(), part.end(), Acc(0));
       for (int64_t k = 0; k < K; ++k)
-        if (sl[k] >= 0) axpy<T>(part.data(), ey[r] + int64_t(sl[k]) * H, wt[k], H);
-      add_acc<Acc>(acc.data(), part.data(), H);
+        if (sl[k] >= 0) axpy<T>(acc.data(), ey[r] + int64_t(sl[k]) * H, wt[k], H);
     }
     store_row<T>(y + tok * H, acc.data(), H);
   }

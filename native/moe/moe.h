@@ -77,8 +77,8 @@ bool row_dtype_supported(int32_t dtype);
 std::string dispatch(Team& t, const MoeShape& s, const int32_t* slots, const int32_t* counts,
                      bool weighted, void* out);
 
-// y[t] = sum over expert ranks r in rank order of (sum over k in order of w[t, k] *
-// expert_y_r[slots_r[g, k]] where slots_r[g, k] >= 0), g = me * T + t, accumulated in the rows'
+// y[t] = sum over expert ranks r in rank order and, within one, k in order, of w[t, k] *
+// expert_y_r[slots_r[g, k]] where slots_r[g, k] >= 0 (g = me * T + t), accumulated in the rows'
 // accumulator type and rounded once. Reads the peers' kCombExpertY and kCombSlots; `w` [T, K]
 // is this rank's weights in the accumulator type.
 std::string combine(Team& t, const MoeShape& s, const void* w, void* y);

@@ -34,18 +34,14 @@ void with_row_type(int32_t dtype, F&& f) {
 
 // acc[i] += w * row[i]
 template <class T>
-inline void axpy(typename Elem<T>::Acc* acc, const T* row, typename Elem<T>::Acc w, int64_t n) {
+inline void axpy(typename Elem<T>::Acc* __restrict acc, const T* __restrict row,
+                 typename Elem<T>::Acc w, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] += w * Elem<T>::load(row[i]);
 }
 // acc[i] += row[i]
 template <class T>
 inline void add(typename Elem<T>::Acc* acc, const T* row, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] += Elem<T>::load(row[i]);
-}
-// acc[i] += part[i] (both in the accumulator type)
-template <class A>
-inline void add_acc(A* __restrict acc, const A* __restrict part, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += part[i];
 }
 // acc[i] = row[i]
 template <class T>
