@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -56,6 +55,29 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------------
 # One launcher run (every process)
 # ---------------------------------------------------------------------------------------------
+
+
+def thread_faults() -> tuple[int, int]:
+    """Minor page faults so far of (the allocator's own threads, every other thread)."""
+    mine = other = 0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread exited
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        minflt = int(stat[stat.rindex(")") + 2 :].split()[7])
+        if name in ("strata_alloc", "strata_reserve"):
+            mine += minflt
+        else:
+            other += minflt
+    return mine, other
+
+
+def coll_seconds(cs: dict) -> tuple[float, float]:
+    """Seconds in strata collectives so far: (waiting for peers, moving data)."""
+    ops = cs["ops"].values()
+    return sum(o["wait_s"] for o in ops), sum(o["move_s"] for o in ops)
 
 
 def child(a: argparse.Namespace) -> None:
@@ -101,19 +123,32 @@ def child(a: argparse.Namespace) -> None:
 
     times = []
     snap = None
-    first_faults = 0
+    first_faults = first_bg_faults = first_on_demand = first_made_ahead = 0
+    coll = [[0.0, 0.0], [0.0, 0.0]]  # steps 0 and 1: seconds in collectives (wait, move)
     segs_before = sj.memory_stats()["pool_segments"]
     for s in range(a.steps):
         if s == a.warmup:
             snap = sj.memory_stats()
         barrier(f"step{s}")
-        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        if s in (0, 1):
+            c0 = coll_seconds(sj.comm_stats())
+        if s == 0:
+            f0 = thread_faults()
+            m0 = sj.memory_stats()
         t0 = time.perf_counter()
         params = compiled(params, x)
         jax.block_until_ready(params)
         times.append(time.perf_counter() - t0)
+        if s in (0, 1):
+            c1 = coll_seconds(sj.comm_stats())
+            coll[s] = [c1[0] - c0[0], c1[1] - c0[1]]
         if s == 0:
-            first_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0.ru_minflt
+            f1 = thread_faults()
+            m1 = sj.memory_stats()
+            first_faults = f1[1] - f0[1]
+            first_bg_faults = f1[0] - f0[0]
+            first_on_demand = m1["pool_segments_on_demand"] - m0["pool_segments_on_demand"]
+            first_made_ahead = m1["pool_segments_made_ahead"] - m0["pool_segments_made_ahead"]
     end = sj.memory_stats()
     # Check the all-reduce against numpy on the known global input (after the timed loop).
     chk = jax.jit(
@@ -133,6 +168,10 @@ def child(a: argparse.Namespace) -> None:
     ok = bool(np.allclose(got, want, rtol=1e-5, atol=1e-6))
     first = multihost_utils.process_allgather(np.float64(times[0]))
     faults = multihost_utils.process_allgather(np.int64(first_faults))
+    extra = multihost_utils.process_allgather(
+        np.array([first_bg_faults, first_on_demand, first_made_ahead], np.int64)
+    ).reshape(-1, 3)
+    colls = multihost_utils.process_allgather(np.array(coll, np.float64)).reshape(-1, 2, 2)
     steady = multihost_utils.process_allgather(np.float64(np.median(times[a.warmup :])))
     if jax.process_index() == 0:
         res = {
@@ -145,6 +184,14 @@ def child(a: argparse.Namespace) -> None:
             "min_ms": min(times[a.warmup :]) * 1e3,
             "second_step_ms": times[1] * 1e3 if len(times) > 1 else float("nan"),
             "first_step_faults_max": int(np.max(faults)),
+            "first_step_coll_wait_ms": float(np.max(colls[:, 0, 0])) * 1e3,
+            "first_step_coll_move_ms": float(np.max(colls[:, 0, 1])) * 1e3,
+            "second_step_coll_move_ms": float(np.max(colls[:, 1, 1])) * 1e3,
+            "first_step_bg_faults_max": int(np.max(extra[:, 0])),
+            "first_step_on_demand_segs": int(np.sum(extra[:, 1])),
+            "first_step_made_ahead_segs": int(np.sum(extra[:, 2])),
+            "segments_made_ahead": end["pool_segments_made_ahead"],
+            "reserve_mib": end["pool_reserve_bytes"] / 2**20,
             "pool_segments": end["pool_segments"],
             "pool_segments_before": segs_before,
             "peer_segments_mapped": end["peer_segments_mapped"],
@@ -212,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     head = (
         f"{'rep':>3} {'mode':>9} {'first ms':>9} {'2nd ms':>7} {'steady ms':>10} "
-        f"{'faults1':>8} {'crit regs':>9} {'after wu':>8} {'crit s':>8} {'bg regs':>7} "
+        f"{'move1/2 ms':>11} {'faults1':>8} {'bgflt1':>7} {'new1 od/bg':>10} "
+        f"{'crit regs':>9} {'after wu':>8} {'crit s':>8} {'bg regs':>7} "
         f"{'segs':>5} {'zero-copy MiB':>13} {'staged MiB':>10} {'reg MiB':>8} {'pool MiB':>8}"
     )
     print(head, flush=True)
@@ -228,9 +276,12 @@ def main(argv: list[str] | None = None) -> int:
             res["repeat"] = rep
             rows.append(res)
             r = res
+            mv = f"{r['first_step_coll_move_ms']:.0f}/{r['second_step_coll_move_ms']:.0f}"
+            od_bg = f"{r['first_step_on_demand_segs']}/{r['first_step_made_ahead_segs']}"
             print(
                 f"{rep:3d} {r['mode']:>9} {r['first_step_ms']:9.1f} {r['second_step_ms']:7.1f} "
-                f"{r['steady_ms']:10.2f} {r['first_step_faults_max']:8d} {r['crit_regs']:9d} "
+                f"{r['steady_ms']:10.2f} {mv:>11} {r['first_step_faults_max']:8d} "
+                f"{r['first_step_bg_faults_max']:7d} {od_bg:>10} {r['crit_regs']:9d} "
                 f"{r['crit_regs_after_warmup']:8d} {r['crit_s']:8.4f} {r['offpath_regs']:7d} "
                 f"{str(r['pool_segments_before']) + '/' + str(r['pool_segments']):>5} "
                 f"{r['zero_copy_mib']:13.0f} {r['staged_mib']:10.0f} "

@@ -260,6 +260,11 @@ std::string ShmFabric::connect(int proc, int nprocs, const std::vector<std::stri
   if (mode != RegMode::kStaging && api.lookup && api.set_new_cb && api.set_free_cb) {
     api.set_free_cb(on_free_segment, this);
     api.set_new_cb(on_new_segment, this);
+    // on_alloc also keeps segments made, faulted in and exported ahead of demand, so that a
+    // burst of fresh buffers (a first training step) pays neither first touch nor registration.
+    auto set_reserve = reinterpret_cast<strata_alloc_set_reserve_fn>(
+        dlsym(RTLD_DEFAULT, "strata_alloc_set_reserve"));
+    if (mode == RegMode::kOnAlloc && set_reserve) set_reserve(SIZE_MAX);
   }
   // One bounce buffer registered now, off the critical path, for small unshareable buffers.
   std::string err;
