@@ -61,6 +61,15 @@ CASES = [
     ("callback", {"STRATA_ALLOC_CACHE_BYTES": "0"}),
     ("threshold", {"STRATA_ALLOC_THRESHOLD": "64K"}),
     ("disabled", {"STRATA_ALLOC_DISABLE": "1"}),
+    (
+        "reserve",
+        {
+            "STRATA_ALLOC_SEGMENT_BYTES": "4M",
+            "STRATA_ALLOC_RESERVE_BYTES": "8M",
+            "STRATA_ALLOC_RESERVE_DELAY_MS": "0",
+            "STRATA_ALLOC_CACHE_BYTES": "24M",
+        },
+    ),
 ]
 
 
