@@ -66,7 +66,6 @@ CASES = [
         {
             "STRATA_ALLOC_SEGMENT_BYTES": "4M",
             "STRATA_ALLOC_RESERVE_BYTES": "8M",
-            "STRATA_ALLOC_RESERVE_DELAY_MS": "0",
             "STRATA_ALLOC_CACHE_BYTES": "24M",
         },
     ),
