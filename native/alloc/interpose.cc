@@ -143,7 +143,7 @@ void LoadConfig() {
   // Two segments ahead of demand: measured with benchmarks/registration.py (4 processes, 64 MiB
   // of gradients each), the first training step needs 2-3 fresh 64 MiB segments per process.
   g_cfg.reserve_bytes = ParseBytes("STRATA_ALLOC_RESERVE_BYTES", 2 * g_cfg.segment_bytes);
-  g_cfg.reserve_delay_ms = ParseBytes("STRATA_ALLOC_RESERVE_DELAY_MS", 1000);  // a plain number
+  g_cfg.reserve_delay_ms = ParseBytes("STRATA_ALLOC_RESERVE_DELAY_MS", 200);  // a plain number
   long pages = sysconf(_SC_PHYS_PAGES);
   g_cfg.max_request = pages > 0 ? static_cast<size_t>(pages) * 4096 : size_t{1} << 40;
   const char* off = getenv("STRATA_ALLOC_DISABLE");

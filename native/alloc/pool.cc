@@ -205,7 +205,6 @@ pthread_cond_t g_reserve_cv = PTHREAD_COND_INITIALIZER;  // the reserve thread w
 size_t g_reserve_target, g_empty_bytes, g_reserve_inflight;
 bool g_reserve_started;
 bool g_reserve_stopped;  // a refill failed: no more until the next strata_alloc_set_reserve
-uint64_t g_empty_epoch;  // counts segments becoming wholly free (a deficit may have ended)
 uint64_t g_reserve_made, g_reserve_populated, g_reserve_failures, g_on_demand;
 std::atomic<bool> g_atfork_registered{false};
 
@@ -576,34 +575,38 @@ void Populate(uintptr_t base, size_t bytes) {
     reinterpret_cast<volatile char*>(base)[off] = 0;
 }
 
-// Waits (lock held) until the reserve has been short for the configured delay without any
-// segment becoming free meanwhile. false: the deficit ended (or the reserve was turned off).
-bool DeficitLasts() {
-  const Config* cfg = GetConfig();
-  if (!cfg->reserve_delay_ms) return true;
-  timespec until;
-  clock_gettime(CLOCK_REALTIME, &until);  // the condition variable's clock
-  until.tv_sec += static_cast<time_t>(cfg->reserve_delay_ms / 1000);
-  until.tv_nsec += static_cast<long>(cfg->reserve_delay_ms % 1000) * 1000000L;
-  if (until.tv_nsec >= 1000000000L) {
-    until.tv_sec += 1;
-    until.tv_nsec -= 1000000000L;
+// Waits (lock held) until the reserve is short and the pool has been quiet (no allocation or
+// free) for STRATA_ALLOC_RESERVE_DELAY_MS. false: the deficit ended (or the reserve was turned
+// off). A loop of steps allocates and frees all the time, so refills wait for its pauses.
+bool ShortAndQuiet() {
+  const size_t ms = GetConfig()->reserve_delay_ms;
+  while (ms) {
+    const uint64_t activity = g_pool_allocs + g_pool_frees;
+    timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);  // the condition variable's clock
+    until.tv_sec += static_cast<time_t>(ms / 1000);
+    until.tv_nsec += static_cast<long>(ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+      until.tv_sec += 1;
+      until.tv_nsec -= 1000000000L;
+    }
+    while (ReserveShort())
+      if (pthread_cond_timedwait(&g_reserve_cv, &g_mu, &until) == ETIMEDOUT) break;
+    if (!ReserveShort()) return false;
+    if (g_pool_allocs + g_pool_frees == activity) break;
   }
-  const uint64_t epoch = g_empty_epoch;
-  while (ReserveShort() && g_empty_epoch == epoch)
-    if (pthread_cond_timedwait(&g_reserve_cv, &g_mu, &until) == ETIMEDOUT) break;
-  return ReserveShort() && g_empty_epoch == epoch;
+  return ReserveShort();
 }
 
 // The reserve thread: makes a segment whenever the reserve is short, faults it in and hands it to
 // the pool (AdoptSegment wakes the background thread, which announces it). The first fill runs
 // at once and at normal priority (it happens at start-up, while the program compiles). Then the
 // thread switches itself to SCHED_IDLE, so that refills use only CPU time nobody else wants, and
-// refills only a deficit that outlasts STRATA_ALLOC_RESERVE_DELAY_MS (default 1 s) with no
-// segment becoming free meanwhile: a training step that takes the reserve for its temporaries
-// and frees them at its end causes no refill (measured: refilling after every first step slowed
-// the second one by 40-100 ms on 2 cores), while memory that stays taken (new parameters, a
-// larger batch) is replaced once the burst is over.
+// refills only when the pool has been quiet for STRATA_ALLOC_RESERVE_DELAY_MS (default 200): a
+// training loop that took the reserve in its first step is not slowed by refills between its
+// steps (measured on 2 cores: a refill during the steps slowed them by up to 40-100 ms), while
+// memory that stays taken (host arrays, new parameters) is replaced in the next pause (the
+// compilation before a first step).
 void* ReserveMain(void*) {
   sigset_t all;
   sigfillset(&all);
@@ -620,7 +623,7 @@ void* ReserveMain(void*) {
       }
       pthread_cond_wait(&g_reserve_cv, &g_mu);
     }
-    if (idle && !DeficitLasts()) continue;
+    if (idle && !ShortAndQuiet()) continue;
     const size_t size = ReserveSegmentBytes(GetConfig());
     g_reserve_inflight += size;
     pthread_mutex_unlock(&g_mu);
@@ -756,7 +759,6 @@ void PoolFree(void* p) {
     if (s->used == 0) {
       ++g_nempty;
       g_empty_bytes += s->size;
-      ++g_empty_epoch;
     }
     size_t cap = cfg ? cfg->cache_cap : 0;
     if (g_cached > cap && g_nempty > 0) nrel = TrimCache(s, rel, 8, cap);

@@ -436,7 +436,7 @@ static void case_callback(void) {
 }
 
 /* The reserve: run with STRATA_ALLOC_SEGMENT_BYTES=4M STRATA_ALLOC_RESERVE_BYTES=8M
- * STRATA_ALLOC_CACHE_BYTES=24M (and the default 1 s refill delay). */
+ * STRATA_ALLOC_CACHE_BYTES=24M (and the default refill delay: 200 ms of a quiet pool). */
 static strata_alloc_reserve_t reserve_stats(void) {
   strata_alloc_reserve_t r;
   reserve_stats_fn(&r);
@@ -473,7 +473,16 @@ static void case_reserve(void) {
   CHECK(resident_pages(a, 6 * MiB) == (int)(6 * MiB / 4096));  /* before any write here */
   CHECK(reserve_stats().segments_on_demand == on_demand);
   fill(a, 6 * MiB, 11);
-  /* the deficit lasts (a stays allocated): after the delay the reserve thread replaces it */
+  /* the deficit lasts (a stays allocated), but while the pool is busy (a loop of steps) nothing
+   * is refilled */
+  for (int i = 0; i < 60; ++i) {
+    void* t = malloc(512 * 1024);
+    CHECK(in_pool(t, 1));
+    free(t);
+    usleep(10000);
+  }
+  CHECK(reserve_stats().segments_made == 1);
+  /* the deficit lasts (a stays allocated) and the pool is quiet: the reserve thread replaces it */
   wait_made(2);
   r = reserve_stats();
   CHECK(r.empty_bytes >= 8 * MiB && r.bytes_populated == 16 * MiB);
@@ -483,7 +492,7 @@ static void case_reserve(void) {
   CHECK(reserve_stats().segments_on_demand == on_demand);
   /* a deficit that ends within the delay (b freed at once) is not refilled */
   free(b);
-  usleep(1500000);
+  usleep(600000);
   CHECK(reserve_stats().segments_made == 2);
   CHECK(check_fill(a, 6 * MiB, 11));
   /* at most half the cache cap (24M: 12M, whole 4M segments); 0 turns it off */
