@@ -711,32 +711,32 @@ PoolResult PoolAlloc(size_t size, size_t align) {
   if (!cfg || !cfg->enabled || size > cfg->max_request) return {nullptr, 0};
   if (align < kMinAlign) align = kMinAlign;
   size_t req = AlignUp(size, kGranule);
-  for (int attempt = 0; attempt < 2; ++attempt) {
-    {
-      Lock lock;
-      if (Block* b = FindFit(req, align)) {
-        if (Block* got = Carve(b, req, align)) return Finish(got, size);
-        return {nullptr, 0};
-      }
-    }
-    if (attempt == 1) break;
-    // No room: map a new segment outside the lock, then retry (another thread may win the space;
-    // then the new segment simply stays cached).
-    size_t need = req + (align > kGranule ? align : 0);
-    size_t seg = need > cfg->segment_bytes / 4 ? AlignUp(need, kLargeRound) : cfg->segment_bytes;
-    Released r;
-    if (!CreateSegment(seg, &r)) return {nullptr, 0};
-    bool ok;
-    {
-      Lock lock;
-      ok = AdoptSegment(r);
-      if (ok) ++g_on_demand;
-    }
-    if (!ok) {
-      UnmapReleased(&r, 1);
+  {
+    Lock lock;
+    if (Block* b = FindFit(req, align)) {
+      if (Block* got = Carve(b, req, align)) return Finish(got, size);
       return {nullptr, 0};
     }
   }
+  // No room: map a new segment outside the lock, then add it and carve from it under one lock
+  // hold. (Adding, unlocking and retrying let a concurrent free under a small cache cap release
+  // the still-empty new segment first, and this request fell back to libc: 16% of runs of
+  // alloc_check's callback case with STRATA_ALLOC_CACHE_BYTES=0.)
+  size_t need = req + (align > kGranule ? align : 0);
+  size_t seg = need > cfg->segment_bytes / 4 ? AlignUp(need, kLargeRound) : cfg->segment_bytes;
+  Released r;
+  if (!CreateSegment(seg, &r)) return {nullptr, 0};
+  {
+    Lock lock;
+    if (AdoptSegment(r)) {
+      ++g_on_demand;
+      // Another thread may have freed room meanwhile; then the new segment stays cached.
+      if (Block* b = FindFit(req, align))
+        if (Block* got = Carve(b, req, align)) return Finish(got, size);
+      return {nullptr, 0};
+    }
+  }
+  UnmapReleased(&r, 1);
   return {nullptr, 0};
 }
 
@@ -861,7 +861,8 @@ STRATA_ALLOC_API void strata_alloc_flush(void) {
 
 STRATA_ALLOC_API size_t strata_alloc_set_reserve(size_t bytes) {
   const Config* cfg = GetConfig();
-  if (!cfg || !cfg->enabled) return 0;
+  // Not the process's allocator (dlopen'ed, not preloaded): nobody would use the reserve.
+  if (!cfg || !cfg->enabled || !strata_alloc_active()) return 0;
   if (bytes == SIZE_MAX) bytes = cfg->reserve_bytes;
   // Whole segments, at most half the cache cap (past the cap, frees would trim the reserve).
   const size_t seg = cfg->segment_bytes;
