@@ -17,7 +17,7 @@
  *                               default 64M. Requests above a quarter of it get their own segment,
  *                               rounded up to a multiple of 2 MiB.
  *   STRATA_ALLOC_RESERVE_BYTES  the reserve strata_alloc_set_reserve(SIZE_MAX) keeps (rounded up
- *                               to whole segments); default two segments (128M). 0: none.
+ *                               to whole segments, made as one segment); default 128M. 0: none.
  *   STRATA_ALLOC_RESERVE_DELAY_MS  a reserve deficit is refilled once the pool has been quiet (no
  *                               allocation or free) this long; default 200. 0: at once.
  *   STRATA_ALLOC_DISABLE=1      interpose but serve everything from libc.
