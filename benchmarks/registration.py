@@ -5,14 +5,20 @@ strata_jax.pmean across P processes (one device each), and updates the parameter
 XLA reuses their memory): the allocation pattern of a data-parallel training step. Each mode runs
 as its own launcher run (the mode is fixed at strata_jax.init()):
 
-- on_alloc: the allocator registers each new segment from its background thread;
+- on_alloc: the allocator registers each new segment from its background thread, and keeps a
+            reserve of memory made, faulted in and registered ahead of demand;
 - on_use:   a collective registers the segments it meets the first time (on the critical path);
 - staging:  no registration of XLA memory; every collective copies through bounce buffers.
 
-Reported per mode (times are the max over processes): the first step after compilation (fresh
-memory: allocation, first touch and registration all land in it), the steady-state median step,
-and the counters of strata_jax.memory_stats(): registrations on / off the critical path (total,
-and after warm-up), zero-copy and staged bytes, registered and pool bytes.
+Reported per run (times are the max over processes): the first step after compilation (fresh
+memory: allocation, first touch and registration all land in it), the second, the steady-state
+median step; for the first step also the time in collectives moving data (against the second
+step's), the page faults of the application's threads and of the allocator's own threads
+(max over processes), and the segments created inside malloc vs made ahead by the reserve
+(summed over processes); and the counters of strata_jax.memory_stats(): registrations on / off
+the critical path (total, and after warm-up), pool segments (before the first step / at the
+end), zero-copy and staged bytes, registered and pool bytes. With --repeats N the mode sequence
+runs N times (order rotated) and a summary gives each mode's medians and [min, max].
 
     python benchmarks/registration.py                      # 4 processes, 64 MiB of gradients
     python benchmarks/registration.py --procs 2 --mbytes 16 --steps 20
