@@ -61,6 +61,14 @@ CASES = [
     ("callback", {"STRATA_ALLOC_CACHE_BYTES": "0"}),
     ("threshold", {"STRATA_ALLOC_THRESHOLD": "64K"}),
     ("disabled", {"STRATA_ALLOC_DISABLE": "1"}),
+    (
+        "reserve",
+        {
+            "STRATA_ALLOC_SEGMENT_BYTES": "4M",
+            "STRATA_ALLOC_RESERVE_BYTES": "8M",
+            "STRATA_ALLOC_CACHE_BYTES": "24M",
+        },
+    ),
 ]
 
 
@@ -151,6 +159,8 @@ def test_loaded_without_preload_is_inert(alloc_lib):
         p = ctypes.c_void_p(a.ctypes.data)
         assert lib.strata_alloc_lookup(p, ctypes.c_size_t(8), None) == 0
         assert lib.strata_alloc_abi_version() == 1
+        lib.strata_alloc_set_reserve.restype = ctypes.c_size_t
+        assert lib.strata_alloc_set_reserve(ctypes.c_size_t(64 << 20)) == 0  # no reserve made
         print("inert ok")
         """
     )

@@ -34,6 +34,8 @@ struct Config {
   size_t cache_cap;      // STRATA_ALLOC_CACHE_BYTES
   size_t segment_bytes;  // shared segment size
   size_t max_request;    // larger requests go to libc (physical memory: avoid SIGBUS on overcommit)
+  size_t reserve_bytes;  // STRATA_ALLOC_RESERVE_BYTES: strata_alloc_set_reserve(SIZE_MAX)'s target
+  size_t reserve_delay_ms;  // STRATA_ALLOC_RESERVE_DELAY_MS: quiet time before a refill
   bool enabled;
 };
 // Loaded once the environment is readable; until then the pool is off. Returns nullptr if not yet.

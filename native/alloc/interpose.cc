@@ -140,6 +140,10 @@ void LoadConfig() {
   g_cfg.segment_bytes =
       AlignUp(ParseBytes("STRATA_ALLOC_SEGMENT_BYTES", size_t{64} << 20), kLargeRound);
   if (g_cfg.segment_bytes == 0) g_cfg.segment_bytes = kLargeRound;
+  // 128 MiB by default: in benchmarks/registration.py (4 processes, 64 MiB of gradients each)
+  // the first training step takes one fresh 80 MiB block per process (XLA's temporaries).
+  g_cfg.reserve_bytes = ParseBytes("STRATA_ALLOC_RESERVE_BYTES", 2 * g_cfg.segment_bytes);
+  g_cfg.reserve_delay_ms = ParseBytes("STRATA_ALLOC_RESERVE_DELAY_MS", 200);  // a plain number
   long pages = sysconf(_SC_PHYS_PAGES);
   g_cfg.max_request = pages > 0 ? static_cast<size_t>(pages) * 4096 : size_t{1} << 40;
   const char* off = getenv("STRATA_ALLOC_DISABLE");

@@ -16,6 +16,10 @@
  *   STRATA_ALLOC_SEGMENT_BYTES  size of the shared segments small-ish requests are carved from;
  *                               default 64M. Requests above a quarter of it get their own segment,
  *                               rounded up to a multiple of 2 MiB.
+ *   STRATA_ALLOC_RESERVE_BYTES  the reserve strata_alloc_set_reserve(SIZE_MAX) keeps (rounded up
+ *                               to whole segments, made as one segment); default 128M. 0: none.
+ *   STRATA_ALLOC_RESERVE_DELAY_MS  a reserve deficit is refilled once the pool has been quiet (no
+ *                               allocation or free) this long; default 200. 0: at once.
  *   STRATA_ALLOC_DISABLE=1      interpose but serve everything from libc.
  */
 #ifndef STRATA_ALLOC_STRATA_ALLOC_H_
@@ -55,6 +59,16 @@ typedef struct strata_alloc_stats_t {
   uint64_t cache_cap;          /* effective STRATA_ALLOC_CACHE_BYTES */
 } strata_alloc_stats_t;
 
+/* The reserve (strata_alloc_set_reserve). */
+typedef struct strata_alloc_reserve_t {
+  uint64_t target_bytes;       /* bytes kept ahead of demand (0: no reserve) */
+  uint64_t empty_bytes;        /* bytes in wholly free segments now */
+  uint64_t segments_made;      /* segments the background thread made ahead of demand */
+  uint64_t bytes_populated;    /* bytes it faulted in for them */
+  uint64_t failures;           /* refills that failed (the reserve then stops until re-set) */
+  uint64_t segments_on_demand; /* segments created inside malloc, on the caller's thread */
+} strata_alloc_reserve_t;
+
 typedef void (*strata_seg_callback)(const strata_seg_info* info, void* user);
 
 /* 1 if [p, p+len) lies inside one shareable pool segment (out filled), else 0. Lock-free (seqlock);
@@ -79,6 +93,18 @@ STRATA_ALLOC_API void strata_alloc_flush(void);
 
 STRATA_ALLOC_API void strata_alloc_stats(strata_alloc_stats_t* out);
 
+/* Keep at least `bytes` (rounded up to whole segments, at most half of STRATA_ALLOC_CACHE_BYTES)
+ * in wholly free segments made ahead of demand: whenever an allocation takes the first block of
+ * an empty segment and the rest falls below the target, the background thread creates a segment,
+ * faults in every page (allocation and zeroing by the kernel happen there, not in the thread
+ * that first writes a buffer) and adds it to the pool, where it is announced to the new-segment
+ * callback like any other. So a burst of fresh allocations (the first step of a training loop)
+ * finds memory that is already faulted in and registered. SIZE_MAX: STRATA_ALLOC_RESERVE_BYTES;
+ * 0: no reserve (segments made so far stay cached). Returns the effective target. Costs the
+ * reserve's resident memory. */
+STRATA_ALLOC_API size_t strata_alloc_set_reserve(size_t bytes);
+STRATA_ALLOC_API void strata_alloc_reserve_stats(strata_alloc_reserve_t* out);
+
 /* 1 when this library's malloc family is the one the process uses (LD_PRELOAD) and the pool is on.
  */
 STRATA_ALLOC_API int strata_alloc_active(void);
@@ -94,6 +120,8 @@ typedef int (*strata_alloc_lookup_fn)(const void*, size_t, strata_seg_info*);
 typedef void (*strata_alloc_set_callback_fn)(strata_seg_callback, void*);
 typedef void (*strata_alloc_stats_fn)(strata_alloc_stats_t*);
 typedef int (*strata_alloc_active_fn)(void);
+typedef size_t (*strata_alloc_set_reserve_fn)(size_t);
+typedef void (*strata_alloc_reserve_stats_fn)(strata_alloc_reserve_t*);
 
 #ifdef __cplusplus
 }

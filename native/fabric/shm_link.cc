@@ -87,6 +87,17 @@ bool prefault_enabled() {
   return v && *v && std::strcmp(v, "0") != 0;
 }
 
+// True when every page of a just-mapped peer segment is already in memory: the owner's
+// allocator made it ahead of demand and faulted it in (its reserve). mincore reports the page
+// cache behind a shared mapping whether or not this process has touched it.
+bool all_resident(void* base, size_t size) {
+  std::vector<unsigned char> v((size + 4095) / 4096);
+  if (mincore(base, size, v.data()) != 0) return false;
+  for (unsigned char c : v)
+    if (!(c & 1)) return false;
+  return true;
+}
+
 void on_new_segment(const strata_seg_info* info, void* user) {
   auto* f = static_cast<ShmFabric*>(user);
   if (f->mode() != RegMode::kOnAlloc) return;  // on_use: exported when a collective meets it
@@ -262,6 +273,11 @@ std::string ShmFabric::connect(int proc, int nprocs, const std::vector<std::stri
   if (mode != RegMode::kStaging && api.lookup && api.set_new_cb && api.set_free_cb) {
     api.set_free_cb(on_free_segment, this);
     api.set_new_cb(on_new_segment, this);
+    // on_alloc also keeps segments made, faulted in and exported ahead of demand, so that a
+    // burst of fresh buffers (a first training step) pays neither first touch nor registration.
+    auto set_reserve = reinterpret_cast<strata_alloc_set_reserve_fn>(
+        dlsym(RTLD_DEFAULT, "strata_alloc_set_reserve"));
+    if (mode == RegMode::kOnAlloc && set_reserve) set_reserve(SIZE_MAX);
   }
   // One bounce buffer registered now, off the critical path, for small unshareable buffers.
   std::string err;
@@ -438,6 +454,12 @@ void ShmFabric::receiver_main() {
           mapped_[{who[i], m.id}] = {static_cast<char*>(base), m.size};
         }
         map_cv_.notify_all();
+#ifdef MADV_POPULATE_WRITE
+        // on_alloc: a segment the owner made and faulted in ahead of demand gets its page-table
+        // entries here too, now (after it is usable), so no collective takes a fault on it.
+        if (!prefault && mode_ == RegMode::kOnAlloc && all_resident(base, m.size))
+          madvise(base, m.size, MADV_POPULATE_WRITE);
+#endif
         stats().mapped_segments.fetch_add(1, std::memory_order_relaxed);
         stats().mapped_bytes.fetch_add(m.size, std::memory_order_relaxed);
       } else if (m.type == kFreeSeg) {

@@ -1,4 +1,5 @@
 // The nanobind module strata_jax._strata: FFI handler capsules, settings and counters.
+#include <dlfcn.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -196,6 +197,16 @@ NB_MODULE(_strata, m) {
     d["pool_bytes_cached"] = a.bytes_cached;
     d["pool_allocs"] = a.pool_allocs;
     d["pool_threshold"] = api.stats ? a.threshold : UINT64_MAX;
+    // The reserve (on_alloc): segments made and faulted in ahead of demand by the allocator's
+    // thread, and segments that malloc had to create on the caller's thread.
+    strata_alloc_reserve_t r{};
+    static const auto reserve_stats = reinterpret_cast<strata_alloc_reserve_stats_fn>(
+        dlsym(RTLD_DEFAULT, "strata_alloc_reserve_stats"));
+    if (reserve_stats && api.lookup) reserve_stats(&r);
+    d["pool_reserve_bytes"] = r.target_bytes;
+    d["pool_segments_made_ahead"] = r.segments_made;
+    d["pool_segments_on_demand"] = r.segments_on_demand;
+    d["pool_bytes_prefaulted"] = r.bytes_populated;
     return d;
   });
 }

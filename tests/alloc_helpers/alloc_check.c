@@ -33,6 +33,8 @@ static void (*set_free_cb)(strata_seg_callback, void*);
 static void (*flush_fn)(void);
 static int (*active_fn)(void);
 static int (*check_fn)(void);
+static size_t (*set_reserve_fn)(size_t);
+static void (*reserve_stats_fn)(strata_alloc_reserve_t*);
 
 extern void* __libc_malloc(size_t);
 
@@ -46,6 +48,10 @@ static void load_api(void) {
   flush_fn = (void (*)(void))dlsym(RTLD_DEFAULT, "strata_alloc_flush");
   active_fn = (int (*)(void))dlsym(RTLD_DEFAULT, "strata_alloc_active");
   check_fn = (int (*)(void))dlsym(RTLD_DEFAULT, "strata_alloc_check");
+  set_reserve_fn = (size_t (*)(size_t))dlsym(RTLD_DEFAULT, "strata_alloc_set_reserve");
+  reserve_stats_fn =
+      (void (*)(strata_alloc_reserve_t*))dlsym(RTLD_DEFAULT, "strata_alloc_reserve_stats");
+  CHECK(set_reserve_fn && reserve_stats_fn);
   CHECK(check_fn && lookup_fn && stats_fn && set_new_cb && set_free_cb && flush_fn && active_fn);
 }
 
@@ -429,6 +435,77 @@ static void case_callback(void) {
   CHECK(s.segments == 0);
 }
 
+/* The reserve: run with STRATA_ALLOC_SEGMENT_BYTES=4M STRATA_ALLOC_RESERVE_BYTES=8M
+ * STRATA_ALLOC_CACHE_BYTES=24M (and the default refill delay: 200 ms of a quiet pool). */
+static strata_alloc_reserve_t reserve_stats(void) {
+  strata_alloc_reserve_t r;
+  reserve_stats_fn(&r);
+  return r;
+}
+/* Waits (up to 60 s: the refills run at SCHED_IDLE on a possibly busy machine) until the
+ * reserve thread has made `n` segments. */
+static void wait_made(uint64_t n) {
+  for (int i = 0; i < 6000 && reserve_stats().segments_made < n; ++i) usleep(10000);
+  CHECK(reserve_stats().segments_made == n);
+}
+static int resident_pages(void* p, size_t n) {
+  size_t pages = n / 4096;
+  unsigned char* v = __libc_malloc(pages);
+  CHECK(v && mincore(p, n, v) == 0);
+  size_t in = 0;
+  for (size_t i = 0; i < pages; ++i) in += v[i] & 1;
+  return (int)in;
+}
+static void case_reserve(void) {
+  CHECK(reserve_stats().target_bytes == 0);
+  CHECK(set_reserve_fn(SIZE_MAX) == 8 * MiB);  /* STRATA_ALLOC_RESERVE_BYTES */
+  wait_made(1);                                /* the first fill: one 8 MiB segment, at once */
+  strata_alloc_reserve_t r = reserve_stats();
+  CHECK(r.target_bytes == 8 * MiB && r.bytes_populated == 8 * MiB && r.failures == 0);
+  CHECK(r.empty_bytes >= 8 * MiB);
+  uint64_t on_demand = r.segments_on_demand;
+  /* 6 MiB is more than a quarter of a 4 MiB segment, so without the reserve it would get a
+   * segment of its own on this thread; the reserve's 8 MiB segment serves it, already resident */
+  unsigned char* a = malloc(6 * MiB);
+  strata_seg_info info;
+  CHECK(lookup_fn(a, 6 * MiB, &info) && info.size == 8 * MiB);
+  uint64_t first_id = info.segment_id;
+  CHECK(resident_pages(a, 6 * MiB) == (int)(6 * MiB / 4096));  /* before any write here */
+  CHECK(reserve_stats().segments_on_demand == on_demand);
+  fill(a, 6 * MiB, 11);
+  /* the deficit lasts (a stays allocated), but while the pool is busy (a loop of steps) nothing
+   * is refilled */
+  for (int i = 0; i < 60; ++i) {
+    void* t = malloc(512 * 1024);
+    CHECK(in_pool(t, 1));
+    free(t);
+    usleep(10000);
+  }
+  CHECK(reserve_stats().segments_made == 1);
+  /* the deficit lasts (a stays allocated) and the pool is quiet: the reserve thread replaces it */
+  wait_made(2);
+  r = reserve_stats();
+  CHECK(r.empty_bytes >= 8 * MiB && r.bytes_populated == 16 * MiB);
+  unsigned char* b = malloc(6 * MiB);  /* from the replacement */
+  CHECK(lookup_fn(b, 1, &info) && info.size == 8 * MiB && info.segment_id != first_id);
+  CHECK(resident_pages(b, 6 * MiB) == (int)(6 * MiB / 4096));
+  CHECK(reserve_stats().segments_on_demand == on_demand);
+  /* a deficit that ends within the delay (b freed at once) is not refilled */
+  free(b);
+  usleep(600000);
+  CHECK(reserve_stats().segments_made == 2);
+  CHECK(check_fill(a, 6 * MiB, 11));
+  /* at most half the cache cap (24M: 12M, whole 4M segments); 0 turns it off */
+  CHECK(set_reserve_fn((size_t)1 << 40) == 12 * MiB);
+  CHECK(set_reserve_fn(0) == 0 && reserve_stats().target_bytes == 0);
+  void* c = malloc(7 * MiB);  /* the free 8 MiB segment serves it; the next one is on demand */
+  void* d = malloc(7 * MiB);
+  CHECK(reserve_stats().segments_on_demand == on_demand + 1);
+  free(a);
+  free(c);
+  free(d);
+}
+
 static void case_fork(void) {
   /* after fork, the child's writes to pool memory must not reach the parent */
   unsigned char* p = malloc(4 * MiB);
@@ -486,7 +563,7 @@ int main(int argc, char** argv) {
       {"threads", case_threads}, {"sizes", case_sizes},     {"foreign", case_foreign},
       {"cache", case_cache},     {"cache_zero", case_cache_zero}, {"reuse", case_reuse},
       {"lookup", case_lookup},   {"callback", case_callback}, {"fork", case_fork},
-      {"threshold", case_threshold}, {"disabled", case_disabled},
+      {"threshold", case_threshold}, {"disabled", case_disabled}, {"reserve", case_reserve},
   };
   for (unsigned i = 0; i < sizeof(cases) / sizeof(cases[0]); ++i) {
     if (strcmp(c, cases[i].name) == 0) {

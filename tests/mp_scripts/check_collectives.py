@@ -164,6 +164,13 @@ print(
     f"{stats['registrations_critical']}",
     flush=True,
 )
+# on_alloc keeps a reserve of segments made and faulted in ahead of demand (default 128 MiB, in
+# one segment); the other modes keep none.
+if mode == "on_alloc":
+    assert stats["pool_reserve_bytes"] == 128 << 20, stats
+    assert stats["pool_segments_made_ahead"] >= 1, stats
+else:
+    assert stats["pool_reserve_bytes"] == 0 and stats["pool_segments_made_ahead"] == 0, stats
 if mode == "staging":
     assert stats["zero_copy_bytes"] == 0, stats
 else:
