@@ -177,7 +177,11 @@ def reexec_with_allocator(enabled: bool = True) -> str:
     a no-op when ``enabled`` is false or the library is not found (the line says so).
     """
     if "strata_alloc" in os.environ.get("LD_PRELOAD", ""):
-        return "libstrata_alloc (LD_PRELOAD): XLA buffers of every implementation from its pool"
+        cap = os.environ.get("STRATA_ALLOC_CACHE_BYTES", "1G")
+        return (
+            f"libstrata_alloc (LD_PRELOAD, cache {cap}): XLA buffers of every implementation "
+            "from its pool"
+        )
     if not enabled:
         return "glibc (--no-preload): large XLA buffers are fresh mmapped pages every call"
     try:
@@ -189,6 +193,11 @@ def reexec_with_allocator(enabled: bool = True) -> str:
         return "glibc (libstrata_alloc.so not found)"
     pre = os.environ.get("LD_PRELOAD")
     os.environ["LD_PRELOAD"] = f"{lib}:{pre}" if pre else lib
+    # A sweep keeps several sets of 8 x 64 MiB buffers alive (input, reference, each
+    # implementation's last output) and frees 512 MiB a call: past the default 1 GiB cap on
+    # cached free memory the pool would release and remake segments every call, i.e. fresh
+    # pages again. Your own setting wins.
+    os.environ.setdefault("STRATA_ALLOC_CACHE_BYTES", "4G")
     sys.stdout.flush()
     os.execv(sys.executable, [sys.executable, *sys.argv])
     raise AssertionError("unreachable")
