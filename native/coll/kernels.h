@@ -41,13 +41,15 @@ void copy_fence();
 
 // Outputs of at least kHugeOutputBytes: before a call writes its output, prepare_output asks the
 // kernel for transparent huge pages on the buffer's 2 MiB-aligned interior (madvise
-// MADV_HUGEPAGE). XLA CPU allocates each large output with posix_memalign, which glibc serves
-// from a fresh mmap above its mmap threshold, so the first write faults every 4 KiB page in:
-// 131,072 faults (~2 us each here) per 512 MiB of outputs, more than the copy itself. With the
-// advice the same first write takes one fault per 2 MiB. Memory that is already populated (a
-// reused heap block, a pool segment) is left as it is. Off with STRATA_THP=0; a no-op where the
-// kernel has no THP.
-constexpr size_t kHugeOutputBytes = 2 << 20;
+// MADV_HUGEPAGE). XLA CPU allocates each large output with posix_memalign; glibc serves every
+// request of 32 MiB or more (its largest mmap threshold) from a fresh mmap and unmaps it at free,
+// so the first write faults every 4 KiB page in: 131,072 faults (~2 us each here) per 512 MiB of
+// outputs, more than the copy itself. With the advice the same first write takes one fault per
+// 2 MiB. Below 32 MiB glibc may hand out reused, already populated heap memory, where the advice
+// measured harmful (a 16 MiB psum 2-5x slower: huge-page collapse and compaction on reuse), so
+// the threshold is glibc's. Off with STRATA_THP=0; a no-op where the kernel has no THP or the
+// memory is not anonymous (a pool segment).
+constexpr size_t kHugeOutputBytes = size_t{32} << 20;
 void prepare_output(void* dst, size_t bytes);
 
 }  // namespace strata
