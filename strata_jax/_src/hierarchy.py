@@ -142,7 +142,18 @@ group_collective_p = core.Primitive("strata_group_collective")
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "permute")
 
 
-def _gc(x, kind: str, engine: str, groups, *, reduce: str = "sum", pairs=()):
+def _gc(
+    x,
+    kind: str,
+    engine: str,
+    groups,
+    *,
+    reduce: str = "sum",
+    pairs=(),
+    split: int = 0,
+    concat: int = 0,
+):
+    """One collective over explicit groups; ``split``/``concat``: all_to_all's (tiled) axes."""
     return group_collective_p.bind(
         x,
         kind=kind,
@@ -150,15 +161,22 @@ def _gc(x, kind: str, engine: str, groups, *, reduce: str = "sum", pairs=()):
         groups=tuple(map(tuple, groups)),
         reduce=reduce,
         pairs=tuple(pairs),
+        split=int(split),
+        concat=int(concat),
     )
 
 
-def _gc_abstract_eval(aval, *, kind, engine, groups, reduce, pairs):
+def _gc_abstract_eval(aval, *, kind, engine, groups, reduce, pairs, split, concat):
     n = len(groups[0])
     if kind == "reduce_scatter":
         return aval.update(shape=(aval.shape[0] // n, *aval.shape[1:]))
     if kind == "all_gather":
         return aval.update(shape=(aval.shape[0] * n, *aval.shape[1:]))
+    if kind == "all_to_all":
+        shape = list(aval.shape)
+        shape[split] //= n
+        shape[concat] *= n
+        return aval.update(shape=tuple(shape))
     return aval
 
 
@@ -188,7 +206,7 @@ def _add_reducer(ctx, op, dtype, reduce: str) -> None:
         hlo.return_(flat)
 
 
-def _xla_lowering(ctx, x, *, kind, groups, reduce, pairs):
+def _xla_lowering(ctx, x, *, kind, groups, reduce, pairs, split=0, concat=0):
     (aval_in,), (aval_out,) = ctx.avals_in, ctx.avals_out
     rg = _groups_attr(groups)
     gids = ir.BoolAttr.get(True)
@@ -221,8 +239,8 @@ def _xla_lowering(ctx, x, *, kind, groups, reduce, pairs):
     if kind == "all_to_all":
         return hlo.AllToAllOp(
             [x],
-            split_dimension=mlir.i64_attr(0),
-            concat_dimension=mlir.i64_attr(0),
+            split_dimension=mlir.i64_attr(split),
+            concat_dimension=mlir.i64_attr(concat),
             split_count=mlir.i64_attr(len(groups[0])),
             replica_groups=rg,
             channel_handle=_channel(),
@@ -245,7 +263,7 @@ _STRATA_TARGETS = {
 _REDUCE_CODES = {"sum": 0, "max": 1, "min": 2}
 
 
-def _strata_lowering(ctx, x, *, kind, groups, reduce, pairs):
+def _strata_lowering(ctx, x, *, kind, groups, reduce, pairs, split=0, concat=0):
     """One strata call over explicit intra-fabric groups (``lowering.lower_strata_call``)."""
     if kind not in _STRATA_TARGETS:
         return _xla_lowering(ctx, x, kind=kind, groups=groups, reduce=reduce, pairs=pairs)
@@ -253,7 +271,7 @@ def _strata_lowering(ctx, x, *, kind, groups, reduce, pairs):
     if kind == "reduce_scatter":
         attrs["reduce"] = np.int32(_REDUCE_CODES[reduce])
     elif kind == "all_to_all":
-        attrs.update(split_axis=0, concat_axis=0)
+        attrs.update(split_axis=np.int64(split), concat_axis=np.int64(concat))
     elif kind == "permute":
         # The same local pattern in every group (checked by the caller): take the first's.
         first = {pid: r for r, pid in enumerate(groups[0])}
@@ -276,13 +294,14 @@ def _count_inter(ctx, x, nbytes: int) -> None:
     rule(sub, x, bytes=np.int64(nbytes))
 
 
-def _gc_lowering(ctx, x, *, kind, engine, groups, reduce, pairs):
+def _gc_lowering(ctx, x, *, kind, engine, groups, reduce, pairs, split, concat):
+    kw = dict(kind=kind, groups=groups, reduce=reduce, pairs=pairs, split=split, concat=concat)
     if engine == "strata":
-        out = _strata_lowering(ctx, x, kind=kind, groups=groups, reduce=reduce, pairs=pairs)
+        out = _strata_lowering(ctx, x, **kw)
     else:
         (aval_in,) = ctx.avals_in
         _count_inter(ctx, x, int(aval_in.size) * aval_in.dtype.itemsize)
-        out = _xla_lowering(ctx, x, kind=kind, groups=groups, reduce=reduce, pairs=pairs)
+        out = _xla_lowering(ctx, x, **kw)
     return [out]
 
 
@@ -332,25 +351,41 @@ def _reduce_scatter(x, p: Plan, reduce: str):
 
 
 def _all_to_all(x, p: Plan, split_axis: int, concat_axis: int):
+    """Tiled all_to_all, with no data movement besides the two exchanges.
+
+    x's split axis is viewed as [F (dest fabric slot), L*b] (a free reshape). Inside the
+    fabric, strata splits the L*b part by destination local index and concatenates what it
+    receives along the concat axis (source local index major): each member then holds, for
+    every destination fabric, one contiguous-by-slot aggregate of everything its fabric sends
+    to its own local index there. Across fabrics, XLA's all_to_all splits the F axis and
+    concatenates along the same concat axis (source fabric major), so the concat axis ends up
+    in (f, l) order: group order whenever the group lists each fabric's members together (else
+    one static reorder of the n source blocks). No transposes: the strata copy is strided.
+    """
     n = len(p.groups[0])
-    xs = jnp.moveaxis(x, split_axis, 0)
-    b = xs.shape[0] // n
-    rest = xs.shape[1:]
-    xs = xs.reshape(n, b, *rest)
     if p.L == 1 or not p.uniform:
-        z = _gc(xs.reshape(n * b, *rest), "all_to_all", "xla", p.groups).reshape(n, b, *rest)
-    else:
-        v = xs[p.perm_lf()].reshape(n * b, *rest)  # blocks by (dest l, dest f)
-        v = _gc(v, "all_to_all", "strata", p.intra)  # [src l', dest f, b]
-        v = v.reshape(p.L, p.F, b, *rest).swapaxes(0, 1).reshape(n * b, *rest)
-        v = _gc(v, "all_to_all", "xla", p.inter)  # [src f, src l', b]
-        z = v.reshape(n, b, *rest)[np.argsort(p.perm_fl())]  # sources in group order
-    # z[g]: block from source g, split axis first. Back to x's layout, sources along concat.
-    w = jnp.moveaxis(z, 1, split_axis + 1)  # [n, *x.shape with split dim b]
-    w = jnp.moveaxis(w, 0, concat_axis)
-    shape = list(w.shape)
-    shape[concat_axis : concat_axis + 2] = [shape[concat_axis] * shape[concat_axis + 1]]
-    return w.reshape(shape)
+        return _gc(x, "all_to_all", "xla", p.groups, split=split_axis, concat=concat_axis)
+    s, c = split_axis, concat_axis
+    fl = p.perm_fl()  # group ranks in (f, l) order
+    in_order = np.array_equal(fl, np.arange(n))
+    shape = x.shape
+    b = shape[s] // n
+    if not in_order:  # destination blocks into (f, l) order (one static gather)
+        x = _take_blocks(x, s, n, fl)
+    v = x.reshape(*shape[:s], p.F, p.L * b, *shape[s + 1 :])
+    c1 = c if c < s else c + 1  # the concat axis in v (c == s: the L*b part)
+    v = _gc(v, "all_to_all", "strata", p.intra, split=s + 1, concat=c1)
+    v = _gc(v, "all_to_all", "xla", p.inter, split=s, concat=c1)  # axis s: F -> 1
+    v = v.reshape(*v.shape[:s], *v.shape[s + 1 :])  # c1 - 1 == c when c >= s
+    if not in_order:  # source blocks from (f, l) order back into group order
+        v = _take_blocks(v, c, n, np.argsort(fl))
+    return v
+
+
+def _take_blocks(v, axis: int, n: int, order: np.ndarray):
+    """v with its ``axis`` cut into n equal blocks, block i of the result = block order[i]."""
+    w = v.reshape(*v.shape[:axis], n, v.shape[axis] // n, *v.shape[axis + 1 :])
+    return jnp.take(w, order, axis=axis).reshape(v.shape)
 
 
 def _bits_or(a, b):
