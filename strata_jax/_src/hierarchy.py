@@ -307,6 +307,24 @@ def _gc_lowering(ctx, x, *, kind, engine, groups, reduce, pairs, split, concat):
 
 mlir.register_lowering(group_collective_p, _gc_lowering, platform="cpu", cacheable=False)
 
+# This partition's id (u32), for the rank-dependent halves of the two-fabric exchanges below.
+_partition_id_p = core.Primitive("strata_partition_id")
+_partition_id_p.def_abstract_eval(lambda: core.ShapedArray((), np.uint32))
+mlir.register_lowering(_partition_id_p, lambda ctx: [hlo.partition_id()], platform="cpu")
+
+
+def _my_slot(p: Plan):
+    """This partition's fabric slot in its group (int32 scalar, from the partition id)."""
+    table = np.zeros(p.groups.size, np.int32)
+    for row in p.groups:
+        table[row] = p.f
+    return jnp.asarray(table)[_partition_id_p.bind().astype(jnp.int32)]
+
+
+def _pairs(groups) -> list[tuple[int, int]]:
+    """Both directions of every two-member group: the exchange of a two-fabric inter step."""
+    return [(int(a), int(b)) for g in groups for a, b in ((g[0], g[1]), (g[1], g[0]))]
+
 
 # --------------------------------------------------------------------------------------
 # The hierarchical algorithms (traced with jnp, lowered with mlir.lower_fun)
@@ -324,7 +342,13 @@ def _all_reduce(x, p: Plan, reduce: str):
     if chunk * p.L != m:  # padding stays inside: sliced off before returning
         v = jnp.pad(v, (0, chunk * p.L - m))
     v = _gc(v, "reduce_scatter", "strata", p.intra, reduce=reduce)
-    v = _gc(v, "all_reduce", "xla", p.inter, reduce=reduce)
+    if p.F == 2:
+        # Two fabrics: one exchange of the shard with the partner and a local reduction (the
+        # same bytes as gloo's ring all-reduce, one round instead of two; a op b == b op a
+        # bitwise, so both partners hold the same result).
+        v = _REDUCERS[reduce].bind(v, _gc(v, "permute", "xla", p.inter, pairs=_pairs(p.inter)))
+    else:
+        v = _gc(v, "all_reduce", "xla", p.inter, reduce=reduce)
     v = _gc(v, "all_gather", "strata", p.intra)
     return v[:m].reshape(x.shape)
 
@@ -375,8 +399,22 @@ def _all_to_all(x, p: Plan, split_axis: int, concat_axis: int):
     v = x.reshape(*shape[:s], p.F, p.L * b, *shape[s + 1 :])
     c1 = c if c < s else c + 1  # the concat axis in v (c == s: the L*b part)
     v = _gc(v, "all_to_all", "strata", p.intra, split=s + 1, concat=c1)
-    v = _gc(v, "all_to_all", "xla", p.inter, split=s, concat=c1)  # axis s: F -> 1
-    v = v.reshape(*v.shape[:s], *v.shape[s + 1 :])  # c1 - 1 == c when c >= s
+    if p.F == 2:
+        # Two fabrics: only the partner fabric's aggregate moves (one collective-permute of
+        # half the buffer; XLA's all_to_all copies both halves out and back in), and one
+        # elementwise pass puts it in place of the half that left (a dynamic-update-slice
+        # would make XLA copy the strata buffer first).
+        other = 1 - _my_slot(p)
+        send = jax.lax.dynamic_slice_in_dim(v, other, 1, axis=s)
+        got = _gc(send, "permute", "xla", p.inter, pairs=_pairs(p.inter))
+        at = jax.lax.broadcasted_iota(jnp.int32, v.shape, s) == other
+        v = jnp.where(at, jnp.broadcast_to(got, v.shape), v)
+        v = jnp.moveaxis(v, s, c1 - 1 if c1 > s else c1)  # F just before the concat part
+        k = c1 - 1 if c1 > s else c1
+        v = v.reshape(*v.shape[:k], v.shape[k] * v.shape[k + 1], *v.shape[k + 2 :])
+    else:
+        v = _gc(v, "all_to_all", "xla", p.inter, split=s, concat=c1)  # axis s: F -> 1
+        v = v.reshape(*v.shape[:s], *v.shape[s + 1 :])  # c1 - 1 == c when c >= s
     if not in_order:  # source blocks from (f, l) order back into group order
         v = _take_blocks(v, c, n, np.argsort(fl))
     return v
