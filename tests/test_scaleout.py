@@ -108,10 +108,12 @@ def test_hierarchical_in_process(two_fake_fabrics, rng, order):
     ],
 )
 def test_all_to_all_across_fake_fabrics(monkeypatch, rng, fabric_size, order):
-    """The hierarchical all_to_all (strata inside each fabric with a strided split, one XLA
-    all_to_all of per-fabric aggregates across) equals jax.lax's for every (split, concat)
-    pair of a 3-D block, tiled and untiled, with gradients, whatever the group's fabric
-    layout (in order: no reorder at all; interleaved: one static gather each side)."""
+    """The hierarchical all_to_all (strata inside each fabric with a strided split, per-fabric
+    aggregates across: one collective-permute with two fabrics, else one XLA all_to_all)
+    equals jax.lax's for every (split, concat) pair of a 3-D block, tiled and untiled, with
+    gradients, whatever the group's fabric layout (in order: no reorder at all; interleaved:
+    one static gather each side); so do psum, pmin and psum_scatter (two fabrics: the partner
+    exchange and a local reduction), gradients included."""
     monkeypatch.setattr(topology, "_map", topology.FabricMap(tuple("abcd"), 0))
     monkeypatch.setattr(topology, "fabric_of_device", lambda d: d.id // fabric_size)
     devs = sorted(jax.devices(), key=lambda d: d.id)[:8]
@@ -138,6 +140,22 @@ def test_all_to_all_across_fake_fabrics(monkeypatch, rng, fabric_size, order):
         out=P(None, "x"),
     )
     np.testing.assert_array_equal(got, want, err_msg="untiled")
+    for name, a, b in [  # the reductions: two fabrics exchange with the partner, more reduce
+        ("psum", lambda v: sj.psum(v, "x"), lambda v: jax.lax.psum(v, "x")),
+        ("pmin", lambda v: sj.pmin(v, "x"), lambda v: jax.lax.pmin(v, "x")),
+        (
+            "psum_scatter",
+            lambda v: sj.psum_scatter(v, "x", scatter_dimension=1, tiled=True),
+            lambda v: jax.lax.psum_scatter(v, "x", scatter_dimension=1, tiled=True),
+        ),
+    ]:
+        got, want = _both(mesh, a, b, x)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+        if name == "pmin":
+            continue  # no differentiation rule (jax.lax.pmin has none either)
+        ga, gb = (jax.grad(lambda v, f=f: (f(v) ** 2).sum()) for f in (a, b))
+        got, want = _both(mesh, ga, gb, x)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"grad {name}")
     assert sj.comm_stats()["inter_fabric_bytes"] > before  # the hierarchical path ran
 
 

@@ -371,6 +371,14 @@ def _reduce_scatter(x, p: Plan, reduce: str):
     k = x.shape[0] // n
     v = x.reshape(n, k, *x.shape[1:])[p.perm_lf()].reshape(n * k, *x.shape[1:])
     v = _gc(v, "reduce_scatter", "strata", p.intra, reduce=reduce)  # [F*k]: my l, every f
+    if p.F == 2:
+        # Two fabrics: send the partner's block, reduce the one received into the own (the
+        # same bytes as gloo's reduce-scatter, measured 1.5x faster at 16 MiB, 7x at 64 KiB).
+        me = _my_slot(p)
+        w = v.reshape(2, k, *x.shape[1:])
+        send = jax.lax.dynamic_index_in_dim(w, 1 - me, keepdims=False)
+        got = _gc(send, "permute", "xla", p.inter, pairs=_pairs(p.inter))
+        return _REDUCERS[reduce].bind(jax.lax.dynamic_index_in_dim(w, me, keepdims=False), got)
     return _gc(v, "reduce_scatter", "xla", p.inter, reduce=reduce)
 
 
