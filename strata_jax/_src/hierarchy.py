@@ -18,14 +18,20 @@ lower straight to XLA's collective for the whole op.
 Algorithms (NCCL's intra-node/inter-node split; DeepEP's NVLink aggregation before RDMA;
 StrataCL's supernode/scale-out, Hu et al. 2026). Inter-fabric bytes are per device:
 - all-reduce (psum/pmax/pmin): reduce-scatter inside the fabric (padded to a multiple of L) ->
-  all-reduce of the 1/L shard across fabrics -> all-gather inside. Crosses S/L.
+  all-reduce of the 1/L shard across fabrics -> all-gather inside. Crosses S/L. With F = 2
+  the all-reduce is one collective-permute of the shard with the partner and a local
+  reduction (gloo's ring takes two rounds for the same bytes; measured faster, most below
+  4 MiB).
 - all_gather: all-gather across fabrics of the own block first (F-1 blocks cross, not
   (F-1)*L), then inside the fabric, then a static reorder into group order.
 - psum_scatter: blocks reordered to (l, f), reduce-scatter inside (each member sums the F
-  blocks of its local index), then reduce-scatter across fabrics. Crosses (F-1)/F of S/L.
-- all_to_all: blocks reordered to (dest l, dest f); all-to-all inside the fabric, so that each
-  member holds everything its fabric sends to local index l; then one all-to-all across
-  fabrics whose messages are single L-block aggregates (one per destination fabric).
+  blocks of its local index), then reduce-scatter across fabrics (F = 2: the partner's block
+  by one collective-permute, reduced on arrival). Crosses (F-1)/F of S/L.
+- all_to_all: the split axis viewed as [F, L*b] (free); all-to-all inside the fabric splitting
+  the L*b part (a strided copy in strata, no transpose in XLA), so that each member holds
+  everything its fabric sends to local index l, one aggregate per destination fabric; then
+  one all-to-all across fabrics of those aggregates (F = 2: only the partner's half crosses,
+  by one collective-permute, put in place by one elementwise pass). Crosses (F-1)/F of S.
 - ppermute: pairs inside a fabric through strata, pairs across through XLA's
   collective-permute; each destination takes the one that wrote it.
 - pbroadcast: all-gather across fabrics among the source's local index, keep the source's
