@@ -8,6 +8,7 @@ namespace strata {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeDispatchHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeCombineHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeGatherHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MoePlanHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeLowLatencyDispatchHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeLowLatencyCombineHandler);
 }  // namespace strata

@@ -38,6 +38,7 @@ NB_MODULE(_strata, m) {
     d["strata_moe_dispatch"] = capsule(strata::MoeDispatchHandler);
     d["strata_moe_combine"] = capsule(strata::MoeCombineHandler);
     d["strata_moe_gather"] = capsule(strata::MoeGatherHandler);
+    d["strata_moe_plan"] = capsule(strata::MoePlanHandler);
     d["strata_ragged_all_to_all"] = capsule(strata::RaggedAllToAllHandler);
     d["strata_moe_ll_dispatch"] = capsule(strata::MoeLowLatencyDispatchHandler);
     d["strata_moe_ll_combine"] = capsule(strata::MoeLowLatencyCombineHandler);

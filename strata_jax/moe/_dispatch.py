@@ -199,6 +199,32 @@ mlir.register_lowering(
     cacheable=False,
 )
 
+# plan_p(g_idx [N, K] int32 (every rank's sanitized ids), base [] int32 (this rank's first expert))
+#   -> counts [E_local], dropped [E_local], slots [N, K], rows [N] (int32): local, no communication
+moe_plan_p = core.Primitive("strata_moe_plan")
+moe_plan_p.multiple_results = True
+
+
+def _plan_abstract_eval(g_idx, base, *, local_experts, capacity, axes):
+    ops = (g_idx, base)
+    el = (local_experts,)
+    return [
+        _out_aval(g_idx, el, jnp.int32, ops, axes),
+        _out_aval(g_idx, el, jnp.int32, ops, axes),
+        _out_aval(g_idx, g_idx.shape, jnp.int32, ops, axes),
+        _out_aval(g_idx, g_idx.shape[:1], jnp.int32, ops, axes),
+    ]
+
+
+moe_plan_p.def_abstract_eval(_plan_abstract_eval)
+mlir.register_lowering(
+    moe_plan_p,
+    lambda ctx, g_idx, base, *, local_experts, capacity, axes: jax.ffi.ffi_lowering(
+        "strata_moe_plan"
+    )(ctx, g_idx, base, capacity=np.int64(capacity)),
+    platform="cpu",
+)
+
 # gather_p(values [E_local, C] f32/f64, slots [N, K], topk_idx [T, K]) -> [T, K] values' dtype
 moe_gather_p = core.Primitive("strata_moe_gather")
 
@@ -395,6 +421,15 @@ def _plan(idx, num_experts: int, capacity: int, axes: tuple):
     el = num_experts // r
     me = jax.lax.axis_index(axes).astype(jnp.int32)
     g_idx = all_gather(idx, axes, tiled=True)  # [N, K], N = R * T, (source rank, token) order
+    if g_idx.size:
+        # One native pass over the N x K ids (native/ffi/moe_handlers.cc, MoePlanImpl): the
+        # XLA formulation below cost about 8 ms of CPU per call at N = 8192, K = 4.
+        base = lowering.pvary_missing(me * el, axes)
+        counts, dropped, slots, rows = moe_plan_p.bind(
+            g_idx, base, local_experts=el, capacity=capacity, axes=axes
+        )
+        return counts, dropped, dropped.sum(dtype=jnp.int32), slots, rows
+    # No tokens anywhere (static shapes): the same plan from XLA ops.
     g_uniq = _first_occurrence(g_idx)
     le = g_idx - me * el  # local expert id where the expert lives here
     here = (g_idx >= 0) & (le >= 0) & (le < el)  # includes repeated choices
