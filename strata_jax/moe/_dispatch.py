@@ -11,17 +11,17 @@ Inside :func:`jax.shard_map` over an expert-parallel axis of size R, every rank 
 * :func:`combine`: brings the expert outputs back, weighted by ``topk_weights`` and summed.
 
 Algorithm (DeepEP, Zhao et al. 2025, adapted to a pull-style shared-memory fabric as in
-StrataCL, Hu et al. 2026). The routing plan is computed in JAX: one small ``all_gather`` of the
-[T, K] expert ids, then per destination rank a cumulative count over the global token order
-(source rank, source token) assigns each (token, local expert) pair its slot; pairs past the
-capacity C are dropped in that order. Native code only moves rows:
+StrataCL, Hu et al. 2026). The routing plan: one small ``all_gather`` of the [T, K] expert ids,
+then on each destination rank one native pass over the global token order (source rank, source
+token) assigns each (token, local expert) pair its slot; pairs past the capacity C are dropped
+in that order. Native code then moves the rows:
 
 * dispatch: each destination pulls a token's row straight from the source rank's XLA buffer
   once, into its first slot on that rank, and copies it locally into the token's other slots
   there: a row crosses the fabric at most once per destination rank.
-* combine: phase 1, every expert rank sums each token's weighted expert rows (all its local
-  experts) into one partial row; barrier; phase 2, every source rank pulls one partial row per
-  destination rank and sums them in rank order (deterministic).
+* combine: every source rank pulls its tokens' expert rows straight from the expert ranks'
+  buffers and sums them, weighted, expert ranks in rank order and choices in k order
+  (deterministic), in one pass (native/moe/moe.h says why not DeepEP's two phases here).
 
 Semantics fixed here (and tested): a token that names the same expert twice is dispatched to it
 once and its combine weight is the sum of both weights (DeepEP); ``-1`` (or any id outside
@@ -109,7 +109,8 @@ class MoELayout:
         over the axis for the global count).
       slots: [R * T, K] int32, destination plan: for global token g = source_rank * T + t and
         choice k, the slot ``e_local * C + position`` on this rank, or -1.
-      rows: [R * T] int32, destination plan: token g's row in this rank's combine partials, -1.
+      rows: [R * T] int32, destination plan: token g's row among the tokens with a kept
+        slot on this rank (g order), -1 (kept for tools; the one-pass combine does not use it).
       topk_idx: [T, K] int32, this rank's choices (ids outside [0, E) replaced by -1).
       unique: [T, K] bool, choice k is the first occurrence of a valid expert in the token.
       num_experts, capacity, axis_name: static.
@@ -527,8 +528,8 @@ def combine(expert_y, layout: MoELayout, topk_weights):
     Raises:
       ValueError: shapes or dtypes that do not match the layout.
 
-    Each expert rank sums a token's weighted rows of all its local experts first (phase 1),
-    so the token's rank pulls one partial row per destination rank and sums them (phase 2).
+    The token's rank pulls each kept choice's row straight from the expert rank's buffer and
+    sums them in one pass (expert ranks in rank order, choices in k order).
     """
     if not isinstance(layout, MoELayout):
         raise ValueError(
