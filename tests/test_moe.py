@@ -161,6 +161,16 @@ def test_odd_sizes_many_experts(rng):
     check(rng, 8, t=11, h=13, num_experts=24, k=5, capacity=7, dtype="float32")
 
 
+@pytest.mark.parametrize(
+    "h,dtype", [(1, "float32"), (1, "bfloat16"), (3, "float16"), (5, "bfloat16"), (17, "float32")]
+)
+def test_rows_shorter_than_a_cache_line(rng, h, dtype):
+    """Rows of 2-68 bytes at unaligned slots: dispatch writes every row with streaming stores
+    (native/coll/kernels.cc copy_bytes_stream), which once ran past rows under 16 bytes and
+    crashed the process (found by a new-user review)."""
+    check(rng, 8, 6, h=h, num_experts=8, k=2, capacity=None, dtype=dtype)
+
+
 def test_layout_counts_and_dispatch_layout(rng):
     n, t, k, num_experts = 4, 10, 3, 8
     idx = rng.integers(-1, num_experts, (n * t, k)).astype(np.int32)

@@ -128,6 +128,10 @@ void copy_bytes(void* dst, const void* src, size_t bytes) {
 }
 
 void copy_bytes_stream(void* dst, const void* src, size_t bytes) {
+  if (bytes < 64) {  // under one line (and shorter than the alignment head): a plain copy
+    if (bytes) std::memcpy(dst, src, bytes);
+    return;
+  }
   char* d = static_cast<char*>(dst);
   const char* s = static_cast<const char*>(src);
   const size_t head = (16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15;
