@@ -38,26 +38,6 @@ ShmFabric& ShmFabric::instance() {
 
 namespace {
 
-// Holds the control segment's robust process-shared mutex. A process killed while holding it
-// leaves it EOWNERDEAD: the slot table is only ever changed in single stores that leave it
-// consistent, so the next owner marks it consistent and goes on.
-class CtlLock {
- public:
-  explicit CtlLock(pthread_mutex_t* mu) : mu_(mu) {
-    if (pthread_mutex_lock(mu_) == EOWNERDEAD) pthread_mutex_consistent(mu_);
-  }
-  ~CtlLock() { pthread_mutex_unlock(mu_); }
-  CtlLock(const CtlLock&) = delete;
-  CtlLock& operator=(const CtlLock&) = delete;
-
- private:
-  pthread_mutex_t* mu_;
-};
-
-int env_int(const char* name, int dflt) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::atoi(v) : dflt;
-}
 // More processes than cores: a waiter that spins or yields holds a core the rank it waits for
 // needs, so sleep in the futex at once (4 processes on 2 cores: 4 KiB psum 258 -> 195 us
 // median; spinning 2000 rounds: 497 us). Otherwise spin briefly as the in-process fabric does.

@@ -50,8 +50,10 @@
 #include <pthread.h>
 
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -67,6 +69,28 @@
 #include "sync/wait.h"
 
 namespace strata {
+
+// Holds the control segment's robust process-shared mutex (shm.cc, shm_ll.cc). A process killed
+// while holding it leaves it EOWNERDEAD: the tables under it only ever change in single stores
+// that leave them consistent, so the next owner marks it consistent and goes on.
+class CtlLock {
+ public:
+  explicit CtlLock(pthread_mutex_t* mu) : mu_(mu) {
+    if (pthread_mutex_lock(mu_) == EOWNERDEAD) pthread_mutex_consistent(mu_);
+  }
+  ~CtlLock() { pthread_mutex_unlock(mu_); }
+  CtlLock(const CtlLock&) = delete;
+  CtlLock& operator=(const CtlLock&) = delete;
+
+ private:
+  pthread_mutex_t* mu_;
+};
+
+// An integer setting from the environment (`dflt` when unset or empty).
+inline int env_int(const char* name, int dflt) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : dflt;
+}
 
 enum class RegMode : int32_t { kOnAlloc = 0, kOnUse = 1, kStaging = 2 };
 const char* reg_mode_name(RegMode m);

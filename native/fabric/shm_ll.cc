@@ -20,26 +20,6 @@
 namespace strata {
 namespace {
 
-// The control segment's robust mutex (as in shm.cc): a holder killed while holding it leaves it
-// EOWNERDEAD; the channel table changes in single stores, so the next owner goes on.
-class CtlLock {
- public:
-  explicit CtlLock(pthread_mutex_t* mu) : mu_(mu) {
-    if (pthread_mutex_lock(mu_) == EOWNERDEAD) pthread_mutex_consistent(mu_);
-  }
-  ~CtlLock() { pthread_mutex_unlock(mu_); }
-  CtlLock(const CtlLock&) = delete;
-  CtlLock& operator=(const CtlLock&) = delete;
-
- private:
-  pthread_mutex_t* mu_;
-};
-
-int env_int(const char* name, int dflt) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::atoi(v) : dflt;
-}
-
 // Threshold of input bytes per rank from STRATA_LL_BYTES (K/M suffixes; 0 turns the path off).
 int64_t env_ll_bytes() {
   const char* v = std::getenv("STRATA_LL_BYTES");
