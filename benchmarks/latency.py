@@ -44,25 +44,12 @@ try:
 except ImportError:  # imported as a module from elsewhere
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import _common as C
+from collectives import make_body  # noqa: E402  (the per-shard op, one definition)
 
 CHILD_ENV = "STRATA_BENCH_CHILD"
 AXIS = "x"
 OPS = ("psum", "pmax", "pmin", "all_gather", "psum_scatter", "all_to_all", "ppermute")
 IMPLS = ("strata", "xla", "noop")
-
-
-def _body(lib: Any, op: str, n: int) -> Any:
-    if op in ("psum", "pmax", "pmin"):
-        return lambda x: getattr(lib, op)(x, AXIS)
-    if op == "all_gather":
-        return lambda x: lib.all_gather(x, AXIS, axis=0, tiled=True)
-    if op == "psum_scatter":
-        return lambda x: lib.psum_scatter(x, AXIS, scatter_dimension=0, tiled=True)
-    if op == "all_to_all":
-        return lambda x: lib.all_to_all(x, AXIS, 0, 0, tiled=True)
-    if op == "ppermute":
-        return lambda x: lib.ppermute(x, AXIS, [(i, (i + 1) % n) for i in range(n)])
-    raise ValueError(op)
 
 
 def _program(body: Any, mesh: Any, x: Any, xr: Any) -> Any:
@@ -134,7 +121,7 @@ def child(args: argparse.Namespace) -> int:
             fns = {}
             for impl in impls:
                 lib = jax.lax if impl in ("xla", "noop") else sj
-                body = (lambda v: v + 0) if impl == "noop" else _body(lib, op, n)
+                body = (lambda v: v + 0) if impl == "noop" else make_body(lib, op, n)
                 fns[impl] = _program(body, rmesh if impl == "general" else mesh, x, xr)
             if "general" in impls:  # its communicator's channel is made with the path off
                 keep = sj.get_low_latency_threshold()
@@ -147,7 +134,7 @@ def child(args: argparse.Namespace) -> int:
                 np.count_nonzero(~np.isclose(outs["strata"], outs["xla"], rtol=1e-5, atol=1e-5))
             )
             if "general" in impls:
-                ref = _local(_program(_body(jax.lax, op, n), rmesh, x, xr)())
+                ref = _local(_program(make_body(jax.lax, op, n), rmesh, x, xr)())
                 wrong["general"] = int(
                     np.count_nonzero(~np.isclose(outs["general"], ref, rtol=1e-5, atol=1e-5))
                 )
