@@ -256,3 +256,39 @@ def test_axis_index_groups_is_a_clear_error(rng):
 def test_unbound_axis_is_name_error():
     with pytest.raises(NameError, match="unbound axis"):
         jax.jit(lambda v: sj.psum(v, "nope"))(jnp.ones(3))
+
+
+def test_calls_are_chained_in_program_order(rng):
+    """Each strata call takes the previous one's result (same block) as its last operand, so
+    XLA runs a device's calls in program order (lowering.py: _program_order_chain); the values
+    are unchanged."""
+    mesh = mesh1d(4)
+    spec = P("x")
+
+    def body(a, b, c):
+        return sj.psum(a, "x"), sj.pmax(b, "x"), sj.all_gather(c, "x", tiled=True)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 3))
+    xs = [random_array(rng, (8, 3), np.float32) for _ in range(3)]
+    text = f.lower(*xs).as_text()
+    calls = [ln for ln in text.splitlines() if "stablehlo.custom_call @strata_" in ln]
+    assert len(calls) == 3, text
+    for prev, call in zip(calls, calls[1:]):
+        result = prev.split("=")[0].strip()  # e.g. %3
+        operands = call.split("(", 1)[1].split(")", 1)[0]
+        assert result in [o.strip() for o in operands.split(",")], (prev, call)
+    got = f(*xs)
+    want = jax.jit(
+        jax.shard_map(
+            lambda a, b, c: (
+                jax.lax.psum(a, "x"),
+                jax.lax.pmax(b, "x"),
+                jax.lax.all_gather(c, "x", tiled=True),
+            ),
+            mesh=mesh,
+            in_specs=(spec,) * 3,
+            out_specs=(spec,) * 3,
+        )
+    )(*xs)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

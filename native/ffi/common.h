@@ -19,6 +19,13 @@
 namespace strata {
 
 using I64s = xla::ffi::Span<const int64_t>;
+// The optional last operand of every call that meets peers: the previous strata call's result
+// in the same computation (lowering.py: lower_strata_call). The handler never reads it; it is
+// there so that XLA's thunk executor, which orders thunks only by the buffers they share, runs
+// the calls of one device in program order. Without it XLA CPU starts independent calls in
+// whatever order they become ready, so two ranks could each wait in a different call for the
+// other (a deadlock that the timeout reported).
+using After = std::optional<xla::ffi::AnyBuffer>;
 
 inline xla::ffi::Error to_error(const std::string& msg) {
   namespace ffi = xla::ffi;

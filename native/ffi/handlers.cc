@@ -59,7 +59,7 @@ void count_peer_bytes(const Team& t, uint64_t n) {
 
 const char* reduce_name(int32_t r) { return r == 0 ? "psum" : r == 1 ? "pmax" : "pmin"; }
 
-ffi::Error AllReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
+ffi::Error AllReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
                          ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
                          int64_t group_size, I64s device_ids, int32_t reduce) {
   const ReduceOp op = static_cast<ReduceOp>(reduce);
@@ -85,7 +85,7 @@ ffi::Error AllReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
       });
 }
 
-ffi::Error ReduceScatterImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
+ffi::Error ReduceScatterImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
                              ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
                              int64_t group_size, I64s device_ids, int32_t reduce) {
   const ReduceOp op = static_cast<ReduceOp>(reduce);
@@ -109,7 +109,7 @@ ffi::Error ReduceScatterImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pi
                         });
 }
 
-ffi::Error AllGatherImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
+ffi::Error AllGatherImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
                          ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
                          int64_t group_size, I64s device_ids) {
   if (auto e = check_dtype("all_gather", x, false, ReduceOp::kSum); e.failure()) return e;
@@ -129,7 +129,7 @@ ffi::Error AllGatherImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
                         });
 }
 
-ffi::Error AllToAllImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
+ffi::Error AllToAllImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
                         ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
                         int64_t group_size, I64s device_ids, int64_t split_axis,
                         int64_t concat_axis) {
@@ -156,7 +156,7 @@ ffi::Error AllToAllImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
       });
 }
 
-ffi::Error PermuteImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
+ffi::Error PermuteImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
                        ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
                        int64_t group_size, I64s device_ids, I64s sources) {
   if (auto e = check_dtype("ppermute", x, false, ReduceOp::kSum); e.failure()) return e;
@@ -175,7 +175,7 @@ ffi::Error PermuteImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
                         });
 }
 
-ffi::Error BroadcastImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
+ffi::Error BroadcastImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
                          ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
                          int64_t group_size, I64s device_ids, int64_t root) {
   if (auto e = check_dtype("pbroadcast", x, false, ReduceOp::kSum); e.failure()) return e;
@@ -198,7 +198,7 @@ ffi::Error BroadcastImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
   ffi::Ffi::Bind()                 \
       .Ctx<ffi::RunId>()           \
       .Arg<ffi::AnyBuffer>()       \
-      .Arg<ffi::AnyBuffer>()       \
+      .Arg<ffi::AnyBuffer>()       .OptionalArg<ffi::AnyBuffer>()       \
       .Ret<ffi::AnyBuffer>()       \
       .Attr<int64_t>("op_id")      \
       .Attr<I64s>("groups")        \

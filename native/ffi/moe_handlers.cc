@@ -53,7 +53,7 @@ ffi::DataType acc_type(ffi::DataType rows) {
 // counts [E_local] i32
 // -> out [E_local, C, H].
 ffi::Error MoeDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer weights,
-                           ffi::AnyBuffer slots, ffi::AnyBuffer counts, ffi::AnyBuffer pid,
+                           ffi::AnyBuffer slots, ffi::AnyBuffer counts, ffi::AnyBuffer pid, After,
                            ffi::Result<ffi::AnyBuffer> out, int64_t op_id, I64s groups,
                            int64_t group_size, I64s device_ids, int64_t weighted) {
   const char* name = "moe.dispatch";
@@ -102,7 +102,7 @@ ffi::Error MoeDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer weig
 // i32 -> y [T, H], partials [J, H] (J = 0 from the Python side: the one-pass combine needs no
 // scratch; the result stays for the hierarchical lowering's signature).
 ffi::Error MoeCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyBuffer weights,
-                          ffi::AnyBuffer slots, ffi::AnyBuffer rows, ffi::AnyBuffer pid,
+                          ffi::AnyBuffer slots, ffi::AnyBuffer rows, ffi::AnyBuffer pid, After,
                           ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> partials,
                           int64_t op_id, I64s groups, int64_t group_size, I64s device_ids) {
   const char* name = "moe.combine";
@@ -210,7 +210,7 @@ ffi::Error MoePlanImpl(ffi::AnyBuffer g_idx, ffi::AnyBuffer base,
 // plan), topk_idx [T, K] i32 -> out [T, K] (values' dtype): each choice's slot value, read from the
 // expert's rank.
 ffi::Error MoeGatherImpl(ffi::RunId run, ffi::AnyBuffer values, ffi::AnyBuffer slots,
-                         ffi::AnyBuffer topk_idx, ffi::AnyBuffer pid,
+                         ffi::AnyBuffer topk_idx, ffi::AnyBuffer pid, After,
                          ffi::Result<ffi::AnyBuffer> out, int64_t op_id, I64s groups,
                          int64_t group_size, I64s device_ids) {
   const char* name = "moe.combine (weights cotangent)";
@@ -252,7 +252,7 @@ ffi::Error MoeGatherImpl(ffi::RunId run, ffi::AnyBuffer values, ffi::AnyBuffer s
 // counts [E_local] i32, src_slots [T, K] i32. `push`: sources write into the destinations'
 // receive buffers; else destinations pull from the sources' x.
 ffi::Error MoeLowLatencyDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer idx,
-                                     ffi::AnyBuffer pid, ffi::Result<ffi::AnyBuffer> recv,
+                                     ffi::AnyBuffer pid, After, ffi::Result<ffi::AnyBuffer> recv,
                                      ffi::Result<ffi::AnyBuffer> counts,
                                      ffi::Result<ffi::AnyBuffer> src_slots, int64_t op_id,
                                      I64s groups, int64_t group_size, I64s device_ids,
@@ -304,7 +304,7 @@ ffi::Error MoeLowLatencyDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyB
 // f32), topk_idx [T, K] i32, src_slots [T, K] i32 -> y [T, H].
 ffi::Error MoeLowLatencyCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyBuffer weights,
                                     ffi::AnyBuffer idx, ffi::AnyBuffer src_slots,
-                                    ffi::AnyBuffer pid, ffi::Result<ffi::AnyBuffer> y,
+                                    ffi::AnyBuffer pid, After, ffi::Result<ffi::AnyBuffer> y,
                                     int64_t op_id, I64s groups, int64_t group_size, I64s device_ids,
                                     int64_t max_tokens) {
   const char* name = "moe.low_latency_combine";
@@ -357,6 +357,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeDispatchHandler, MoeDispatchImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .OptionalArg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("op_id")
                                   .Attr<I64s>("groups")
@@ -371,6 +372,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeCombineHandler, MoeCombineImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .OptionalArg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("op_id")
@@ -393,6 +395,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGatherHandler, MoeGatherImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .OptionalArg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("op_id")
                                   .Attr<I64s>("groups")
@@ -404,6 +407,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeLowLatencyDispatchHandler, MoeLowLatencyDispatc
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .OptionalArg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
@@ -421,6 +425,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeLowLatencyCombineHandler, MoeLowLatencyCombineI
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .OptionalArg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("op_id")
                                   .Attr<I64s>("groups")

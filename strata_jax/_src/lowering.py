@@ -27,6 +27,7 @@ import jax
 import numpy as np
 from jax._src import config, core
 from jax._src.interpreters import mlir
+from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 from jax._src.sharding_impls import SPMDAxisContext
 
@@ -315,17 +316,49 @@ def lower_strata_call(
     rule = jax.ffi.ffi_lowering(
         target, has_side_effect=True, operand_output_aliases=operand_output_aliases
     )
-    sub = ctx.replace(avals_in=[*ctx.avals_in, core.ShapedArray((), np.uint32)])
-    return rule(
+    chain = _program_order_chain(ctx)
+    block = ir.InsertionPoint.current.block
+    after = chain.get(block)
+    extra = [after] if after is not None else []
+    sub = ctx.replace(
+        avals_in=[*ctx.avals_in, core.ShapedArray((), np.uint32), *(a for _, a in extra)]
+    )
+    results = rule(
         sub,
         *operands,
         hlo.partition_id(),
+        *(v for v, _ in extra),
         op_id=next_op_id(ctx),
         groups=g.ravel(),
         group_size=np.int64(g.shape[1]),
         device_ids=partition_device_ids(ctx, num_partitions),
         **attrs,
     )
+    for value, aval in zip(results, ctx.avals_out):
+        if aval.size > 0:  # an empty buffer orders nothing (XLA sees no overlap)
+            chain[block] = (value, aval)
+            break
+    return results
+
+
+_CHAIN = ("strata_jax", "program_order_chain")
+
+
+def _program_order_chain(ctx) -> dict:
+    """The last strata call's (result, aval) per MLIR block of the module being lowered.
+
+    Each strata call takes the previous call's result in the same block as one more operand
+    (``After`` in native/ffi/common.h; the handler never reads it). XLA CPU's thunk executor
+    orders thunks only by the buffers they share, so without that operand it starts independent
+    calls in whatever order they become ready, differently on each rank: across processes two
+    ranks of one fabric could each wait in a different call for the other until the timeout
+    (measured: 3 of 3 runs of 24 independent collectives under ``launch -n 4 --hosts 2``). With
+    it every device runs its strata calls in program order, and the XLA collectives between
+    them in a hierarchical lowering (which read one call's result and feed the next) with them.
+    Calls in different blocks (the branches of a cond, a loop body) chain inside their block.
+    """
+    cache = ctx.module_context.cached_primitive_lowerings
+    return cache.setdefault(_CHAIN, {})
 
 
 _number_branches_from_the_cond()
