@@ -552,14 +552,6 @@ def lower_moe_across_fabrics(ctx, target: str, args, axes: tuple, attrs: dict):
     if p is None:
         return None
 
-    def tied(fn):
-        # Every exchange of the op waits for all of its operands (the routing plan included):
-        # XLA CPU starts independent thunks in whatever order they become ready, and a strata
-        # step started before the plan on one rank and after it on another has been seen to
-        # leave both fabric members waiting for each other while the other fabric waits in
-        # the XLA exchange (train_moe under load).
-        return lambda *a: fn(*jax.lax.optimization_barrier(a))
-
     if target == "strata_moe_dispatch":
         shape = ctx.avals_out[0].shape
         weighted = bool(int(attrs["weighted"]))
@@ -567,7 +559,7 @@ def lower_moe_across_fabrics(ctx, target: str, args, axes: tuple, attrs: dict):
         def fn(x, w, slots, counts):
             return _moe_dispatch(x, w, slots, p, shape, weighted)
 
-        return mlir.lower_fun(tied(fn), multiple_results=False)(ctx, *args)
+        return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
     if target == "strata_moe_combine":
         part_aval = ctx.avals_out[1]
 
@@ -575,7 +567,7 @@ def lower_moe_across_fabrics(ctx, target: str, args, axes: tuple, attrs: dict):
             y = _reduce_scatter(_moe_partials(ey, w, slots, p), p, "sum").astype(ey.dtype)
             return [y, jnp.zeros(part_aval.shape, part_aval.dtype)]
 
-        return mlir.lower_fun(tied(fn), multiple_results=True)(ctx, *args)
+        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
     if target == "strata_moe_gather":
 
         def fn(values, slots, idx):
@@ -583,7 +575,7 @@ def lower_moe_across_fabrics(ctx, target: str, args, axes: tuple, attrs: dict):
             v = jnp.where(slots >= 0, flat[jnp.where(slots >= 0, slots, 0)], 0)
             return _reduce_scatter(v.astype(values.dtype), p, "sum")
 
-        return mlir.lower_fun(tied(fn), multiple_results=False)(ctx, *args)
+        return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
     api = target.removeprefix("strata_").replace("moe_ll_", "moe.low_latency_")
     raise NotImplementedError(
         f"strata_jax: {api} over a group that spans fabric domains (hosts) is not supported "

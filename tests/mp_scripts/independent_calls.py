@@ -78,6 +78,6 @@ for i, o in enumerate(out):
         d = devs.index(s.device)
         got = np.asarray(s.data)
         if not np.array_equal(got, want[d * per : (d + 1) * per]):
-            print(f"FAIL call {i} on device {s.device.id}: {got[:4]} vs {want[d * per:][:4]}")
+            print(f"FAIL call {i} on device {s.device.id}: {got[:4]} vs {want[d * per :][:4]}")
             sys.exit(1)
 print(f"OK independent {ITERS}", flush=True)
