@@ -194,15 +194,16 @@ ffi::Error BroadcastImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, A
                         });
 }
 
-#define STRATA_COMMON_BIND         \
-  ffi::Ffi::Bind()                 \
-      .Ctx<ffi::RunId>()           \
-      .Arg<ffi::AnyBuffer>()       \
-      .Arg<ffi::AnyBuffer>()       .OptionalArg<ffi::AnyBuffer>()       \
-      .Ret<ffi::AnyBuffer>()       \
-      .Attr<int64_t>("op_id")      \
-      .Attr<I64s>("groups")        \
-      .Attr<int64_t>("group_size") \
+#define STRATA_COMMON_BIND           \
+  ffi::Ffi::Bind()                   \
+      .Ctx<ffi::RunId>()             \
+      .Arg<ffi::AnyBuffer>()         \
+      .Arg<ffi::AnyBuffer>()         \
+      .OptionalArg<ffi::AnyBuffer>() \
+      .Ret<ffi::AnyBuffer>()         \
+      .Attr<int64_t>("op_id")        \
+      .Attr<I64s>("groups")          \
+      .Attr<int64_t>("group_size")   \
       .Attr<I64s>("device_ids")
 
 }  // namespace
