@@ -500,15 +500,60 @@ def _acc(dtype):
     return jnp.float64 if dtype == jnp.float64 else jnp.float32
 
 
-def _moe_dispatch(x, w, slots, p: Plan, out_shape, weighted: bool):
+# dispatch inside one fabric of rows gathered across fabrics: x [F*T, H] (the tokens of the
+# group ranks with this local index, fabric slot major), weights [F*T, K] or [0, K], slots [N, K]
+# in that order, counts [E_local] -> recv [E_local, C, H]; the native dispatch over ``groups``.
+_intra_dispatch_p = core.Primitive("strata_moe_dispatch_in_fabric")
+_intra_dispatch_p.def_abstract_eval(
+    lambda x, w, slots, counts, *, groups, capacity, weighted: x.update(
+        shape=(counts.shape[0], capacity, x.shape[1])
+    )
+)
+mlir.register_lowering(
+    _intra_dispatch_p,
+    lambda ctx, x, w, slots, counts, *, groups, capacity, weighted: lowering.lower_strata_call(
+        ctx,
+        "strata_moe_dispatch",
+        "moe.dispatch",
+        [x, w, slots, counts],
+        np.asarray(groups, np.int64),
+        weighted=np.int64(weighted),
+    ),
+    platform="cpu",
+    cacheable=False,
+)
+
+
+def _moe_dispatch(x, w, slots, counts, p: Plan, out_shape, weighted: bool):
     """recv [E_local, C, H] on this rank from every rank's x, by this rank's slot plan.
 
-    Every rank's token rows arrive through the hierarchical all_gather: across fabrics first
-    (each row crosses to each other fabric once), then inside the fabric through strata. The
-    rows are then scattered into their slots locally (a repeated expert shares one slot).
+    Uniform layouts (F fabrics of L members): each rank's token rows cross to each other fabric
+    once, to the member with the same local index (XLA's all_gather over the inter groups), so
+    every member holds the rows of its local index in every fabric; then strata's dispatch
+    inside the fabric pulls into each expert slot the one row it needs from the member holding
+    it (the slot plan re-indexed to that layout). Otherwise every row reaches every rank
+    through the hierarchical all_gather and is scattered into its slots locally (a repeated
+    expert shares one slot).
     """
     el, c, h = out_shape
     n, k = slots.shape
+    if p.L > 1 and p.uniform:
+        t = x.shape[0]
+        xf = _gc(x, "all_gather", "xla", p.inter)  # [F*T, H], fabric slot order
+        wf = _gc(w, "all_gather", "xla", p.inter) if weighted else w
+        held = np.array(  # global token held at row j of fabric member l, (l, j) order
+            [p.rank_of(f, lo) * t + i for lo in range(p.L) for f in range(p.F) for i in range(t)],
+            np.int32,
+        )
+        return _intra_dispatch_p.bind(
+            xf,
+            wf,
+            slots[held] if n else slots,
+            counts,
+            groups=tuple(map(tuple, p.intra)),
+            capacity=c,
+            weighted=weighted,
+        )
     xa = _all_gather(x, p)  # [N, H], global token order
     flat = slots.reshape(-1)
     tgt = jnp.where(flat >= 0, flat, el * c)
@@ -539,8 +584,9 @@ def lower_moe_across_fabrics(ctx, target: str, args, axes: tuple, attrs: dict):
     combine and the weight-gradient gather are lowered as hierarchical collectives (the same
     semantics, layout, drop rule and gradients; the plan is computed in JAX as before):
 
-    - dispatch: all_gather of the token rows (across fabrics once per destination fabric, then
-      strata inside), each rank keeps the rows of its slots;
+    - dispatch: each token row crosses to each other fabric once (to the member with the same
+      local index), then strata's dispatch inside the fabric pulls every slot's row from the
+      member that holds it;
     - combine: each rank forms one partial row per global token from its experts (weighted,
       in the accumulator dtype), then a hierarchical psum_scatter: partial sums inside each
       fabric (strata) before the 1/L shard crosses back;
@@ -557,7 +603,7 @@ def lower_moe_across_fabrics(ctx, target: str, args, axes: tuple, attrs: dict):
         weighted = bool(int(attrs["weighted"]))
 
         def fn(x, w, slots, counts):
-            return _moe_dispatch(x, w, slots, p, shape, weighted)
+            return _moe_dispatch(x, w, slots, counts, p, shape, weighted)
 
         return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
     if target == "strata_moe_combine":
