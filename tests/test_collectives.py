@@ -3,6 +3,8 @@ fresh random inputs: dtypes x shapes x parameters, on 8 devices and on a 2x4 mes
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -262,36 +264,52 @@ def test_unbound_axis_is_name_error():
 def test_calls_are_chained_in_program_order(rng, monkeypatch, order):
     """With STRATA_PROGRAM_ORDER=1 (the default across processes or fabrics) each strata call
     takes the previous one's result (same block) as its last operand, so XLA runs a device's
-    calls in program order (lowering.py: _program_order_chain); with 0 (the default in one
-    process) it does not. The values are the same."""
+    calls in program order (lowering.py: _program_order_chain); a call whose results are all
+    empty gets one byte of result to pass on. With 0 (the default in one process) nothing is
+    chained. The values are the same."""
     monkeypatch.setenv("STRATA_PROGRAM_ORDER", order)
     mesh = mesh1d(4)
     spec = P("x")
 
-    def body(a, b, c):
-        return sj.psum(a, "x"), sj.pmax(b, "x"), sj.all_gather(c, "x", tiled=True)
-
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 3))
-    xs = [random_array(rng, (8, 3), np.float32) for _ in range(3)]
-    text = f.lower(*xs).as_text()
-    calls = [ln for ln in text.splitlines() if "stablehlo.custom_call @strata_" in ln]
-    assert len(calls) == 3, text
-    for prev, call in zip(calls, calls[1:], strict=False):
-        result = prev.split("=")[0].strip()  # e.g. %3
-        operands = [o.strip() for o in call.split("(", 1)[1].split(")", 1)[0].split(",")]
-        assert (result in operands) == (order == "1"), (prev, call)
-    got = f(*xs)
-    want = jax.jit(
-        jax.shard_map(
-            lambda a, b, c: (
-                jax.lax.psum(a, "x"),
-                jax.lax.pmax(b, "x"),
-                jax.lax.all_gather(c, "x", tiled=True),
-            ),
-            mesh=mesh,
-            in_specs=(spec,) * 3,
-            out_specs=(spec,) * 3,
+    def body(lax, a, e, b, c):
+        return (
+            lax.psum(a, "x"),
+            lax.psum(e, "x"),  # moves nothing
+            lax.pmax(b, "x"),
+            lax.all_gather(c, "x", tiled=True),
         )
-    )(*xs)
+
+    def run(lax):
+        return jax.jit(
+            jax.shard_map(
+                functools.partial(body, lax), mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4
+            )
+        )
+
+    xs = [random_array(rng, (8, 3), np.float32) for _ in range(3)]
+    xs.insert(1, np.zeros((8, 0), np.float32))
+    text = run(sj).lower(*xs).as_text()
+    calls = [ln for ln in text.splitlines() if "stablehlo.custom_call @strata_" in ln]
+    assert len(calls) == 4, text
+    for k, (prev, call) in enumerate(zip(calls, calls[1:], strict=False)):
+        name, _, count = prev.split("=")[0].strip().partition(":")  # %3, or %5:2 (two results)
+        last = f"{name}#{int(count) - 1}" if count else name
+        if k == 0:  # the empty call's extra result is the last one
+            assert ("#" in call.split("=")[0] or ":" in call.split("=")[0]) == (order == "1")
+        operands = [o.strip() for o in call.split("(", 1)[1].split(")", 1)[0].split(",")]
+        assert (last in operands) == (order == "1"), (prev, call)
+    got = run(sj)(*xs)
+    want = run(jax.lax)(*xs)
     for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_program_order_setting_is_checked(monkeypatch):
+    """A STRATA_PROGRAM_ORDER other than 1, 0 or unset is an error that says what to use."""
+    monkeypatch.setenv("STRATA_PROGRAM_ORDER", "true")
+    f = jax.jit(
+        jax.shard_map(lambda a: sj.psum(a, "x"), mesh=mesh1d(2), in_specs=P("x"), out_specs=P("x"))
+    )
+    with pytest.raises(ValueError, match="STRATA_PROGRAM_ORDER='true': use 1"):
+        f.lower(np.ones(4, np.float32))

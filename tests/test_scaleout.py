@@ -99,6 +99,37 @@ def test_hierarchical_in_process(two_fake_fabrics, rng, order):
     assert sj.comm_stats()["inter_fabric_bytes"] > before
 
 
+def test_empty_arrays_across_fake_fabrics(two_fake_fabrics):
+    """Every operator on per-device f32[4, 0] over an axis spanning 2 fabrics gives jax.lax's
+    shapes (from jax.eval_shape: XLA's all_gather rejects an empty operand, so jax.lax itself
+    cannot run some of these) and no exchange."""
+    devs = sorted(jax.devices(), key=lambda d: d.id)[:4]
+    mesh = Mesh(np.array(devs), ("x",))
+    x = np.zeros((16, 0), np.float32)
+    ring = [(i, (i + 1) % 4) for i in range(4)]
+    cases = {
+        "psum": lambda m, v: m.psum(v, "x"),
+        "pmin": lambda m, v: m.pmin(v, "x"),
+        "all_gather": lambda m, v: m.all_gather(v, "x"),
+        "all_gather_tiled": lambda m, v: m.all_gather(v, "x", axis=1, tiled=True),
+        "psum_scatter": lambda m, v: m.psum_scatter(v, "x", tiled=True),
+        "all_to_all": lambda m, v: m.all_to_all(v, "x", 0, 0, tiled=True),
+        "ppermute": lambda m, v: m.ppermute(v, "x", ring),
+    }
+    before = sj.comm_stats()["inter_fabric_bytes"]
+    for name, op in cases.items():
+
+        def smap(m, op=op):
+            return jax.shard_map(
+                lambda v: op(m, v)[None], mesh=mesh, in_specs=P("x"), out_specs=P("x")
+            )
+
+        want = jax.eval_shape(smap(jax.lax), x)
+        got = jax.jit(smap(sj))(x)
+        assert (got.shape, got.dtype) == (want.shape, want.dtype), name
+    assert sj.comm_stats()["inter_fabric_bytes"] == before
+
+
 @pytest.mark.parametrize(
     "fabric_size, order",
     [

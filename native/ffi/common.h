@@ -26,6 +26,10 @@ using I64s = xla::ffi::Span<const int64_t>;
 // whatever order they become ready, so two ranks could each wait in a different call for the
 // other (a deadlock that the timeout reported).
 using After = std::optional<xla::ffi::AnyBuffer>;
+// The optional last result of those calls: one byte the handler never writes, added by the
+// lowering when every real result is empty, so that a call moving nothing (which still meets its
+// peers across processes) is ordered before the next call all the same.
+using Done = std::optional<xla::ffi::Result<xla::ffi::AnyBuffer>>;
 
 inline xla::ffi::Error to_error(const std::string& msg) {
   namespace ffi = xla::ffi;

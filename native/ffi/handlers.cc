@@ -60,7 +60,7 @@ void count_peer_bytes(const Team& t, uint64_t n) {
 const char* reduce_name(int32_t r) { return r == 0 ? "psum" : r == 1 ? "pmax" : "pmin"; }
 
 ffi::Error AllReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
+                         ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
                          int64_t group_size, I64s device_ids, int32_t reduce) {
   const ReduceOp op = static_cast<ReduceOp>(reduce);
   const char* name = reduce_name(reduce);
@@ -86,7 +86,7 @@ ffi::Error AllReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, A
 }
 
 ffi::Error ReduceScatterImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
-                             ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
+                             ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
                              int64_t group_size, I64s device_ids, int32_t reduce) {
   const ReduceOp op = static_cast<ReduceOp>(reduce);
   if (auto e = check_dtype("psum_scatter", x, true, op); e.failure()) return e;
@@ -110,7 +110,7 @@ ffi::Error ReduceScatterImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pi
 }
 
 ffi::Error AllGatherImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
+                         ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
                          int64_t group_size, I64s device_ids) {
   if (auto e = check_dtype("all_gather", x, false, ReduceOp::kSum); e.failure()) return e;
   OpDesc d;
@@ -130,7 +130,7 @@ ffi::Error AllGatherImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, A
 }
 
 ffi::Error AllToAllImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
-                        ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
+                        ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
                         int64_t group_size, I64s device_ids, int64_t split_axis,
                         int64_t concat_axis) {
   if (auto e = check_dtype("all_to_all", x, false, ReduceOp::kSum); e.failure()) return e;
@@ -157,7 +157,7 @@ ffi::Error AllToAllImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, Af
 }
 
 ffi::Error PermuteImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
-                       ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
+                       ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
                        int64_t group_size, I64s device_ids, I64s sources) {
   if (auto e = check_dtype("ppermute", x, false, ReduceOp::kSum); e.failure()) return e;
   OpDesc d;
@@ -176,7 +176,7 @@ ffi::Error PermuteImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, Aft
 }
 
 ffi::Error BroadcastImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
+                         ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
                          int64_t group_size, I64s device_ids, int64_t root) {
   if (auto e = check_dtype("pbroadcast", x, false, ReduceOp::kSum); e.failure()) return e;
   OpDesc d;
@@ -201,6 +201,7 @@ ffi::Error BroadcastImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, A
       .Arg<ffi::AnyBuffer>()         \
       .OptionalArg<ffi::AnyBuffer>() \
       .Ret<ffi::AnyBuffer>()         \
+      .OptionalRet<ffi::AnyBuffer>() \
       .Attr<int64_t>("op_id")        \
       .Attr<I64s>("groups")          \
       .Attr<int64_t>("group_size")   \

@@ -54,7 +54,7 @@ ffi::DataType acc_type(ffi::DataType rows) {
 // -> out [E_local, C, H].
 ffi::Error MoeDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer weights,
                            ffi::AnyBuffer slots, ffi::AnyBuffer counts, ffi::AnyBuffer pid, After,
-                           ffi::Result<ffi::AnyBuffer> out, int64_t op_id, I64s groups,
+                           ffi::Result<ffi::AnyBuffer> out, Done, int64_t op_id, I64s groups,
                            int64_t group_size, I64s device_ids, int64_t weighted) {
   const char* name = "moe.dispatch";
   const int32_t dt = static_cast<int32_t>(x.element_type());
@@ -103,7 +103,7 @@ ffi::Error MoeDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer weig
 // scratch; the result stays for the hierarchical lowering's signature).
 ffi::Error MoeCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyBuffer weights,
                           ffi::AnyBuffer slots, ffi::AnyBuffer rows, ffi::AnyBuffer pid, After,
-                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> partials,
+                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> partials, Done,
                           int64_t op_id, I64s groups, int64_t group_size, I64s device_ids) {
   const char* name = "moe.combine";
   const int32_t dt = static_cast<int32_t>(ey.element_type());
@@ -211,7 +211,7 @@ ffi::Error MoePlanImpl(ffi::AnyBuffer g_idx, ffi::AnyBuffer base,
 // expert's rank.
 ffi::Error MoeGatherImpl(ffi::RunId run, ffi::AnyBuffer values, ffi::AnyBuffer slots,
                          ffi::AnyBuffer topk_idx, ffi::AnyBuffer pid, After,
-                         ffi::Result<ffi::AnyBuffer> out, int64_t op_id, I64s groups,
+                         ffi::Result<ffi::AnyBuffer> out, Done, int64_t op_id, I64s groups,
                          int64_t group_size, I64s device_ids) {
   const char* name = "moe.combine (weights cotangent)";
   auto vd = values.dimensions(), sd = slots.dimensions(), td = topk_idx.dimensions();
@@ -254,7 +254,7 @@ ffi::Error MoeGatherImpl(ffi::RunId run, ffi::AnyBuffer values, ffi::AnyBuffer s
 ffi::Error MoeLowLatencyDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer idx,
                                      ffi::AnyBuffer pid, After, ffi::Result<ffi::AnyBuffer> recv,
                                      ffi::Result<ffi::AnyBuffer> counts,
-                                     ffi::Result<ffi::AnyBuffer> src_slots, int64_t op_id,
+                                     ffi::Result<ffi::AnyBuffer> src_slots, Done, int64_t op_id,
                                      I64s groups, int64_t group_size, I64s device_ids,
                                      int64_t max_tokens, int64_t push) {
   const char* name = "moe.low_latency_dispatch";
@@ -304,7 +304,7 @@ ffi::Error MoeLowLatencyDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyB
 // f32), topk_idx [T, K] i32, src_slots [T, K] i32 -> y [T, H].
 ffi::Error MoeLowLatencyCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyBuffer weights,
                                     ffi::AnyBuffer idx, ffi::AnyBuffer src_slots,
-                                    ffi::AnyBuffer pid, After, ffi::Result<ffi::AnyBuffer> y,
+                                    ffi::AnyBuffer pid, After, ffi::Result<ffi::AnyBuffer> y, Done,
                                     int64_t op_id, I64s groups, int64_t group_size, I64s device_ids,
                                     int64_t max_tokens) {
   const char* name = "moe.low_latency_combine";
@@ -359,6 +359,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeDispatchHandler, MoeDispatchImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .OptionalArg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
+                                  .OptionalRet<ffi::AnyBuffer>()
                                   .Attr<int64_t>("op_id")
                                   .Attr<I64s>("groups")
                                   .Attr<int64_t>("group_size")
@@ -375,6 +376,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeCombineHandler, MoeCombineImpl,
                                   .OptionalArg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
+                                  .OptionalRet<ffi::AnyBuffer>()
                                   .Attr<int64_t>("op_id")
                                   .Attr<I64s>("groups")
                                   .Attr<int64_t>("group_size")
@@ -397,6 +399,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGatherHandler, MoeGatherImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .OptionalArg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
+                                  .OptionalRet<ffi::AnyBuffer>()
                                   .Attr<int64_t>("op_id")
                                   .Attr<I64s>("groups")
                                   .Attr<int64_t>("group_size")
@@ -411,6 +414,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeLowLatencyDispatchHandler, MoeLowLatencyDispatc
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
+                                  .OptionalRet<ffi::AnyBuffer>()
                                   .Attr<int64_t>("op_id")
                                   .Attr<I64s>("groups")
                                   .Attr<int64_t>("group_size")
@@ -427,6 +431,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeLowLatencyCombineHandler, MoeLowLatencyCombineI
                                   .Arg<ffi::AnyBuffer>()
                                   .OptionalArg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
+                                  .OptionalRet<ffi::AnyBuffer>()
                                   .Attr<int64_t>("op_id")
                                   .Attr<I64s>("groups")
                                   .Attr<int64_t>("group_size")

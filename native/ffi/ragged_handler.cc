@@ -24,7 +24,7 @@ ffi::Error invalid(const std::string& what) {
 
 ffi::Error RaggedAllToAllImpl(ffi::RunId run, ffi::AnyBuffer operand, ffi::AnyBuffer output,
                               ffi::AnyBuffer plan, ffi::AnyBuffer pid, After,
-                              ffi::Result<ffi::AnyBuffer> result, int64_t op_id, I64s groups,
+                              ffi::Result<ffi::AnyBuffer> result, Done, int64_t op_id, I64s groups,
                               int64_t group_size, I64s device_ids) {
   const int32_t dt = static_cast<int32_t>(operand.element_type());
   if (dtype_size(dt) == 0) return invalid(std::string("unsupported dtype ") + dtype_name(dt));
@@ -102,6 +102,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedAllToAllHandler, RaggedAllToAllImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .OptionalArg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
+                                  .OptionalRet<ffi::AnyBuffer>()
                                   .Attr<int64_t>("op_id")
                                   .Attr<I64s>("groups")
                                   .Attr<int64_t>("group_size")

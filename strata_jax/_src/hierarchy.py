@@ -579,6 +579,15 @@ def _moe_partials(ey, w, slots, p: Plan):
     return rows.reshape(n, k, h).sum(1)
 
 
+def _nothing_to_move(ctx):
+    """The results of an op whose input is empty on every rank (shapes are static and equal
+    across the program): zeros of the output shapes, no exchange. XLA's all_gather rejects an
+    empty operand at verification, so the hierarchical form cannot emit one."""
+    avals = ctx.avals_out
+    zeros = lambda: [jnp.zeros(a.shape, a.dtype) for a in avals]  # noqa: E731
+    return mlir.lower_fun(zeros, multiple_results=True)(ctx.replace(avals_in=[]))
+
+
 def lower_moe_across_fabrics(ctx, target: str, args, axes: tuple, attrs: dict):
     """The hook of the MoE primitives' lowering: when the expert axis spans fabrics, dispatch,
     combine and the weight-gradient gather are lowered as hierarchical collectives (the same
@@ -597,6 +606,10 @@ def lower_moe_across_fabrics(ctx, target: str, args, axes: tuple, attrs: dict):
     p = plan(ctx, axes)
     if p is None:
         return None
+    if all(a.size == 0 for a in ctx.avals_out) or (
+        target == "strata_moe_dispatch" and ctx.avals_in[0].size == 0
+    ):
+        return _nothing_to_move(ctx)  # no tokens anywhere: every slot stays zero
 
     if target == "strata_moe_dispatch":
         shape = ctx.avals_out[0].shape
@@ -650,6 +663,8 @@ def lower_across_fabrics(ctx, x, target: str, axes: tuple, attrs: dict):
     p = plan(ctx, axes)
     if p is None:
         return None
+    if ctx.avals_in[0].size == 0:
+        return _nothing_to_move(ctx)
     if target == "strata_all_reduce":
         fn = lambda v: _all_reduce(v, p, _REDUCE_NAMES[int(attrs["reduce"])])  # noqa: E731
     elif target == "strata_reduce_scatter":
