@@ -99,6 +99,54 @@ def test_hierarchical_in_process(two_fake_fabrics, rng, order):
     assert sj.comm_stats()["inter_fabric_bytes"] > before
 
 
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.int32])
+@pytest.mark.parametrize("op", ["psum", "pmax", "pmin"])
+def test_large_all_reduce_across_fake_fabrics(two_fake_fabrics, rng, dtype, op):
+    """A shard of more than 1 MiB per fabric member: the partner fabric's shard is combined
+    inside strata's all_gather_reduce (one pass). Values as jax.lax; with +0/-0 ties and NaNs
+    (floats) every device holds the same bits, NaN propagating as numpy's max/min do."""
+    devs = sorted(jax.devices(), key=lambda d: d.id)[:4]
+    mesh = Mesh(np.array(devs), ("x",))
+    itemsize = jnp.dtype(dtype).itemsize
+    n = 2 * (1 << 20) // itemsize + 2 * int(rng.integers(1, 500)) + 1  # odd: padded
+    x = (rng.standard_normal(4 * n) * 50).astype(np.float32)
+    floating = jnp.issubdtype(dtype, jnp.floating)
+    if floating and op != "psum":
+        x[::7], x[3::7], x[5::1001] = 0.0, -0.0, np.nan
+    x = x.astype(dtype)
+    sj_op, lax_op = getattr(sj, op), getattr(jax.lax, op)
+    f = jax.jit(
+        jax.shard_map(
+            lambda v: sj_op(v, "x")[None], mesh=mesh, in_specs=P("x"), out_specs=P("x")
+        )
+    )
+    assert "strata_all_gather_reduce" in f.lower(x).as_text()
+    got = np.asarray(f(x))
+    if floating and op != "psum":
+        want = {"pmax": np.max, "pmin": np.min}[op](x.reshape(4, n).astype(np.float32), axis=0)
+    else:
+        want = np.asarray(
+            jax.jit(
+                jax.shard_map(
+                    lambda v: lax_op(v, "x")[None], mesh=mesh, in_specs=P("x"), out_specs=P("x")
+                )
+            )(x)
+        )[0]
+    # Sums of 4 values of about 50 in another order: a few of bfloat16's ulps near 200.
+    tols = {"float32": (1e-5, 1e-3), "bfloat16": (2e-2, 2.0)}
+    rtol, atol = tols.get(np.dtype(dtype).name, (0, 0))
+    np.testing.assert_allclose(
+        got[0].astype(np.float32),
+        np.asarray(want, np.float32),
+        rtol=rtol,
+        atol=atol,
+        equal_nan=True,
+    )
+    bits = got.view(np.uint8).reshape(4, -1)
+    for d in range(1, 4):
+        assert np.array_equal(bits[d], bits[0]), f"device {d} holds other bits than device 0"
+
+
 def test_empty_arrays_across_fake_fabrics(two_fake_fabrics):
     """Every operator on per-device f32[4, 0] over an axis spanning 2 fabrics gives jax.lax's
     shapes (from jax.eval_shape: XLA's all_gather rejects an empty operand, so jax.lax itself

@@ -72,6 +72,26 @@ std::string all_gather(Team& t, size_t in_bytes) {
   return {};
 }
 
+std::string all_gather_reduce(Team& t, int32_t dtype, ReduceOp op, const void* a, const void* b,
+                              size_t count) {
+  const int n = t.size(), r = t.rank(), es = dtype_size(dtype);
+  const void* srcs[2] = {a, b};
+  const size_t block = count * es;
+  constexpr size_t kTileBytes = 64 * 1024;
+  alignas(64) static thread_local unsigned char tile[kTileBytes];
+  const size_t tile_elems = kTileBytes / es;
+  for (size_t t0 = 0; t0 < count; t0 += tile_elems) {
+    const size_t t1 = (count - t0 < tile_elems) ? count : t0 + tile_elems;
+    reduce_n_to(dtype, op, srcs, 2, tile, t0, t1);
+    for (int k = 0; k < n; ++k) {
+      const int j = (r + k) % n;  // staggered so ranks do not all write one peer at once
+      copy_bytes(static_cast<char*>(t.peer_out(j)) + r * block + t0 * es, tile, (t1 - t0) * es);
+    }
+  }
+  copy_fence();
+  return {};
+}
+
 void copy_strided(char* dst, const int64_t* dst_strides, const char* src,
                   const int64_t* src_strides, const int64_t* shape, int ndim, int esize) {
   // Merge trailing dimensions that are contiguous in both arrays into one run.

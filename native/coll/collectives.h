@@ -29,6 +29,12 @@ bool use_two_shot(size_t bytes);
 std::string all_reduce(Team& t, int32_t dtype, ReduceOp op, size_t count, bool two_shot);
 std::string reduce_scatter(Team& t, int32_t dtype, ReduceOp op, size_t out_count);
 std::string all_gather(Team& t, size_t in_bytes);
+// All-gather of a op b (this rank's two local inputs of `count` elements each, combined in that
+// order): rank r reduces its block once, tile by tile, and stores it straight into every rank's
+// output at block r. The last two steps of a two-fabric all-reduce in one pass (hierarchy.py):
+// the partner fabric's shard is combined on the way out instead of in a separate pass.
+std::string all_gather_reduce(Team& t, int32_t dtype, ReduceOp op, const void* a, const void* b,
+                              size_t count);
 // Tiled all-to-all of an array of `shape` (row-major) split along `split` and concatenated along
 // `concat`; esize bytes per element.
 std::string all_to_all(Team& t, int esize, const std::vector<int64_t>& shape, int split,

@@ -123,11 +123,12 @@ xla::ffi::Error join_and_run_with(const char* name, int64_t run_id, int64_t op_i
   return xla::ffi::Error::Success();
 }
 
-// The usual case: one input and one output buffer per rank.
+// The usual case: one input and one output buffer per rank. `may_ll`: false for an algorithm
+// that writes into the peers' outputs, which the low-latency path does not publish.
 template <class Body>
 xla::ffi::Error join_and_run(const char* name, int64_t run_id, int64_t op_id, const Placement& pl,
                              const OpDesc& desc, const void* in, void* out, bool cross_process,
-                             Body body) {
+                             Body body, bool may_ll = true) {
   return join_and_run_with<true>(
       name, run_id, op_id, pl, cross_process,
       [&](auto& team) {
@@ -137,7 +138,7 @@ xla::ffi::Error join_and_run(const char* name, int64_t run_id, int64_t op_id, co
         OpTimer::arrived();  // wait vs move in comm_stats() (fabric/op_stats.h)
         return e;
       },
-      body, cross_process ? &desc : nullptr);
+      body, cross_process && may_ll ? &desc : nullptr);
 }
 
 // Several buffers per rank (Team::peer_buf); the output is this rank's alone, not published.

@@ -21,12 +21,16 @@ enum OpKind : int32_t {
   kAllGather,
   kAllToAll,
   kPermute,
-  kBroadcast
+  kBroadcast,
+  kAllGatherReduce
 };
 
+// `peers_write`: the algorithm writes into the peers' outputs, which the low-latency path of the
+// shared-memory fabric (shm_ll.h: slots hold copies of the inputs only) does not offer.
 template <class Body>
 ffi::Error run_collective(const char* name, ffi::RunId run, int64_t op_id, ffi::AnyBuffer pid,
-                          const GroupAttrs& ga, OpDesc desc, const void* in, void* out, Body body) {
+                          const GroupAttrs& ga, OpDesc desc, const void* in, void* out, Body body,
+                          bool peers_write = false) {
   Placement pl;
   std::string err = placement(pid, ga, &pl);
   if (!err.empty()) return to_error(std::string("strata_jax ") + name + ": " + err);
@@ -38,8 +42,9 @@ ffi::Error run_collective(const char* name, ffi::RunId run, int64_t op_id, ffi::
   desc.name = name;
   stats().calls.fetch_add(1, std::memory_order_relaxed);
   OpTimer timer(name, desc.in_bytes, desc.algo);  // comm_stats()["ops"] (fabric/op_stats.h)
-  return join_and_run(name, run.run_id, op_id, pl, desc, in, out, /*cross_process=*/true,
-                      [&](Team& t) { return body(t, pl); });
+  return join_and_run(
+      name, run.run_id, op_id, pl, desc, in, out, /*cross_process=*/true,
+      [&](Team& t) { return body(t, pl); }, /*may_ll=*/!peers_write);
 }
 
 ffi::Error check_dtype(const char* name, ffi::AnyBuffer x, bool reduce, ReduceOp op) {
@@ -77,8 +82,10 @@ ffi::Error AllReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, A
       name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d, x.untyped_data(),
       y->untyped_data(), [&](Team& t, const Placement&) {
         // Every rank follows rank 0's choice, even if the threshold changed
-        // while the call was in flight.
-        const bool two = t.size() > 2 && t.peer_desc(0).algo == 1;
+        // while the call was in flight. Two-shot writes into the peers' outputs, which a team
+        // of the low-latency path does not publish (all its ranks see the same: one-shot).
+        const bool two = t.size() > 2 && t.peer_desc(0).algo == 1 &&
+                         t.peer_out((t.rank() + 1) % t.size()) != nullptr;
         (two ? stats().two_shot : stats().one_shot).fetch_add(1, std::memory_order_relaxed);
         count_peer_bytes(t, x.size_bytes() * (t.size() - 1));
         return all_reduce(t, dt, op, count, two);
@@ -127,6 +134,46 @@ ffi::Error AllGatherImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, A
                           count_peer_bytes(t, x.size_bytes() * (t.size() - 1));
                           return all_gather(t, x.size_bytes());
                         });
+}
+
+// y = all_gather(x op z) over the group: the last two steps of a two-fabric all-reduce
+// (strata_jax/_src/hierarchy.py), where z is the partner fabric's shard. `z_first[p]` (per
+// partition) puts z before x so that both partners combine the two shards in the same order and
+// hold the same bits (pmax of +0 and -0, NaN payloads).
+ffi::Error AllGatherReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer z,
+                               ffi::AnyBuffer pid, After, ffi::Result<ffi::AnyBuffer> y, Done,
+                               int64_t op_id, I64s groups, int64_t group_size, I64s device_ids,
+                               int32_t reduce, I64s z_first) {
+  const ReduceOp op = static_cast<ReduceOp>(reduce);
+  const char* name = reduce_name(reduce);
+  if (auto e = check_dtype(name, x, true, op); e.failure()) return e;
+  if (z.element_type() != x.element_type() || z.size_bytes() != x.size_bytes())
+    return to_error(std::string("strata_jax ") + name +
+                    ": internal error: the two shards of an all_gather_reduce differ");
+  const int32_t dt = static_cast<int32_t>(x.element_type());
+  OpDesc d;
+  d.kind = kAllGatherReduce;
+  d.dtype = dt;
+  d.reduce = reduce;
+  d.in_bytes = x.size_bytes();
+  d.out_bytes = y->size_bytes();
+  return run_collective(
+      name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d, x.untyped_data(),
+      y->untyped_data(),
+      [&](Team& t, const Placement& pl) -> std::string {
+        if (x.size_bytes() * t.size() != y->size_bytes())
+          return "strata_jax all_gather_reduce: output size is not the group size times the "
+                 "input size";
+        if (pl.partition < 0 || static_cast<size_t>(pl.partition) >= z_first.size())
+          return "strata_jax all_gather_reduce: internal error: no operand order for this "
+                 "partition";
+        const bool swap = z_first[pl.partition] != 0;
+        const void* a = swap ? z.untyped_data() : x.untyped_data();
+        const void* b = swap ? x.untyped_data() : z.untyped_data();
+        count_peer_bytes(t, x.size_bytes() * (t.size() - 1));
+        return all_gather_reduce(t, dt, op, a, b, x.element_count());
+      },
+      /*peers_write=*/true);
 }
 
 ffi::Error AllToAllImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
@@ -214,6 +261,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceHandler, AllReduceImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceScatterHandler, ReduceScatterImpl,
                               STRATA_COMMON_BIND.Attr<int32_t>("reduce"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherHandler, AllGatherImpl, STRATA_COMMON_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherReduceHandler, AllGatherReduceImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .OptionalArg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .OptionalRet<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("op_id")
+                                  .Attr<I64s>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<I64s>("device_ids")
+                                  .Attr<int32_t>("reduce")
+                                  .Attr<I64s>("z_first"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AllToAllHandler, AllToAllImpl,
     STRATA_COMMON_BIND.Attr<int64_t>("split_axis").Attr<int64_t>("concat_axis"));

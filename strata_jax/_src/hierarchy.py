@@ -19,9 +19,11 @@ Algorithms (NCCL's intra-node/inter-node split; DeepEP's NVLink aggregation befo
 StrataCL's supernode/scale-out, Hu et al. 2026). Inter-fabric bytes are per device:
 - all-reduce (psum/pmax/pmin): reduce-scatter inside the fabric (padded to a multiple of L) ->
   all-reduce of the 1/L shard across fabrics -> all-gather inside. Crosses S/L. With F = 2
-  the all-reduce is one collective-permute of the shard with the partner and a local
-  reduction (gloo's ring takes two rounds for the same bytes; measured faster, most below
-  4 MiB).
+  the all-reduce is one collective-permute of the shard with the partner (gloo's ring takes
+  two rounds for the same bytes; measured faster, most below 4 MiB); a shard of more than
+  1 MiB is then reduced with the own one on the way into the intra all_gather (strata's
+  all_gather_reduce: every member writes its reduced block straight into every peer's
+  output), a smaller one by a local reduction before it.
 - all_gather: all-gather across fabrics of the own block first (F-1 blocks cross, not
   (F-1)*L), then inside the fabric, then a static reorder into group order.
 - psum_scatter: blocks reordered to (l, f), reduce-scatter inside (each member sums the F
@@ -145,7 +147,7 @@ def plan(ctx, axes: tuple) -> Plan | None:
 # --------------------------------------------------------------------------------------
 
 group_collective_p = core.Primitive("strata_group_collective")
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "permute")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "permute", "all_gather_reduce")
 
 
 def _gc(
@@ -158,10 +160,17 @@ def _gc(
     pairs=(),
     split: int = 0,
     concat: int = 0,
+    z=None,
+    z_first=(),
 ):
-    """One collective over explicit groups; ``split``/``concat``: all_to_all's (tiled) axes."""
+    """One collective over explicit groups; ``split``/``concat``: all_to_all's (tiled) axes.
+
+    ``all_gather_reduce`` (strata only): the all_gather of ``x reduce z``, combined in the order
+    ``z_first[partition]`` gives (1: z first).
+    """
     return group_collective_p.bind(
         x,
+        *(() if z is None else (z,)),
         kind=kind,
         engine=engine,
         groups=tuple(map(tuple, groups)),
@@ -169,14 +178,15 @@ def _gc(
         pairs=tuple(pairs),
         split=int(split),
         concat=int(concat),
+        z_first=tuple(int(v) for v in z_first),
     )
 
 
-def _gc_abstract_eval(aval, *, kind, engine, groups, reduce, pairs, split, concat):
+def _gc_abstract_eval(aval, *z, kind, engine, groups, reduce, pairs, split, concat, z_first):
     n = len(groups[0])
     if kind == "reduce_scatter":
         return aval.update(shape=(aval.shape[0] // n, *aval.shape[1:]))
-    if kind == "all_gather":
+    if kind in ("all_gather", "all_gather_reduce"):
         return aval.update(shape=(aval.shape[0] * n, *aval.shape[1:]))
     if kind == "all_to_all":
         shape = list(aval.shape)
@@ -263,19 +273,22 @@ def _xla_lowering(ctx, x, *, kind, groups, reduce, pairs, split=0, concat=0):
 _STRATA_TARGETS = {
     "reduce_scatter": "strata_reduce_scatter",
     "all_gather": "strata_all_gather",
+    "all_gather_reduce": "strata_all_gather_reduce",
     "all_to_all": "strata_all_to_all",
     "permute": "strata_permute",
 }
 _REDUCE_CODES = {"sum": 0, "max": 1, "min": 2}
 
 
-def _strata_lowering(ctx, x, *, kind, groups, reduce, pairs, split=0, concat=0):
+def _strata_lowering(ctx, x, *z, kind, groups, reduce, pairs, split=0, concat=0, z_first=()):
     """One strata call over explicit intra-fabric groups (``lowering.lower_strata_call``)."""
     if kind not in _STRATA_TARGETS:
         return _xla_lowering(ctx, x, kind=kind, groups=groups, reduce=reduce, pairs=pairs)
     attrs: dict = {}
-    if kind == "reduce_scatter":
+    if kind in ("reduce_scatter", "all_gather_reduce"):
         attrs["reduce"] = np.int32(_REDUCE_CODES[reduce])
+    if kind == "all_gather_reduce":
+        attrs["z_first"] = np.asarray(z_first, np.int64)
     elif kind == "all_to_all":
         attrs.update(split_axis=np.int64(split), concat_axis=np.int64(concat))
     elif kind == "permute":
@@ -288,7 +301,7 @@ def _strata_lowering(ctx, x, *, kind, groups, reduce, pairs, split=0, concat=0):
         attrs["sources"] = sources
     target = _STRATA_TARGETS[kind]
     (out,) = lowering.lower_strata_call(
-        ctx, target, kind, [x], np.asarray(groups, np.int64), **attrs
+        ctx, target, kind, [x, *z], np.asarray(groups, np.int64), **attrs
     )
     return out
 
@@ -300,10 +313,10 @@ def _count_inter(ctx, x, nbytes: int) -> None:
     rule(sub, x, bytes=np.int64(nbytes))
 
 
-def _gc_lowering(ctx, x, *, kind, engine, groups, reduce, pairs, split, concat):
+def _gc_lowering(ctx, x, *z, kind, engine, groups, reduce, pairs, split, concat, z_first):
     kw = dict(kind=kind, groups=groups, reduce=reduce, pairs=pairs, split=split, concat=concat)
     if engine == "strata":
-        out = _strata_lowering(ctx, x, **kw)
+        out = _strata_lowering(ctx, x, *z, z_first=z_first, **kw)
     else:
         (aval_in,) = ctx.avals_in
         _count_inter(ctx, x, int(aval_in.size) * aval_in.dtype.itemsize)
@@ -337,6 +350,10 @@ def _pairs(groups) -> list[tuple[int, int]]:
 # --------------------------------------------------------------------------------------
 
 _REDUCE_NAMES = {0: "sum", 1: "max", 2: "min"}
+# Shards up to this size take the low-latency path's all_gather after a local reduction: that
+# path (native/fabric/shm_ll.h, at most kLlMaxBytes = 1 MiB) copies inputs into slots and cannot
+# write into the peers' outputs, which the fused all_gather_reduce does.
+_FUSED_MIN_BYTES = 1 << 20
 
 
 def _all_reduce(x, p: Plan, reduce: str):
@@ -349,13 +366,26 @@ def _all_reduce(x, p: Plan, reduce: str):
         v = jnp.pad(v, (0, chunk * p.L - m))
     v = _gc(v, "reduce_scatter", "strata", p.intra, reduce=reduce)
     if p.F == 2:
-        # Two fabrics: one exchange of the shard with the partner and a local reduction (the
-        # same bytes as gloo's ring all-reduce, one round instead of two; a op b == b op a
-        # bitwise, so both partners hold the same result).
-        v = _REDUCERS[reduce].bind(v, _gc(v, "permute", "xla", p.inter, pairs=_pairs(p.inter)))
+        # Two fabrics: one exchange of the shard with the partner (the same bytes as gloo's
+        # ring all-reduce, one round instead of two).
+        z = _gc(v, "permute", "xla", p.inter, pairs=_pairs(p.inter))
+        if v.size * v.dtype.itemsize > _FUSED_MIN_BYTES:
+            # Combined with the own shard on the way into the intra-fabric all_gather: one
+            # pass that writes every peer's output instead of a reduction and a copy. Both
+            # partners put fabric slot 0's shard first (z_first), so they hold the same bits.
+            z_first = np.zeros(p.groups.size, np.int64)
+            for row in p.groups:
+                z_first[row] = p.f
+            v = _gc(v, "all_gather_reduce", "strata", p.intra, reduce=reduce, z=z, z_first=z_first)
+        else:
+            # XLA's add/max/min commute bitwise (IEEE order of -0 and +0) except for the sign
+            # of a NaN, which can differ between the fabrics (both hold a NaN). Putting the
+            # operands in slot order does not help: XLA rewrites op(select(c, v, z),
+            # select(c, z, v)) to op(v, z).
+            v = _gc(_REDUCERS[reduce].bind(v, z), "all_gather", "strata", p.intra)
     else:
         v = _gc(v, "all_reduce", "xla", p.inter, reduce=reduce)
-    v = _gc(v, "all_gather", "strata", p.intra)
+        v = _gc(v, "all_gather", "strata", p.intra)
     return v[:m].reshape(x.shape)
 
 

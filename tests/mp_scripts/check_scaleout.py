@@ -14,6 +14,7 @@ launcher's folders). Prints ``OK scaleout <checks> checks`` at the end.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 
@@ -130,10 +131,63 @@ before = sj.comm_stats()
 for mesh, axes, dtypes in cases:
     for dt in dtypes:
         compare(mesh, axes, dt)
+
+
+def compare_large() -> None:
+    """psum/pmax/pmin of more than 2 MiB per device over the flat axis: with two devices per
+    fabric the shard is over 1 MiB, so the partner's shard is combined inside strata's
+    all_gather_reduce (hierarchy.py). Same values as jax.lax; with +0/-0 ties and NaNs every
+    rank holds the same bits (fabric slot 0's shard first on both sides)."""
+    global checks
+    n = 600_001  # per device, odd: padded inside the fabric
+    L = N // H
+    fused = H == 2 and L > 1 and -(-n // L) * 4 > (1 << 20)
+    rng = np.random.default_rng(77)
+    x = rng.standard_normal(n * N).astype(np.float32)
+    x[::7] = 0.0
+    x[3::7] = -0.0
+    arr = jax.make_array_from_callback(x.shape, NamedSharding(flat, P("x")), lambda i: x[i])
+    y = x.copy()
+    y[5::1001] = np.nan
+    arr_nan = jax.make_array_from_callback(y.shape, NamedSharding(flat, P("x")), lambda i: y[i])
+    for op in ("psum", "pmax", "pmin"):
+        fs, fl = (
+            jax.jit(
+                jax.shard_map(
+                    lambda v, f=f: f(v, "x"), mesh=flat, in_specs=P("x"), out_specs=P("x")
+                )
+            )
+            for f in (getattr(sj, op), getattr(jax.lax, op))
+        )
+        a = np.asarray(fs(arr).addressable_shards[0].data)
+        b = np.asarray(fl(arr).addressable_shards[0].data)
+        if not np.allclose(a, b, rtol=1e-5, atol=1e-5):
+            fail(f"large {op}: max diff {np.max(np.abs(a - b))}")
+        checks += 1
+        if "strata_all_gather_reduce" not in fs.lower(arr).as_text():
+            if fused:
+                fail(f"large {op}: the fused all_gather_reduce was not used")
+            continue
+        got = np.asarray(fs(arr_nan).addressable_shards[0].data)
+        want = getattr(np, {"psum": "sum", "pmax": "max", "pmin": "min"}[op])(
+            y.reshape(N, n), axis=0
+        )
+        if not np.allclose(got, want, rtol=1e-5, atol=1e-5, equal_nan=True):
+            fail(f"large {op} with NaN: differs from numpy (NaN propagates)")
+        digest = hashlib.sha256(got.tobytes()).hexdigest()
+        client.key_value_set(f"scaleout/large/{op}/{pid}", digest)
+        for j in range(jax.process_count()):
+            other = client.blocking_key_value_get(f"scaleout/large/{op}/{j}", 60000)
+            if other != digest:
+                fail(f"large {op}: process {j} holds other bits than process {pid}")
+        checks += 2
+
+
+client = _distributed_client()
+compare_large()
 after = sj.comm_stats()
 
 # ---- nothing crosses a fabric through shared memory ----
-client = _distributed_client()
 client.key_value_set(f"scaleout/os_pid/{pid}", str(os.getpid()))
 os_pids = [
     int(client.blocking_key_value_get(f"scaleout/os_pid/{j}", 60000))
