@@ -229,6 +229,34 @@ def test_29_drops_leave_no_garbage(rng):
         assert not np.isnan(np.asarray(a, np.float64)).any()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_29_large_rows_leave_no_garbage(rng, dtype):
+    """Case 29 with rows of 2-4 KiB: the unused capacity rows (hundreds of KiB per expert) are
+    zeroed and combine's rows stored with non-temporal stores; after a NaN call in the same
+    buffers nothing of it is left, and every value equals numpy's."""
+    h, c = 1024, 96
+    f = _moe(2, 4, c)
+    idx = rng.integers(0, 4, (16, 2)).astype(np.int32)
+    idx[3] = [1, 1]  # a token naming one expert twice: one slot, the weights add
+    w = rng.random((16, 2)).astype(np.float32)
+    x = rng.standard_normal((16, h)).astype(dtype)
+    # First a NaN call that fills more rows of experts 0 and 2 than the next call will
+    xn = np.full_like(x, np.nan)
+    idx_n = np.tile(np.array([[0, 2]], np.int32), (16, 1))
+    assert np.isnan(np.asarray(f(xn, idx_n, w)[0], np.float32)).any()
+    recv, counts, rdrop, y = f(x, idx, w)
+    recv, y = np.asarray(recv, np.float32), np.asarray(y, np.float32)
+    counts = np.asarray(counts)
+    np.testing.assert_array_equal(np.asarray(rdrop), 0)
+    for e in range(4):  # rows of expert e: [0, count) hold tokens, the rest exactly 0
+        assert recv[e, counts[e] :].size and not recv[e, counts[e] :].any(), e
+        assert not np.isnan(recv[e, : counts[e]]).any()
+    xf = x.astype(np.float32)
+    want = 3.0 * xf * w.sum(1, keepdims=True)  # every choice kept: the weights add up
+    tol = 1e-5 if dtype == np.float32 else 2e-2
+    np.testing.assert_allclose(y, want.astype(dtype).astype(np.float32), rtol=tol, atol=tol)
+
+
 # 30. Expert-parallel axis of size 1 ----------------------------------------------------
 def test_30_expert_axis_of_size_one(rng):
     t, k, e, c, h = 5, 2, 4, 10, 3

@@ -116,9 +116,7 @@ def test_large_all_reduce_across_fake_fabrics(two_fake_fabrics, rng, dtype, op):
     x = x.astype(dtype)
     sj_op, lax_op = getattr(sj, op), getattr(jax.lax, op)
     f = jax.jit(
-        jax.shard_map(
-            lambda v: sj_op(v, "x")[None], mesh=mesh, in_specs=P("x"), out_specs=P("x")
-        )
+        jax.shard_map(lambda v: sj_op(v, "x")[None], mesh=mesh, in_specs=P("x"), out_specs=P("x"))
     )
     assert "strata_all_gather_reduce" in f.lower(x).as_text()
     got = np.asarray(f(x))

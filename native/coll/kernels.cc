@@ -153,6 +153,27 @@ void copy_bytes_stream(void* dst, const void* src, size_t bytes) {
   std::memcpy(d + body, s + body, bytes - body);
 }
 
+void zero_bytes(void* dst, size_t bytes) {
+  if (bytes < stream_bytes()) {
+    if (bytes) std::memset(dst, 0, bytes);
+    return;
+  }
+  char* d = static_cast<char*>(dst);
+  const size_t head = (16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15;
+  std::memset(d, 0, head);
+  d += head;
+  bytes -= head;
+  const size_t body = bytes & ~static_cast<size_t>(63);
+  const __m128i z = _mm_setzero_si128();
+  for (size_t i = 0; i < body; i += 64) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), z);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), z);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), z);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), z);
+  }
+  std::memset(d + body, 0, bytes - body);
+}
+
 void prepare_output(void* dst, size_t bytes) {
   static const bool enabled = [] {
     const char* e = std::getenv("STRATA_THP");

@@ -37,6 +37,10 @@ void copy_bytes(void* dst, const void* src, size_t bytes);
 // Non-temporal stores whatever the size: for many small copies (rows) into a large buffer that
 // is only written here, where copy_bytes would take each one as a small, cached copy.
 void copy_bytes_stream(void* dst, const void* src, size_t bytes);
+// Zeroes `bytes` at dst, with non-temporal stores from kStreamBytes on (a large region that is
+// only written here, e.g. the unused capacity rows of a MoE receive buffer): no read for
+// ownership. Callers fence with copy_fence() before publishing, as after copy_bytes.
+void zero_bytes(void* dst, size_t bytes);
 void copy_fence();
 
 // Outputs of at least kHugeOutputBytes: before a call writes its output, prepare_output asks the

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "coll/kernels.h"
 #include "moe/moe.h"
 #include "moe/rows.h"
 #include "xla/ffi/api/ffi.h"
@@ -25,6 +26,7 @@ void combine_typed(Team& t, const MoeShape& s, const typename Elem<T>::Acc* w, T
     slots[r] = static_cast<const int32_t*>(t.peer_buf(static_cast<int>(r), kCombSlots));
   }
   std::vector<Acc> acc(H);
+  std::vector<T> row(H);  // the rounded row, streamed out from here
   for (int64_t tok = 0; tok < s.tokens; ++tok) {
     const Acc* wt = w + tok * K;
     std::fill(acc.begin(), acc.end(), Acc(0));
@@ -36,8 +38,12 @@ void combine_typed(Team& t, const MoeShape& s, const typename Elem<T>::Acc* w, T
       for (int64_t k = 0; k < K; ++k)
         if (sl[k] >= 0) axpy<T>(acc.data(), ey[r] + int64_t(sl[k]) * H, wt[k], H);
     }
-    store_row<T>(y + tok * H, acc.data(), H);
+    // y is only written here: non-temporal stores skip the read for ownership of its lines
+    // (a third of the traffic of a cached store of a row that is not read back soon).
+    store_row<T>(row.data(), acc.data(), H);
+    copy_bytes_stream(y + tok * H, row.data(), H * sizeof(T));
   }
+  copy_fence();  // the departure barrier publishes y (non-temporal stores are weakly ordered)
 }
 
 }  // namespace

@@ -101,8 +101,8 @@ std::string low_latency_dispatch(Team& t, const MoeShape& s, int64_t max_tokens,
   // the fabric staged it, copied back over `out` at departure): zero it there.
   char* mine = push ? static_cast<char*>(const_cast<void*>(t.peer_buf(me, kLLRecv))) : out;
   for (int64_t le = 0; le < El && rb > 0; ++le)
-    std::memset(mine + (le * rows_per_expert + counts[le]) * rb, 0,
-                (rows_per_expert - counts[le]) * rb);
+    zero_bytes(mine + (le * rows_per_expert + counts[le]) * rb,
+               (rows_per_expert - counts[le]) * rb);
   // Non-temporal stores are weakly ordered: fence before the departure barrier publishes them.
   copy_fence();
   return {};
