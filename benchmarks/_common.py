@@ -11,10 +11,12 @@ Contents:
     :func:`write_json`, :func:`progress`, :func:`plot_lines`
   * machine description: :func:`machine_info`, :func:`print_machine`
   * the allocator: :func:`reexec_with_allocator`
+  * the communication-free bound of a workload: :func:`no_exchange`
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
 import json
@@ -316,6 +318,15 @@ def speed_sentence(name: str, t_this: float, base: str, t_base: float, goal: flo
     )
 
 
+def bound_sentence(t_nocomm: float, base: str, t_base: float) -> str:
+    """The communication-free bound, in the words of :func:`speed_sentence`. Times in seconds."""
+    return (
+        f"# bound: {base} with free communication (nocomm) is {t_base / t_nocomm:.2f}x faster "
+        f"than {base} ({1e3 * t_nocomm:.1f} vs {1e3 * t_base:.1f} ms median): the most that any "
+        f"faster exchange can give {base}'s computation at these sizes"
+    )
+
+
 def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
     """Write dict rows to CSV; the header is the union of keys in first-seen order."""
     keys: dict[str, None] = {}
@@ -524,3 +535,40 @@ def print_machine(info: dict[str, Any], write: Callable[[str], Any] = print) -> 
     env = info["env"]
     envs = " ".join(f"{k}={v}" for k, v in env.items()) if env else "(none set)"
     write(f"# env        : {envs}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The communication-free bound
+# --------------------------------------------------------------------------------------------------
+
+NOCOMM_DESC = (
+    "the baseline's computation with every jax.lax exchange replaced by identity (wrong "
+    "results: the bound no communication library can beat at this size)"
+)
+
+
+@contextlib.contextmanager
+def no_exchange():
+    """While a program is traced: ``jax.lax.all_to_all``, ``psum`` and ``pmean`` return their
+    operand unchanged (the shape-preserving exchanges the workloads use: all_to_all with equal
+    split and concat axes). The program then does the baseline's computation and no
+    communication; its step time is the bound that no communication library can beat at this
+    size (the ``nocomm`` impl of train_moe.py, train_recsys.py and serve_moe.py). Its values are
+    wrong by design and are never compared."""
+    import jax
+
+    def all_to_all(x, axis_name, split_axis, concat_axis, **kw):
+        if split_axis != concat_axis:
+            raise ValueError(
+                "no_exchange: all_to_all with split_axis != concat_axis changes the shape"
+            )
+        return x
+
+    saved = {k: getattr(jax.lax, k) for k in ("all_to_all", "psum", "pmean")}
+    jax.lax.all_to_all = all_to_all
+    jax.lax.psum = jax.lax.pmean = lambda x, axis_name, **kw: x
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(jax.lax, k, v)

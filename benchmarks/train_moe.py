@@ -15,7 +15,10 @@ gradients are averaged with ``pmean`` and the MoE layers move tokens with
 * ``xla``: the GShard formulation (one-hot dispatch/combine einsums and ``jax.lax.all_to_all``)
   and ``jax.lax.pmean``;
 * ``reference``: the pure-JAX oracle of dispatch/combine with ``strata_jax.pmean`` (a stand-in
-  where the native MoE operators are missing; slow by design, never a speed claim).
+  where the native MoE operators are missing; slow by design, never a speed claim);
+* ``nocomm``: ``xla_sort``'s computation with every exchange replaced by identity
+  (``_common.no_exchange``): wrong losses by design, never checked; its step time is the bound
+  that no communication library can beat at these sizes.
 
 Run (8 in-process CPU devices)::
 
@@ -45,6 +48,7 @@ matplotlib Agg) and ``<out>/train_moe.json`` (all numbers and the machine).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -52,7 +56,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-IMPLS = ("strata", "strata_ragged", "xla_sort", "xla", "reference")
+IMPLS = ("strata", "strata_ragged", "xla_sort", "xla", "reference", "nocomm")
 XLA_IMPLS = ("xla_sort", "xla")  # jax.lax baselines; the ratio is against the first present
 
 
@@ -62,6 +66,7 @@ MOE_DESC = {
     "xla_sort": "sort/gather blocks + jax.lax.all_to_all",
     "xla": "GShard one-hot + jax.lax.all_to_all",
     "reference": "pure-JAX reference",
+    "nocomm": "xla_sort with no exchange (communication-free bound)",
 }
 
 
@@ -299,7 +304,7 @@ def make_loss(args: argparse.Namespace, impl: str, nranks: int, axis: str):
                 top_k=args.top_k,
                 axis_name=axis,
                 capacity=capacity,
-                impl=impl,
+                impl="xla_sort" if impl == "nocomm" else impl,
             )
             x = x + y.reshape(b, s, -1)
         logits = rms(x, dense["ln_f"]) @ dense["embed"].T
@@ -318,7 +323,8 @@ def make_step(args: argparse.Namespace, impl: str, mesh, axis: str):
     import strata_jax
 
     nranks = mesh.shape[axis]
-    reduce = args.reduce if args.reduce != "auto" else ("xla" if impl in XLA_IMPLS else "strata")
+    auto = "xla" if impl in (*XLA_IMPLS, "nocomm") else "strata"
+    reduce = args.reduce if args.reduce != "auto" else auto
     coll = strata_jax if reduce == "strata" else jax.lax
     loss_fn, capacity = make_loss(args, impl, nranks, axis)
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1))
@@ -454,14 +460,15 @@ def main(argv: list[str] | None = None) -> int:
                 mesh=mesh,
                 in_specs=(specs, P(axis)),
                 out_specs=(specs, P()),
-                check_vma=args.check_vma,
+                check_vma=args.check_vma and impl != "nocomm",  # identity psum: not replicated
             ),
             donate_argnums=0,
         )
         state = fresh_state()
         tok0 = jax.make_array_from_callback(data.shape[1:], tok_sharding, lambda idx: data[0][idx])
         t0 = time.perf_counter()
-        compiled = fn.lower(state, tok0).compile()
+        with C.no_exchange() if impl == "nocomm" else contextlib.nullcontext():
+            compiled = fn.lower(state, tok0).compile()
         runs[impl] = {
             "fn": compiled,
             "state": state,
@@ -564,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
     diffs = {}
     for a in names:
         for b in names[names.index(a) + 1 :]:
+            if "nocomm" in (a, b):
+                continue  # no exchange: wrong losses by design
             d = np.abs(np.array(runs[a]["losses"]) - np.array(runs[b]["losses"]))
             at = int(d.argmax())
             diffs[f"{a}-{b}"] = {
@@ -591,6 +600,8 @@ def main(argv: list[str] | None = None) -> int:
     for impl in ("strata", "strata_ragged"):
         if impl in runs and base:
             say(C.speed_sentence(impl, runs[impl]["median_s"], base, runs[base]["median_s"]))
+    if "nocomm" in runs and base:
+        say(C.bound_sentence(runs["nocomm"]["median_s"], base, runs[base]["median_s"]))
 
     if args.save is not None:
         from jax.experimental import multihost_utils

@@ -11,7 +11,10 @@ dense gradients are averaged with ``pmean``. The step itself is ``benchmarks/rec
 seed and batches run once per ``--impl``:
 
 * ``strata``: ``strata_jax.all_to_all``, ``strata_jax.pmean``, ``strata_jax.psum``;
-* ``xla``: ``jax.lax.all_to_all``, ``jax.lax.pmean``, ``jax.lax.psum``.
+* ``xla``: ``jax.lax.all_to_all``, ``jax.lax.pmean``, ``jax.lax.psum``;
+* ``nocomm``: ``xla``'s computation with every exchange replaced by identity
+  (``_common.no_exchange``): wrong losses by design, never compared; its step time is the bound
+  that no faster exchange can beat at these sizes.
 
 Run (8 in-process CPU devices)::
 
@@ -45,6 +48,7 @@ Agg) and ``<out>/train_recsys.json`` (all numbers and the machine).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -55,7 +59,7 @@ import _common as C  # noqa: E402
 import recsys_model as rm  # noqa: E402
 from train_moe import start_runtime  # noqa: E402
 
-IMPLS = ("strata", "xla")
+IMPLS = ("strata", "xla", "nocomm")
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -253,10 +257,14 @@ def main(argv: list[str] | None = None) -> int:
     batch0, _ = put_batch(0)
     for impl in args.impls:
         coll = strata_jax if impl == "strata" else jax.lax
-        fn = rm.make_sharded_step(cfg, layout, sc, mesh, axis, coll, args.check_vma)
+        # nocomm: an identity pmean leaves the dense gradients unreplicated as far as the
+        # shard_map type checker knows
+        check_vma = args.check_vma and impl != "nocomm"
+        fn = rm.make_sharded_step(cfg, layout, sc, mesh, axis, coll, check_vma)
         state = rm.initial_state(cfg, layout, args.seed, mesh, axis)
         t0 = time.perf_counter()
-        compiled = fn.lower(state, batch0).compile()
+        with C.no_exchange() if impl == "nocomm" else contextlib.nullcontext():
+            compiled = fn.lower(state, batch0).compile()
         runs[impl] = {
             "fn": compiled,
             "state": state,
@@ -267,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             "auc": [],
             "compile_s": time.perf_counter() - t0,
         }
-        name = "strata_jax" if impl == "strata" else "jax.lax"
+        name = {"strata": "strata_jax", "xla": "jax.lax", "nocomm": "no-op"}[impl]
         say(
             f"# {impl:<10} : compiled in {runs[impl]['compile_s']:.1f} s ({name}.all_to_all x3, "
             f"{name}.pmean, {name}.psum)"
@@ -382,15 +390,16 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     ok = True
-    drops = runs[args.impls[0]]["drops"]
+    compared = [i for i in args.impls if i != "nocomm"]  # nocomm: wrong values by design
+    drops = runs[(compared or args.impls)[0]]["drops"]
     say(
         f"# drops: {sum(drops):,} ids dropped over {args.steps} steps (about {total_ids:,.0f} ids "
         f"per device per step; capacity {capacity} per destination)"
         + ("" if sum(drops) == 0 else ": raise --capacity-factor to drop none")
     )
     diffs = {}
-    if len(runs) == 2:
-        a, b = args.impls
+    if len(compared) == 2:
+        a, b = compared
         d = np.abs(np.array(runs[a]["losses"]) - np.array(runs[b]["losses"]))
         same_drops = runs[a]["drops"] == runs[b]["drops"]
         good = bool(d.max() <= args.tol) and same_drops
@@ -413,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if "strata" in runs and base:
         say(C.speed_sentence("strata", runs["strata"]["median_s"], base, runs[base]["median_s"]))
+    if "nocomm" in runs and base:
+        say(C.bound_sentence(runs["nocomm"]["median_s"], base, runs[base]["median_s"]))
 
     if lead:
         args.out.mkdir(parents=True, exist_ok=True)

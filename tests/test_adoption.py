@@ -295,6 +295,33 @@ def test_collectives_benchmark_sizes_follow_nccl_tests():
     assert 4096 in C.size_sweep(8, 64 << 20, 2)
 
 
+def test_no_exchange_removes_every_exchange_and_restores_jax_lax():
+    """The benchmarks' communication-free bound (impl nocomm): while tracing, the program has
+    no collective left; afterwards jax.lax is itself again."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import _common as C
+    finally:
+        sys.path.pop(0)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+    body = lambda v: jax.lax.pmean(jax.lax.all_to_all(v, "x", 0, 0, tiled=True), "x")  # noqa: E731
+
+    def f():  # a new jit each time: jit caches the trace made inside the context
+        return jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
+        )
+
+    x = jnp.arange(32.0).reshape(16, 2)
+    originals = (jax.lax.all_to_all, jax.lax.psum, jax.lax.pmean)
+    with C.no_exchange():
+        text = f().lower(x).as_text()
+        with pytest.raises(ValueError, match="split_axis != concat_axis"):
+            jax.lax.all_to_all(x, "x", 0, 1)
+    assert "all_to_all" not in text and "all_reduce" not in text, text
+    assert (jax.lax.all_to_all, jax.lax.psum, jax.lax.pmean) == originals
+    assert "all_to_all" in f().lower(x).as_text()
+
+
 # ------------------------------------------------------------------------------------------
 # Section 3: python -m strata_jax.info
 # ------------------------------------------------------------------------------------------
