@@ -58,6 +58,7 @@ from typing import Any
 
 IMPLS = ("strata", "strata_ragged", "xla_sort", "xla", "reference", "nocomm")
 XLA_IMPLS = ("xla_sort", "xla")  # jax.lax baselines; the ratio is against the first present
+GRAD_REDUCE = {"strata": "strata_jax.pmean", "xla": "jax.lax.pmean"}
 
 
 MOE_DESC = {
@@ -161,6 +162,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--impl: unknown {bad}; choose from {IMPLS} or 'all'")
     if args.steps <= args.warmup:
         p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    if args.save is not None and args.impls == ["nocomm"]:
+        p.error("--save: nocomm's parameters are not trained (no gradient all-reduce); add an impl")
     if args.d_model % args.heads:
         p.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
     return args
@@ -480,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         say(
             f"# {impl:<10} : compiled in {runs[impl]['compile_s']:.1f} s (MoE "
             f"{MOE_DESC[impl]}; "
-            f"grad all-reduce {'strata_jax.pmean' if reduce == 'strata' else 'jax.lax.pmean'}; "
+            f"grad all-reduce {GRAD_REDUCE[reduce] if impl != 'nocomm' else 'none'}; "
             f"capacity {capacity if capacity is not None else 'None (no drops)'})"
         )
 
@@ -600,18 +603,19 @@ def main(argv: list[str] | None = None) -> int:
     for impl in ("strata", "strata_ragged"):
         if impl in runs and base:
             say(C.speed_sentence(impl, runs[impl]["median_s"], base, runs[base]["median_s"]))
-    if "nocomm" in runs and base:
-        say(C.bound_sentence(runs["nocomm"]["median_s"], base, runs[base]["median_s"]))
+    if "nocomm" in runs and "xla_sort" in runs:  # nocomm is xla_sort's computation
+        say(C.bound_sentence(runs["nocomm"]["median_s"], "xla_sort", runs["xla_sort"]["median_s"]))
 
     if args.save is not None:
         from jax.experimental import multihost_utils
         from moe_model import save_params
 
-        first = runs[args.impls[0]]["state"][0]  # (dense, experts) of the first impl
+        saved = next(i for i in args.impls if i != "nocomm")  # checked in parse_args
+        first = runs[saved]["state"][0]  # (dense, experts) of the first trained impl
         host = multihost_utils.process_allgather(first, tiled=True)  # every process joins
         if lead:
             save_params(args.save, *host, vars(args))
-            say(f"# wrote {args.save} ({args.impls[0]}'s parameters after {args.steps} steps)")
+            say(f"# wrote {args.save} ({saved}'s parameters after {args.steps} steps)")
     if lead:
         args.out.mkdir(parents=True, exist_ok=True)
         png = args.out / "train_moe.png"

@@ -101,14 +101,17 @@ def test_hierarchical_in_process(two_fake_fabrics, rng, order):
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.int32])
 @pytest.mark.parametrize("op", ["psum", "pmax", "pmin"])
-def test_large_all_reduce_across_fake_fabrics(two_fake_fabrics, rng, dtype, op):
-    """A shard of more than 1 MiB per fabric member: the partner fabric's shard is combined
-    inside strata's all_gather_reduce (one pass). Values as jax.lax; with +0/-0 ties and NaNs
-    (floats) every device holds the same bits, NaN propagating as numpy's max/min do."""
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_all_reduce_across_fake_fabrics_same_bits(two_fake_fabrics, rng, dtype, op, size):
+    """The partner fabric's shard is combined inside strata's all_gather_reduce: pushed into
+    every peer's output for a shard over 512 KiB ("large"), pulled from published [own |
+    partner] pairs below ("small"). Values as jax.lax; with +0/-0 ties and NaNs (floats) every
+    device holds the same bits, NaN propagating as numpy's max/min do."""
     devs = sorted(jax.devices(), key=lambda d: d.id)[:4]
     mesh = Mesh(np.array(devs), ("x",))
     itemsize = jnp.dtype(dtype).itemsize
-    n = 2 * (1 << 20) // itemsize + 2 * int(rng.integers(1, 500)) + 1  # odd: padded
+    base = 2 * (1 << 20) // itemsize if size == "large" else 3000
+    n = base + 2 * int(rng.integers(1, 500)) + 1  # odd: padded
     x = (rng.standard_normal(4 * n) * 50).astype(np.float32)
     floating = jnp.issubdtype(dtype, jnp.floating)
     if floating and op != "psum":

@@ -154,7 +154,9 @@ void copy_bytes_stream(void* dst, const void* src, size_t bytes) {
 }
 
 void zero_bytes(void* dst, size_t bytes) {
-  if (bytes < stream_bytes()) {
+  // Under one line (shorter than the alignment head) a plain memset, whatever
+  // STRATA_STREAM_BYTES says.
+  if (bytes < stream_bytes() || bytes < 64) {
     if (bytes) std::memset(dst, 0, bytes);
     return;
   }

@@ -1,5 +1,6 @@
 #include "ffi/handlers.h"
 
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -136,10 +137,15 @@ ffi::Error AllGatherImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, A
                         });
 }
 
+// Shards up to this size take the packed, pull form of all_gather_reduce (the input published
+// is [x | z]), which the low-latency path can run; larger ones the push form. A constant, so
+// that every rank picks the same form whatever its settings.
+constexpr size_t kPackedShardBytes = 512 * 1024;
+
 // y = all_gather(x op z) over the group: the last two steps of a two-fabric all-reduce
 // (strata_jax/_src/hierarchy.py), where z is the partner fabric's shard. `z_first[p]` (per
 // partition) puts z before x so that both partners combine the two shards in the same order and
-// hold the same bits (pmax of +0 and -0, NaN payloads).
+// hold the same bits (pmax of +0 and -0, the sign of a NaN).
 ffi::Error AllGatherReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer z,
                                ffi::AnyBuffer pid, After, ffi::Result<ffi::AnyBuffer> y, Done,
                                int64_t op_id, I64s groups, int64_t group_size, I64s device_ids,
@@ -151,29 +157,47 @@ ffi::Error AllGatherReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer 
     return to_error(std::string("strata_jax ") + name +
                     ": internal error: the two shards of an all_gather_reduce differ");
   const int32_t dt = static_cast<int32_t>(x.element_type());
+  const size_t bytes = x.size_bytes(), count = x.element_count();
+  const bool packed = bytes <= kPackedShardBytes;
+  std::vector<char> pair;  // packed: [x | z], published as this rank's input
+  if (packed) {
+    pair.resize(2 * bytes);
+    if (bytes) {
+      std::memcpy(pair.data(), x.untyped_data(), bytes);
+      std::memcpy(pair.data() + bytes, z.untyped_data(), bytes);
+    }
+  }
   OpDesc d;
   d.kind = kAllGatherReduce;
   d.dtype = dt;
   d.reduce = reduce;
-  d.in_bytes = x.size_bytes();
+  d.in_bytes = packed ? 2 * bytes : bytes;
   d.out_bytes = y->size_bytes();
+  auto order = [&](int64_t partition) -> int {  // 1: z first, -1: no order given
+    if (partition < 0 || static_cast<size_t>(partition) >= z_first.size()) return -1;
+    return z_first[partition] != 0 ? 1 : 0;
+  };
   return run_collective(
-      name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d, x.untyped_data(),
-      y->untyped_data(),
+      name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
+      packed ? static_cast<const void*>(pair.data()) : x.untyped_data(), y->untyped_data(),
       [&](Team& t, const Placement& pl) -> std::string {
-        if (x.size_bytes() * t.size() != y->size_bytes())
+        if (bytes * t.size() != y->size_bytes())
           return "strata_jax all_gather_reduce: output size is not the group size times the "
                  "input size";
-        if (pl.partition < 0 || static_cast<size_t>(pl.partition) >= z_first.size())
-          return "strata_jax all_gather_reduce: internal error: no operand order for this "
-                 "partition";
-        const bool swap = z_first[pl.partition] != 0;
+        for (int j = 0; j < t.size(); ++j)
+          if (order(pl.member_parts[j]) < 0)
+            return "strata_jax all_gather_reduce: internal error: no operand order for a "
+                   "member";
+        count_peer_bytes(t, (packed ? 2 * bytes : bytes) * (t.size() - 1));
+        if (packed)
+          return all_gather_reduce_packed(t, dt, op, count,
+                                          [&](int j) { return order(pl.member_parts[j]) == 1; });
+        const bool swap = order(pl.partition) == 1;
         const void* a = swap ? z.untyped_data() : x.untyped_data();
         const void* b = swap ? x.untyped_data() : z.untyped_data();
-        count_peer_bytes(t, x.size_bytes() * (t.size() - 1));
-        return all_gather_reduce(t, dt, op, a, b, x.element_count());
+        return all_gather_reduce(t, dt, op, a, b, count);
       },
-      /*peers_write=*/true);
+      /*peers_write=*/!packed);
 }
 
 ffi::Error AllToAllImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,

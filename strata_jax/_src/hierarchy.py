@@ -20,10 +20,10 @@ StrataCL's supernode/scale-out, Hu et al. 2026). Inter-fabric bytes are per devi
 - all-reduce (psum/pmax/pmin): reduce-scatter inside the fabric (padded to a multiple of L) ->
   all-reduce of the 1/L shard across fabrics -> all-gather inside. Crosses S/L. With F = 2
   the all-reduce is one collective-permute of the shard with the partner (gloo's ring takes
-  two rounds for the same bytes; measured faster, most below 4 MiB); a shard of more than
-  1 MiB is then reduced with the own one on the way into the intra all_gather (strata's
-  all_gather_reduce: every member writes its reduced block straight into every peer's
-  output), a smaller one by a local reduction before it.
+  two rounds for the same bytes; measured faster, most below 4 MiB), then reduced with the
+  own one inside the intra all_gather (strata's all_gather_reduce: above 512 KiB every
+  member writes its reduced block straight into every peer's output; below, each reduces
+  every member's published pair into its own output, which the low-latency path can run).
 - all_gather: all-gather across fabrics of the own block first (F-1 blocks cross, not
   (F-1)*L), then inside the fabric, then a static reorder into group order.
 - psum_scatter: blocks reordered to (l, f), reduce-scatter inside (each member sums the F
@@ -350,10 +350,6 @@ def _pairs(groups) -> list[tuple[int, int]]:
 # --------------------------------------------------------------------------------------
 
 _REDUCE_NAMES = {0: "sum", 1: "max", 2: "min"}
-# Shards up to this size take the low-latency path's all_gather after a local reduction: that
-# path (native/fabric/shm_ll.h, at most kLlMaxBytes = 1 MiB) copies inputs into slots and cannot
-# write into the peers' outputs, which the fused all_gather_reduce does.
-_FUSED_MIN_BYTES = 1 << 20
 
 
 def _all_reduce(x, p: Plan, reduce: str):
@@ -367,22 +363,14 @@ def _all_reduce(x, p: Plan, reduce: str):
     v = _gc(v, "reduce_scatter", "strata", p.intra, reduce=reduce)
     if p.F == 2:
         # Two fabrics: one exchange of the shard with the partner (the same bytes as gloo's
-        # ring all-reduce, one round instead of two).
+        # ring all-reduce, one round instead of two), combined with the own shard inside the
+        # intra-fabric all_gather (native all_gather_reduce: one pass, no XLA reduction). Both
+        # partners put fabric slot 0's shard first (z_first), so every rank holds the same bits.
         z = _gc(v, "permute", "xla", p.inter, pairs=_pairs(p.inter))
-        if v.size * v.dtype.itemsize > _FUSED_MIN_BYTES:
-            # Combined with the own shard on the way into the intra-fabric all_gather: one
-            # pass that writes every peer's output instead of a reduction and a copy. Both
-            # partners put fabric slot 0's shard first (z_first), so they hold the same bits.
-            z_first = np.zeros(p.groups.size, np.int64)
-            for row in p.groups:
-                z_first[row] = p.f
-            v = _gc(v, "all_gather_reduce", "strata", p.intra, reduce=reduce, z=z, z_first=z_first)
-        else:
-            # XLA's add/max/min commute bitwise (IEEE order of -0 and +0) except for the sign
-            # of a NaN, which can differ between the fabrics (both hold a NaN). Putting the
-            # operands in slot order does not help: XLA rewrites op(select(c, v, z),
-            # select(c, z, v)) to op(v, z).
-            v = _gc(_REDUCERS[reduce].bind(v, z), "all_gather", "strata", p.intra)
+        z_first = np.zeros(p.groups.size, np.int64)
+        for row in p.groups:
+            z_first[row] = p.f
+        v = _gc(v, "all_gather_reduce", "strata", p.intra, reduce=reduce, z=z, z_first=z_first)
     else:
         v = _gc(v, "all_reduce", "xla", p.inter, reduce=reduce)
         v = _gc(v, "all_gather", "strata", p.intra)
