@@ -183,8 +183,9 @@ def compare_large(n: int) -> None:
 
 
 client = _distributed_client()
-compare_large(600_001)  # odd: padded inside the fabric
-compare_large(1_001)
+compare_large(600_001)  # odd: padded inside the fabric; push form (2 devices per fabric)
+compare_large(100_001)  # packed pairs of 400 KB: the general path, pairs staged
+compare_large(1_001)  # packed pairs of 4 KB: the low-latency path
 after = sj.comm_stats()
 
 # ---- nothing crosses a fabric through shared memory ----
