@@ -19,6 +19,30 @@ bool use_two_shot(size_t bytes) {
   return bytes >= static_cast<size_t>(settings().two_shot_bytes.load());
 }
 
+namespace {
+// Reduces elements [begin, end) of the n_srcs sources tile by tile, while the tile is still in
+// cache, and stores each reduced tile into every rank's output at byte out_offset + (i - begin) *
+// esize: every source byte read once, every output byte written once (streaming stores: no read
+// for ownership).
+void reduce_push(Team& t, int32_t dtype, ReduceOp op, const void* const* srcs, int n_srcs,
+                 size_t begin, size_t end, size_t out_offset) {
+  const int n = t.size(), r = t.rank(), es = dtype_size(dtype);
+  constexpr size_t kTileBytes = 64 * 1024;
+  alignas(64) static thread_local unsigned char tile[kTileBytes];
+  const size_t tile_elems = kTileBytes / es;
+  for (size_t t0 = begin; t0 < end; t0 += tile_elems) {
+    const size_t t1 = (end - t0 < tile_elems) ? end : t0 + tile_elems;
+    reduce_n_to(dtype, op, srcs, n_srcs, tile, t0, t1);
+    const size_t at = out_offset + (t0 - begin) * es;
+    for (int k = 0; k < n; ++k) {
+      const int j = (r + k) % n;  // staggered so ranks do not all write one peer at once
+      copy_bytes(static_cast<char*>(t.peer_out(j)) + at, tile, (t1 - t0) * es);
+    }
+  }
+  copy_fence();
+}
+}  // namespace
+
 std::string all_reduce(Team& t, int32_t dtype, ReduceOp op, size_t count, bool two_shot) {
   const int n = t.size(), r = t.rank(), es = dtype_size(dtype);
   std::vector<const void*> srcs(n);
@@ -37,18 +61,7 @@ std::string all_reduce(Team& t, int32_t dtype, ReduceOp op, size_t count, bool t
   // traffic, and no barrier between the shots.
   size_t b, e;
   chunk_range(count, es, n, r, &b, &e);
-  constexpr size_t kTileBytes = 64 * 1024;
-  alignas(64) static thread_local unsigned char tile[kTileBytes];
-  const size_t tile_elems = kTileBytes / es;
-  for (size_t t0 = b; t0 < e; t0 += tile_elems) {
-    const size_t t1 = (e - t0 < tile_elems) ? e : t0 + tile_elems;
-    reduce_n_to(dtype, op, srcs.data(), n, tile, t0, t1);
-    for (int k = 0; k < n; ++k) {
-      const int j = (r + k) % n;  // staggered so ranks do not all write one peer at once
-      copy_bytes(static_cast<char*>(t.peer_out(j)) + t0 * es, tile, (t1 - t0) * es);
-    }
-  }
-  copy_fence();
+  reduce_push(t, dtype, op, srcs.data(), n, b, e, b * es);
   return {};
 }
 
@@ -74,21 +87,8 @@ std::string all_gather(Team& t, size_t in_bytes) {
 
 std::string all_gather_reduce(Team& t, int32_t dtype, ReduceOp op, const void* a, const void* b,
                               size_t count) {
-  const int n = t.size(), r = t.rank(), es = dtype_size(dtype);
   const void* srcs[2] = {a, b};
-  const size_t block = count * es;
-  constexpr size_t kTileBytes = 64 * 1024;
-  alignas(64) static thread_local unsigned char tile[kTileBytes];
-  const size_t tile_elems = kTileBytes / es;
-  for (size_t t0 = 0; t0 < count; t0 += tile_elems) {
-    const size_t t1 = (count - t0 < tile_elems) ? count : t0 + tile_elems;
-    reduce_n_to(dtype, op, srcs, 2, tile, t0, t1);
-    for (int k = 0; k < n; ++k) {
-      const int j = (r + k) % n;  // staggered so ranks do not all write one peer at once
-      copy_bytes(static_cast<char*>(t.peer_out(j)) + r * block + t0 * es, tile, (t1 - t0) * es);
-    }
-  }
-  copy_fence();
+  reduce_push(t, dtype, op, srcs, 2, 0, count, t.rank() * count * dtype_size(dtype));
   return {};
 }
 

@@ -332,12 +332,17 @@ _partition_id_p.def_abstract_eval(lambda: core.ShapedArray((), np.uint32))
 mlir.register_lowering(_partition_id_p, lambda ctx: [hlo.partition_id()], platform="cpu")
 
 
-def _my_slot(p: Plan):
-    """This partition's fabric slot in its group (int32 scalar, from the partition id)."""
+def _slot_table(p: Plan) -> np.ndarray:
+    """The fabric slot of every partition in its group ([num partitions] int32)."""
     table = np.zeros(p.groups.size, np.int32)
     for row in p.groups:
         table[row] = p.f
-    return jnp.asarray(table)[_partition_id_p.bind().astype(jnp.int32)]
+    return table
+
+
+def _my_slot(p: Plan):
+    """This partition's fabric slot in its group (int32 scalar, from the partition id)."""
+    return jnp.asarray(_slot_table(p))[_partition_id_p.bind().astype(jnp.int32)]
 
 
 def _pairs(groups) -> list[tuple[int, int]]:
@@ -367,10 +372,9 @@ def _all_reduce(x, p: Plan, reduce: str):
         # intra-fabric all_gather (native all_gather_reduce: one pass, no XLA reduction). Both
         # partners put fabric slot 0's shard first (z_first), so every rank holds the same bits.
         z = _gc(v, "permute", "xla", p.inter, pairs=_pairs(p.inter))
-        z_first = np.zeros(p.groups.size, np.int64)
-        for row in p.groups:
-            z_first[row] = p.f
-        v = _gc(v, "all_gather_reduce", "strata", p.intra, reduce=reduce, z=z, z_first=z_first)
+        v = _gc(
+            v, "all_gather_reduce", "strata", p.intra, reduce=reduce, z=z, z_first=_slot_table(p)
+        )
     else:
         v = _gc(v, "all_reduce", "xla", p.inter, reduce=reduce)
         v = _gc(v, "all_gather", "strata", p.intra)
