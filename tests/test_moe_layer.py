@@ -386,7 +386,16 @@ def test_reference_two_dispatches_in_flight(rng):
 # ------------------------------------------------------------------------------------------------
 
 
-def test_train_moe_smoke(tmp_path):
+# nocomm runs on its own with xla_sort: interleaved with strata_ragged and four other impls in
+# one process, strata_ragged's ragged_all_to_all timed out (a rank never arrived) in 2 of 17
+# runs and once in CI; without nocomm 0 of 16, nocomm with xla_sort alone 0 of 12. An open
+# fault, not understood yet (see the README's known issues).
+@pytest.mark.parametrize(
+    "impls",
+    ["reference,xla,xla_sort,strata_ragged" + (",strata" if NATIVE else ""), "xla_sort,nocomm"],
+    ids=["impls", "nocomm"],
+)
+def test_train_moe_smoke(tmp_path, impls):
     import json
     import os
     import subprocess
@@ -394,7 +403,6 @@ def test_train_moe_smoke(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    impls = "reference,xla,xla_sort,strata_ragged,nocomm" + (",strata" if NATIVE else "")
     cmd = [
         sys.executable,
         str(root / "benchmarks" / "train_moe.py"),
@@ -432,7 +440,14 @@ def test_train_moe_smoke(tmp_path):
     )
     env.pop("XLA_FLAGS", None)
     env.pop("PJRT_NPROC", None)
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    # A stuck strata call fails, naming itself, well before the 240 s below (the hang above went
+    # silent into this timeout once).
+    env.setdefault("STRATA_TIMEOUT_S", "60")
+    try:
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired as e:
+        tail = [b.decode() if isinstance(b, bytes) else (b or "") for b in (e.stdout, e.stderr)]
+        pytest.fail(f"train_moe.py did not finish in 240 s:\n{tail[0][-3000:]}\n{tail[1][-3000:]}")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = json.loads((tmp_path / "train_moe.json").read_text())
     losses = out["losses"]
@@ -440,5 +455,8 @@ def test_train_moe_smoke(tmp_path):
     for name, curve in losses.items():
         assert len(curve) == 4 and all(np.isfinite(curve)), name
         if name != "nocomm":  # no exchange: other losses by design
-            np.testing.assert_allclose(curve, losses["xla"], atol=1e-4, err_msg=name)
-    assert "# bound: xla_sort with free communication (nocomm)" in res.stdout, res.stdout[-2000:]
+            np.testing.assert_allclose(curve, losses["xla_sort"], atol=1e-4, err_msg=name)
+    if "nocomm" in impls:
+        assert "# bound: xla_sort with free communication (nocomm)" in res.stdout, res.stdout[
+            -2000:
+        ]
