@@ -260,14 +260,14 @@ def test_unbound_axis_is_name_error():
         jax.jit(lambda v: sj.psum(v, "nope"))(jnp.ones(3))
 
 
-@pytest.mark.parametrize("order", ["1", "0"])
+@pytest.mark.parametrize("order", ["1", "0", ""])
 def test_calls_are_chained_in_program_order(rng, monkeypatch, order):
-    """With STRATA_PROGRAM_ORDER=1 (the default across processes or fabrics) each strata call
-    takes the previous one's result (same block) as its last operand, so XLA runs a device's
-    calls in program order (lowering.py: _program_order_chain); a call whose results are all
-    empty gets one byte of result to pass on. With 0 (the default in one process) nothing is
-    chained. The values are the same."""
+    """By default (unset, here in one process) and with STRATA_PROGRAM_ORDER=1 each strata call
+    gets one byte of extra result, and the next call (same block) takes it as its last operand,
+    so XLA runs a device's calls in program order (lowering.py: _program_order_chain). With 0
+    nothing is chained. The values are the same."""
     monkeypatch.setenv("STRATA_PROGRAM_ORDER", order)
+    chained = order != "0"
     mesh = mesh1d(4)
     spec = P("x")
 
@@ -291,13 +291,13 @@ def test_calls_are_chained_in_program_order(rng, monkeypatch, order):
     text = run(sj).lower(*xs).as_text()
     calls = [ln for ln in text.splitlines() if "stablehlo.custom_call @strata_" in ln]
     assert len(calls) == 4, text
-    for k, (prev, call) in enumerate(zip(calls, calls[1:], strict=False)):
+    for prev, call in zip(calls, calls[1:], strict=False):
         name, _, count = prev.split("=")[0].strip().partition(":")  # %3, or %5:2 (two results)
         last = f"{name}#{int(count) - 1}" if count else name
-        if k == 0:  # the empty call's extra result is the last one
-            assert ("#" in call.split("=")[0] or ":" in call.split("=")[0]) == (order == "1")
+        # every call (the one moving nothing too) has the extra result: one more than its own
+        assert (":" in call.split("=")[0]) == chained, call
         operands = [o.strip() for o in call.split("(", 1)[1].split(")", 1)[0].split(",")]
-        assert (last in operands) == (order == "1"), (prev, call)
+        assert (last in operands) == chained, (prev, call)
     got = run(sj)(*xs)
     want = run(jax.lax)(*xs)
     for g, w in zip(got, want, strict=True):

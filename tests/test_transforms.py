@@ -313,6 +313,31 @@ def test_timeout_names_missing_ranks():
     np.testing.assert_array_equal(np.asarray(g(jnp.ones(8, jnp.float32))), np.full(8, 8.0))
 
 
+def test_timeout_says_where_the_missing_rank_waits():
+    """Rank 0 waits in a psum the others skip, while they wait for it in the pmax after: the
+    timeout error says that the missing rank waits (or, timed out first, gave up waiting) in
+    another call of the same program (the fault of two independent calls started in different
+    orders on different devices)."""
+    old = sj.get_timeout()
+    sj.set_timeout(1.5)
+    try:
+
+        def local(v):
+            idx = jax.lax.axis_index("x")
+            v = jax.lax.cond(idx == 0, lambda u: sj.psum(u, "x"), lambda u: u, v)
+            return sj.pmax(v, "x")
+
+        f = smap(local, mesh1d(2), P("x"), P("x"), check_vma=False)
+        pattern = (
+            r"timed out.*rank\(s\) \[\d\].*rank \d \(device \d+\) (waits|gave up waiting) in "
+            r"(psum|pmax) \(op \d+, run -?\d+\), another call of this same program"
+        )
+        with pytest.raises(Exception, match=pattern):
+            np.asarray(f(jnp.ones(2, jnp.float32)))
+    finally:
+        sj.set_timeout(old)
+
+
 def test_mismatched_collectives_fail_cleanly():
     """Ranks calling different collectives at the same point fail with a clear error."""
     old = sj.get_timeout()

@@ -22,6 +22,33 @@ Settings& settings() {
   return *s;
 }
 
+namespace {
+
+// What each device of this process is inside of, for the timeout message only: when a rank
+// never reaches a call, its peers say whether it sits in another strata call (which one) or in
+// none. One entry per device (indexed by global device id modulo kDoing, the id stored to tell
+// collisions apart); a device with two calls in flight shows the later one. Diagnostic only:
+// relaxed atomics, a torn read at worst names the wrong op in an error message.
+struct Doing {
+  std::atomic<int64_t> device{-1};
+  std::atomic<int64_t> run{0};
+  std::atomic<int64_t> op{0};
+  std::atomic<const char*> name{nullptr};  // the call's operator (of the fields above)
+  // 0: in no strata call; 1: in the call above; 2: left it failed (a timeout), which a peer
+  // timing out a little later must still be told.
+  std::atomic<int> state{0};
+};
+constexpr int64_t kDoing = 512;
+Doing* doing() {
+  static Doing* d = new Doing[kDoing];  // never destroyed: XLA threads may outlive exit
+  return d;
+}
+Doing& doing_of(int64_t device) {
+  return doing()[static_cast<uint64_t>(device) % static_cast<uint64_t>(kDoing)];
+}
+
+}  // namespace
+
 InProcFabric& InProcFabric::instance() {
   static InProcFabric* f = new InProcFabric();  // never destroyed: XLA threads may outlive exit
   return *f;
@@ -84,9 +111,24 @@ InProcTeam::InProcTeam(std::shared_ptr<CallSlot> slot, const CallKey& key, const
       rank_(pl.rank),
       size_(pl.size),
       partition_(pl.partition),
-      op_name_(op_name) {}
+      device_(pl.device),
+      member_parts_(pl.member_parts),
+      device_ids_(pl.device_ids),
+      op_name_(op_name) {
+  Doing& d = doing_of(device_);
+  d.device.store(device_, std::memory_order_relaxed);
+  d.run.store(key_.run_id, std::memory_order_relaxed);
+  d.op.store(key_.op_id, std::memory_order_relaxed);
+  d.name.store(op_name_, std::memory_order_relaxed);
+  d.state.store(1, std::memory_order_relaxed);
+}
 
 InProcTeam::~InProcTeam() {
+  Doing& d = doing_of(device_);
+  if (d.device.load(std::memory_order_relaxed) == device_ &&
+      d.run.load(std::memory_order_relaxed) == key_.run_id &&
+      d.op.load(std::memory_order_relaxed) == key_.op_id)
+    d.state.store(slot_->failed.load(std::memory_order_acquire) ? 2 : 0, std::memory_order_relaxed);
   // The last rank out removes the call from the table. Ranks that failed leave too, so a
   // failed call never pins memory; a late rank then finds no slot and times out on its own.
   const bool last =
@@ -117,6 +159,26 @@ std::string InProcTeam::fail(const std::string& msg) {
   return slot_->failure;
 }
 
+std::string InProcTeam::whereabouts(int j) const {
+  std::ostringstream os;
+  if (!member_parts_ || !device_ids_) return os.str();
+  const int64_t dev = device_ids_[member_parts_[j]];
+  const Doing& d = doing_of(dev);
+  const char* name = d.name.load(std::memory_order_relaxed);
+  const int state = d.state.load(std::memory_order_relaxed);
+  os << "rank " << j << " (device " << dev << ") ";
+  if (d.device.load(std::memory_order_relaxed) != dev || !name || state == 0) {
+    os << "is in no strata call";
+    return os.str();
+  }
+  const int64_t run = d.run.load(std::memory_order_relaxed);
+  const int64_t op = d.op.load(std::memory_order_relaxed);
+  os << (state == 1 ? "waits in " : "gave up waiting in ") << name << " (op " << op << ", run "
+     << run << ")";
+  if (run == key_.run_id && op != key_.op_id) os << ", another call of this same program";
+  return os.str();
+}
+
 std::string InProcTeam::barrier(const char* phase) {
   ++barriers_;
   slot_->peers[rank_].reached.store(barriers_, std::memory_order_release);
@@ -143,8 +205,9 @@ std::string InProcTeam::barrier(const char* phase) {
      << " s in phase '" << phase << "' waiting for rank(s) [";
   for (size_t i = 0; i < missing.size(); ++i) os << (i ? ", " : "") << missing[i];
   os << "] of a group of " << size_ << " (group " << key_.group << ", op " << key_.op_id << ", run "
-     << key_.run_id << "); reported by rank " << rank_ << " (partition " << partition_
-     << "). A peer never reached this collective: check that every device "
+     << key_.run_id << "); reported by rank " << rank_ << " (partition " << partition_ << "). ";
+  for (int j : missing) os << whereabouts(j) << ". ";
+  os << "A peer never reached this collective: check that every device "
      << "executes the same sequence of collectives, or raise strata_jax.set_timeout().";
   return fail(os.str());
 }

@@ -85,10 +85,17 @@ class InProcTeam final : public Team {
 
  private:
   std::string fail(const std::string& msg);
+  // What the missing rank `j` is doing, for the timeout message (see Doing in inproc.cc).
+  std::string whereabouts(int j) const;
   std::shared_ptr<CallSlot> slot_;
   CallKey key_;
   int rank_, size_;
   int64_t partition_;
+  int64_t device_;
+  // The members' global device ids (Placement::member_device), valid while the handler runs,
+  // which the team never outlives.
+  const int64_t* member_parts_;
+  const int64_t* device_ids_;
   uint32_t barriers_ = 0;
   const char* op_name_;
 };

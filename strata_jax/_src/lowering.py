@@ -317,14 +317,18 @@ def lower_strata_call(
     rule = jax.ffi.ffi_lowering(
         target, has_side_effect=True, operand_output_aliases=operand_output_aliases
     )
-    ordered = _keep_program_order(mesh)
+    ordered = _keep_program_order()
     chain = _program_order_chain(ctx) if ordered else {}
     block = ir.InsertionPoint.current.block
     after = chain.get(block)
-    extra = [after] if after is not None else []
-    # A call whose results are all empty still meets its peers across processes; one byte of
-    # result (``Done``, never written) lets the next call be ordered after it.
-    done = [_DONE_AVAL] if ordered and all(a.size == 0 for a in ctx.avals_out) else []
+    # A call that already reads the previous call's results (through any chain of ops in this
+    # block) is ordered after it by XLA anyway: no extra operand, so the thunk graph stays as
+    # XLA built it.
+    extra = [after] if after is not None and not _reads_from(operands, after[0], block) else []
+    # The next call is ordered after this one through one byte of result (``Done``, never
+    # written), not through a real result, whose buffer would then stay alive until the next
+    # call. It also orders a call whose results are all empty.
+    done = [_DONE_AVAL] if ordered else []
     sub = ctx.replace(
         avals_in=[*ctx.avals_in, core.ShapedArray((), np.uint32), *(a for _, a in extra)],
         avals_out=[*ctx.avals_out, *done],
@@ -343,48 +347,79 @@ def lower_strata_call(
     results = list(results)
     if done:
         chain[block] = (results.pop(), _DONE_AVAL)
-    for value, aval in zip(results, ctx.avals_out, strict=True):
-        if aval.size > 0:  # an empty buffer orders nothing (XLA sees no overlap)
-            chain[block] = (value, aval)
-            break
     return results
 
 
 _DONE_AVAL = core.ShapedArray((1,), np.uint8)
 
+# Ops looked at per call by _reads_from before it gives up and chains (always safe).
+_READS_FROM_BUDGET = 100_000
+
+
+def _reads_from(operands, done: ir.Value, block) -> bool:
+    """Whether an operand depends, through ops of ``block``, on the call that made ``done``.
+
+    Walks the operands' defining ops backwards, inside the block and no further up than that
+    call (an op before it cannot use its results). A dependency found only through a region
+    (a value a cond branch captures) is missed: the answer is then "no", which costs one
+    extra chain operand, never a missing order.
+    """
+    target = done.owner
+    target = getattr(target, "operation", target)
+    stack = list(operands)
+    seen = set()
+    budget = _READS_FROM_BUDGET
+    while stack:
+        owner = stack.pop().owner
+        if isinstance(owner, ir.Block):  # a block argument
+            continue
+        op = getattr(owner, "operation", owner)
+        if op == target:
+            return True
+        if op in seen or op.block != block or op.is_before_in_block(target):
+            continue
+        seen.add(op)
+        budget -= 1
+        if budget < 0:
+            return False
+        stack.extend(op.operands)
+    return False
+
 
 _CHAIN = ("strata_jax", "program_order_chain")
 
 
-def _keep_program_order(mesh) -> bool:
-    """Whether strata calls are chained in program order (``_program_order_chain``).
+def _keep_program_order() -> bool:
+    """Whether strata calls are chained in program order (``_program_order_chain``): yes,
+    unless ``STRATA_PROGRAM_ORDER=0``.
 
-    ``STRATA_PROGRAM_ORDER=1``/``0`` forces it on/off; by default it is on when the program's
-    devices span several processes or fabrics (where XLA's collectives and other processes'
-    threads take part in the waits) and off inside one process on one fabric, where calls never
-    deadlocked and the free order measured faster (train_moe in-process, 4 runs: 1.10-1.17x of
-    xla_sort free, 0.94-1.07x chained)."""
+    Free order deadlocks, in one process too. XLA CPU's thunk executor offloads a thunk to
+    another thread only when XLA marks it as blocking (a custom call is not); otherwise it runs it
+    on the current thread and keeps that thread's queue of other ready thunks for afterwards.
+    A strata call waiting for its peers then holds back the device's other work, so when two
+    independent calls are ready in different orders on different devices, each device waits in
+    one call for the other devices' ready-but-held-back part of it, until the timeout. Seen in
+    train_moe's ``strata_ragged`` under 4 in-process devices (2 of 30 runs: ranks 0-2 in one
+    ``ragged_all_to_all``, rank 3 in another of the same program). Chained, every device
+    starts its strata calls in the same total order, so the earliest unfinished call always has
+    every member either in it or on its way there with no thread held."""
     forced = os.environ.get("STRATA_PROGRAM_ORDER", "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    if forced:
-        raise ValueError(
-            f"STRATA_PROGRAM_ORDER={forced!r}: use 1 (chain strata calls in program order), "
-            "0 (never), or leave it unset (chain when the program spans processes or fabrics)."
-        )
-    if topology.num_fabrics() > 1:
+    if forced in ("", "1"):
         return True
-    try:
-        return len({d.process_index for d in mesh.devices.flat}) > 1
-    except Exception:  # an abstract mesh: no devices to look at
-        return jax.process_count() > 1
+    if forced == "0":
+        return False
+    raise ValueError(
+        f"STRATA_PROGRAM_ORDER={forced!r}: use 1 or leave it unset (chain strata calls in "
+        "program order, the default), or 0 (never: may deadlock, see README)."
+    )
 
 
 def _program_order_chain(ctx) -> dict:
-    """The last strata call's (result, aval) per MLIR block of the module being lowered.
+    """The last strata call's ``Done`` result and its aval, per MLIR block of the module.
 
-    Each strata call takes the previous call's result in the same block as one more operand
-    (``After`` in native/ffi/common.h; the handler never reads it). XLA CPU's thunk executor
+    Each strata call takes the previous call's ``Done`` (one byte of result, never written) in
+    the same block as one more operand (``After`` in native/ffi/common.h; the handler never
+    reads it). XLA CPU's thunk executor
     orders thunks only by the buffers they share, so without that operand it starts independent
     calls in whatever order they become ready, differently on each rank: across processes two
     ranks of one fabric could each wait in a different call for the other until the timeout
