@@ -19,16 +19,17 @@
 namespace strata {
 
 using I64s = xla::ffi::Span<const int64_t>;
-// The optional last operand of every call that meets peers: the previous strata call's result
-// in the same computation (lowering.py: lower_strata_call). The handler never reads it; it is
-// there so that XLA's thunk executor, which orders thunks only by the buffers they share, runs
-// the calls of one device in program order. Without it XLA CPU starts independent calls in
-// whatever order they become ready, so two ranks could each wait in a different call for the
-// other (a deadlock that the timeout reported).
+// The optional last operand of every call that meets peers: the previous strata call's `Done`
+// in the same computation (lowering.py: lower_strata_call), left out when the call already reads
+// that call's results. The handler never reads it; it is there so that XLA's thunk executor,
+// which orders thunks only by the buffers they share, runs the calls of one device in program
+// order. Without it XLA CPU starts independent calls in whatever order they become ready, so two
+// ranks could each wait in a different call for the other (a deadlock that the timeout
+// reported, across processes and in one process).
 using After = std::optional<xla::ffi::AnyBuffer>;
 // The optional last result of those calls: one byte the handler never writes, added by the
-// lowering when every real result is empty, so that a call moving nothing (which still meets its
-// peers across processes) is ordered before the next call all the same.
+// lowering to every call when calls are chained (the default), for the next call to take as
+// its `After`.
 using Done = std::optional<xla::ffi::Result<xla::ffi::AnyBuffer>>;
 
 inline xla::ffi::Error to_error(const std::string& msg) {
