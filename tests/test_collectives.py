@@ -305,6 +305,97 @@ def test_calls_are_chained_in_program_order(rng, monkeypatch, order):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+def _strata_calls(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if "stablehlo.custom_call @strata_" in ln]
+
+
+def _chained_after(prev: str, call: str) -> bool:
+    """Whether ``call`` takes ``prev``'s last result (its Done) as an operand."""
+    name, _, count = prev.split("=")[0].strip().partition(":")
+    last = f"{name}#{int(count) - 1}" if count else name
+    return last in [o.strip() for o in call.split("(", 1)[1].split(")", 1)[0].split(",")]
+
+
+def test_nested_jit_calls_get_own_ids_and_join_the_chain(rng):
+    """A jax.jit nested in the program holding a strata call, called twice: lowered inline
+    (no func.call), so its two calls have op ids of their own and are chained with the calls
+    around them; values, and gradients through it, equal jax.lax's."""
+    mesh = mesh1d(4)
+
+    def body(lax, a):
+        inner = jax.jit(lambda v: lax.psum(v, "x"))
+        return inner(a), inner(a * 2), lax.pmax(a, "x")
+
+    def run(lax):
+        return jax.jit(
+            jax.shard_map(
+                functools.partial(body, lax), mesh=mesh, in_specs=P("x"), out_specs=(P("x"),) * 3
+            )
+        )
+
+    a = random_array(rng, (8, 3), np.float32)
+    text = run(sj).lower(a).as_text()
+    calls = _strata_calls(text)
+    assert len(calls) == 3 and "func.call" not in text, text
+    ids = [int(c.split("op_id = ")[1].split(" ")[0]) for c in calls]
+    assert len(set(ids)) == 3, ids
+    assert all(_chained_after(p, c) for p, c in zip(calls, calls[1:], strict=False)), calls
+    for g, w in zip(run(sj)(a), run(jax.lax)(a), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+    def loss(lax, v):
+        inner = jax.jit(lambda u: lax.psum(jnp.sin(u), "x"))
+        return (inner(v) * inner(v * 3)).sum()
+
+    def grad(lax):
+        return jax.jit(
+            jax.shard_map(
+                jax.grad(functools.partial(loss, lax)),
+                mesh=mesh,
+                in_specs=P("x"),
+                out_specs=P("x"),
+            )
+        )
+
+    np.testing.assert_allclose(np.asarray(grad(sj)(a)), np.asarray(grad(jax.lax)(a)), rtol=1e-5)
+
+
+def test_cond_and_loops_join_the_chain(rng):
+    """A cond and a fori_loop holding strata calls, between independent strata calls: each is
+    put after the block's previous strata call (a strata_order on its index / smallest carry)
+    and the next call after it; two equal conds and two equal checkpointed calls get op ids of
+    their own (JAX's lowering cache copied them, ids included). Values equal jax.lax's."""
+    mesh = mesh1d(4)
+
+    def body(lax, a, b, c, d):
+        p = lax.psum(a, "x")
+        q = jax.lax.cond(p[0, 0] > 0, lambda u: lax.psum(u, "x"), lambda u: lax.pmax(u, "x"), b)
+        q2 = jax.lax.cond(p[0, 0] < 0, lambda u: lax.psum(u, "x"), lambda u: lax.pmax(u, "x"), c)
+        r = jax.lax.fori_loop(0, 3, lambda i, v: lax.psum(v, "x") * 0.25, c)
+        ck = jax.checkpoint(lambda v: lax.psum(jnp.sin(v), "x"))
+        return p, q, q2, r, ck(d), ck(d * 3), lax.pmin(d, "x")
+
+    def run(lax):
+        return jax.jit(
+            jax.shard_map(
+                functools.partial(body, lax),
+                mesh=mesh,
+                in_specs=(P("x"),) * 4,
+                out_specs=(P("x"),) * 7,
+                check_vma=False,
+            )
+        )
+
+    xs = [random_array(rng, (8, 3), np.float32) for _ in range(4)]
+    text = run(sj).lower(*xs).as_text()
+    assert text.count("custom_call @strata_order") == 3, text  # two conds, one loop
+    ids = [int(c.split("op_id = ")[1].split(" ")[0]) for c in _strata_calls(text) if "op_id" in c]
+    # the branches of one cond share ids by design (alternatives); nothing else does
+    assert len(ids) - len(set(ids)) == 2, ids
+    for g, w in zip(run(sj)(*xs), run(jax.lax)(*xs), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
 def test_program_order_setting_is_checked(monkeypatch):
     """A STRATA_PROGRAM_ORDER other than 1, 0 or unset is an error that says what to use."""
     monkeypatch.setenv("STRATA_PROGRAM_ORDER", "true")

@@ -166,14 +166,13 @@ std::string InProcTeam::whereabouts(int j) const {
   const Doing& d = doing_of(dev);
   const char* name = d.name.load(std::memory_order_relaxed);
   const int state = d.state.load(std::memory_order_relaxed);
-  os << "rank " << j << " (device " << dev << ") ";
   if (d.device.load(std::memory_order_relaxed) != dev || !name || state == 0) {
-    os << "is in no strata call";
+    os << "in no strata call";
     return os.str();
   }
   const int64_t run = d.run.load(std::memory_order_relaxed);
   const int64_t op = d.op.load(std::memory_order_relaxed);
-  os << (state == 1 ? "waits in " : "gave up waiting in ") << name << " (op " << op << ", run "
+  os << (state == 1 ? "waiting in " : "gave up waiting in ") << name << " (op " << op << ", run "
      << run << ")";
   if (run == key_.run_id && op != key_.op_id) os << ", another call of this same program";
   return os.str();
@@ -206,7 +205,24 @@ std::string InProcTeam::barrier(const char* phase) {
   for (size_t i = 0; i < missing.size(); ++i) os << (i ? ", " : "") << missing[i];
   os << "] of a group of " << size_ << " (group " << key_.group << ", op " << key_.op_id << ", run "
      << key_.run_id << "); reported by rank " << rank_ << " (partition " << partition_ << "). ";
-  for (int j : missing) os << whereabouts(j) << ". ";
+  // What the missing ranks do, ranks doing the same thing named together.
+  std::vector<std::pair<std::string, std::vector<int>>> doing_what;
+  for (int j : missing) {
+    std::string w = whereabouts(j);
+    auto it = std::find_if(doing_what.begin(), doing_what.end(),
+                           [&](const auto& d) { return d.first == w; });
+    if (it == doing_what.end()) {
+      doing_what.push_back({w, {j}});
+    } else {
+      it->second.push_back(j);
+    }
+  }
+  for (const auto& [what, ranks] : doing_what) {
+    if (what.empty()) continue;
+    os << (ranks.size() == 1 ? "rank " : "ranks ");
+    for (size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
+    os << ": " << what << ". ";
+  }
   os << "A peer never reached this collective: check that every device "
      << "executes the same sequence of collectives, or raise strata_jax.set_timeout().";
   return fail(os.str());

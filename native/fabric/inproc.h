@@ -85,7 +85,8 @@ class InProcTeam final : public Team {
 
  private:
   std::string fail(const std::string& msg);
-  // What the missing rank `j` is doing, for the timeout message (see Doing in inproc.cc).
+  // What the missing rank `j` is doing, for the timeout message (see Doing in inproc.cc):
+  // "in no strata call", "waiting in <op> (...)" or "gave up waiting in <op> (...)".
   std::string whereabouts(int j) const;
   std::shared_ptr<CallSlot> slot_;
   CallKey key_;

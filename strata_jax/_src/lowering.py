@@ -90,6 +90,17 @@ def _number_branches_from_the_cond() -> None:
     rule = conditionals._cond_lowering
 
     def cond_lowering(ctx, *args, **params):
+        ordered = _keep_program_order() and any(
+            _has_strata_call(b.jaxpr) for b in params["branches"]
+        )
+        if ordered:  # the branch index: a scalar, so handing it on costs nothing
+            args = (_order_after_chain(ctx, args[0], ctx.avals_in[0]), *args[1:])
+        outs = _numbered_cond(ctx, *args, **params)
+        if ordered:
+            _chain_to_result(ctx, outs)
+        return outs
+
+    def _numbered_cond(ctx, *args, **params):
         cache = ctx.module_context.cached_primitive_lowerings
         start = cache.get(_OP_COUNTER, 0)
         top = [start]
@@ -114,7 +125,8 @@ def _number_branches_from_the_cond() -> None:
             mlir.jaxpr_subcomp = subcomp
             cache[_OP_COUNTER] = top[0]
 
-    mlir.register_lowering(conditionals.cond_p, cond_lowering)
+    # Not cacheable: JAX would lower two equal conds once and copy the ops, op ids included.
+    mlir.register_lowering(conditionals.cond_p, cond_lowering, cacheable=False)
 
 
 def axis_tuple(axis_name: AxisName) -> tuple:
@@ -322,8 +334,11 @@ def lower_strata_call(
     block = ir.InsertionPoint.current.block
     after = chain.get(block)
     # A call that already reads the previous call's results (through any chain of ops in this
-    # block) is ordered after it by XLA anyway: no extra operand, so the thunk graph stays as
-    # XLA built it.
+    # block) gets no extra operand. Adding one there as well (always chaining) measured worse:
+    # tests/test_moe_layer.py::test_gradients_match_dense[strata_ragged] then deadlocked in 3 of
+    # 3 runs, between the forward shard_map's calls and the backward shard_map's (two regions,
+    # which no chain connects: see the README's known issues); it passes with this rule. The
+    # hole it leaves: a path XLA's simplifier removes (p * 0) leaves the two calls unordered.
     extra = [after] if after is not None and not _reads_from(operands, after[0], block) else []
     # The next call is ordered after this one through one byte of result (``Done``, never
     # written), not through a real result, whose buffer would then stay alive until the next
@@ -399,10 +414,10 @@ def _keep_program_order() -> bool:
     A strata call waiting for its peers then holds back the device's other work, so when two
     independent calls are ready in different orders on different devices, each device waits in
     one call for the other devices' ready-but-held-back part of it, until the timeout. Seen in
-    train_moe's ``strata_ragged`` under 4 in-process devices (2 of 30 runs: ranks 0-2 in one
-    ``ragged_all_to_all``, rank 3 in another of the same program). Chained, every device
-    starts its strata calls in the same total order, so the earliest unfinished call always has
-    every member either in it or on its way there with no thread held."""
+    train_moe's ``strata_ragged`` under 4 in-process devices (3 of 47 runs; in one, ranks 0-2
+    waited in one ``ragged_all_to_all``, rank 3 in another of the same program). Chained,
+    every device starts its strata calls in the same total order, so the earliest unfinished
+    call always has every member either in it or on its way there with no thread held."""
     forced = os.environ.get("STRATA_PROGRAM_ORDER", "").strip()
     if forced in ("", "1"):
         return True
@@ -434,3 +449,133 @@ def _program_order_chain(ctx) -> dict:
 
 
 _number_branches_from_the_cond()
+
+
+def _has_strata_call(jaxpr: core.Jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name.startswith("strata_"):
+            return True
+        if any(_has_strata_call(sub) for sub in core.jaxprs_in_params(eqn.params)):
+            return True
+    return False
+
+
+def _inline_jits_holding_strata_calls() -> None:
+    """A ``jax.jit`` nested in the program whose body holds a strata call is lowered inline,
+    into the caller's block, instead of as a function that every call site calls.
+
+    JAX lowers a nested jit once per module and calls that function from each site, so two
+    calls of it would share their strata calls' op ids (after XLA inlines them, the devices
+    would tell them apart only by the order they start them, which differs: wrong pairs), and
+    its calls would sit outside the caller's program-order chain (``_program_order_chain``).
+    Inline, each site gets its own op ids and joins the chain. The nested jit's own shardings
+    are not applied (inside ``shard_map`` they are per-device anyway); jits without strata
+    calls lower as JAX does. Done by wrapping JAX's jit lowering."""
+    from jax._src import pjit
+
+    rule = pjit._pjit_lowering
+
+    def jit_lowering(ctx, *args, jaxpr, name, **params):
+        if not _has_strata_call(jaxpr.jaxpr):
+            return rule(ctx, *args, jaxpr=jaxpr, name=name, **params)
+        out, tokens = mlir.jaxpr_subcomp(
+            ctx.module_context,
+            jaxpr.jaxpr,
+            ctx.name_stack.extend(name),
+            ctx.tokens_in,
+            mlir.ir_consts(jaxpr.consts, [v.aval for v in jaxpr.jaxpr.constvars]),
+            *args,
+            dim_var_values=ctx.dim_var_values,
+            const_lowering=ctx.const_lowering,
+            outer_traceback=ctx.traceback,
+        )
+        ctx.set_tokens_out(tokens)
+        return out
+
+    mlir.register_lowering(pjit.jit_p, jit_lowering)
+
+
+_inline_jits_holding_strata_calls()
+
+
+def _order_after_chain(ctx, value, aval):
+    """``value`` handed on by a ``strata_order`` call that also takes the block's last strata
+    call's Done, so what reads the result runs after that call; ``value`` itself if the block
+    has no strata call yet."""
+    after = _program_order_chain(ctx).get(ir.InsertionPoint.current.block)
+    if after is None:
+        return value
+    rule = jax.ffi.ffi_lowering("strata_order", has_side_effect=True, operand_output_aliases={0: 0})
+    sub = ctx.replace(primitive=None, avals_in=[aval, after[1]], avals_out=[aval])
+    (out,) = rule(sub, value, after[0])
+    return out
+
+
+def _is_value(v) -> bool:
+    """One MLIR value (an OpResult or BlockArgument too: not always ``ir.Value`` instances in
+    these bindings), not a tuple of them."""
+    return not isinstance(v, (tuple, list)) and hasattr(v, "type") and hasattr(v, "owner")
+
+
+def _chain_to_result(ctx, outs) -> None:
+    """Makes the block's next strata call come after the op that produced ``outs`` (a cond or
+    while loop holding strata calls): it takes the smallest non-empty result as its ``After``."""
+    best = None
+    for value, aval in zip(outs, ctx.avals_out, strict=False):
+        if _is_value(value) and getattr(aval, "size", 0) > 0:
+            if best is None or aval.size < best[1].size:
+                best = (value, aval)
+    if best is not None:
+        _program_order_chain(ctx)[ir.InsertionPoint.current.block] = best
+
+
+def _order_control_flow() -> None:
+    """Puts a ``while`` loop (``scan``, ``fori_loop``) whose body holds strata calls into the
+    program-order chain of the block around it, as ``cond`` is (``_number_branches_from_the_
+    cond``): its smallest carry goes through ``strata_order`` after the block's last strata
+    call, and the block's next strata call takes its smallest result as ``After``. The calls
+    inside chain in their own block. Without it the loop's calls and independent calls around
+    it could start in different orders on different devices (``_keep_program_order``). Also
+    makes the lowerings of ``jax.checkpoint`` and ``scan`` uncacheable: JAX would lower two
+    equal checkpointed calls once and copy the ops, op ids included, and lowers a cacheable
+    primitive in a block of its own."""
+    from jax._src import ad_checkpoint
+    from jax._src.lax.control_flow import loops
+
+    rule = loops._while_lowering
+
+    def while_lowering(ctx, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts, **params):
+        ordered = _keep_program_order() and (
+            _has_strata_call(cond_jaxpr.jaxpr) or _has_strata_call(body_jaxpr.jaxpr)
+        )
+        if ordered:
+            n0 = cond_nconsts + body_nconsts
+            carry = [
+                (k, a)
+                for k, a in enumerate(ctx.avals_in[n0:], n0)
+                if _is_value(args[k]) and getattr(a, "size", 0) > 0
+            ]
+            if carry:
+                k, aval = min(carry, key=lambda ka: ka[1].size)
+                args = (*args[:k], _order_after_chain(ctx, args[k], aval), *args[k + 1 :])
+        outs = rule(
+            ctx,
+            *args,
+            cond_jaxpr=cond_jaxpr,
+            body_jaxpr=body_jaxpr,
+            cond_nconsts=cond_nconsts,
+            body_nconsts=body_nconsts,
+            **params,
+        )
+        if ordered:
+            _chain_to_result(ctx, outs)
+        return outs
+
+    mlir.register_lowering(loops.while_p, while_lowering, cacheable=False)
+    mlir.register_lowering(ad_checkpoint.remat_p, ad_checkpoint._remat_lowering, cacheable=False)
+    # JAX lowers a cacheable primitive in a function of its own and inlines it, so a scan's
+    # while loop would not see the block of the calls around it.
+    mlir.register_lowering(loops.scan_p, mlir._lowerings[loops.scan_p].rule, cacheable=False)
+
+
+_order_control_flow()
