@@ -397,7 +397,10 @@ _ALL_IMPLS = "reference,xla,xla_sort,strata_ragged,nocomm" + (",strata" if NATIV
 
 @pytest.mark.parametrize(
     "impls,repeat",
-    [(_ALL_IMPLS, 1), pytest.param(_ALL_IMPLS, 25, marks=pytest.mark.slow)],
+    [
+        (_ALL_IMPLS, 1),
+        pytest.param(_ALL_IMPLS, 25, marks=[pytest.mark.slow, pytest.mark.timeout(1200)]),
+    ],
     ids=["impls", "impls-x25"],
 )
 def test_train_moe_smoke(tmp_path, impls, repeat):
