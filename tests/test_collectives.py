@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _util import ALL_DTYPES, assert_close, mesh1d, mesh2d, random_array, shard_run
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import strata_jax as sj
@@ -394,6 +395,43 @@ def test_cond_and_loops_join_the_chain(rng):
     assert len(ids) - len(set(ids)) == 2, ids
     for g, w in zip(run(sj)(*xs), run(jax.lax)(*xs), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+def test_loops_and_jits_outside_shard_map_are_left_alone():
+    """Loops holding a strata shard_map, outside any shard_map (jax.grad of a scan over layers,
+    two fori_loops), compile and equal jax.lax: no strata_order in the automatically
+    partitioned part, where XLA's partitioner rejects a side-effecting call without sharding (a
+    review found that regression). A jit around a shard_map keeps its out_shardings."""
+    mesh = mesh1d(8)
+    got = {}
+    for lib in (jax.lax, sj):
+        layer = jax.shard_map(
+            lambda a, lib=lib: lib.psum(a, "x") * 0.125,
+            mesh=mesh,
+            in_specs=P("x"),
+            out_specs=P("x"),
+            check_vma=False,
+        )
+
+        def loss(v, layer=layer):
+            return jax.lax.scan(lambda c, _: (jnp.sin(layer(c)), None), v, None, length=2)[0].sum()
+
+        def loops(v, layer=layer):
+            once = jax.lax.fori_loop(0, 2, lambda i, u: layer(u), v)
+            return jax.lax.fori_loop(0, 2, lambda i, u: layer(u), once)
+
+        inner = jax.jit(
+            jax.shard_map(
+                lambda a, lib=lib: lib.psum(a, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")
+            ),
+            out_shardings=NamedSharding(mesh, P()),
+        )
+        x = jnp.linspace(-1.0, 1.0, 64 * 4, dtype=jnp.float32).reshape(64, 4)
+        out = jax.jit(lambda v, inner=inner: inner(v))(x[:16])
+        got[lib] = (jax.jit(jax.grad(loss))(x), jax.jit(loops)(x), out, out.sharding.spec)
+    for g, w in zip(got[sj][:3], got[jax.lax][:3], strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+    assert got[sj][3] == got[jax.lax][3] == P()
 
 
 def test_program_order_setting_is_checked(monkeypatch):

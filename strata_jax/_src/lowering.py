@@ -90,8 +90,10 @@ def _number_branches_from_the_cond() -> None:
     rule = conditionals._cond_lowering
 
     def cond_lowering(ctx, *args, **params):
-        ordered = _keep_program_order() and any(
-            _has_strata_call(b.jaxpr) for b in params["branches"]
+        ordered = (
+            _keep_program_order()
+            and _in_manual_region(ctx)
+            and any(_has_strata_call(b.jaxpr) for b in params["branches"])
         )
         if ordered:  # the branch index: a scalar, so handing it on costs nothing
             args = (_order_after_chain(ctx, args[0], ctx.avals_in[0]), *args[1:])
@@ -451,6 +453,17 @@ def _program_order_chain(ctx) -> dict:
 _number_branches_from_the_cond()
 
 
+def _in_manual_region(ctx) -> bool:
+    """Whether ``ctx`` lowers inside a shard_map whose mesh axes are all manual: the only place
+    where strata calls, and the ops that order them, may go (XLA's SPMD partitioner rejects a
+    side-effecting custom call without a sharding in the automatically partitioned part)."""
+    axis_ctx = ctx.module_context.axis_context
+    if not isinstance(axis_ctx, SPMDAxisContext):
+        return False
+    manual = axis_ctx.manual_axes
+    return not manual or frozenset(manual) == frozenset(axis_ctx.mesh.axis_names)
+
+
 def _has_strata_call(jaxpr: core.Jaxpr) -> bool:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name.startswith("strata_"):
@@ -468,15 +481,16 @@ def _inline_jits_holding_strata_calls() -> None:
     calls of it would share their strata calls' op ids (after XLA inlines them, the devices
     would tell them apart only by the order they start them, which differs: wrong pairs), and
     its calls would sit outside the caller's program-order chain (``_program_order_chain``).
-    Inline, each site gets its own op ids and joins the chain. The nested jit's own shardings
-    are not applied (inside ``shard_map`` they are per-device anyway); jits without strata
-    calls lower as JAX does. Done by wrapping JAX's jit lowering."""
+    Inline, each site gets its own op ids and joins the chain. Only inside a manual
+    ``shard_map`` region, where the nested jit's shardings are per-device anyway; a jit outside
+    (around a shard_map) and jits without strata calls lower as JAX does. Done by wrapping
+    JAX's jit lowering."""
     from jax._src import pjit
 
     rule = pjit._pjit_lowering
 
     def jit_lowering(ctx, *args, jaxpr, name, **params):
-        if not _has_strata_call(jaxpr.jaxpr):
+        if not (_in_manual_region(ctx) and _has_strata_call(jaxpr.jaxpr)):
             return rule(ctx, *args, jaxpr=jaxpr, name=name, **params)
         out, tokens = mlir.jaxpr_subcomp(
             ctx.module_context,
@@ -545,8 +559,10 @@ def _order_control_flow() -> None:
     rule = loops._while_lowering
 
     def while_lowering(ctx, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts, **params):
-        ordered = _keep_program_order() and (
-            _has_strata_call(cond_jaxpr.jaxpr) or _has_strata_call(body_jaxpr.jaxpr)
+        ordered = (
+            _keep_program_order()
+            and _in_manual_region(ctx)
+            and (_has_strata_call(cond_jaxpr.jaxpr) or _has_strata_call(body_jaxpr.jaxpr))
         )
         if ordered:
             n0 = cond_nconsts + body_nconsts
