@@ -293,70 +293,64 @@ def test_many_programs_with_loops_interleaved():
         sj.set_timeout(old)
 
 
-def test_timeout_names_missing_ranks():
-    """A peer that never arrives: the waiting rank fails with the op and the missing ranks."""
+@pytest.fixture
+def short_timeout():
+    """Strata's timeout at 1.5 s for a test that provokes one; restored afterwards."""
     old = sj.get_timeout()
     sj.set_timeout(1.5)
-    try:
+    yield
+    sj.set_timeout(old)
 
-        def local(v):
-            idx = jax.lax.axis_index("x")
-            return jax.lax.cond(idx == 0, lambda u: sj.psum(u, "x"), lambda u: u, v)
 
-        f = smap(local, mesh1d(), P("x"), P("x"), check_vma=False)
-        pattern = (
-            r"psum.*timed out.*rank\(s\) \[1, 2, 3, 4, 5, 6, 7\].*"
-            r"ranks 1, 2, 3, 4, 5, 6, 7: in no strata call\."
-        )
-        with pytest.raises(Exception, match=pattern):
-            np.asarray(f(jnp.ones(8, jnp.float32)))
-    finally:
-        sj.set_timeout(old)
+def test_timeout_names_missing_ranks(short_timeout):
+    """A peer that never arrives: the waiting rank fails with the op and the missing ranks."""
+
+    def local(v):
+        idx = jax.lax.axis_index("x")
+        return jax.lax.cond(idx == 0, lambda u: sj.psum(u, "x"), lambda u: u, v)
+
+    f = smap(local, mesh1d(), P("x"), P("x"), check_vma=False)
+    pattern = (
+        r"psum.*timed out.*rank\(s\) \[1, 2, 3, 4, 5, 6, 7\].*"
+        r"ranks 1, 2, 3, 4, 5, 6, 7: in no strata call\."
+    )
+    with pytest.raises(Exception, match=pattern):
+        np.asarray(f(jnp.ones(8, jnp.float32)))
     # the fabric is still usable afterwards
     g = smap(lambda v: sj.psum(v, "x"), mesh1d(), P("x"), P("x"), check_vma=False)
     np.testing.assert_array_equal(np.asarray(g(jnp.ones(8, jnp.float32))), np.full(8, 8.0))
 
 
-def test_timeout_says_where_the_missing_rank_waits():
+def test_timeout_says_where_the_missing_rank_waits(short_timeout):
     """Rank 0 waits in a psum the others skip, while they wait for it in the pmax after: the
     timeout error says that the missing rank waits (or, timed out first, gave up waiting) in
     another call of the same program (the fault of two independent calls started in different
     orders on different devices)."""
-    old = sj.get_timeout()
-    sj.set_timeout(1.5)
-    try:
 
-        def local(v):
-            idx = jax.lax.axis_index("x")
-            v = jax.lax.cond(idx == 0, lambda u: sj.psum(u, "x"), lambda u: u, v)
-            return sj.pmax(v, "x")
+    def local(v):
+        idx = jax.lax.axis_index("x")
+        v = jax.lax.cond(idx == 0, lambda u: sj.psum(u, "x"), lambda u: u, v)
+        return sj.pmax(v, "x")
 
-        f = smap(local, mesh1d(2), P("x"), P("x"), check_vma=False)
-        pattern = (
-            r"timed out.*rank\(s\) \[\d\].*rank \d: (waiting|gave up waiting) in "
-            r"(psum|pmax) \(op \d+, run -?\d+\), another call of this same program"
-        )
-        with pytest.raises(Exception, match=pattern):
-            np.asarray(f(jnp.ones(2, jnp.float32)))
-    finally:
-        sj.set_timeout(old)
+    f = smap(local, mesh1d(2), P("x"), P("x"), check_vma=False)
+    pattern = (
+        r"timed out.*rank\(s\) \[\d\].*rank \d: (waiting|gave up waiting) in "
+        r"(psum|pmax) \(op \d+, run -?\d+\), another call of this same program"
+    )
+    with pytest.raises(Exception, match=pattern):
+        np.asarray(f(jnp.ones(2, jnp.float32)))
 
 
-def test_mismatched_collectives_fail_cleanly():
+def test_mismatched_collectives_fail_cleanly(short_timeout):
     """Ranks calling different collectives at the same point fail with a clear error."""
-    old = sj.get_timeout()
-    sj.set_timeout(1.5)
-    try:
 
-        def local(v):
-            idx = jax.lax.axis_index("x")
-            return jax.lax.cond(idx < 4, lambda u: sj.psum(u, "x"), lambda u: sj.pmax(u, "x"), v)
+    def local(v):
+        idx = jax.lax.axis_index("x")
+        return jax.lax.cond(idx < 4, lambda u: sj.psum(u, "x"), lambda u: sj.pmax(u, "x"), v)
 
-        f = smap(local, mesh1d(), P("x"), P("x"), check_vma=False)
-        with pytest.raises(Exception, match="strata_jax"):
-            np.asarray(f(jnp.ones(8, jnp.float32)))
-    finally:
-        sj.set_timeout(old)
+    f = smap(local, mesh1d(), P("x"), P("x"), check_vma=False)
+    with pytest.raises(Exception, match="strata_jax"):
+        np.asarray(f(jnp.ones(8, jnp.float32)))
 
 
 @functools.lru_cache

@@ -436,15 +436,15 @@ def _program_order_chain(ctx) -> dict:
 
     Each strata call takes the previous call's ``Done`` (one byte of result, never written) in
     the same block as one more operand (``After`` in native/ffi/common.h; the handler never
-    reads it). XLA CPU's thunk executor
-    orders thunks only by the buffers they share, so without that operand it starts independent
-    calls in whatever order they become ready, differently on each rank: across processes two
-    ranks of one fabric could each wait in a different call for the other until the timeout
-    (measured: 3 of 3 runs of 24 independent collectives under ``launch -n 4 --hosts 2``). With
-    it every device runs its strata calls in program order, and the XLA collectives between
-    them in a hierarchical lowering (which read one call's result and feed the next) with them.
-    Calls in different blocks (the branches of a cond, a loop body) chain inside their block.
-    Used where ``_keep_program_order`` says so.
+    reads it). XLA CPU's thunk executor orders thunks only by the buffers they share, so without
+    that operand it starts independent calls in whatever order they become ready, differently on
+    each rank: across processes two ranks of one fabric could each wait in a different call for
+    the other until the timeout (measured: 3 of 3 runs of 24 independent collectives under
+    ``launch -n 4 --hosts 2``). With it every device runs its strata calls in program order, and
+    the XLA collectives between them in a hierarchical lowering (which read one call's result
+    and feed the next) with them. Calls in different blocks (the branches of a cond, a loop
+    body) chain inside their block, and the cond or loop itself joins the chain of the block
+    around it (``_order_control_flow``). Used where ``_keep_program_order`` says so.
     """
     cache = ctx.module_context.cached_primitive_lowerings
     return cache.setdefault(_CHAIN, {})
