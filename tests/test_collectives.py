@@ -434,6 +434,96 @@ def test_loops_and_jits_outside_shard_map_are_left_alone():
     assert got[sj][3] == got[jax.lax][3] == P()
 
 
+def _towers(lib, mesh):
+    """Two shard_map layers (a psum tower and an all_to_all + pmax one), each jitted, and a jit
+    that runs them on independent inputs: four regions with no data path between them."""
+
+    def tower(v, w):
+        for _ in range(3):
+            v = lib.psum(jnp.tanh(v @ w), "x") / 8
+        return v
+
+    def tower2(v, w):
+        v = jnp.tanh(v @ w)
+        return lib.all_to_all(v, "x", 0, 0, tiled=True) + lib.pmax(v, "x")
+
+    f, g = (
+        jax.jit(jax.shard_map(t, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
+        for t in (tower, tower2)
+    )
+    return jax.jit(
+        lambda a, b, w: (
+            f(a, w),
+            g(b, w),
+            f(b, w * 2),
+            jax.shard_map(tower2, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"))(a * 3, w),
+        )
+    )
+
+
+def test_shard_map_regions_are_chained_in_program_order(rng):
+    """Independent shard_map regions in one jit (some inside a nested jit, one called twice)
+    deadlocked in one process before their calls were chained across regions (the first 50 of
+    3,000 steps, in 4 of 4 runs: "rank 2: waiting in psum (op 1), another call of this same
+    program"). Each region now hands a token to the next (lowering.py:
+    _chain_shard_map_regions): 300 steps, each equal to jax.lax's; in the lowered text every
+    strata call has an op id of its own and each region takes the previous region's token."""
+    mesh = mesh1d(8)
+    a = random_array(rng, (8 * 32, 128), np.float32)
+    b = random_array(rng, (8 * 32, 128), np.float32)
+    w = random_array(rng, (128, 128), np.float32) / 12
+    text = _towers(sj, mesh).lower(a, b, w).as_text()
+    calls = _strata_calls(text)
+    ids = [int(c.split("op_id = ")[1].split(" ")[0]) for c in calls]
+    assert len(calls) == 10 and len(set(ids)) == 10 and " call @" not in text, text
+    regions = [ln for ln in text.splitlines() if "sdy.manual_computation(" in ln]
+    assert len(regions) == 4, text
+    for prev, region in zip(regions, regions[1:], strict=False):
+        name, count = prev.split("=")[0].strip().split(":")  # %0:2 -> its token is %0#1
+        operands = region.split("sdy.manual_computation(", 1)[1].split(")", 1)[0].split(", ")
+        assert operands[-1] == f"{name}#{int(count) - 1}", (prev, region)
+    step, want = _towers(sj, mesh), _towers(jax.lax, mesh)(a, b, w)
+    for i in range(300):
+        got = step(a, b, w)
+        if i % 50 == 0 or i == 299:
+            for gv, wv in zip(got, want, strict=True):
+                np.testing.assert_allclose(np.asarray(gv), np.asarray(wv), rtol=1e-5, atol=1e-6)
+
+
+def test_custom_jvp_calls_and_grad_regions_join_the_chain(rng):
+    """Strata calls inside a jax.custom_jvp function chain with the calls around them (JAX
+    lowered such a function on its own, outside the chain), and under jax.grad outside the
+    shard_map the backward region comes after the forward one; values and gradients equal
+    jax.lax's."""
+    mesh = mesh1d(4)
+
+    def make(lib):
+        @jax.custom_jvp
+        def twice(v):
+            return lib.psum(v, "x") * 2
+
+        @twice.defjvp
+        def _(p, t):
+            return twice(p[0]), lib.psum(t[0], "x") * 2
+
+        def body(a, b):
+            top = lib.pmax(jax.lax.stop_gradient(b), "x")
+            return lib.psum((twice(a) * top + twice(jnp.sin(b))).sum(), "x")
+
+        return jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P(), check_vma=False)
+
+    a = random_array(rng, (8, 3), np.float32)
+    b = random_array(rng, (8, 3), np.float32)
+    calls = _strata_calls(jax.jit(make(sj)).lower(a, b).as_text())
+    assert len(calls) == 4, calls  # twice's psum, pmax, twice's psum, the loss's psum
+    # the loss's psum reads the others' results, so it needs no extra operand
+    assert all(_chained_after(p, c) for p, c in zip(calls[:3], calls[1:3], strict=False)), calls
+    for argnums in (0, 1):
+        got = jax.jit(jax.grad(make(sj), argnums))(a, b)
+        want = jax.jit(jax.grad(make(jax.lax), argnums))(a, b)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
 def test_program_order_setting_is_checked(monkeypatch):
     """A STRATA_PROGRAM_ORDER other than 1, 0 or unset is an error that says what to use."""
     monkeypatch.setenv("STRATA_PROGRAM_ORDER", "true")

@@ -383,17 +383,21 @@ def _reads_from(operands, done: ir.Value, block) -> bool:
     """
     target = done.owner
     target = getattr(target, "operation", target)
+    is_arg = isinstance(target, ir.Block)  # a shard_map region's token (_region_end_lowering)
     stack = list(operands)
     seen = set()
     budget = _READS_FROM_BUDGET
     while stack:
-        owner = stack.pop().owner
+        value = stack.pop()
+        owner = value.owner
         if isinstance(owner, ir.Block):  # a block argument
+            if is_arg and value == done:
+                return True
             continue
         op = getattr(owner, "operation", owner)
         if op == target:
             return True
-        if op in seen or op.block != block or op.is_before_in_block(target):
+        if op in seen or op.block != block or (not is_arg and op.is_before_in_block(target)):
             continue
         seen.add(op)
         budget -= 1
@@ -473,6 +477,21 @@ def _has_strata_call(jaxpr: core.Jaxpr) -> bool:
     return False
 
 
+def _nothing_to_constrain(ctx, params) -> bool:
+    """Whether a nested jit outside any manual region sets nothing that inlining would drop:
+    no shardings or layouts of its own, and no partly manual region around it."""
+    from jax._src.sharding_impls import UnspecifiedValue
+
+    axis_ctx = ctx.module_context.axis_context
+    if isinstance(axis_ctx, SPMDAxisContext) and axis_ctx.manual_axes:
+        return False
+    shardings = (*params["in_shardings"], *params["out_shardings"])
+    layouts = (*params["in_layouts"], *params["out_layouts"])
+    return all(isinstance(s, UnspecifiedValue) for s in shardings) and all(
+        lay is None for lay in layouts
+    )
+
+
 def _inline_jits_holding_strata_calls() -> None:
     """A ``jax.jit`` nested in the program whose body holds a strata call is lowered inline,
     into the caller's block, instead of as a function that every call site calls.
@@ -481,16 +500,20 @@ def _inline_jits_holding_strata_calls() -> None:
     calls of it would share their strata calls' op ids (after XLA inlines them, the devices
     would tell them apart only by the order they start them, which differs: wrong pairs), and
     its calls would sit outside the caller's program-order chain (``_program_order_chain``).
-    Inline, each site gets its own op ids and joins the chain. Only inside a manual
-    ``shard_map`` region, where the nested jit's shardings are per-device anyway; a jit outside
-    (around a shard_map) and jits without strata calls lower as JAX does. Done by wrapping
-    JAX's jit lowering."""
+    Inline, each site gets its own op ids and joins the chain. Inside a manual ``shard_map``
+    region, where the nested jit's shardings are per-device anyway; outside (a jit around a
+    shard_map), only when the jit sets no shardings or layouts (``_nothing_to_constrain``), so
+    its shard_maps join the chain of the caller's regions (``_chain_shard_map_regions``).
+    Jits without strata calls lower as JAX does. Done by wrapping JAX's jit lowering."""
     from jax._src import pjit
 
     rule = pjit._pjit_lowering
 
     def jit_lowering(ctx, *args, jaxpr, name, **params):
-        if not (_in_manual_region(ctx) and _has_strata_call(jaxpr.jaxpr)):
+        if not (
+            _has_strata_call(jaxpr.jaxpr)
+            and (_in_manual_region(ctx) or _nothing_to_constrain(ctx, params))
+        ):
             return rule(ctx, *args, jaxpr=jaxpr, name=name, **params)
         out, tokens = mlir.jaxpr_subcomp(
             ctx.module_context,
@@ -507,6 +530,15 @@ def _inline_jits_holding_strata_calls() -> None:
         return out
 
     mlir.register_lowering(pjit.jit_p, jit_lowering)
+    # A jax.custom_jvp function is lowered inline by the same rule as a custom_vjp one, but
+    # cacheable: JAX then lowered it in a function of its own, outside the caller's chain.
+    from jax._src import custom_derivatives
+
+    mlir.register_lowering(
+        custom_derivatives.custom_jvp_call_p,
+        custom_derivatives._custom_jvp_vjp_call_lowering,
+        cacheable=False,
+    )
 
 
 _inline_jits_holding_strata_calls()
@@ -595,3 +627,115 @@ def _order_control_flow() -> None:
 
 
 _order_control_flow()
+
+
+_REGION_CHAIN = ("strata_jax", "region_chain")
+
+# Marks the two ends of a shard_map body in ``_chain_shard_map_regions``: at the start the
+# body's chain begins at the region's token; at the end the token is handed on after the body's
+# last strata call. Its name does not start with "strata_" (``_has_strata_call``).
+_region_end_p = core.Primitive("region_end_of_strata_chain")
+_region_end_p.def_abstract_eval(lambda tok, *, end: tok)
+
+
+def _region_end_lowering(ctx, tok, *, end):
+    if end == "in":
+        _program_order_chain(ctx).setdefault(
+            ir.InsertionPoint.current.block, (tok, ctx.avals_in[0])
+        )
+        return [tok]
+    after = _program_order_chain(ctx).get(ir.InsertionPoint.current.block)
+    if after is not None and after[1].shape == (1,) and after[1].dtype == np.uint8:
+        return [after[0]]  # the last call's Done: hand it on as it is
+    return [_order_after_chain(ctx, tok, ctx.avals_in[0])]  # after a cond's or loop's result
+
+
+mlir.register_lowering(_region_end_p, _region_end_lowering, cacheable=False)
+
+
+def _chain_shard_map_regions() -> None:
+    """Chains the strata calls of consecutive ``shard_map`` regions of one block (two layers in
+    parallel, or a shard_map and its transpose under ``jax.grad``) in program order, as the
+    calls inside one region are (``_program_order_chain``).
+
+    Without it each region's calls chain only among themselves, and independent calls of two
+    regions deadlocked in one process (two towers of psums and all_to_alls over 8 devices: a
+    timeout within 2,000 steps, "rank 2: waiting in psum (op 1), another call of this same
+    program"). Each region holding strata calls gets one more input and output, a 1-byte token
+    per device sharded over its manual axes: its first strata call takes the token as
+    ``After``, the token leaves through ``strata_order`` after its last one and enters the next
+    region over the same mesh in the same block. Also makes shard_map's lowering uncacheable:
+    JAX lowered two equal shard_map calls once, as one function with shared op ids.
+
+    Left as JAX lowers them: shard_maps inside a partly manual region, over a subset of the mesh
+    axes, or over one device (no manual computation), and regions in different blocks (the
+    branches of a cond or the body of a loop around shard_maps)."""
+    from jax._src import shard_map as sm
+    from jax.sharding import PartitionSpec
+
+    rule = mlir._lowerings[sm.shard_map_p].rule
+
+    def shard_map_lowering(ctx, *in_nodes, jaxpr, mesh, in_specs, out_specs, **params):
+        manual = params["newly_manual_axes"]
+        axes = tuple(a for a in mesh.axis_names if a in manual)
+        n = math.prod(int(mesh.shape[a]) for a in axes)
+        axis_ctx = ctx.module_context.axis_context
+        if (
+            not _keep_program_order()
+            or (isinstance(axis_ctx, SPMDAxisContext) and axis_ctx.manual_axes)
+            or set(axes) != set(mesh.axis_names)
+            or n == 1
+            or not _has_strata_call(jaxpr)
+        ):
+            return rule(
+                ctx,
+                *in_nodes,
+                jaxpr=jaxpr,
+                mesh=mesh,
+                in_specs=in_specs,
+                out_specs=out_specs,
+                **params,
+            )
+        chains = ctx.module_context.cached_primitive_lowerings.setdefault(_REGION_CHAIN, {})
+        key = (ir.InsertionPoint.current.block, tuple(mesh.axis_names), axes, n)
+        tok_in = chains.get(key)
+        if tok_in is None:
+            tok_in = mlir.ir_constant(np.zeros((n,), np.uint8))
+        local = core.ShapedArray((1,), np.uint8)  # only lowered, never type-checked
+        first, mid, last = core.Var(local), core.Var(local), core.Var(local)
+        body = core.Jaxpr(
+            jaxpr.constvars,
+            [*jaxpr.invars, first],
+            [*jaxpr.outvars, last],
+            [
+                core.new_jaxpr_eqn([first], [mid], _region_end_p, {"end": "in"}, core.no_effects),
+                *jaxpr.eqns,
+                core.new_jaxpr_eqn([mid], [last], _region_end_p, {"end": "out"}, core.no_effects),
+            ],
+            jaxpr.effects,
+            jaxpr.debug_info.with_unknown_names(),
+        )
+        token = core.ShapedArray((n,), np.uint8)
+        spec = PartitionSpec(axes)
+        sub = ctx.replace(avals_in=[*ctx.avals_in, token], avals_out=[*ctx.avals_out, token])
+        outs = list(
+            rule(
+                sub,
+                *in_nodes,
+                tok_in,
+                jaxpr=body,
+                mesh=mesh,
+                in_specs=(*in_specs, spec),
+                out_specs=(*out_specs, spec),
+                **params,
+            )
+        )
+        if sub.tokens_out is not None:
+            ctx.set_tokens_out(sub.tokens_out)
+        chains[key] = outs.pop()
+        return outs
+
+    mlir.register_lowering(sm.shard_map_p, shard_map_lowering, cacheable=False)
+
+
+_chain_shard_map_regions()
