@@ -524,6 +524,38 @@ def test_custom_jvp_calls_and_grad_regions_join_the_chain(rng):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
+def test_calls_stay_ordered_where_xla_removes_the_data_path(rng):
+    """q = psum(b + p * 0) reads p = psum(a) only through a path XLA's simplifier removes
+    (integers): q still takes p's Done, so in the compiled program q's call has an operand
+    from p's (before, the two calls were independent there). Values equal jax.lax's."""
+    mesh = mesh1d(4)
+
+    def body(lib, a, b):
+        p = lib.psum(a, "x")
+        return p, lib.psum(b + p * 0, "x")
+
+    def run(lib):
+        return jax.jit(
+            jax.shard_map(
+                functools.partial(body, lib), mesh=mesh, in_specs=P("x"), out_specs=P("x")
+            )
+        )
+
+    a = rng.integers(-50, 50, 8).astype(np.int32)
+    b = rng.integers(-50, 50, 8).astype(np.int32)
+    hlo = run(sj).lower(a, b).compile().as_text()
+    calls = [ln for ln in hlo.splitlines() if 'custom_call_target="strata_all_reduce"' in ln]
+    assert len(calls) == 2, hlo
+    first = calls[0].split("=")[0].strip().lstrip("%")
+    operands = calls[1].split("custom-call(", 1)[1].split(")", 1)[0].split(", ")
+    producers = {ln.split("=")[0].strip().lstrip("%"): ln for ln in hlo.splitlines() if "=" in ln}
+    assert any(
+        first in producers.get(o.lstrip("%"), "") for o in operands if "get-tuple-element" in o
+    ), calls
+    for g, w in zip(run(sj)(a, b), run(jax.lax)(a, b), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_program_order_setting_is_checked(monkeypatch):
     """A STRATA_PROGRAM_ORDER other than 1, 0 or unset is an error that says what to use."""
     monkeypatch.setenv("STRATA_PROGRAM_ORDER", "true")

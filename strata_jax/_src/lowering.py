@@ -335,13 +335,13 @@ def lower_strata_call(
     chain = _program_order_chain(ctx) if ordered else {}
     block = ir.InsertionPoint.current.block
     after = chain.get(block)
-    # A call that already reads the previous call's results (through any chain of ops in this
-    # block) gets no extra operand. Adding one there as well (always chaining) measured worse:
-    # tests/test_moe_layer.py::test_gradients_match_dense[strata_ragged] then deadlocked in 3 of
-    # 3 runs, between the forward shard_map's calls and the backward shard_map's (two regions,
-    # which no chain connects: see the README's known issues); it passes with this rule. The
-    # hole it leaves: a path XLA's simplifier removes (p * 0) leaves the two calls unordered.
-    extra = [after] if after is not None and not _reads_from(operands, after[0], block) else []
+    # Every call takes the previous one's Done, also a call that reads the previous call's
+    # results: XLA's simplifier may remove that path (a p * 0 of integers, a full overwrite),
+    # leaving the two calls unordered in the compiled program. (Chaining those calls as well
+    # once made tests/test_moe_layer.py::test_gradients_match_dense[strata_ragged] deadlock in 3
+    # of 3 runs, but only because the forward and backward shard_map regions were not chained
+    # to each other then: _chain_shard_map_regions.)
+    extra = [after] if after is not None else []
     # The next call is ordered after this one through one byte of result (``Done``, never
     # written), not through a real result, whose buffer would then stay alive until the next
     # call. It also orders a call whose results are all empty.
@@ -368,44 +368,6 @@ def lower_strata_call(
 
 
 _DONE_AVAL = core.ShapedArray((1,), np.uint8)
-
-# Ops looked at per call by _reads_from before it gives up and chains (always safe).
-_READS_FROM_BUDGET = 100_000
-
-
-def _reads_from(operands, done: ir.Value, block) -> bool:
-    """Whether an operand depends, through ops of ``block``, on the call that made ``done``.
-
-    Walks the operands' defining ops backwards, inside the block and no further up than that
-    call (an op before it cannot use its results). A dependency found only through a region
-    (a value a cond branch captures) is missed: the answer is then "no", which costs one
-    extra chain operand, never a missing order.
-    """
-    target = done.owner
-    target = getattr(target, "operation", target)
-    is_arg = isinstance(target, ir.Block)  # a shard_map region's token (_region_end_lowering)
-    stack = list(operands)
-    seen = set()
-    budget = _READS_FROM_BUDGET
-    while stack:
-        value = stack.pop()
-        owner = value.owner
-        if isinstance(owner, ir.Block):  # a block argument
-            if is_arg and value == done:
-                return True
-            continue
-        op = getattr(owner, "operation", owner)
-        if op == target:
-            return True
-        if op in seen or op.block != block or (not is_arg and op.is_before_in_block(target)):
-            continue
-        seen.add(op)
-        budget -= 1
-        if budget < 0:
-            return False
-        stack.extend(op.operands)
-    return False
-
 
 _CHAIN = ("strata_jax", "program_order_chain")
 
