@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,3 +89,58 @@ def assert_close(got, want, dtype, nranks=8, msg=""):
 
 
 IMPLS = {"strata": sj, "xla": jax.lax}
+
+
+def unordered_strata_calls(compiled_hlo: str) -> list[tuple[str, str]]:
+    """Pairs of strata custom calls (or of ops whose called computations hold one: a
+    conditional, a while loop) of one computation in XLA's compiled text with no data path
+    between them, so that a device may start either first. Empty when every device runs them
+    in program order."""
+    comps: dict[str, dict[str, tuple[list[str], list[str], bool]]] = {}
+    cur = None
+    for line in compiled_hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$", line)
+        if head:
+            cur = comps.setdefault(head.group(1), {})
+            continue
+        inst = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$", line)
+        if cur is None or not inst:
+            continue
+        rest = inst.group(2)
+        args = re.search(r"[\w\-]+\((.*?)\)(,|$)", rest)
+        operands = re.findall(r"%([\w.\-]+)", args.group(1)) if args else []
+        called = re.findall(r"(?:to_apply|body|condition|calls)=%([\w.\-]+)", rest)
+        branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
+        called += re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else []
+        cur[inst.group(1)] = (operands, called, 'custom_call_target="strata_' in rest)
+
+    memo: dict[str, bool] = {}
+
+    def holds(comp: str) -> bool:
+        if comp not in memo:
+            memo[comp] = False
+            memo[comp] = any(
+                own or any(holds(c) for c in called)
+                for _, called, own in comps.get(comp, {}).values()
+            )
+        return memo[comp]
+
+    pairs = []
+    for nodes in comps.values():
+        calls = [n for n, (_, called, own) in nodes.items() if own or any(map(holds, called))]
+        before: dict[str, set[str]] = {}
+        for n in calls:
+            seen, stack = set(), list(nodes[n][0])
+            while stack:
+                x = stack.pop()
+                if x not in seen and x in nodes:
+                    seen.add(x)
+                    stack.extend(nodes[x][0])
+            before[n] = seen
+        pairs += [
+            (x, y)
+            for i, x in enumerate(calls)
+            for y in calls[i + 1 :]
+            if x not in before[y] and y not in before[x]
+        ]
+    return pairs

@@ -4,12 +4,22 @@ fresh random inputs: dtypes x shapes x parameters, on 8 devices and on a 2x4 mes
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import ALL_DTYPES, assert_close, mesh1d, mesh2d, random_array, shard_run
+from _util import (
+    ALL_DTYPES,
+    assert_close,
+    mesh1d,
+    mesh2d,
+    random_array,
+    shard_run,
+    unordered_strata_calls,
+)
+from jax import custom_batching
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -483,6 +493,7 @@ def test_shard_map_regions_are_chained_in_program_order(rng):
         operands = region.split("sdy.manual_computation(", 1)[1].split(")", 1)[0].split(", ")
         assert operands[-1] == f"{name}#{int(count) - 1}", (prev, region)
     step, want = _towers(sj, mesh), _towers(jax.lax, mesh)(a, b, w)
+    assert not unordered_strata_calls(step.lower(a, b, w).compile().as_text())
     for i in range(300):
         got = step(a, b, w)
         if i % 50 == 0 or i == 299:
@@ -522,6 +533,87 @@ def test_custom_jvp_calls_and_grad_regions_join_the_chain(rng):
         got = jax.jit(jax.grad(make(sj), argnums))(a, b)
         want = jax.jit(jax.grad(make(jax.lax), argnums))(a, b)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def _higher_order_cases(lib):
+    """Programs whose strata calls sit inside higher-order primitives that JAX lowered as
+    functions of their own (a review found each outside the chain)."""
+    mesh = mesh1d(8)
+
+    @custom_batching.custom_vmap
+    def vm(v):
+        return lib.psum(jnp.tanh(v), "x")
+
+    vm.def_vmap(lambda n, b, v: (vm(v), b[0]))
+
+    def solve(v):  # x = v / 8 solves psum-broadcast(x) = v for replicated rows
+        return jax.lax.custom_linear_solve(
+            lambda u: u * 8.0, v, lambda mv, b: lib.psum(b, "x") / 64.0
+        )
+
+    @jax.custom_vjp
+    def rem(v):
+        return lib.psum(jnp.sin(v), "x")
+
+    rem.defvjp(
+        lambda v: (rem(v), v), lambda v, g: (jnp.cos(v) * lib.psum(g, "x"),), optimize_remat=True
+    )
+
+    def region(body, out_specs=None):
+        return jax.shard_map(
+            body, mesh=mesh, in_specs=P("x"), out_specs=out_specs or P("x"), check_vma=False
+        )
+
+    mesh2 = mesh2d(2, 4)
+    inner = jax.jit(
+        jax.shard_map(
+            lambda v: lib.psum(jnp.tanh(v), ("a", "b")),
+            in_specs=P("b"),
+            out_specs=P(),
+            axis_names={"b"},
+            check_vma=False,
+        )
+    )
+    partly = jax.shard_map(
+        lambda u, v: (inner(u), inner(v)),
+        mesh=mesh2,
+        in_specs=(P("a"),) * 2,
+        out_specs=(P(),) * 2,
+        axis_names={"a"},
+        check_vma=False,
+    )
+    loss = region(
+        lambda u, v: ((rem(u) * rem(v)).sum() + lib.pmax(jax.lax.stop_gradient(v), "x").sum())[None]
+    )
+    return {
+        "custom_vmap": jax.jit(
+            region(lambda u, v: (vm(u), vm(v), lib.all_to_all(v, "x", 0, 0, tiled=True)), P("x"))
+        ),
+        "custom_linear_solve": jax.jit(region(lambda u, v: (solve(u), solve(v), lib.pmax(u, "x")))),
+        "custom_vjp_optimize_remat": jax.jit(jax.grad(lambda u, v: loss(u, v).sum(), (0, 1))),
+        "partly_manual": jax.jit(partly),
+    }
+
+
+@pytest.mark.parametrize(
+    "case", ["custom_vmap", "custom_linear_solve", "custom_vjp_optimize_remat", "partly_manual"]
+)
+def test_calls_in_higher_order_primitives_join_the_chain(rng, case):
+    """Strata calls inside custom_vmap, custom_linear_solve, custom_vjp(optimize_remat=True)
+    under jax.grad outside the shard_map, and a nested jit of a shard_map called twice inside
+    a partly manual shard_map: in the compiled program every strata call has an op id of its
+    own and a data path to every other (lowering.py: _lower_higher_order_primitives_inline,
+    _chain_shard_map_regions); values equal jax.lax's."""
+    a = random_array(rng, (64, 16), np.float32)
+    b = random_array(rng, (64, 16), np.float32)
+    f = _higher_order_cases(sj)[case]
+    hlo = f.lower(a, b).compile().as_text()
+    ids = re.findall(r"op_id = (\d+)", hlo)
+    assert len(ids) == len(set(ids)) >= 2, ids
+    assert not unordered_strata_calls(hlo), unordered_strata_calls(hlo)
+    want = _higher_order_cases(jax.lax)[case](a, b)
+    for g, w in zip(jax.tree.leaves(f(a, b)), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
 
 
 def test_calls_stay_ordered_where_xla_removes_the_data_path(rng):

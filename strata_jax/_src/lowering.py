@@ -440,18 +440,32 @@ def _has_strata_call(jaxpr: core.Jaxpr) -> bool:
 
 
 def _nothing_to_constrain(ctx, params) -> bool:
-    """Whether a nested jit outside any manual region sets nothing that inlining would drop:
-    no shardings or layouts of its own, and no partly manual region around it."""
+    """Whether a nested jit outside a manual region (at the top, or in a partly manual
+    shard_map) sets nothing that inlining would drop: no shardings or layouts of its own."""
     from jax._src.sharding_impls import UnspecifiedValue
 
-    axis_ctx = ctx.module_context.axis_context
-    if isinstance(axis_ctx, SPMDAxisContext) and axis_ctx.manual_axes:
-        return False
     shardings = (*params["in_shardings"], *params["out_shardings"])
     layouts = (*params["in_layouts"], *params["out_layouts"])
     return all(isinstance(s, UnspecifiedValue) for s in shardings) and all(
         lay is None for lay in layouts
     )
+
+
+def _lower_inline(ctx, jaxpr: core.ClosedJaxpr, args, name: str | None = None):
+    """Lowers ``jaxpr`` applied to ``args`` into the current block (not as a function)."""
+    out, tokens = mlir.jaxpr_subcomp(
+        ctx.module_context,
+        jaxpr.jaxpr,
+        ctx.name_stack.extend(name) if name else ctx.name_stack,
+        ctx.tokens_in,
+        mlir.ir_consts(jaxpr.consts, [v.aval for v in jaxpr.jaxpr.constvars]),
+        *args,
+        dim_var_values=ctx.dim_var_values,
+        const_lowering=ctx.const_lowering,
+        outer_traceback=ctx.traceback,
+    )
+    ctx.set_tokens_out(tokens)
+    return out
 
 
 def _inline_jits_holding_strata_calls() -> None:
@@ -477,19 +491,7 @@ def _inline_jits_holding_strata_calls() -> None:
             and (_in_manual_region(ctx) or _nothing_to_constrain(ctx, params))
         ):
             return rule(ctx, *args, jaxpr=jaxpr, name=name, **params)
-        out, tokens = mlir.jaxpr_subcomp(
-            ctx.module_context,
-            jaxpr.jaxpr,
-            ctx.name_stack.extend(name),
-            ctx.tokens_in,
-            mlir.ir_consts(jaxpr.consts, [v.aval for v in jaxpr.jaxpr.constvars]),
-            *args,
-            dim_var_values=ctx.dim_var_values,
-            const_lowering=ctx.const_lowering,
-            outer_traceback=ctx.traceback,
-        )
-        ctx.set_tokens_out(tokens)
-        return out
+        return _lower_inline(ctx, jaxpr, args, name)
 
     mlir.register_lowering(pjit.jit_p, jit_lowering)
     # A jax.custom_jvp function is lowered inline by the same rule as a custom_vjp one, but
@@ -622,16 +624,19 @@ def _chain_shard_map_regions() -> None:
 
     Without it each region's calls chain only among themselves, and independent calls of two
     regions deadlocked in one process (two towers of psums and all_to_alls over 8 devices: a
-    timeout within 2,000 steps, "rank 2: waiting in psum (op 1), another call of this same
-    program"). Each region holding strata calls gets one more input and output, a 1-byte token
-    per device sharded over its manual axes: its first strata call takes the token as
-    ``After``, the token leaves through ``strata_order`` after its last one and enters the next
+    timeout within the first 50 steps in 4 of 4 runs, "rank 2: waiting in psum (op 1), another
+    call of this same program"). Each region holding strata calls gets one more input and
+    output, a 1-byte token per device sharded over its manual axes: its first strata call takes
+    the token as ``After``, its last call's Done (or, after a cond or loop, the token handed on
+    by ``strata_order``) leaves as the token and enters the next
     region over the same mesh in the same block. Also makes shard_map's lowering uncacheable:
     JAX lowered two equal shard_map calls once, as one function with shared op ids.
 
-    Left as JAX lowers them: shard_maps inside a partly manual region, over a subset of the mesh
-    axes, or over one device (no manual computation), and regions in different blocks (the
-    branches of a cond or the body of a loop around shard_maps)."""
+    A shard_map inside a partly manual one (over the remaining axes) chains with the other such
+    regions of its block the same way. Left as JAX lowers them: shard_maps whose body is not
+    all manual, or over one device (no manual computation), and regions in different blocks
+    (the branches of a cond or the body of a loop around shard_maps, the bodies of two partly
+    manual shard_maps)."""
     from jax._src import shard_map as sm
     from jax.sharding import PartitionSpec
 
@@ -642,10 +647,10 @@ def _chain_shard_map_regions() -> None:
         axes = tuple(a for a in mesh.axis_names if a in manual)
         n = math.prod(int(mesh.shape[a]) for a in axes)
         axis_ctx = ctx.module_context.axis_context
+        outer = set(axis_ctx.manual_axes) if isinstance(axis_ctx, SPMDAxisContext) else set()
         if (
             not _keep_program_order()
-            or (isinstance(axis_ctx, SPMDAxisContext) and axis_ctx.manual_axes)
-            or set(axes) != set(mesh.axis_names)
+            or set(axes) | outer != set(mesh.axis_names)  # the body would not be all manual
             or n == 1
             or not _has_strata_call(jaxpr)
         ):
@@ -701,3 +706,50 @@ def _chain_shard_map_regions() -> None:
 
 
 _chain_shard_map_regions()
+
+
+# Other higher-order primitives that JAX lowers cacheably, as a function of its own (a review
+# found strata calls inside custom_vmap, custom_linear_solve and custom_vjp(optimize_remat=True)
+# outside the chain): lowered inline instead, so their calls join the chain of the block around
+# them. By name, since some live in modules that ``import jax`` need not load.
+_INLINE_HIGHER_ORDER = (
+    "custom_linear_solve",
+    "custom_vmap_call",
+    "linear_call",
+    "remat_opt",
+    "run_state",
+)
+
+
+def _lower_higher_order_primitives_inline() -> None:
+    import importlib
+
+    for module in ("jax._src.custom_batching", "jax._src.lax.control_flow.solves"):
+        try:
+            importlib.import_module(module)
+        except ImportError:  # another jax version; what exists is still covered below
+            pass
+    for prim in list(mlir._lowerings):
+        if prim.name in _INLINE_HIGHER_ORDER:
+            mlir._uncacheable_primitives.add(prim)
+    # closed_call (custom_vjp's forward with optimize_remat, named_call) and call always lower
+    # as a function: inline them when they hold strata calls.
+    from jax._src.interpreters import partial_eval as pe
+
+    for prim in (core.closed_call_p, core.call_p):
+        rule = mlir._lowerings[prim].rule
+
+        def call_lowering(ctx, *args, call_jaxpr, rule=rule, **params):
+            closed = (
+                call_jaxpr
+                if isinstance(call_jaxpr, core.ClosedJaxpr)
+                else pe.close_jaxpr(call_jaxpr)
+            )
+            if not _has_strata_call(closed.jaxpr):
+                return rule(ctx, *args, call_jaxpr=call_jaxpr, **params)
+            return _lower_inline(ctx, closed, args)
+
+        mlir.register_lowering(prim, call_lowering, cacheable=False)
+
+
+_lower_higher_order_primitives_inline()
