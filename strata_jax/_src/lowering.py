@@ -97,6 +97,17 @@ def _number_branches_from_the_cond() -> None:
         )
         if ordered:  # the branch index: a scalar, so handing it on costs nothing
             args = (_order_after_chain(ctx, args[0], ctx.avals_in[0]), *args[1:])
+        elif _at_top(ctx):
+            keys = {_top_region_key(b.jaxpr) for b in params["branches"]} - {None}
+            if len(keys) == 1:  # shard_maps in the branches, outside any shard_map
+                key = keys.pop()
+                branches = tuple(_with_block_token(b, key) for b in params["branches"])
+                return _thread_region_token(
+                    ctx,
+                    key,
+                    args,
+                    lambda sub, a: _numbered_cond(sub, *a, **{**params, "branches": branches}),
+                )
         outs = _numbered_cond(ctx, *args, **params)
         if ordered:
             _chain_to_result(ctx, outs)
@@ -570,6 +581,22 @@ def _order_control_flow() -> None:
             if carry:
                 k, aval = min(carry, key=lambda ka: ka[1].size)
                 args = (*args[:k], _order_after_chain(ctx, args[k], aval), *args[k + 1 :])
+        key = None if ordered or not _at_top(ctx) else _top_region_key(body_jaxpr.jaxpr)
+        if key is not None:  # shard_maps in the body, outside any shard_map: thread the token
+            return _thread_region_token(
+                ctx,
+                key,
+                args,
+                lambda sub, a: rule(
+                    sub,
+                    *a,
+                    cond_jaxpr=_with_block_token(cond_jaxpr, key, hand_on=False),
+                    body_jaxpr=_with_block_token(body_jaxpr, key),
+                    cond_nconsts=cond_nconsts,
+                    body_nconsts=body_nconsts,
+                    **params,
+                ),
+            )
         outs = rule(
             ctx,
             *args,
@@ -634,9 +661,9 @@ def _chain_shard_map_regions() -> None:
 
     A shard_map inside a partly manual one (over the remaining axes) chains with the other such
     regions of its block the same way. Left as JAX lowers them: shard_maps whose body is not
-    all manual, or over one device (no manual computation), and regions in different blocks
-    (the branches of a cond or the body of a loop around shard_maps, the bodies of two partly
-    manual shard_maps)."""
+    all manual, or over one device (no manual computation), and the bodies of two partly manual
+    shard_maps. A loop or cond outside any shard_map whose body holds regions hands the token
+    through (``_thread_region_token``)."""
     from jax._src import shard_map as sm
     from jax.sharding import PartitionSpec
 
@@ -663,11 +690,7 @@ def _chain_shard_map_regions() -> None:
                 out_specs=out_specs,
                 **params,
             )
-        chains = ctx.module_context.cached_primitive_lowerings.setdefault(_REGION_CHAIN, {})
-        key = (ir.InsertionPoint.current.block, tuple(mesh.axis_names), axes, n)
-        tok_in = chains.get(key)
-        if tok_in is None:
-            tok_in = mlir.ir_constant(np.zeros((n,), np.uint8))
+        tok_in, key = _block_region_token(ctx, (tuple(mesh.axis_names), axes, n))
         local = core.ShapedArray((1,), np.uint8)  # only lowered, never type-checked
         first, mid, last = core.Var(local), core.Var(local), core.Var(local)
         body = core.Jaxpr(
@@ -699,10 +722,116 @@ def _chain_shard_map_regions() -> None:
         )
         if sub.tokens_out is not None:
             ctx.set_tokens_out(sub.tokens_out)
-        chains[key] = outs.pop()
+        _region_chains(ctx)[key] = outs.pop()
         return outs
 
     mlir.register_lowering(sm.shard_map_p, shard_map_lowering, cacheable=False)
+
+
+def _region_chains(ctx) -> dict:
+    """The last shard_map region's token per (block, mesh axis names, manual axes, devices)."""
+    return ctx.module_context.cached_primitive_lowerings.setdefault(_REGION_CHAIN, {})
+
+
+def _block_region_token(ctx, key: tuple):
+    """The current block's region token for ``key`` (a constant before its first region) and
+    its entry in ``_region_chains``."""
+    entry = (ir.InsertionPoint.current.block, *key)
+    tok = _region_chains(ctx).get(entry)
+    if tok is None:
+        tok = mlir.ir_constant(np.zeros((key[2],), np.uint8))
+    return tok, entry
+
+
+# Marks the two ends of a loop body or cond branch outside any shard_map that holds strata
+# shard_map regions: at the start the body's region chain begins at the token it was given, at
+# the end it hands on its last region's token (``_thread_region_token``).
+_block_token_p = core.Primitive("block_end_of_strata_regions")
+_block_token_p.def_abstract_eval(lambda tok, *, end, key: tok)
+
+
+def _block_token_lowering(ctx, tok, *, end, key):
+    entry = (ir.InsertionPoint.current.block, *key)
+    if end == "in":
+        _region_chains(ctx)[entry] = tok
+        return [tok]
+    return [_region_chains(ctx).get(entry, tok)]
+
+
+mlir.register_lowering(_block_token_p, _block_token_lowering, cacheable=False)
+
+
+def _top_region_key(jaxpr: core.Jaxpr) -> tuple | None:
+    """The (mesh axis names, manual axes, devices) of the all-manual shard_map regions holding
+    strata calls in ``jaxpr`` (outside shard_map bodies), if they all share one; else None."""
+    keys = set()
+
+    def visit(j: core.Jaxpr) -> None:
+        for e in j.eqns:
+            if e.primitive.name == "shard_map":
+                mesh, manual = e.params["mesh"], e.params["newly_manual_axes"]
+                axes = tuple(a for a in mesh.axis_names if a in manual)
+                n = math.prod(int(mesh.shape[a]) for a in axes)
+                if (
+                    set(axes) == set(mesh.axis_names)
+                    and n > 1
+                    and _has_strata_call(e.params["jaxpr"])
+                ):
+                    keys.add((tuple(mesh.axis_names), axes, n))
+                continue
+            for sub in core.jaxprs_in_params(e.params):
+                visit(sub)
+
+    visit(jaxpr)
+    return keys.pop() if len(keys) == 1 else None
+
+
+def _with_block_token(jaxpr: core.ClosedJaxpr, key: tuple, hand_on: bool = True):
+    """``jaxpr`` taking the region token as one more (last) input, and, with ``hand_on``,
+    returning the token after its last region as one more (last) output."""
+    aval = core.ShapedArray((key[2],), np.uint8)
+    j = jaxpr.jaxpr
+    first = core.Var(aval)
+    outvars, eqns = list(j.outvars), list(j.eqns)
+    if hand_on:
+        mid, last = core.Var(aval), core.Var(aval)
+        eqns = [
+            core.new_jaxpr_eqn(
+                [first], [mid], _block_token_p, {"end": "in", "key": key}, core.no_effects
+            ),
+            *eqns,
+            core.new_jaxpr_eqn(
+                [mid], [last], _block_token_p, {"end": "out", "key": key}, core.no_effects
+            ),
+        ]
+        outvars.append(last)
+    new = core.Jaxpr(
+        j.constvars, [*j.invars, first], outvars, eqns, j.effects, j.debug_info.with_unknown_names()
+    )
+    return core.ClosedJaxpr(new, jaxpr.consts)
+
+
+def _at_top(ctx) -> bool:
+    """Whether ``ctx`` lowers outside every shard_map (where regions are chained by token)."""
+    axis_ctx = ctx.module_context.axis_context
+    return _keep_program_order() and not (
+        isinstance(axis_ctx, SPMDAxisContext) and axis_ctx.manual_axes
+    )
+
+
+def _thread_region_token(ctx, key, args, lower):
+    """Lowers a while loop or cond outside any shard_map whose body holds strata shard_map
+    regions with the block's region token as one more (last) operand and result: ``lower(sub,
+    args)`` emits it with jaxprs from ``_with_block_token``. The regions inside then come
+    after the regions before it, and the regions after it after them."""
+    tok, entry = _block_region_token(ctx, key)
+    aval = core.ShapedArray((key[2],), np.uint8)
+    sub = ctx.replace(avals_in=[*ctx.avals_in, aval], avals_out=[*ctx.avals_out, aval])
+    outs = list(lower(sub, (*args, tok)))
+    if sub.tokens_out is not None:
+        ctx.set_tokens_out(sub.tokens_out)
+    _region_chains(ctx)[entry] = outs.pop()
+    return outs
 
 
 _chain_shard_map_regions()
