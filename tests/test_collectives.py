@@ -663,6 +663,32 @@ def test_loops_and_conds_around_shard_maps_join_the_chain(rng):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
 
 
+def test_vmapped_loop_with_batched_stop_around_a_region(rng):
+    """jax.vmap of a while_loop / fori_loop around a strata shard_map whose stop differs per
+    example (a batched predicate) compiles and equals jax.lax (the region token carry failed
+    JAX's per-carry select there: a review found it; such loops are left unthreaded)."""
+    mesh = mesh1d(8)
+
+    def make(lib):
+        region = jax.shard_map(
+            lambda v: lib.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")
+        )
+
+        def f(a, n):
+            w = jax.lax.while_loop(
+                lambda s: s[0] < n, lambda s: (s[0] + 1, region(s[1]) / 8), (0, a)
+            )[1]
+            return w + jax.lax.fori_loop(0, n, lambda i, c: region(c) / 8, a)
+
+        return jax.jit(jax.vmap(f))
+
+    a = random_array(rng, (3, 16), np.float32)
+    n = np.array([0, 1, 3], np.int32)
+    np.testing.assert_allclose(
+        np.asarray(make(sj)(a, n)), np.asarray(make(jax.lax)(a, n)), rtol=1e-5, atol=1e-6
+    )
+
+
 def test_calls_stay_ordered_where_xla_removes_the_data_path(rng):
     """q = psum(b + p * 0) reads p = psum(a) only through a path XLA's simplifier removes
     (integers): q still takes p's Done, so in the compiled program q's call has an operand

@@ -581,7 +581,11 @@ def _order_control_flow() -> None:
             if carry:
                 k, aval = min(carry, key=lambda ka: ka[1].size)
                 args = (*args[:k], _order_after_chain(ctx, args[k], aval), *args[k + 1 :])
-        key = None if ordered or not _at_top(ctx) else _top_region_key(body_jaxpr.jaxpr)
+        # Not under a batched predicate (jax.vmap of a loop whose stop differs per example):
+        # JAX then selects every carry by the predicate, which has no batch dimension in the
+        # token (a review found the assertion).
+        batched = cond_jaxpr.out_avals[0].shape != ()
+        key = None if ordered or batched or not _at_top(ctx) else _top_region_key(body_jaxpr.jaxpr)
         if key is not None:  # shard_maps in the body, outside any shard_map: thread the token
             return _thread_region_token(
                 ctx,
