@@ -674,14 +674,12 @@ def _chain_shard_map_regions() -> None:
     rule = mlir._lowerings[sm.shard_map_p].rule
 
     def shard_map_lowering(ctx, *in_nodes, jaxpr, mesh, in_specs, out_specs, **params):
-        manual = params["newly_manual_axes"]
-        axes = tuple(a for a in mesh.axis_names if a in manual)
-        n = math.prod(int(mesh.shape[a]) for a in axes)
+        names, axes, n = region = _region_key(mesh, params["newly_manual_axes"])
         axis_ctx = ctx.module_context.axis_context
         outer = set(axis_ctx.manual_axes) if isinstance(axis_ctx, SPMDAxisContext) else set()
         if (
             not _keep_program_order()
-            or set(axes) | outer != set(mesh.axis_names)  # the body would not be all manual
+            or set(axes) | outer != set(names)  # the body would not be all manual
             or n == 1
             or not _has_strata_call(jaxpr)
         ):
@@ -694,21 +692,9 @@ def _chain_shard_map_regions() -> None:
                 out_specs=out_specs,
                 **params,
             )
-        tok_in, key = _block_region_token(ctx, (tuple(mesh.axis_names), axes, n))
-        local = core.ShapedArray((1,), np.uint8)  # only lowered, never type-checked
-        first, mid, last = core.Var(local), core.Var(local), core.Var(local)
-        body = core.Jaxpr(
-            jaxpr.constvars,
-            [*jaxpr.invars, first],
-            [*jaxpr.outvars, last],
-            [
-                core.new_jaxpr_eqn([first], [mid], _region_end_p, {"end": "in"}, core.no_effects),
-                *jaxpr.eqns,
-                core.new_jaxpr_eqn([mid], [last], _region_end_p, {"end": "out"}, core.no_effects),
-            ],
-            jaxpr.effects,
-            jaxpr.debug_info.with_unknown_names(),
-        )
+        tok_in, key = _block_region_token(ctx, region)
+        # per device: one byte (only lowered, never type-checked)
+        body = _with_token_ends(jaxpr, _DONE_AVAL, _region_end_p, {})
         token = core.ShapedArray((n,), np.uint8)
         spec = PartitionSpec(axes)
         sub = ctx.replace(avals_in=[*ctx.avals_in, token], avals_out=[*ctx.avals_out, token])
@@ -773,15 +759,9 @@ def _top_region_key(jaxpr: core.Jaxpr) -> tuple | None:
     def visit(j: core.Jaxpr) -> None:
         for e in j.eqns:
             if e.primitive.name == "shard_map":
-                mesh, manual = e.params["mesh"], e.params["newly_manual_axes"]
-                axes = tuple(a for a in mesh.axis_names if a in manual)
-                n = math.prod(int(mesh.shape[a]) for a in axes)
-                if (
-                    set(axes) == set(mesh.axis_names)
-                    and n > 1
-                    and _has_strata_call(e.params["jaxpr"])
-                ):
-                    keys.add((tuple(mesh.axis_names), axes, n))
+                names, axes, n = key = _region_key(e.params["mesh"], e.params["newly_manual_axes"])
+                if set(axes) == set(names) and n > 1 and _has_strata_call(e.params["jaxpr"]):
+                    keys.add(key)
                 continue
             for sub in core.jaxprs_in_params(e.params):
                 visit(sub)
@@ -790,29 +770,37 @@ def _top_region_key(jaxpr: core.Jaxpr) -> tuple | None:
     return keys.pop() if len(keys) == 1 else None
 
 
-def _with_block_token(jaxpr: core.ClosedJaxpr, key: tuple, hand_on: bool = True):
-    """``jaxpr`` taking the region token as one more (last) input, and, with ``hand_on``,
-    returning the token after its last region as one more (last) output."""
-    aval = core.ShapedArray((key[2],), np.uint8)
-    j = jaxpr.jaxpr
+def _region_key(mesh, manual) -> tuple:
+    """(mesh axis names, manual axes in mesh order, devices along them) of a shard_map."""
+    axes = tuple(a for a in mesh.axis_names if a in manual)
+    return tuple(mesh.axis_names), axes, math.prod(int(mesh.shape[a]) for a in axes)
+
+
+def _with_token_ends(j: core.Jaxpr, aval, prim, params: dict, hand_on: bool = True):
+    """``j`` taking a token of ``aval`` as one more (last) input, marked at the start by
+    ``prim`` (``end="in"``), and, with ``hand_on``, returning it as one more (last) output,
+    marked at the end (``end="out"``)."""
     first = core.Var(aval)
     outvars, eqns = list(j.outvars), list(j.eqns)
     if hand_on:
         mid, last = core.Var(aval), core.Var(aval)
         eqns = [
-            core.new_jaxpr_eqn(
-                [first], [mid], _block_token_p, {"end": "in", "key": key}, core.no_effects
-            ),
+            core.new_jaxpr_eqn([first], [mid], prim, {**params, "end": "in"}, core.no_effects),
             *eqns,
-            core.new_jaxpr_eqn(
-                [mid], [last], _block_token_p, {"end": "out", "key": key}, core.no_effects
-            ),
+            core.new_jaxpr_eqn([mid], [last], prim, {**params, "end": "out"}, core.no_effects),
         ]
         outvars.append(last)
-    new = core.Jaxpr(
+    return core.Jaxpr(
         j.constvars, [*j.invars, first], outvars, eqns, j.effects, j.debug_info.with_unknown_names()
     )
-    return core.ClosedJaxpr(new, jaxpr.consts)
+
+
+def _with_block_token(jaxpr: core.ClosedJaxpr, key: tuple, hand_on: bool = True):
+    """A loop body or cond branch ``jaxpr`` taking the block's region token for ``key`` as one
+    more input, and, with ``hand_on``, returning it after its last region."""
+    aval = core.ShapedArray((key[2],), np.uint8)
+    body = _with_token_ends(jaxpr.jaxpr, aval, _block_token_p, {"key": key}, hand_on)
+    return core.ClosedJaxpr(body, jaxpr.consts)
 
 
 def _at_top(ctx) -> bool:
