@@ -78,6 +78,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(1.30x against 1.31-1.35x)",
     )
     p.add_argument(
+        "--expert-chunk",
+        type=lambda v: None if v.lower() == "none" else int(v),
+        default=128,
+        help="run each expert MLP in chunks of this many rows and skip the chunks no token "
+        "was routed to, in every impl (moe_mlp(expert_chunk=...); strata: on the low-latency "
+        "receive counts); 'none': over every static row",
+    )
+    p.add_argument(
+        "--no-preload",
+        dest="preload",
+        action="store_false",
+        help="in-process: do not re-run under LD_PRELOAD=libstrata_alloc.so (plain glibc); "
+        "under strata_jax.launch the launcher's setting applies",
+    )
+    p.add_argument(
         "--devices",
         type=int,
         default=8,
@@ -185,7 +200,11 @@ def make_programs(cfg: dict[str, Any], impl: str, axis: str, nranks: int, args):
         raise SystemExit(f"--prompt + --gen = {s_max} exceeds the model's {cfg['seq']} positions")
     xla_sort_native = "xla_sort" in getattr(_layer, "IMPLS", ())
 
-    def experts_mlp(h, ex):  # moe_mlp's experts: [E_local, N, D] -> [E_local, N, D], gelu
+    chunk = args.expert_chunk
+
+    def experts_mlp(h, ex, counts=None):  # moe_mlp's experts: [E_local, N, D] -> same, gelu
+        if chunk is not None and counts is not None:
+            return _layer._experts_in_chunks(h, counts, ex["w1"], ex["w2"], jax.nn.gelu, chunk)
         a = jax.nn.gelu(jnp.einsum("enh,ehf->enf", h, ex["w1"]))
         return jnp.einsum("enf,efh->enh", a, ex["w2"])
 
@@ -197,12 +216,13 @@ def make_programs(cfg: dict[str, Any], impl: str, axis: str, nranks: int, args):
         ):
             return _layer.moe_mlp(
                 h, p["router"], ex["w1"], ex["w2"], num_experts=E, top_k=K, axis_name=axis,
-                impl=impl,
+                impl=impl, expert_chunk=chunk,
             )  # fmt: skip
         idx, w = _layer.route(h, p["router"], K)
         if impl == "strata":
-            recv, _, handle = sjmoe.low_latency_dispatch(h, idx, num_experts=E, axis_name=axis)
-            return sjmoe.low_latency_combine(experts_mlp(recv, ex), handle, w).astype(h.dtype)
+            recv, cnt, handle = sjmoe.low_latency_dispatch(h, idx, num_experts=E, axis_name=axis)
+            ey = experts_mlp(recv, ex, cnt[:, None])  # rows [0, cnt[e]) in use, packed
+            return sjmoe.low_latency_combine(ey, handle, w).astype(h.dtype)
         from moe import xla_gather_pipeline  # benchmarks/moe.py
 
         pipe = xla_gather_pipeline(axis, nranks, E, h.shape[0])
@@ -247,6 +267,11 @@ def make_programs(cfg: dict[str, Any], impl: str, axis: str, nranks: int, args):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from strata_jax.launch import distributed_env
+
+    # The deployment's allocator in one process, as strata_jax.launch sets it for its
+    # processes (only when run as a script: the re-run repeats sys.argv).
+    allocator = C.reexec_with_allocator(args.preload and argv is None and distributed_env() is None)
     ckpt, ckpt_note = ensure_checkpoint(args)
     strata_jax, jax = train_moe.start_runtime(args)
     import jax.numpy as jnp
@@ -286,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     C.print_machine(info, say)
     n_dense = sum(a.size for a in jax.tree.leaves(dense_np))
     n_exp = sum(a.size for a in jax.tree.leaves(experts_np))
+    say(f"# allocator  : {allocator}")
     say(f"# data       : {corpus_name}, {corpus.size:,} bytes; prompts cut at random offsets")
     say(f"# checkpoint : {ckpt_note}")
     say(

@@ -116,6 +116,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="write the first impl's trained parameters to this .npz (serve_moe.py --load)",
     )
+    g.add_argument(
+        "--no-preload",
+        dest="preload",
+        action="store_false",
+        help="in-process: do not re-run under LD_PRELOAD=libstrata_alloc.so (plain glibc: "
+        "XLA's large buffers of every impl are fresh mmapped pages each step); under "
+        "strata_jax.launch the launcher's setting applies",
+    )
     g = p.add_argument_group("data")
     g.add_argument(
         "--data",
@@ -144,6 +152,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="capacity = ceil(f * R * T * K / E) (overrides --capacity); strata and "
         "xla may then drop different tokens",
+    )
+    g.add_argument(
+        "--expert-chunk",
+        type=lambda v: None if v.lower() == "none" else int(v),
+        default=128,
+        help="run each expert MLP in chunks of this many rows and skip the chunks no token "
+        "was routed to (moe_mlp(expert_chunk=...), every impl but strata_ragged); 'none': "
+        "over every capacity row",
     )
     g = p.add_argument_group("optimizer")
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
@@ -308,6 +324,7 @@ def make_loss(args: argparse.Namespace, impl: str, nranks: int, axis: str):
                 axis_name=axis,
                 capacity=capacity,
                 impl="xla_sort" if impl == "nocomm" else impl,
+                expert_chunk=None if impl == "strata_ragged" else args.expert_chunk,
             )
             x = x + y.reshape(b, s, -1)
         logits = rms(x, dense["ln_f"]) @ dense["embed"].T
@@ -383,14 +400,19 @@ def state_specs(dense, experts, axis: str):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _common as C
+
+    from strata_jax.launch import distributed_env
+
+    # The deployment's allocator in one process, as strata_jax.launch sets it for its
+    # processes (only when run as a script: the re-run repeats sys.argv).
+    allocator = C.reexec_with_allocator(args.preload and argv is None and distributed_env() is None)
     strata_jax, jax = start_runtime(args)
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import _common as C
 
     lead = jax.process_index() == 0
     say = print if lead else (lambda *a, **k: None)
@@ -419,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     C.print_machine(info, say)
     n_dense = sum(a.size for a in jax.tree.leaves(dense_np))
     n_exp = sum(a.size for a in jax.tree.leaves(experts_np))
+    say(f"# allocator  : {allocator}")
     say(f"# data       : {corpus_name}, {corpus.size:,} bytes")
     say(
         f"# model      : byte-level decoder, {args.layers} layers, d_model {args.d_model}, "

@@ -44,6 +44,59 @@ def test_comm_stats_per_operator(rng):
     assert sj.comm_stats()["ops"] == {}
 
 
+def test_comm_stats_count_moe_and_ragged_calls(rng):
+    """MoE dispatch/combine (normal and low-latency) and ragged_all_to_all have slots of their
+    own in comm_stats()["ops"], with wait and move times."""
+    from strata_jax import moe
+
+    n, t, h, e = 8, 8, 16, 8
+    x = jnp.asarray(rng.standard_normal((n * t, h)).astype(np.float32))
+    idx = jnp.asarray(rng.integers(0, e, (n * t, 2)).astype(np.int32))
+    w = jnp.asarray(rng.random((n * t, 2)).astype(np.float32))
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+
+    def body(x, idx, w):
+        recv, layout = moe.dispatch(x, idx, num_experts=e, axis_name="x")
+        y = moe.combine(recv * 2, layout, w)
+        rl, _, handle = moe.low_latency_dispatch(x, idx, num_experts=e, axis_name="x")
+        yl = moe.low_latency_combine(rl * 2, handle, w)
+        sizes = jnp.full((n,), 1, jnp.int32)
+        offs = jnp.arange(n, dtype=jnp.int32)
+        r = sj.ragged_all_to_all(
+            x[:n],
+            jnp.zeros((n, h), x.dtype),
+            offs,
+            sizes,
+            jnp.full((n,), 0, jnp.int32) + jax.lax.axis_index("x").astype(jnp.int32),
+            sizes,
+            axis_name="x",
+        )
+        return y, yl, r
+
+    spec = P("x")
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 3))
+    jax.block_until_ready(f(x, idx, w))
+    sj.reset_stats()
+    y, yl, r = jax.block_until_ready(f(x, idx, w))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(yl), rtol=1e-6)
+    # Rank j's row i went to rank i's row j: the transpose of the [n, n] blocks of rows.
+    want = np.asarray(x).reshape(n, t, h).transpose(1, 0, 2).reshape(n * n, h)
+    np.testing.assert_array_equal(np.asarray(r), want)
+    ops = sj.comm_stats()["ops"]
+    for name in (
+        "moe.dispatch",
+        "moe.combine",
+        "moe.low_latency_dispatch",
+        "moe.low_latency_combine",
+        "ragged_all_to_all",
+    ):
+        assert ops[name]["calls"] == n, (name, ops.get(name))
+        assert 0 < ops[name]["p50_s"] <= ops[name]["p99_s"], name
+        assert ops[name]["wait_s"] + ops[name]["move_s"] == pytest.approx(ops[name]["total_s"])
+    assert ops["moe.dispatch"]["bytes"] == n * t * h * 4
+    assert "other" not in ops, ops.keys()
+
+
 def test_profiler_name_in_hlo_metadata():
     f = _f(lambda a: sj.psum(a, "x") + sj.all_gather(a, "x").sum(0), P("x"))
     text = f.lower(jnp.ones((8, 4))).compile().as_text()

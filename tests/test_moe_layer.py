@@ -76,7 +76,7 @@ def dense_moe(
     return jnp.einsum("tk,tkh->th", (w * slot_keep).astype(x.dtype), out).astype(x.dtype)
 
 
-def sharded_moe(impl, *, num_experts, top_k, capacity=None, n=R):
+def sharded_moe(impl, *, num_experts, top_k, capacity=None, n=R, expert_chunk=None):
     def body(x, rw, w1, w2):
         return moe_mlp(
             x,
@@ -88,6 +88,7 @@ def sharded_moe(impl, *, num_experts, top_k, capacity=None, n=R):
             axis_name="x",
             capacity=capacity,
             impl=impl,
+            expert_chunk=expert_chunk,
         )
 
     return jax.shard_map(
@@ -206,6 +207,53 @@ def test_capacity_drops_skewed(impl, rule, capacity, rng):
         _close(g, w, "float32", f"{impl} grads")
     y = jax.jit(moe)(*args)
     _close(y, dense_moe(*args, top_k=k, capacity=capacity, rule=rule), "float32", "output")
+
+
+@pytest.mark.parametrize(
+    "impl,rule",
+    [
+        pytest.param("strata", "global", marks=needs_native),
+        ("reference", "global"),
+        ("xla", "per_source"),
+        ("xla_sort", "per_source"),
+    ],
+)
+@pytest.mark.parametrize("capacity,chunk", [(None, 3), (None, 64), (13, 2), (40, 7)])
+def test_expert_chunks_skip_empty_rows(impl, rule, capacity, chunk, rng):
+    """expert_chunk: the output and every gradient equal the dense oracle, with skewed routing
+    (hot experts fill many chunks, cold ones none) and capacities that drop, and the compiled
+    program holds one conditional per chunk."""
+    e, k, t, h, f = 8, 2, 11, 8, 12
+    args = _skewed_params(rng, t, h, f, e, "float32")
+    ct = jnp.asarray(rng.standard_normal((R * t, h)), jnp.float32)
+    moe = sharded_moe(impl, num_experts=e, top_k=k, capacity=capacity, expert_chunk=chunk)
+    fn = jax.jit(jax.value_and_grad(lambda *a: (moe(*a) * ct).sum(), argnums=(0, 1, 2, 3)))
+    got = fn(*args)
+    oracle = lambda *a: (dense_moe(*a, top_k=k, capacity=capacity, rule=rule) * ct).sum()
+    want = jax.value_and_grad(oracle, argnums=(0, 1, 2, 3))(*args)
+    _close(got[0], want[0], "float32", f"{impl} loss")
+    for name, g, w in zip(("x", "router_w", "w1", "w2"), got[1], want[1], strict=True):
+        _close(g, w, "float32", f"{impl} d/d{name}")
+    y = jax.jit(moe)(*args)
+    _close(y, dense_moe(*args, top_k=k, capacity=capacity, rule=rule), "float32", "output")
+    # One cond per chunk of each local expert's blocks (E_local = 1 here).
+    if capacity is None:
+        per, blocks = (R * t, 1) if rule == "global" else (t, R)
+    else:
+        per, blocks = (capacity, 1) if rule == "global" else (min(t, math.ceil(capacity / R)), R)
+    hlo = jax.jit(moe).lower(*args).as_text()
+    assert hlo.count("stablehlo.case") == blocks * math.ceil(per / min(chunk, per)), hlo.count(
+        "stablehlo.case"
+    )
+
+
+def test_expert_chunk_is_checked(rng):
+    args = _params(rng, 4, 8, 8, 8, "float32")
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="expert_chunk must be a positive int"):
+            sharded_moe("xla_sort", num_experts=8, top_k=2, expert_chunk=bad)(*args)
+    with pytest.raises(ValueError, match="does not apply to impl='strata_ragged'"):
+        sharded_moe("strata_ragged", num_experts=8, top_k=2, expert_chunk=4)(*args)
 
 
 def test_xla_and_strata_semantics_agree_when_nothing_drops(rng):

@@ -97,6 +97,44 @@ def test_all_minus_one_and_all_to_one_expert(rng):
     check(rng, 5, 3, idx=np.full((R * 5, 3), 7, np.int32), algo="push")
 
 
+@pytest.mark.parametrize("t,chunk", [(8, 3), (16, 64)])
+def test_expert_chunks_over_low_latency_counts(rng, t, chunk):
+    """The serving path (benchmarks/serve_moe.py): the expert MLP over the low-latency receive
+    buffer in chunks, skipping those past recv_counts, equals it over every row, with one
+    rank routing everything to one expert (its chunks full, the others' empty)."""
+    from strata_jax.moe import _layer
+
+    n, e, f = R, R * E_LOCAL, 12
+    idx = rng.integers(0, e, (n * t, 2)).astype(np.int32)
+    idx[:t] = [0, 1]
+    x = jnp.asarray(rng.standard_normal((n * t, H)).astype(np.float32))
+    w = jnp.asarray(rng.random((n * t, 2)).astype(np.float32))
+    w1 = jnp.asarray(rng.standard_normal((e, H, f)).astype(np.float32))
+    w2 = jnp.asarray(rng.standard_normal((e, f, H)).astype(np.float32))
+
+    def body(x, idx, w, w1, w2, chunked):
+        recv, counts, handle = sj.moe.low_latency_dispatch(x, idx, num_experts=e, axis_name="x")
+        if chunked:
+            ey = _layer._experts_in_chunks(recv, counts[:, None], w1, w2, jax.nn.gelu, chunk)
+        else:
+            ey = _layer._experts(recv, w1, w2, jax.nn.gelu)
+        return sj.moe.low_latency_combine(ey, handle, w)
+
+    spec = P("x")
+    ys = [
+        jax.jit(
+            jax.shard_map(
+                lambda *a, c=c: body(*a, c), mesh=mesh1d(n), in_specs=(spec,) * 5, out_specs=spec
+            )
+        )(x, idx, w, w1, w2)
+        for c in (False, True)
+    ]
+    np.testing.assert_allclose(np.asarray(ys[1]), np.asarray(ys[0]), rtol=1e-5, atol=1e-5)
+    h = np.asarray(jax.nn.gelu(jnp.einsum("th,tkhf->tkf", x, w1[idx])))
+    want = np.einsum("tk,tkh->th", np.asarray(w), np.einsum("tkf,tkfh->tkh", h, w2[idx]))
+    np.testing.assert_allclose(np.asarray(ys[1]), want, rtol=1e-4, atol=1e-4)
+
+
 def test_errors():
     mesh = mesh1d(R)
     x = jnp.zeros((R * 4, H), jnp.float32)

@@ -8,9 +8,21 @@ namespace strata {
 namespace {
 
 // The operators the FFI handlers name (ffi/handlers.cc); the last slot takes any other name.
-constexpr const char* kNames[] = {"psum",         "pmax",       "pmin",
-                                  "psum_scatter", "all_gather", "all_to_all",
-                                  "ppermute",     "pbroadcast", "other"};
+constexpr const char* kNames[] = {"psum",
+                                  "pmax",
+                                  "pmin",
+                                  "psum_scatter",
+                                  "all_gather",
+                                  "all_to_all",
+                                  "ppermute",
+                                  "pbroadcast",
+                                  "ragged_all_to_all",
+                                  "moe.dispatch",
+                                  "moe.combine",
+                                  "moe.combine (weights cotangent)",
+                                  "moe.low_latency_dispatch",
+                                  "moe.low_latency_combine",
+                                  "other"};
 constexpr int kSlots = sizeof(kNames) / sizeof(kNames[0]);
 
 OpStats* slots() {

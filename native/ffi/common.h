@@ -149,7 +149,12 @@ xla::ffi::Error join_and_run_multi(const char* name, int64_t run_id, int64_t op_
                                    int nbufs, Body body) {
   return join_and_run_with(
       name, run_id, op_id, pl, /*cross_process=*/true,
-      [&](auto& team) { return team.arrive_multi(desc, bufs, nbufs); }, body);
+      [&](auto& team) {
+        std::string e = team.arrive_multi(desc, bufs, nbufs);
+        OpTimer::arrived();  // wait vs move in comm_stats() (fabric/op_stats.h)
+        return e;
+      },
+      body);
 }
 
 }  // namespace strata

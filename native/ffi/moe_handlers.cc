@@ -39,6 +39,7 @@ ffi::Error run_moe(const char* name, ffi::RunId run, int64_t op_id, ffi::AnyBuff
   if (!err.empty()) return invalid(name, err);
   desc.name = name;
   stats().moe_calls.fetch_add(1, std::memory_order_relaxed);
+  OpTimer timer(name, desc.in_bytes, 0);  // comm_stats()["ops"] (fabric/op_stats.h)
   return join_and_run_multi(name, run.run_id, op_id, pl, desc, bufs, nbufs, body);
 }
 

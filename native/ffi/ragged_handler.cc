@@ -81,6 +81,7 @@ ffi::Error RaggedAllToAllImpl(ffi::RunId run, ffi::AnyBuffer operand, ffi::AnyBu
   BufRef bufs[kRaggedBufs];
   bufs[kRaggedOperand] = BufRef{operand.untyped_data(), operand.size_bytes(), false};
   bufs[kRaggedPlan] = BufRef{plan.untyped_data(), plan.size_bytes(), false};
+  OpTimer timer(d.name, d.in_bytes, 0);  // comm_stats()["ops"] (fabric/op_stats.h)
   return join_and_run_multi("ragged_all_to_all", run.run_id, op_id, pl, d, bufs, kRaggedBufs,
                             [&](Team& t) -> std::string {
                               uint64_t moved = 0;

@@ -59,6 +59,54 @@ def _experts(
     return jnp.einsum("enf,efh->enh", a, w2.astype(h.dtype))
 
 
+def _experts_in_chunks(
+    h: jax.Array,
+    counts: jax.Array,
+    w1: jax.Array,
+    w2: jax.Array,
+    activation: Callable[[jax.Array], jax.Array],
+    chunk: int,
+) -> jax.Array:
+    """The expert MLP over the rows in use only: [E_local, N, H] -> [E_local, N, H].
+
+    Each local expert's N rows are ``nb = counts.shape[1]`` blocks of ``N // nb`` rows, block b
+    filled from its first row with ``counts[e, b]`` rows (strata's packed layout: one block per
+    expert; the sort/gather layout: one block per source rank). Every block runs in chunks of at
+    most ``chunk`` rows, and a chunk whose first row is past the block's count is skipped
+    (``jax.lax.cond``; its rows are zero out of dispatch and zero here, as ``activation(0) ==
+    0``). The idea of a masked grouped GEMM (DeepEP's low-latency layout feeds DeepGEMM's
+    ``m_grouped_gemm_*_masked``), written with static shapes: the work follows the routed rows,
+    not the capacity. Reverse-mode AD differentiates each cond, so the backward skips the
+    same chunks.
+    """
+    el, n, hd = h.shape
+    nb = counts.shape[1]
+    per = n // nb
+    c = min(chunk, per)
+    w1 = w1.astype(h.dtype)
+    w2 = w2.astype(h.dtype)
+
+    def mlp(rows, a, b):
+        return jnp.dot(activation(jnp.dot(rows, a)), b)
+
+    out = []
+    for e in range(el):
+        parts = []
+        for b in range(nb):
+            for lo in range(0, per, c):
+                rows = h[e, b * per + lo : b * per + min(per, lo + c)]
+                parts.append(
+                    jax.lax.cond(
+                        lo < counts[e, b],
+                        lambda r, e=e: mlp(r, w1[e], w2[e]),
+                        jnp.zeros_like,
+                        rows,
+                    )
+                )
+        out.append(jnp.concatenate(parts))
+    return jnp.stack(out)
+
+
 def _native_ops():
     try:
         from strata_jax.moe._dispatch import combine, dispatch  # noqa: PLC0415 (optional module)
@@ -83,6 +131,7 @@ def moe_mlp(
     capacity: int | None = None,
     impl: str = "strata",
     activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+    expert_chunk: int | None = None,
 ) -> jax.Array:
     """Expert-parallel mixture-of-experts MLP; call inside ``jax.shard_map``.
 
@@ -111,12 +160,22 @@ def moe_mlp(
         combine einsum) or ``"reference"`` (pure-JAX oracle of dispatch/combine).
       activation: elementwise activation with ``activation(0) == 0`` (unused capacity rows
         are zero and must stay zero only for speed, not correctness).
+      expert_chunk: ``None`` runs the expert MLP over every capacity row (``R * T`` per
+        expert with ``capacity=None``, most of them empty). A positive int runs it in chunks
+        of at most this many rows and skips the chunks that hold no routed row
+        (``jax.lax.cond`` on the receive counts: see :func:`_experts_in_chunks`). strata and
+        ``reference`` keep each expert's rows packed from row 0 with their count in the
+        layout; ``xla_sort`` and ``xla`` receive one partly filled block per source rank and
+        exchange the per-block counts with one more ``jax.lax.all_to_all`` of [R, E_local]
+        int32. Same values (the skipped rows are zero either way); not for
+        ``"strata_ragged"``, whose ``ragged_dot`` already covers the received rows only.
 
     Returns:
       y [T, H] in x's dtype. Differentiable with respect to x, router_w, w1 and w2.
 
     Raises:
-      ValueError: bad shapes, ``num_experts`` not a multiple of R, bad ``top_k``/``impl``.
+      ValueError: bad shapes, ``num_experts`` not a multiple of R, bad ``top_k``/``impl``,
+        ``expert_chunk`` not positive or given with ``impl="strata_ragged"``.
       NotImplementedError: ``impl="strata"`` when ``strata_jax.moe.dispatch`` is missing.
 
     Capacity and drops: GShard (``xla``) and ``xla_sort`` allot each *source rank*
@@ -155,7 +214,22 @@ def moe_mlp(
             "impl='strata' or 'xla_sort' for a capacity-limited layer"
         )
 
+    if expert_chunk is not None and (
+        isinstance(expert_chunk, bool) or not isinstance(expert_chunk, int) or expert_chunk <= 0
+    ):
+        raise ValueError(f"expert_chunk must be a positive int or None, got {expert_chunk!r}")
+    if impl == "strata_ragged" and expert_chunk is not None:
+        raise ValueError(
+            "expert_chunk does not apply to impl='strata_ragged' (its ragged_dot runs over the "
+            "received rows only); leave it None"
+        )
+
     topk_idx, topk_w = route(x, router_w, top_k)
+
+    def experts(recv, counts):
+        if expert_chunk is None:
+            return _experts(recv, w1, w2, activation)
+        return _experts_in_chunks(recv, counts(), w1, w2, activation, expert_chunk)
 
     if impl == "xla":
         return _gshard(
@@ -168,6 +242,7 @@ def moe_mlp(
             axis_name=axis_name,
             capacity=capacity,
             activation=activation,
+            experts=experts,
         )
 
     if impl == "xla_sort":
@@ -175,7 +250,12 @@ def moe_mlp(
         c_src = t if capacity is None else min(t, math.ceil(capacity / nr))
         flat, src = _sort.slots(topk_idx, num_experts, c_src)
         recv = _sort.to_experts(_sort.gather_blocks(x, src, num_experts, c_src), axis_name, nr)
-        back = _sort.from_experts(_experts(recv, w1, w2, activation), axis_name, nr)
+
+        def block_counts():
+            sent = (src.reshape(num_experts, c_src) < t).sum(1, dtype=jnp.int32)  # [E]
+            return _sort.counts_to_experts(sent, axis_name, nr)
+
+        back = _sort.from_experts(experts(recv, block_counts), axis_name, nr)
         return _sort.combine_rows(back, flat, topk_w).astype(x.dtype)
 
     if impl == "strata_ragged":
@@ -197,11 +277,13 @@ def moe_mlp(
     recv, layout = dispatch(
         x, topk_idx, num_experts=num_experts, axis_name=axis_name, capacity=capacity
     )
-    expert_y = _experts(recv, w1, w2, activation)
+    expert_y = experts(recv, lambda: layout.recv_counts[:, None])
     return combine(expert_y, layout, topk_w).astype(x.dtype)
 
 
-def _gshard(x, topk_idx, topk_w, w1, w2, *, num_experts, axis_name, capacity, activation):
+def _gshard(
+    x, topk_idx, topk_w, w1, w2, *, num_experts, axis_name, capacity, activation, experts=None
+):
     """GShard (Lepikhin et al. 2020) with per-source capacity ``C_src = ceil(C / R)``."""
     t, h = x.shape
     nranks = jax.lax.axis_size(axis_name)
@@ -220,7 +302,13 @@ def _gshard(x, topk_idx, topk_w, w1, w2, *, num_experts, axis_name, capacity, ac
     send = send.reshape(nranks, e_local, c_src, h)
     recv = jax.lax.all_to_all(send, axis_name, 0, 0)  # [R(source), E_local, C, H]
     recv = recv.transpose(1, 0, 2, 3).reshape(e_local, nranks * c_src, h)
-    out = _experts(recv, w1, w2, activation)
+    if experts is None:
+        out = _experts(recv, w1, w2, activation)
+    else:
+        out = experts(
+            recv,
+            lambda: _sort.counts_to_experts(keep.sum(0, dtype=jnp.int32), axis_name, nranks),
+        )
     out = out.reshape(e_local, nranks, c_src, h).transpose(1, 0, 2, 3)
     back = jax.lax.all_to_all(out, axis_name, 0, 0)  # [R(expert rank), E_local, C, H]
     back = back.reshape(num_experts, c_src, h)

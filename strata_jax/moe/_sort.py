@@ -19,7 +19,14 @@ import jax.numpy as jnp
 
 AxisName = Any
 
-__all__ = ["slots", "gather_blocks", "to_experts", "from_experts", "combine_rows"]
+__all__ = [
+    "slots",
+    "gather_blocks",
+    "to_experts",
+    "from_experts",
+    "combine_rows",
+    "counts_to_experts",
+]
 
 
 def slots(topk_idx: jax.Array, num_experts: int, c_src: int) -> tuple[jax.Array, jax.Array]:
@@ -59,6 +66,13 @@ def to_experts(blocks: jax.Array, axis_name: AxisName, nranks: int) -> jax.Array
     el = e // nranks
     y = jax.lax.all_to_all(blocks.reshape(nranks, el, cs, h), axis_name, 0, 0, tiled=True)
     return y.transpose(1, 0, 2, 3).reshape(el, nranks * cs, h)
+
+
+def counts_to_experts(sent: jax.Array, axis_name: AxisName, nranks: int) -> jax.Array:
+    """[E] int32 rows this source put in each expert's block -> [E_local, R] int32 on the expert
+    rank: the rows in use in each source's block of :func:`to_experts`' output."""
+    y = jax.lax.all_to_all(sent.reshape(nranks, -1), axis_name, 0, 0, tiled=True)  # [R, E_local]
+    return y.T
 
 
 def from_experts(rows: jax.Array, axis_name: AxisName, nranks: int) -> jax.Array:
