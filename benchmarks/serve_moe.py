@@ -22,7 +22,11 @@ fixed seed). MoE implementations, stepped in turns (prefill of each, then step i
   no faster exchange can beat at these sizes (the ``# bound`` line).
 
 None drops a token (capacity = every token of every rank), so with greedy decoding all
-implementations must generate the same bytes (checked; the script exits 1 otherwise).
+implementations must generate the same bytes (checked; the script exits 1 otherwise). Every
+impl runs its expert MLPs in chunks of ``--expert-chunk`` rows (128) and skips the chunks no
+token was routed to (strata on the low-latency receive counts, the others through
+``moe_mlp(expert_chunk=...)``). In one process the script re-runs itself under
+``LD_PRELOAD=libstrata_alloc.so`` as the launcher does (``--no-preload``: plain glibc).
 
 Run::
 

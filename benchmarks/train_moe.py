@@ -36,6 +36,12 @@ where strata and GShard have identical semantics (see ``moe_mlp``'s docstring); 
 ``--capacity``/``--capacity-factor`` GShard drops per source rank and strata over all sources,
 so their curves differ by design and are reported, not checked.
 
+Every impl but strata_ragged runs its expert MLPs with ``moe_mlp(expert_chunk=128)``: chunks
+of 128 rows, skipping those no token was routed to (``--expert-chunk none``: every capacity row,
+most of them empty). In one process the script re-runs itself under ``LD_PRELOAD=
+libstrata_alloc.so`` as the launcher does for its processes (``--no-preload``: plain glibc,
+where XLA's large buffers are fresh, page-faulting mmaps every step, for every impl).
+
 Defaults (seq 128, 2 sequences per device, d_model 128, 2 layers, 8 experts top-2, 150 steps)
 take about two minutes for both implementations on 2 cores. Without drops GShard's one-hot
 tensors are [T, E, T] per rank, quadratic in the tokens per device T, which is why the batch

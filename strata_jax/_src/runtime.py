@@ -245,8 +245,11 @@ def comm_stats() -> dict:
       ``one_shot_all_reduce``/``two_shot_all_reduce`` (algorithm choices), ``timeouts``,
       ``low_latency_calls`` (calls across processes that took the small-message path,
       native/fabric/shm_ll.h), and ``ops``: per operator (``psum``, ``pmax``, ``pmin``,
-      ``psum_scatter``, ``all_gather``, ``all_to_all``, ``ppermute``, ``pbroadcast``; each
-      rank's call counted once) a dict with ``calls``, ``bytes`` (input bytes per rank, summed),
+      ``psum_scatter``, ``all_gather``, ``all_to_all``, ``ppermute``, ``pbroadcast``,
+      ``ragged_all_to_all``, ``moe.dispatch``, ``moe.combine``, ``moe.combine (weights
+      cotangent)``, ``moe.low_latency_dispatch``, ``moe.low_latency_combine``; only those
+      called; each rank's call counted once) a dict with ``calls``, ``bytes`` (input bytes per
+      rank, summed),
       ``algorithm`` (``{"one_shot": n, "two_shot": m}`` for the all-reduces, ``{"direct": n}``
       otherwise), ``p50_s``/``p99_s`` (time in the handler, from a histogram with 12.5%
       buckets), ``total_s``, ``wait_s`` (until every peer had arrived) and ``move_s`` (the rest:
