@@ -218,11 +218,11 @@ def test_capacity_drops_skewed(impl, rule, capacity, rng):
         ("xla_sort", "per_source"),
     ],
 )
-@pytest.mark.parametrize("capacity,chunk", [(None, 3), (None, 64), (13, 2), (40, 7)])
+@pytest.mark.parametrize("capacity,chunk", [(None, 3), (None, 64), (13, 2), (40, 7), (0, 4)])
 def test_expert_chunks_skip_empty_rows(impl, rule, capacity, chunk, rng):
     """expert_chunk: the output and every gradient equal the dense oracle, with skewed routing
-    (hot experts fill many chunks, cold ones none) and capacities that drop, and the compiled
-    program holds one conditional per chunk."""
+    (hot experts fill many chunks, cold ones none) and capacities that drop (and 0), and the
+    program runs one scan over the chunks with a cond in it."""
     e, k, t, h, f = 8, 2, 11, 8, 12
     args = _skewed_params(rng, t, h, f, e, "float32")
     ct = jnp.asarray(rng.standard_normal((R * t, h)), jnp.float32)
@@ -236,20 +236,26 @@ def test_expert_chunks_skip_empty_rows(impl, rule, capacity, chunk, rng):
         _close(g, w, "float32", f"{impl} d/d{name}")
     y = jax.jit(moe)(*args)
     _close(y, dense_moe(*args, top_k=k, capacity=capacity, rule=rule), "float32", "output")
-    # One cond per chunk of each local expert's blocks (E_local = 1 here).
+    # One scan over the chunks of each local expert's blocks (E_local = 1 here), a cond in it.
     if capacity is None:
         per, blocks = (R * t, 1) if rule == "global" else (t, R)
     else:
         per, blocks = (capacity, 1) if rule == "global" else (min(t, math.ceil(capacity / R)), R)
-    hlo = jax.jit(moe).lower(*args).as_text()
-    assert hlo.count("stablehlo.case") == blocks * math.ceil(per / min(chunk, per)), hlo.count(
-        "stablehlo.case"
-    )
+    jaxpr = str(jax.make_jaxpr(moe)(*args))
+    if per:
+        trips = blocks * math.ceil(per / min(chunk, per))
+        assert jaxpr.count("scan[") == 1 and f"length={trips}" in jaxpr, jaxpr
+        assert jaxpr.count("cond[") == 1, jaxpr
+    else:
+        assert "scan[" not in jaxpr and "cond[" not in jaxpr
 
 
 def test_expert_chunk_is_checked(rng):
     args = _params(rng, 4, 8, 8, 8, "float32")
-    for bad in (0, -2, 2.5, True):
+    got = sharded_moe("xla_sort", num_experts=8, top_k=2, expert_chunk=np.int64(3))(*args)
+    want = sharded_moe("xla_sort", num_experts=8, top_k=2)(*args)
+    _close(got, want, "float32", "numpy int expert_chunk")
+    for bad in (0, -2, 2.5, True, np.bool_(True), "8"):
         with pytest.raises(ValueError, match="expert_chunk must be a positive int"):
             sharded_moe("xla_sort", num_experts=8, top_k=2, expert_chunk=bad)(*args)
     with pytest.raises(ValueError, match="does not apply to impl='strata_ragged'"):

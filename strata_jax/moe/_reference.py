@@ -161,10 +161,14 @@ def dispatch(
     # buffers of all ranks onto the experts' owners: rows are disjoint, so the sum is exact.
     dest = jnp.where(slot_keep & first, safe * cap + slot_pos, num_experts * cap)
     rows = jnp.broadcast_to(x[:, None, :], (t, idx.shape[1], h)).reshape(-1, h)
-    send = jnp.zeros((num_experts * cap, h), x.dtype).at[dest.reshape(-1)].add(rows, mode="drop")
-    recv = jax.lax.psum_scatter(
-        send.reshape(num_experts, cap, h), axis_name, scatter_dimension=0, tiled=True
-    )
+    if cap == 0:  # nothing fits (and the transpose of a scatter into 0 rows is a bad gather)
+        recv = jnp.zeros((e_local, 0, h), x.dtype) + x[:0].sum(0)  # varying like x
+    else:
+        send = jnp.zeros((num_experts * cap, h), x.dtype)
+        send = send.at[dest.reshape(-1)].add(rows, mode="drop")
+        recv = jax.lax.psum_scatter(
+            send.reshape(num_experts, cap, h), axis_name, scatter_dimension=0, tiled=True
+        )
 
     counts = flat.sum(0)  # [E]
     mine = jax.lax.dynamic_slice_in_dim(counts, rank * e_local, e_local)
