@@ -201,8 +201,27 @@ def reexec_with_allocator(enabled: bool = True) -> str:
     # pages again. Your own setting wins.
     os.environ.setdefault("STRATA_ALLOC_CACHE_BYTES", "4G")
     sys.stdout.flush()
-    os.execv(sys.executable, [sys.executable, *sys.argv])
+    # orig_argv keeps the interpreter's own flags (-O, -W, -X, -u); argv alone would drop them.
+    args = sys.orig_argv[1:] if hasattr(sys, "orig_argv") else sys.argv
+    os.execv(sys.executable, [sys.executable, *args])
     raise AssertionError("unreachable")
+
+
+def expert_chunk_arg(value: str) -> int | None:
+    """argparse type of ``--expert-chunk``: a positive int, or ``none``."""
+    if value.strip().lower() == "none":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        import argparse  # noqa: PLC0415
+
+        raise argparse.ArgumentTypeError(
+            f"--expert-chunk must be a positive number of rows or 'none', got {value!r}"
+        )
+    return n
 
 
 _STREAM_CACHE: dict[tuple[int, int], float] = {}

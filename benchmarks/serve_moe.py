@@ -25,8 +25,9 @@ None drops a token (capacity = every token of every rank), so with greedy decodi
 implementations must generate the same bytes (checked; the script exits 1 otherwise). Every
 impl runs its expert MLPs in chunks of ``--expert-chunk`` rows (128) and skips the chunks no
 token was routed to (strata on the low-latency receive counts, the others through
-``moe_mlp(expert_chunk=...)``). In one process the script re-runs itself under
-``LD_PRELOAD=libstrata_alloc.so`` as the launcher does (``--no-preload``: plain glibc).
+``moe_mlp(expert_chunk=...)``; ``--baseline-expert-chunk`` sets theirs alone). In one process
+the script re-runs itself under ``LD_PRELOAD=libstrata_alloc.so`` as the launcher does
+(``--no-preload``: plain glibc).
 
 Run::
 
@@ -83,17 +84,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--expert-chunk",
-        type=lambda v: None if v.lower() == "none" else int(v),
+        type=C.expert_chunk_arg,
         default=128,
         help="run each expert MLP in chunks of this many rows and skip the chunks no token "
         "was routed to, in every impl (moe_mlp(expert_chunk=...); strata: on the low-latency "
         "receive counts); 'none': over every static row",
     )
     p.add_argument(
+        "--baseline-expert-chunk",
+        type=C.expert_chunk_arg,
+        default=128,
+        help="--expert-chunk for the XLA baselines (xla_sort, xla, nocomm): their blocks per "
+        "source rank hold fewer rows each, so their best setting can differ (at 8 experts per "
+        "device 'none' measured faster for xla_sort)",
+    )
+    p.add_argument(
         "--no-preload",
         dest="preload",
         action="store_false",
-        help="in-process: do not re-run under LD_PRELOAD=libstrata_alloc.so (plain glibc); "
+        help="turn off the in-process re-run under LD_PRELOAD=libstrata_alloc.so (preload: "
+        "%(default)s; without it plain glibc); "
         "under strata_jax.launch the launcher's setting applies",
     )
     p.add_argument(
@@ -204,7 +214,7 @@ def make_programs(cfg: dict[str, Any], impl: str, axis: str, nranks: int, args):
         raise SystemExit(f"--prompt + --gen = {s_max} exceeds the model's {cfg['seq']} positions")
     xla_sort_native = "xla_sort" in getattr(_layer, "IMPLS", ())
 
-    chunk = args.expert_chunk
+    chunk = args.expert_chunk if impl == "strata" else args.baseline_expert_chunk
 
     def experts_mlp(h, ex, counts=None):  # moe_mlp's experts: [E_local, N, D] -> same, gelu
         if chunk is not None and counts is not None:
@@ -274,8 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     from strata_jax.launch import distributed_env
 
     # The deployment's allocator in one process, as strata_jax.launch sets it for its
-    # processes (only when run as a script: the re-run repeats sys.argv).
-    allocator = C.reexec_with_allocator(args.preload and argv is None and distributed_env() is None)
+    # processes (only when this file runs as the script: the re-run repeats the command line).
+    as_script = argv is None and Path(sys.argv[0]).resolve() == Path(__file__).resolve()
+    allocator = C.reexec_with_allocator(args.preload and as_script and distributed_env() is None)
     ckpt, ckpt_note = ensure_checkpoint(args)
     strata_jax, jax = train_moe.start_runtime(args)
     import jax.numpy as jnp
@@ -317,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     n_exp = sum(a.size for a in jax.tree.leaves(experts_np))
     say(f"# allocator  : {allocator}")
     say(f"# data       : {corpus_name}, {corpus.size:,} bytes; prompts cut at random offsets")
+    say(
+        f"# experts    : MLPs in chunks of {args.expert_chunk} rows (baselines: "
+        f"{args.baseline_expert_chunk}), empty chunks skipped"
+    )
     say(f"# checkpoint : {ckpt_note}")
     say(
         f"# model      : byte-level decoder, {cfg['layers']} layers, d_model {cfg['d_model']}, "

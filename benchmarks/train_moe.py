@@ -38,7 +38,8 @@ so their curves differ by design and are reported, not checked.
 
 Every impl but strata_ragged runs its expert MLPs with ``moe_mlp(expert_chunk=128)``: chunks
 of 128 rows, skipping those no token was routed to (``--expert-chunk none``: every capacity row,
-most of them empty). In one process the script re-runs itself under ``LD_PRELOAD=
+most of them empty; ``--baseline-expert-chunk`` sets it for xla_sort/xla/nocomm alone, whose
+best setting can differ). In one process the script re-runs itself under ``LD_PRELOAD=
 libstrata_alloc.so`` as the launcher does for its processes (``--no-preload``: plain glibc,
 where XLA's large buffers are fresh, page-faulting mmaps every step, for every impl).
 
@@ -78,6 +79,9 @@ MOE_DESC = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _common as C
+
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -126,7 +130,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-preload",
         dest="preload",
         action="store_false",
-        help="in-process: do not re-run under LD_PRELOAD=libstrata_alloc.so (plain glibc: "
+        help="turn off the in-process re-run under LD_PRELOAD=libstrata_alloc.so (preload: "
+        "%(default)s; without it plain glibc: "
         "XLA's large buffers of every impl are fresh mmapped pages each step); under "
         "strata_jax.launch the launcher's setting applies",
     )
@@ -161,11 +166,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g.add_argument(
         "--expert-chunk",
-        type=lambda v: None if v.lower() == "none" else int(v),
+        type=C.expert_chunk_arg,
         default=128,
         help="run each expert MLP in chunks of this many rows and skip the chunks no token "
         "was routed to (moe_mlp(expert_chunk=...), every impl but strata_ragged); 'none': "
         "over every capacity row",
+    )
+    g.add_argument(
+        "--baseline-expert-chunk",
+        type=C.expert_chunk_arg,
+        default=128,
+        help="--expert-chunk for the XLA baselines (xla_sort, xla, nocomm): their blocks per "
+        "source rank hold fewer rows each, so their best setting can differ (at 8 experts per "
+        "device 'none' measured faster for xla_sort)",
     )
     g = p.add_argument_group("optimizer")
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
@@ -330,7 +343,13 @@ def make_loss(args: argparse.Namespace, impl: str, nranks: int, axis: str):
                 axis_name=axis,
                 capacity=capacity,
                 impl="xla_sort" if impl == "nocomm" else impl,
-                expert_chunk=None if impl == "strata_ragged" else args.expert_chunk,
+                expert_chunk=(
+                    None
+                    if impl == "strata_ragged"
+                    else args.baseline_expert_chunk
+                    if impl in ("xla_sort", "xla", "nocomm")
+                    else args.expert_chunk
+                ),
             )
             x = x + y.reshape(b, s, -1)
         logits = rms(x, dense["ln_f"]) @ dense["embed"].T
@@ -412,8 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     from strata_jax.launch import distributed_env
 
     # The deployment's allocator in one process, as strata_jax.launch sets it for its
-    # processes (only when run as a script: the re-run repeats sys.argv).
-    allocator = C.reexec_with_allocator(args.preload and argv is None and distributed_env() is None)
+    # processes (only when this file runs as the script: the re-run repeats the command line).
+    as_script = argv is None and Path(sys.argv[0]).resolve() == Path(__file__).resolve()
+    allocator = C.reexec_with_allocator(args.preload and as_script and distributed_env() is None)
     strata_jax, jax = start_runtime(args)
     import jax.numpy as jnp
     import numpy as np
@@ -452,7 +472,9 @@ def main(argv: list[str] | None = None) -> int:
     say(
         f"# model      : byte-level decoder, {args.layers} layers, d_model {args.d_model}, "
         f"{args.heads} heads, MoE {args.experts} experts top-{args.top_k} d_ff {args.d_ff}; "
-        f"{n_dense:,} replicated + {n_exp:,} expert params (float32)"
+        f"{n_dense:,} replicated + {n_exp:,} expert params (float32); expert MLPs in chunks "
+        f"of {args.expert_chunk} rows (xla_sort/xla: {args.baseline_expert_chunk}; "
+        "strata_ragged: ragged_dot)"
     )
     say(
         f"# parallelism: {nranks} devices on axis '{axis}' ({jax.process_count()} process(es)): "

@@ -257,9 +257,11 @@ def _moe_step(mesh, x, idx, w, ey, capacity):
     return [np.asarray(a) for a in (*out, *grads)]
 
 
-def test_moe_across_fake_fabrics(monkeypatch, rng):
+@pytest.mark.parametrize("capacity", [3, 0])
+def test_moe_across_fake_fabrics(monkeypatch, rng, capacity):
     """dispatch/combine (E=8, K=2) and their gradients over an expert axis spanning 2 fabrics
-    equal the single-fabric path (itself checked against numpy in test_moe.py)."""
+    equal the single-fabric path (itself checked against numpy in test_moe.py); capacity 0
+    (everything dropped) failed across fabrics with a gather from 0 rows (a review found it)."""
     devs = sorted(jax.devices(), key=lambda d: d.id)[:4]
     mesh = Mesh(np.array([devs[i] for i in (0, 2, 1, 3)]), ("x",))  # fabrics interleaved
     t, h = 6, 5
@@ -267,14 +269,15 @@ def test_moe_across_fake_fabrics(monkeypatch, rng):
     idx = rng.integers(-1, 8, (4 * t, 2)).astype(np.int32)
     idx[0] = [3, 3]  # one expert named twice
     w = rng.random((4 * t, 2)).astype(np.float32)
-    capacity = 3  # some pairs dropped
-    ey = rng.standard_normal((8, capacity, h)).astype(np.float32)
+    ey = rng.standard_normal((8, capacity, h)).astype(np.float32)  # 3: some pairs dropped
     want = _moe_step(mesh, x, idx, w, ey, capacity)
     monkeypatch.setattr(topology, "_map", topology.FabricMap(("a", "b"), 0))
     monkeypatch.setattr(topology, "fabric_of_device", lambda d: d.id // 2)
     before = sj.comm_stats()["inter_fabric_bytes"]
     got = _moe_step(mesh, x, idx, w, ey, capacity)
     assert sj.comm_stats()["inter_fabric_bytes"] > before  # the hierarchical path ran
+    if capacity == 0:
+        assert not np.asarray(got[1]).any(), "y must be zero with every pair dropped"
     for name, a, b in zip(["recv", "y", "dx", "dw", "dey"], got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=name)
 

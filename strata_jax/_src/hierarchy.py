@@ -594,6 +594,8 @@ def _moe_partials(ey, w, slots, p: Plan):
     el, c, h = ey.shape
     n, k = slots.shape
     wa = _all_gather(w, p).astype(_acc(ey.dtype))  # [N, K]
+    if el * c == 0:  # capacity 0: every pair dropped (and a gather from 0 rows is rejected)
+        return jnp.zeros((n, h), wa.dtype)
     flat = slots.reshape(-1)
     valid = flat >= 0
     rows = ey.reshape(el * c, h)[jnp.where(valid, flat, 0)].astype(wa.dtype)
@@ -653,7 +655,10 @@ def lower_moe_across_fabrics(ctx, target: str, args, axes: tuple, attrs: dict):
 
         def fn(values, slots, idx):
             flat = values.reshape(-1)
-            v = jnp.where(slots >= 0, flat[jnp.where(slots >= 0, slots, 0)], 0)
+            if flat.size == 0:  # capacity 0: every slot is -1 (a gather from 0 rows is rejected)
+                v = jnp.zeros(slots.shape, values.dtype)
+            else:
+                v = jnp.where(slots >= 0, flat[jnp.where(slots >= 0, slots, 0)], 0)
             return _reduce_scatter(v.astype(values.dtype), p, "sum")
 
         return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
