@@ -207,6 +207,45 @@ def reexec_with_allocator(enabled: bool = True) -> str:
     raise AssertionError("unreachable")
 
 
+def add_expert_chunk_args(group) -> None:
+    """``--expert-chunk`` and ``--baseline-expert-chunk`` (train_moe.py, serve_moe.py)."""
+    group.add_argument(
+        "--expert-chunk",
+        type=expert_chunk_arg,
+        default=128,
+        help="run each expert MLP in chunks of this many rows and skip the chunks no token "
+        "was routed to (moe_mlp(expert_chunk=...); strata's low-latency path: on its receive "
+        "counts; not strata_ragged, whose ragged_dot covers the received rows only); 'none': "
+        "over every capacity row",
+    )
+    group.add_argument(
+        "--baseline-expert-chunk",
+        type=expert_chunk_arg,
+        default=128,
+        help="--expert-chunk for the XLA baselines (xla_sort, xla, nocomm): their blocks per "
+        "source rank hold fewer rows each, so their best setting can differ (at 8 experts per "
+        "device 'none' measured faster for xla_sort)",
+    )
+    group.add_argument(
+        "--no-preload",
+        dest="preload",
+        action="store_false",
+        help="turn off the in-process re-run under LD_PRELOAD=libstrata_alloc.so (preload: "
+        "%(default)s; without it plain glibc: XLA's large buffers of every impl are fresh "
+        "mmapped pages each step); under strata_jax.launch the launcher's setting applies",
+    )
+
+
+def allocator_for_script(preload: bool, argv: list[str] | None, script: str) -> str:
+    """:func:`reexec_with_allocator` for a benchmark's ``main(argv)``: re-runs only when
+    ``script`` (its ``__file__``) is what Python runs (the re-run repeats the command line) and
+    not under ``strata_jax.launch``, whose processes have the launcher's setting."""
+    from strata_jax.launch import distributed_env  # noqa: PLC0415 (no jax backend yet)
+
+    as_script = argv is None and Path(sys.argv[0]).resolve() == Path(script).resolve()
+    return reexec_with_allocator(preload and as_script and distributed_env() is None)
+
+
 def expert_chunk_arg(value: str) -> int | None:
     """argparse type of ``--expert-chunk``: a positive int, or ``none``."""
     if value.strip().lower() == "none":

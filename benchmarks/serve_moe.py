@@ -82,30 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(TTFT p50 1.22-1.24x xla_sort against 1.10-1.13x) and within noise under launch -n 4 "
         "(1.30x against 1.31-1.35x)",
     )
-    p.add_argument(
-        "--expert-chunk",
-        type=C.expert_chunk_arg,
-        default=128,
-        help="run each expert MLP in chunks of this many rows and skip the chunks no token "
-        "was routed to, in every impl (moe_mlp(expert_chunk=...); strata: on the low-latency "
-        "receive counts); 'none': over every static row",
-    )
-    p.add_argument(
-        "--baseline-expert-chunk",
-        type=C.expert_chunk_arg,
-        default=128,
-        help="--expert-chunk for the XLA baselines (xla_sort, xla, nocomm): their blocks per "
-        "source rank hold fewer rows each, so their best setting can differ (at 8 experts per "
-        "device 'none' measured faster for xla_sort)",
-    )
-    p.add_argument(
-        "--no-preload",
-        dest="preload",
-        action="store_false",
-        help="turn off the in-process re-run under LD_PRELOAD=libstrata_alloc.so (preload: "
-        "%(default)s; without it plain glibc); "
-        "under strata_jax.launch the launcher's setting applies",
-    )
+    C.add_expert_chunk_args(p)
     p.add_argument(
         "--devices",
         type=int,
@@ -281,12 +258,8 @@ def make_programs(cfg: dict[str, Any], impl: str, axis: str, nranks: int, args):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from strata_jax.launch import distributed_env
-
-    # The deployment's allocator in one process, as strata_jax.launch sets it for its
-    # processes (only when this file runs as the script: the re-run repeats the command line).
-    as_script = argv is None and Path(sys.argv[0]).resolve() == Path(__file__).resolve()
-    allocator = C.reexec_with_allocator(args.preload and as_script and distributed_env() is None)
+    # The deployment's allocator in one process, as strata_jax.launch sets it for its processes.
+    allocator = C.allocator_for_script(args.preload, argv, __file__)
     ckpt, ckpt_note = ensure_checkpoint(args)
     strata_jax, jax = train_moe.start_runtime(args)
     import jax.numpy as jnp

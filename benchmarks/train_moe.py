@@ -126,15 +126,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="write the first impl's trained parameters to this .npz (serve_moe.py --load)",
     )
-    g.add_argument(
-        "--no-preload",
-        dest="preload",
-        action="store_false",
-        help="turn off the in-process re-run under LD_PRELOAD=libstrata_alloc.so (preload: "
-        "%(default)s; without it plain glibc: "
-        "XLA's large buffers of every impl are fresh mmapped pages each step); under "
-        "strata_jax.launch the launcher's setting applies",
-    )
     g = p.add_argument_group("data")
     g.add_argument(
         "--data",
@@ -164,22 +155,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="capacity = ceil(f * R * T * K / E) (overrides --capacity); strata and "
         "xla may then drop different tokens",
     )
-    g.add_argument(
-        "--expert-chunk",
-        type=C.expert_chunk_arg,
-        default=128,
-        help="run each expert MLP in chunks of this many rows and skip the chunks no token "
-        "was routed to (moe_mlp(expert_chunk=...), every impl but strata_ragged); 'none': "
-        "over every capacity row",
-    )
-    g.add_argument(
-        "--baseline-expert-chunk",
-        type=C.expert_chunk_arg,
-        default=128,
-        help="--expert-chunk for the XLA baselines (xla_sort, xla, nocomm): their blocks per "
-        "source rank hold fewer rows each, so their best setting can differ (at 8 experts per "
-        "device 'none' measured faster for xla_sort)",
-    )
+    C.add_expert_chunk_args(g)
     g = p.add_argument_group("optimizer")
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     g.add_argument("--lr", type=float, default=3e-3)
@@ -428,12 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import _common as C
 
-    from strata_jax.launch import distributed_env
-
-    # The deployment's allocator in one process, as strata_jax.launch sets it for its
-    # processes (only when this file runs as the script: the re-run repeats the command line).
-    as_script = argv is None and Path(sys.argv[0]).resolve() == Path(__file__).resolve()
-    allocator = C.reexec_with_allocator(args.preload and as_script and distributed_env() is None)
+    # The deployment's allocator in one process, as strata_jax.launch sets it for its processes.
+    allocator = C.allocator_for_script(args.preload, argv, __file__)
     strata_jax, jax = start_runtime(args)
     import jax.numpy as jnp
     import numpy as np

@@ -42,6 +42,13 @@ LAYER_IMPLS = [
     "xla",
     "reference",
 ]
+# Each capacity-limited impl and the drop rule it follows (moe_mlp's docstring).
+CAPACITY_RULES = [
+    pytest.param("strata", "global", marks=needs_native),
+    ("reference", "global"),
+    ("xla", "per_source"),
+    ("xla_sort", "per_source"),
+]
 TOL = {"float32": 2e-5, "float64": 1e-11, "bfloat16": 4e-2, "float16": 4e-3}
 
 
@@ -182,15 +189,7 @@ def _skewed_params(rng, t, h, f, e, dtype, hot=(0, 1)):
     return tuple(jnp.asarray(a, dtype) for a in (x, rw, w1, w2))
 
 
-@pytest.mark.parametrize(
-    "impl,rule",
-    [
-        pytest.param("strata", "global", marks=needs_native),
-        ("reference", "global"),
-        ("xla", "per_source"),
-        ("xla_sort", "per_source"),
-    ],
-)
+@pytest.mark.parametrize("impl,rule", CAPACITY_RULES)
 @pytest.mark.parametrize("capacity", [0, 5, 24])
 def test_capacity_drops_skewed(impl, rule, capacity, rng):
     """Skewed routing past capacity: each impl drops exactly what its rule says."""
@@ -210,15 +209,7 @@ def test_capacity_drops_skewed(impl, rule, capacity, rng):
     _close(y, dense_moe(*args, top_k=k, capacity=capacity, rule=rule), "float32", "output")
 
 
-@pytest.mark.parametrize(
-    "impl,rule",
-    [
-        pytest.param("strata", "global", marks=needs_native),
-        ("reference", "global"),
-        ("xla", "per_source"),
-        ("xla_sort", "per_source"),
-    ],
-)
+@pytest.mark.parametrize("impl,rule", CAPACITY_RULES)
 @pytest.mark.parametrize("capacity,chunk", [(None, 3), (None, 64), (13, 2), (40, 7), (0, 4)])
 def test_expert_chunks_skip_empty_rows(impl, rule, capacity, chunk, rng):
     """expert_chunk: the output and every gradient equal the dense oracle, with skewed routing
