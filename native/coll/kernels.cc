@@ -128,6 +128,10 @@ void copy_bytes(void* dst, const void* src, size_t bytes) {
 }
 
 void copy_bytes_stream(void* dst, const void* src, size_t bytes) {
+  copy_bytes_stream_prefetch(dst, src, bytes, nullptr);
+}
+
+void copy_bytes_stream_prefetch(void* dst, const void* src, size_t bytes, const void* next) {
   if (bytes < 64) {  // under one line (and shorter than the alignment head): a plain copy
     if (bytes) std::memcpy(dst, src, bytes);
     return;
@@ -140,7 +144,9 @@ void copy_bytes_stream(void* dst, const void* src, size_t bytes) {
   s += head;
   bytes -= head;
   const size_t body = bytes & ~static_cast<size_t>(63);
+  const char* nx = static_cast<const char*>(next);
   for (size_t i = 0; i < body; i += 64) {
+    if (nx) _mm_prefetch(nx + i, _MM_HINT_T0);
     __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
     __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
     __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));

@@ -37,6 +37,10 @@ void copy_bytes(void* dst, const void* src, size_t bytes);
 // Non-temporal stores whatever the size: for many small copies (rows) into a large buffer that
 // is only written here, where copy_bytes would take each one as a small, cached copy.
 void copy_bytes_stream(void* dst, const void* src, size_t bytes);
+// copy_bytes_stream that also prefetches `next` (the source of the copy that follows, as many
+// bytes, or null) one line per line copied: for rows gathered from unpredictable addresses, where
+// each row would otherwise start with a full memory round trip.
+void copy_bytes_stream_prefetch(void* dst, const void* src, size_t bytes, const void* next);
 // Zeroes `bytes` at dst, with non-temporal stores from kStreamBytes on (a large region that is
 // only written here, e.g. the unused capacity rows of a MoE receive buffer): no read for
 // ownership. Callers fence with copy_fence() before publishing, as after copy_bytes.

@@ -25,23 +25,36 @@ void combine_typed(Team& t, const MoeShape& s, const typename Elem<T>::Acc* w, T
     ey[r] = static_cast<const T*>(t.peer_buf(static_cast<int>(r), kCombExpertY));
     slots[r] = static_cast<const int32_t*>(t.peer_buf(static_cast<int>(r), kCombSlots));
   }
-  std::vector<Acc> acc(H);
-  std::vector<T> row(H);  // the rounded row, streamed out from here
-  for (int64_t tok = 0; tok < s.tokens; ++tok) {
-    const Acc* wt = w + tok * K;
-    std::fill(acc.begin(), acc.end(), Acc(0));
-    // Expert ranks in rank order, each one's choices in k order: a fixed order, so the result
-    // does not depend on timing or on which rank computes it.
+  // A token's expert rows and weights, expert ranks in rank order and each one's choices in k
+  // order: a fixed order, so the result does not depend on timing or on which rank computes it.
+  // At most K rows (a choice lives on one rank).
+  auto sources = [&](int64_t tok, const T** rows, Acc* wts) {
+    int64_t m = 0;
     for (int64_t r = 0; r < R; ++r) {
       if (!slots[r]) continue;
       const int32_t* sl = slots[r] + (base + tok) * K;
       for (int64_t k = 0; k < K; ++k)
-        if (sl[k] >= 0) axpy<T>(acc.data(), ey[r] + int64_t(sl[k]) * H, wt[k], H);
+        if (sl[k] >= 0) {
+          rows[m] = ey[r] + int64_t(sl[k]) * H;
+          wts[m++] = w[tok * K + k];
+        }
     }
+    return m;
+  };
+  std::vector<const T*> rows(K), next_rows(K);
+  std::vector<Acc> wts(K), next_wts(K);
+  std::vector<T> row(H);  // the summed row, streamed out from here
+  int64_t m = s.tokens > 0 ? sources(0, rows.data(), wts.data()) : 0;
+  for (int64_t tok = 0; tok < s.tokens; ++tok) {
+    // The next token's rows are prefetched while this token's are summed.
+    const int64_t mn = tok + 1 < s.tokens ? sources(tok + 1, next_rows.data(), next_wts.data()) : 0;
+    weighted_sum_rows<T>(row.data(), rows.data(), wts.data(), m, H, next_rows.data(), mn);
     // y is only written here: non-temporal stores skip the read for ownership of its lines
     // (a third of the traffic of a cached store of a row that is not read back soon).
-    store_row<T>(row.data(), acc.data(), H);
     copy_bytes_stream(y + tok * H, row.data(), H * sizeof(T));
+    std::swap(rows, next_rows);
+    std::swap(wts, next_wts);
+    m = mn;
   }
   copy_fence();  // the departure barrier publishes y (non-temporal stores are weakly ordered)
 }

@@ -20,21 +20,35 @@ using DT = xla::ffi::DataType;
 // (a third of the traffic of a cached copy).
 void dispatch_copy(Team& t, const MoeShape& s, const int32_t* slots, char* out) {
   const int64_t N = s.ranks * s.tokens, K = s.topk, rb = s.row_bytes();
-  for (int64_t g = 0; g < N; ++g) {
+  auto row_of = [&](int64_t g) {
+    return static_cast<const char*>(t.peer_buf(static_cast<int>(g / s.tokens), kDispX)) +
+           (g % s.tokens) * rb;
+  };
+  auto routed_here = [&](int64_t g) {
+    for (int64_t k = 0; k < K; ++k)
+      if (slots[g * K + k] >= 0) return true;
+    return false;
+  };
+  // Tokens in global order; the next routed token's row is prefetched during the first copy
+  // of this one's.
+  int64_t g = 0;
+  while (g < N && !routed_here(g)) ++g;
+  while (g < N) {
+    int64_t gn = g + 1;
+    while (gn < N && !routed_here(gn)) ++gn;
+    const char* next = gn < N ? row_of(gn) : nullptr;
+    const char* row = row_of(g);
     const int32_t* sl = slots + g * K;
-    const char* row = nullptr;
     for (int64_t k = 0; k < K; ++k) {
       const int32_t slot = sl[k];
       if (slot < 0) continue;
       bool seen = false;  // a token naming one expert twice has one slot
       for (int64_t j = 0; j < k; ++j) seen |= sl[j] == slot;
       if (seen) continue;
-      if (!row) {
-        const int src = static_cast<int>(g / s.tokens);
-        row = static_cast<const char*>(t.peer_buf(src, kDispX)) + (g % s.tokens) * rb;
-      }
-      copy_bytes_stream(out + slot * rb, row, rb);
+      copy_bytes_stream_prefetch(out + slot * rb, row, rb, next);
+      next = nullptr;  // prefetched once
     }
+    g = gn;
   }
   copy_fence();  // the departure barrier publishes the rows (non-temporal stores are weak)
 }

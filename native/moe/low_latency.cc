@@ -117,16 +117,26 @@ void ll_combine_typed(Team& t, const MoeShape& s, int64_t max_tokens, const void
   const Acc* w = static_cast<const Acc*>(w_v);
   std::vector<const T*> ey(t.size());
   for (int r = 0; r < t.size(); ++r) ey[r] = static_cast<const T*>(t.peer_buf(r, kLLExpertY));
-  std::vector<Acc> acc(H);
-  for (int64_t tok = 0; tok < s.tokens; ++tok) {
-    std::fill(acc.begin(), acc.end(), Acc(0));
+  // A token's expert rows and weights in k order (the normal mode's order for one token).
+  auto sources = [&](int64_t tok, const T** rows, Acc* wts) {
+    int64_t m = 0;
     for (int64_t k = 0; k < K; ++k) {
       const int32_t slot = src_slots[tok * K + k];
       if (slot < 0) continue;
-      const T* row = ey[topk_idx[tok * K + k] / El] + int64_t(slot) * H;
-      axpy<T>(acc.data(), row, static_cast<Acc>(w[tok * K + k]), H);
+      rows[m] = ey[topk_idx[tok * K + k] / El] + int64_t(slot) * H;
+      wts[m++] = static_cast<Acc>(w[tok * K + k]);
     }
-    store_row<T>(y + tok * H, acc.data(), H);
+    return m;
+  };
+  std::vector<const T*> rows(K), next_rows(K);
+  std::vector<Acc> wts(K), next_wts(K);
+  int64_t m = s.tokens > 0 ? sources(0, rows.data(), wts.data()) : 0;
+  for (int64_t tok = 0; tok < s.tokens; ++tok) {
+    const int64_t mn = tok + 1 < s.tokens ? sources(tok + 1, next_rows.data(), next_wts.data()) : 0;
+    weighted_sum_rows<T>(y + tok * H, rows.data(), wts.data(), m, H, next_rows.data(), mn);
+    std::swap(rows, next_rows);
+    std::swap(wts, next_wts);
+    m = mn;
   }
 }
 }  // namespace
