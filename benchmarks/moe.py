@@ -299,7 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     med = {k: C.median(v) for k, v in times.items()}
     # The memory floor of a phase: its token rows read once and written once, all ranks
     # (2 * R * bytes_per_rank), at the bandwidth of these devices measured now (STREAM add).
+    # d+c adds the "expert"'s own pass: every rank reads its whole recv_x [E/R, R*cs, H] and
+    # writes the scaled copy (padding rows included: it is a dense op on the buffer).
     floor_traffic = 2 * R * bytes_per_rank
+    expert_traffic = 2 * R * el * cap * H * dt.itemsize
     stream = C.stream_add_gbs(mesh, floor_traffic)
 
     tol = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}.get(dt.name, 1e-4)
@@ -323,7 +326,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"# floor      : the phase's token rows read once and written once by all ranks "
         f"({C.format_size(floor_traffic)} per phase) at {stream:.1f} GB/s, the STREAM add "
-        "bandwidth of these devices measured in this run; x floor = time / floor"
+        "bandwidth of these devices measured in this run; x floor = time / floor; d+c's "
+        f"floor is both phases' plus the expert's read and write of recv_x "
+        f"({C.format_size(expert_traffic)})"
     )
     for line in table.header_lines():
         print(line)
@@ -334,7 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             nbytes = bytes_per_rank * (2 if phase == "d+c" else 1)
             st = med.get(f"strata {phase}")
             ratio = t / st if st else None
-            floor = floor_traffic * (2 if phase == "d+c" else 1) / (stream * 1e9)
+            traffic = 2 * floor_traffic + expert_traffic if phase == "d+c" else floor_traffic
+            floor = traffic / (stream * 1e9)
             print(
                 table.row([name, phase, t * 1e3, nbytes / t / 1e9, floor * 1e3, t / floor, ratio])
             )
