@@ -62,7 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import core
-from jax._src.interpreters import mlir
+from jax._src.interpreters import batching, mlir
 
 from strata_jax._src import hierarchy, lowering
 from strata_jax._src.collectives import all_gather
@@ -99,7 +99,7 @@ class MoELayout:
     A registered pytree: it can cross ``jax.jit``/``scan``/``custom_vjp`` boundaries and several
     layouts may be alive at once (two dispatches in flight before their combines). To return
     it from ``jax.shard_map``, note that ``dropped`` is 0-d (give it its own out_spec or
-    reshape it). Not batchable with ``jax.vmap`` (the primitives have no batching rule).
+    reshape it). Under ``jax.vmap`` its fields gain the batch axis like any pytree.
 
     Attributes (per rank; R ranks, T tokens, K choices, E experts, E_local = E // R, C slots):
       recv_counts: [E_local] int32, rows in use per local expert (rows [0, count) of recv_x).
@@ -245,6 +245,145 @@ mlir.register_lowering(
     platform="cpu",
     cacheable=False,
 )
+
+
+# --------------------------------------------------------------------------------------
+# Batching (jax.vmap): B independent routings are one routing over B * E experts
+# --------------------------------------------------------------------------------------
+# Expert e of batch element b becomes expert (e // E_local) * B * E_local + b * E_local
+# + e % E_local: it stays on rank e // E_local, as local expert b * E_local + e % E_local, so a
+# batch takes one native call per phase and the receive buffer [B * E_local, C, H] is
+# [B, E_local, C, H]. Tokens are ordered (source rank, b, t), so every folded expert sees its
+# batch element's tokens in (source rank, t) order: the slots, drops and sums of B separate
+# calls. jax.lax's collectives batch the same way (one collective over the batched operand).
+
+
+def _batch_front(x, d, size):
+    return batching.bdim_at_front(x, d, size)
+
+
+def _vmap_check(axis_data, axes, name: str):
+    if axis_data.name in axes:
+        raise NotImplementedError(
+            f"strata_jax.moe.{name} over a vmapped axis name is not supported; use a mesh "
+            "axis of jax.shard_map as the expert-parallel axis."
+        )
+
+
+def _fold_ids(idx, el: int):
+    """[B, ..., K] expert ids (-1 = none) -> ids of the folded B * E expert routing."""
+    b = idx.shape[0]
+    off = (jnp.arange(b, dtype=jnp.int32) * el).reshape((b,) + (1,) * (idx.ndim - 1))
+    return jnp.where(idx >= 0, (idx // el) * (b * el) + off + idx % el, -1)
+
+
+def _fold_slots(slots, r: int, el: int, cap: int):
+    """Per-element slots [B, R * T, K] -> slots of the folded routing [R * B * T, K]."""
+    b, n, k = slots.shape
+    off = (jnp.arange(b, dtype=jnp.int32) * (el * cap))[:, None, None]
+    s = jnp.where(slots >= 0, slots + off, -1)
+    return s.reshape(b, r, n // r, k).transpose(1, 0, 2, 3).reshape(n * b, k)
+
+
+def _unfold_slots(slots, b: int, r: int, el: int, cap: int):
+    """Folded slots [R * B * T, K] -> per-element slots [B, R * T, K]."""
+    nb, k = slots.shape
+    s = slots.reshape(r, b, nb // (r * b), k).transpose(1, 0, 2, 3).reshape(b, nb // b, k)
+    off = (jnp.arange(b, dtype=jnp.int32) * (el * cap))[:, None, None]
+    return jnp.where(s >= 0, s - off, -1)
+
+
+def _rows_of(slots):
+    """The plan's ``rows`` from its slots [..., N, K]: a token's rank among the tokens with a
+    kept slot here, in token order, or -1."""
+    has = jnp.any(slots >= 0, axis=-1)
+    return jnp.where(has, jnp.cumsum(has, axis=-1, dtype=jnp.int32) - 1, -1).astype(jnp.int32)
+
+
+def _plan_batcher(axis_data, vals_in, dims_in, *, local_experts, capacity, axes):
+    _vmap_check(axis_data, axes, "dispatch")
+    g_idx, base = vals_in
+    if all(d is None for d in dims_in):
+        out = moe_plan_p.bind(
+            g_idx, base, local_experts=local_experts, capacity=capacity, axes=axes
+        )
+        return out, [None] * 4
+    b, r, el = axis_data.size, lowering.axis_size(axes), local_experts
+    g = _batch_front(g_idx, dims_in[0], b)  # [B, R * T, K]
+    n, k = g.shape[1:]
+    g = _fold_ids(g, el).reshape(b, r, n // r, k).transpose(1, 0, 2, 3).reshape(n * b, k)
+    # base (this rank's first expert) comes from axis_index: the same for every element
+    base0 = base if dims_in[1] is None else _batch_front(base, dims_in[1], b)[0]
+    counts, dropped, slots, _ = moe_plan_p.bind(
+        g, base0 * b, local_experts=b * el, capacity=capacity, axes=axes
+    )
+    slots = _unfold_slots(slots, b, r, el, capacity)
+    out = [counts.reshape(b, el), dropped.reshape(b, el), slots, _rows_of(slots)]
+    return out, [0] * 4
+
+
+def _dispatch_batcher(axis_data, vals_in, dims_in, *, axes, capacity, weighted):
+    _vmap_check(axis_data, axes, "dispatch")
+    if all(d is None for d in dims_in):
+        out = moe_dispatch_p.bind(*vals_in, axes=axes, capacity=capacity, weighted=weighted)
+        return out, None
+    b, r = axis_data.size, lowering.axis_size(axes)
+    x, w, slots, counts = vals_in
+    xd, wd, sd, cd = dims_in
+    counts = _batch_front(counts, cd, b)  # [B, E_local]
+    el = counts.shape[1]
+    x = _batch_front(x, xd, b)
+    x = x.reshape(-1, x.shape[2])
+    w = _batch_front(w, wd, b)  # weighted: [B, T, K]; else [B, 0, K]
+    w = w.reshape(-1, w.shape[2])
+    slots = _fold_slots(_batch_front(slots, sd, b), r, el, capacity)
+    counts = counts.reshape(-1)
+    out = moe_dispatch_p.bind(x, w, slots, counts, axes=axes, capacity=capacity, weighted=weighted)
+    return out.reshape(b, el, *out.shape[1:]), 0
+
+
+def _combine_batcher(axis_data, vals_in, dims_in, *, axes, num_rows):
+    _vmap_check(axis_data, axes, "combine")
+    if all(d is None for d in dims_in):
+        return moe_combine_p.bind(*vals_in, axes=axes, num_rows=num_rows), [None, None]
+    b, r = axis_data.size, lowering.axis_size(axes)
+    ey, w, slots, _ = vals_in
+    eyd, wd, sd, _ = dims_in
+    ey = _batch_front(ey, eyd, b)  # [B, E_local, C, H]
+    el, cap = ey.shape[1], ey.shape[2]
+    w = _batch_front(w, wd, b)
+    slots = _fold_slots(_batch_front(slots, sd, b), r, el, cap)
+    y, part = moe_combine_p.bind(
+        ey.reshape(b * el, *ey.shape[2:]),
+        w.reshape(-1, w.shape[2]),
+        slots,
+        _rows_of(slots),
+        axes=axes,
+        num_rows=num_rows,
+    )
+    return [y.reshape(b, -1, y.shape[1]), part], [0, None]
+
+
+def _gather_batcher(axis_data, vals_in, dims_in, *, axes):
+    _vmap_check(axis_data, axes, "combine")
+    if all(d is None for d in dims_in):
+        return moe_gather_p.bind(*vals_in, axes=axes), None
+    b, r = axis_data.size, lowering.axis_size(axes)
+    values, slots, idx = (_batch_front(v, d, b) for v, d in zip(vals_in, dims_in, strict=True))
+    el, cap = values.shape[1], values.shape[2]
+    out = moe_gather_p.bind(
+        values.reshape(b * el, cap),
+        _fold_slots(slots, r, el, cap),
+        _fold_ids(idx, el).reshape(-1, idx.shape[2]),
+        axes=axes,
+    )
+    return out.reshape(b, -1, out.shape[1]), 0
+
+
+batching.fancy_primitive_batchers[moe_plan_p] = _plan_batcher
+batching.fancy_primitive_batchers[moe_dispatch_p] = _dispatch_batcher
+batching.fancy_primitive_batchers[moe_combine_p] = _combine_batcher
+batching.fancy_primitive_batchers[moe_gather_p] = _gather_batcher
 
 
 def _bind_dispatch(x, w, layout: MoELayout, weighted: bool):
@@ -478,6 +617,8 @@ def dispatch(x, topk_idx, *, num_experts: int, axis_name: AxisName, capacity: in
 
     A token's row crosses the fabric at most once per destination rank (pulled from x's own
     buffer by the destination, then copied locally to the token's other experts there).
+    Under ``jax.vmap`` (x, topk_idx or both batched) the batch is one routing over B * E
+    experts, one native call per phase, with each element's slots and drops unchanged.
     """
     axes = lowering.axis_tuple(axis_name)
     x = jnp.asarray(x)
@@ -642,6 +783,22 @@ mlir.register_lowering(
     platform="cpu",
     cacheable=False,
 )
+
+
+def _ll_batcher(name: str):
+    def batcher(axis_data, vals_in, dims_in, **params):
+        raise NotImplementedError(
+            f"strata_jax.moe.{name} has no jax.vmap rule (its static [E_local, R * "
+            "max_tokens_per_rank, H] buffer would grow by the batch size squared); fold the "
+            "batch into the tokens (x [B * T, H], max_tokens_per_rank >= B * T) or use the "
+            "normal mode (dispatch/combine), which batches."
+        )
+
+    return batcher
+
+
+batching.fancy_primitive_batchers[moe_ll_dispatch_p] = _ll_batcher("low_latency_dispatch")
+batching.fancy_primitive_batchers[moe_ll_combine_p] = _ll_batcher("low_latency_combine")
 
 
 def low_latency_dispatch(
