@@ -194,10 +194,9 @@ def make_programs(cfg: dict[str, Any], impl: str, axis: str, nranks: int, args):
     chunk = args.expert_chunk if impl == "strata" else args.baseline_expert_chunk
 
     def experts_mlp(h, ex, counts=None):  # moe_mlp's experts: [E_local, N, D] -> same, gelu
-        if chunk is not None and counts is not None:
-            return _layer._experts_in_chunks(h, counts, ex["w1"], ex["w2"], jax.nn.gelu, chunk)
-        a = jax.nn.gelu(jnp.einsum("enh,ehf->enf", h, ex["w1"]))
-        return jnp.einsum("enf,efh->enh", a, ex["w2"])
+        return sjmoe.expert_mlp(
+            h, ex["w1"], ex["w2"], recv_counts=counts, chunk=None if counts is None else chunk
+        )
 
     def moe(h, p, ex, prefill: bool):
         if (

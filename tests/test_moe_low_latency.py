@@ -102,8 +102,6 @@ def test_expert_chunks_over_low_latency_counts(rng, t, chunk):
     """The serving path (benchmarks/serve_moe.py): the expert MLP over the low-latency receive
     buffer in chunks, skipping those past recv_counts, equals it over every row, with one
     rank routing everything to one expert (its chunks full, the others' empty)."""
-    from strata_jax.moe import _layer
-
     n, e, f = R, R * E_LOCAL, 12
     idx = rng.integers(0, e, (n * t, 2)).astype(np.int32)
     idx[:t] = [0, 1]
@@ -114,10 +112,7 @@ def test_expert_chunks_over_low_latency_counts(rng, t, chunk):
 
     def body(x, idx, w, w1, w2, chunked):
         recv, counts, handle = sj.moe.low_latency_dispatch(x, idx, num_experts=e, axis_name="x")
-        if chunked:
-            ey = _layer._experts_in_chunks(recv, counts[:, None], w1, w2, jax.nn.gelu, chunk)
-        else:
-            ey = _layer._experts(recv, w1, w2, jax.nn.gelu)
+        ey = sj.moe.expert_mlp(recv, w1, w2, recv_counts=counts, chunk=chunk if chunked else None)
         return sj.moe.low_latency_combine(ey, handle, w)
 
     spec = P("x")

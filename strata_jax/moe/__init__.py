@@ -12,7 +12,7 @@ from strata_jax.moe._dispatch import (
     low_latency_combine,
     low_latency_dispatch,
 )
-from strata_jax.moe._layer import moe_mlp
+from strata_jax.moe._layer import expert_mlp, moe_mlp
 
 __all__ = [
     "MoELayout",
@@ -20,6 +20,7 @@ __all__ = [
     "dispatch_layout",
     "combine",
     "moe_mlp",
+    "expert_mlp",
     "LowLatencyHandle",
     "low_latency_dispatch",
     "low_latency_combine",

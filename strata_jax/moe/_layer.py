@@ -28,7 +28,7 @@ from strata_jax.moe import _sort
 
 AxisName = Any
 
-__all__ = ["moe_mlp", "route", "IMPLS"]
+__all__ = ["moe_mlp", "expert_mlp", "route", "IMPLS"]
 
 IMPLS = ("strata", "strata_ragged", "xla_sort", "xla", "reference")
 
@@ -123,6 +123,87 @@ def _experts_in_chunks(
             out.append(jax.lax.scan(tile, None, (tiles[e], first, used[e]))[1])
     y = jnp.stack(out).reshape(el, nb, nch * c, hd)[:, :, :per]
     return y.reshape(el, n, hd)
+
+
+def _check_chunk(chunk: Any, name: str) -> int | None:
+    """A row chunk argument: None, or a positive int (numpy ints too; not bool, not float)."""
+    if chunk is None:
+        return None
+    try:
+        c = operator.index(chunk)
+    except TypeError:
+        c = 0
+    if isinstance(chunk, (bool, np.bool_)) or c <= 0:
+        raise ValueError(f"{name} must be a positive int or None, got {chunk!r}")
+    return c
+
+
+def expert_mlp(
+    recv_x: jax.Array,
+    w1: jax.Array,
+    w2: jax.Array,
+    *,
+    recv_counts: jax.Array | None = None,
+    chunk: int | None = None,
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+) -> jax.Array:
+    """The local experts' two-layer MLPs over received rows: ``activation(x @ W1_e) @ W2_e``.
+
+    For the ``recv_x`` of :func:`strata_jax.moe.dispatch` or
+    :func:`strata_jax.moe.low_latency_dispatch` (what :func:`moe_mlp` runs between the two).
+    With ``chunk``, only the rows in use are computed: each expert's rows run in chunks of
+    ``chunk`` rows and a chunk whose first row is past the receive count is skipped
+    (``jax.lax.cond``, skipped in the backward too). That is the static-shape form of a masked
+    grouped GEMM (DeepEP's low-latency layout feeding DeepGEMM's ``m_grouped_gemm_*_masked``):
+    the work follows the routed rows, not the capacity, which for decode
+    (``low_latency_dispatch`` reserves R * max_tokens rows per expert) is most of the buffer.
+
+    Args:
+      recv_x: [E_local, N, H] float rows; the MLP runs in this dtype.
+      w1: [E_local, H, F] first layer per local expert.
+      w2: [E_local, F, H] second layer.
+      recv_counts: int rows in use: [E_local] (rows [0, count) of each expert, the layout of
+        both dispatches) or [E_local, B] (each expert's N rows are B blocks of N // B rows, block
+        b filled from its first row with ``counts[e, b]`` rows: the per-source layout of a
+        sort/gather all_to_all pipeline). Needed with ``chunk``; ignored without.
+      chunk: rows per chunk (a positive int), or None to run every row (one batched einsum).
+      activation: elementwise, with ``activation(0) == 0`` (gelu, relu, silu): skipped chunks
+        are returned as zeros, which is what the MLP gives the zero rows dispatch leaves there.
+
+    Returns:
+      [E_local, N, H] in recv_x's dtype. Rows past the counts are zero with ``chunk`` (never read
+      by combine).
+
+    Raises:
+      ValueError: shapes that do not match, N not a multiple of B, ``chunk`` not a positive int,
+        or ``chunk`` without ``recv_counts``.
+    """
+    recv_x = jnp.asarray(recv_x)
+    if recv_x.ndim != 3 or not jnp.issubdtype(recv_x.dtype, jnp.floating):
+        raise ValueError(
+            f"recv_x must be a float [E_local, N, H] array, got {recv_x.dtype}{list(recv_x.shape)}"
+        )
+    el, n, h = recv_x.shape
+    if w1.ndim != 3 or w1.shape[:2] != (el, h):
+        raise ValueError(f"w1 must be [E_local={el}, H={h}, F], got {list(w1.shape)}")
+    if w2.shape != (el, w1.shape[2], h):
+        raise ValueError(f"w2 must be [E_local={el}, F={w1.shape[2]}, H={h}], got {list(w2.shape)}")
+    chunk = _check_chunk(chunk, "chunk")
+    if chunk is None:
+        return _experts(recv_x, w1, w2, activation)
+    if recv_counts is None:
+        raise ValueError("chunk needs recv_counts (the rows in use per expert) to skip by")
+    counts = jnp.asarray(recv_counts)
+    if counts.ndim == 1:
+        counts = counts[:, None]
+    if counts.ndim != 2 or counts.shape[0] != el or not jnp.issubdtype(counts.dtype, jnp.integer):
+        raise ValueError(
+            f"recv_counts must be an int [E_local={el}] or [E_local, B] array, got "
+            f"{counts.dtype}{list(counts.shape)}"
+        )
+    if counts.shape[1] == 0 or n % counts.shape[1]:
+        raise ValueError(f"recv_x's N = {n} rows must split into B = {counts.shape[1]} blocks")
+    return _experts_in_chunks(recv_x, counts, w1, w2, activation, chunk)
 
 
 def _native_ops():
@@ -232,14 +313,7 @@ def moe_mlp(
             "impl='strata' or 'xla_sort' for a capacity-limited layer"
         )
 
-    if expert_chunk is not None:
-        try:
-            chunk = operator.index(expert_chunk)  # int, numpy integer; not float, not bool
-        except TypeError:
-            chunk = 0
-        if isinstance(expert_chunk, (bool, np.bool_)) or chunk <= 0:
-            raise ValueError(f"expert_chunk must be a positive int or None, got {expert_chunk!r}")
-        expert_chunk = chunk
+    expert_chunk = _check_chunk(expert_chunk, "expert_chunk")
     if impl == "strata_ragged" and expert_chunk is not None:
         raise ValueError(
             "expert_chunk does not apply to impl='strata_ragged' (its ragged_dot runs over the "
