@@ -582,3 +582,16 @@ def test_expert_mlp_says_what_is_wrong(rng):
             strata_jax.moe.expert_mlp(
                 a["x"], a["w1"], a["w2"], recv_counts=a["cnt"], chunk=a["chunk"]
             )
+
+
+def test_expert_mlp_counts_past_int32(rng):
+    """Counts are clamped to the rows there are before any int32 cast: a uint32 count above
+    2**31 means "all rows" (it wrapped to a negative count, skipping everything; a review)."""
+    x = jnp.asarray(rng.standard_normal((2, 6, 4)).astype(np.float32))
+    w1 = jnp.asarray(rng.standard_normal((2, 4, 3)).astype(np.float32))
+    w2 = jnp.asarray(rng.standard_normal((2, 3, 4)).astype(np.float32))
+    counts = np.array([3_000_000_000, 0], np.uint32)
+    got = strata_jax.moe.expert_mlp(x, w1, w2, recv_counts=counts, chunk=2)
+    full = strata_jax.moe.expert_mlp(x, w1, w2)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(full[0]), rtol=1e-6, atol=1e-6)
+    assert not np.asarray(got[1]).any()

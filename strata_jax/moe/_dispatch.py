@@ -265,8 +265,10 @@ def _batch_front(x, d, size):
 def _vmap_check(axis_data, axes, name: str):
     if axis_data.name in axes:
         raise NotImplementedError(
-            f"strata_jax.moe.{name} over a vmapped axis name is not supported; use a mesh "
-            "axis of jax.shard_map as the expert-parallel axis."
+            f"strata_jax.moe.{name}: the expert-parallel axis {axis_data.name!r} is bound by "
+            "jax.vmap here (vmap(..., axis_name=...) names it, or hides a mesh axis of that "
+            "name); MoE dispatch/combine run over mesh axes of jax.shard_map only: give the "
+            "vmap axis another name or none."
         )
 
 
@@ -285,12 +287,17 @@ def _fold_slots(slots, r: int, el: int, cap: int):
     return s.reshape(b, r, n // r, k).transpose(1, 0, 2, 3).reshape(n * b, k)
 
 
-def _unfold_slots(slots, b: int, r: int, el: int, cap: int):
-    """Folded slots [R * B * T, K] -> per-element slots [B, R * T, K]."""
-    nb, k = slots.shape
-    s = slots.reshape(r, b, nb // (r * b), k).transpose(1, 0, 2, 3).reshape(b, nb // b, k)
+def _unfold_slots(slots, b: int, r: int, n: int, el: int, cap: int):
+    """Folded slots [R * B * T, K] -> per-element slots [B, N = R * T, K]."""
+    k = slots.shape[1]
+    s = slots.reshape(r, b, n // r, k).transpose(1, 0, 2, 3).reshape(b, n, k)
     off = (jnp.arange(b, dtype=jnp.int32) * (el * cap))[:, None, None]
     return jnp.where(s >= 0, s - off, -1)
+
+
+def _empty(shape, dtype, axes):
+    """A zero-size result of a batch of 0 (no call: the same on every rank), typed varying."""
+    return lowering.pvary_missing(jnp.zeros(shape, dtype), axes)
 
 
 def _rows_of(slots):
@@ -311,13 +318,16 @@ def _plan_batcher(axis_data, vals_in, dims_in, *, local_experts, capacity, axes)
     b, r, el = axis_data.size, lowering.axis_size(axes), local_experts
     g = _batch_front(g_idx, dims_in[0], b)  # [B, R * T, K]
     n, k = g.shape[1:]
+    if b == 0:  # nothing to route (static: the same on every rank)
+        shapes = [(0, el), (0, el), (0, n, k), (0, n)]
+        return [_empty(sh, jnp.int32, axes) for sh in shapes], [0] * 4
     g = _fold_ids(g, el).reshape(b, r, n // r, k).transpose(1, 0, 2, 3).reshape(n * b, k)
     # base (this rank's first expert) comes from axis_index: the same for every element
     base0 = base if dims_in[1] is None else _batch_front(base, dims_in[1], b)[0]
     counts, dropped, slots, _ = moe_plan_p.bind(
         g, base0 * b, local_experts=b * el, capacity=capacity, axes=axes
     )
-    slots = _unfold_slots(slots, b, r, el, capacity)
+    slots = _unfold_slots(slots, b, r, n, el, capacity)
     out = [counts.reshape(b, el), dropped.reshape(b, el), slots, _rows_of(slots)]
     return out, [0] * 4
 
@@ -332,12 +342,14 @@ def _dispatch_batcher(axis_data, vals_in, dims_in, *, axes, capacity, weighted):
     xd, wd, sd, cd = dims_in
     counts = _batch_front(counts, cd, b)  # [B, E_local]
     el = counts.shape[1]
-    x = _batch_front(x, xd, b)
-    x = x.reshape(-1, x.shape[2])
+    x = _batch_front(x, xd, b)  # [B, T, H]
+    if b == 0:
+        return _empty((0, el, capacity, x.shape[2]), x.dtype, axes), 0
+    x = x.reshape(b * x.shape[1], x.shape[2])
     w = _batch_front(w, wd, b)  # weighted: [B, T, K]; else [B, 0, K]
-    w = w.reshape(-1, w.shape[2])
+    w = w.reshape(b * w.shape[1], w.shape[2])
     slots = _fold_slots(_batch_front(slots, sd, b), r, el, capacity)
-    counts = counts.reshape(-1)
+    counts = counts.reshape(b * el)
     out = moe_dispatch_p.bind(x, w, slots, counts, axes=axes, capacity=capacity, weighted=weighted)
     return out.reshape(b, el, *out.shape[1:]), 0
 
@@ -350,18 +362,21 @@ def _combine_batcher(axis_data, vals_in, dims_in, *, axes, num_rows):
     ey, w, slots, _ = vals_in
     eyd, wd, sd, _ = dims_in
     ey = _batch_front(ey, eyd, b)  # [B, E_local, C, H]
-    el, cap = ey.shape[1], ey.shape[2]
-    w = _batch_front(w, wd, b)
+    el, cap, h = ey.shape[1:]
+    w = _batch_front(w, wd, b)  # [B, T, K]
+    t = w.shape[1]
+    if b == 0:
+        return [_empty((0, t, h), ey.dtype, axes), _empty((num_rows, h), ey.dtype, axes)], [0, None]
     slots = _fold_slots(_batch_front(slots, sd, b), r, el, cap)
     y, part = moe_combine_p.bind(
-        ey.reshape(b * el, *ey.shape[2:]),
-        w.reshape(-1, w.shape[2]),
+        ey.reshape(b * el, cap, h),
+        w.reshape(b * t, w.shape[2]),
         slots,
         _rows_of(slots),
         axes=axes,
         num_rows=num_rows,
     )
-    return [y.reshape(b, -1, y.shape[1]), part], [0, None]
+    return [y.reshape(b, t, h), part], [0, None]
 
 
 def _gather_batcher(axis_data, vals_in, dims_in, *, axes):
@@ -371,13 +386,16 @@ def _gather_batcher(axis_data, vals_in, dims_in, *, axes):
     b, r = axis_data.size, lowering.axis_size(axes)
     values, slots, idx = (_batch_front(v, d, b) for v, d in zip(vals_in, dims_in, strict=True))
     el, cap = values.shape[1], values.shape[2]
+    t, k = idx.shape[1:]
+    if b == 0:
+        return _empty((0, t, k), values.dtype, axes), 0
     out = moe_gather_p.bind(
         values.reshape(b * el, cap),
         _fold_slots(slots, r, el, cap),
-        _fold_ids(idx, el).reshape(-1, idx.shape[2]),
+        _fold_ids(idx, el).reshape(b * t, k),
         axes=axes,
     )
-    return out.reshape(b, -1, out.shape[1]), 0
+    return out.reshape(b, t, k), 0
 
 
 batching.fancy_primitive_batchers[moe_plan_p] = _plan_batcher

@@ -103,6 +103,13 @@ def _experts_in_chunks(
         blocks = jnp.pad(blocks, ((0, 0), (0, 0), (0, nch * c - per), (0, 0)))
     tiles = blocks.reshape(el, nb * nch, c, hd)
     first = jnp.tile(jnp.arange(nch, dtype=jnp.int32) * c, nb)  # [nb * nch]
+    # Clamped to [0, per] in the counts' own type before the int32 cast (an int64 2**40 must
+    # not wrap to a small or negative count).
+    info = jnp.iinfo(counts.dtype)
+    if info.max > per:
+        counts = jnp.minimum(counts, np.asarray(per, counts.dtype))
+    if info.min < 0:
+        counts = jnp.maximum(counts, np.asarray(0, counts.dtype))
     used = jnp.repeat(counts.astype(jnp.int32), nch, axis=1)  # [E_local, nb * nch]
     unroll = el * nb * nch <= _UNROLL_TILES
     out = []
@@ -171,14 +178,15 @@ def expert_mlp(
         are returned as zeros, which is what the MLP gives the zero rows dispatch leaves there.
 
     Returns:
-      [E_local, N, H] in recv_x's dtype. Rows past the counts are zero with ``chunk`` (never read
-      by combine).
+      [E_local, N, H] in recv_x's dtype. With ``chunk``, a chunk that starts past its count is
+      zero; rows past the count inside a partly used chunk get the MLP of whatever they hold
+      (zeros out of both dispatches, hence zeros). combine never reads rows past the counts.
 
     Raises:
       ValueError: shapes that do not match, N not a multiple of B, ``chunk`` not a positive int,
         or ``chunk`` without ``recv_counts``.
     """
-    recv_x = jnp.asarray(recv_x)
+    recv_x, w1, w2 = jnp.asarray(recv_x), jnp.asarray(w1), jnp.asarray(w2)
     if recv_x.ndim != 3 or not jnp.issubdtype(recv_x.dtype, jnp.floating):
         raise ValueError(
             f"recv_x must be a float [E_local, N, H] array, got {recv_x.dtype}{list(recv_x.shape)}"
