@@ -62,7 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import core
-from jax._src.interpreters import batching, mlir
+from jax._src.interpreters import ad, batching, mlir
 
 from strata_jax._src import hierarchy, lowering
 from strata_jax._src.collectives import all_gather
@@ -154,12 +154,18 @@ def _lower(target: str, api: str):
     return lower
 
 
-# dispatch_p(x [T, H], weights [T, K] (accumulator dtype) or [0, K], slots [N, K], counts [E_local])
-#   -> recv [E_local, C, H] (x's dtype)
+def _native_operands(ctx, n: int):
+    """The lowering context of a primitive whose operands after the first n are for its AD
+    rules only (the layout arrays its transpose needs); the native call gets the first n."""
+    return ctx.replace(avals_in=ctx.avals_in[:n])
+
+
+# dispatch_p(x [T, H], weights [T, K] (accumulator dtype) or [0, K], slots [N, K], counts [E_local],
+#   topk_idx [T, K] (AD only)) -> recv [E_local, C, H] (x's dtype)
 moe_dispatch_p = core.Primitive("strata_moe_dispatch")
 
 
-def _dispatch_abstract_eval(x, w, slots, counts, *, axes, capacity, weighted):
+def _dispatch_abstract_eval(x, w, slots, counts, idx, *, axes, capacity, weighted):
     out = _out_aval(
         x, (counts.shape[0], capacity, x.shape[1]), x.dtype, (x, w, slots, counts), axes
     )
@@ -169,21 +175,22 @@ def _dispatch_abstract_eval(x, w, slots, counts, *, axes, capacity, weighted):
 moe_dispatch_p.def_effectful_abstract_eval(_dispatch_abstract_eval)
 mlir.register_lowering(
     moe_dispatch_p,
-    lambda ctx, x, w, slots, counts, *, axes, capacity, weighted: _lower(
+    lambda ctx, x, w, slots, counts, idx, *, axes, capacity, weighted: _lower(
         "strata_moe_dispatch", "moe.dispatch"
-    )(ctx, x, w, slots, counts, axes=axes, weighted=np.int64(weighted)),
+    )(_native_operands(ctx, 4), x, w, slots, counts, axes=axes, weighted=np.int64(weighted)),
     platform="cpu",
     cacheable=False,
 )
 
-# combine_p(expert_y [E_local, C, H], weights [T, K] (accumulator dtype), slots [N, K], rows [N])
+# combine_p(expert_y [E_local, C, H], weights [T, K] (accumulator dtype), slots [N, K], rows [N],
+#   counts [E_local], topk_idx [T, K] (the last two for AD only))
 #   -> (y [T, H], partials [J, H]); partials is an empty [0, H] placeholder (J = 0): the
 #   one-pass combine needs no scratch.
 moe_combine_p = core.Primitive("strata_moe_combine")
 moe_combine_p.multiple_results = True
 
 
-def _combine_abstract_eval(ey, w, slots, rows, *, axes, num_rows):
+def _combine_abstract_eval(ey, w, slots, rows, counts, idx, *, axes, num_rows):
     ops = (ey, w, slots, rows)
     y = _out_aval(ey, (w.shape[0], ey.shape[2]), ey.dtype, ops, axes)
     part = _out_aval(ey, (num_rows, ey.shape[2]), ey.dtype, ops, axes)
@@ -193,9 +200,9 @@ def _combine_abstract_eval(ey, w, slots, rows, *, axes, num_rows):
 moe_combine_p.def_effectful_abstract_eval(_combine_abstract_eval)
 mlir.register_lowering(
     moe_combine_p,
-    lambda ctx, ey, w, slots, rows, *, axes, num_rows: _lower("strata_moe_combine", "moe.combine")(
-        ctx, ey, w, slots, rows, axes=axes
-    ),
+    lambda ctx, ey, w, slots, rows, counts, idx, *, axes, num_rows: _lower(
+        "strata_moe_combine", "moe.combine"
+    )(_native_operands(ctx, 4), ey, w, slots, rows, axes=axes),
     platform="cpu",
     cacheable=False,
 )
@@ -226,11 +233,12 @@ mlir.register_lowering(
     platform="cpu",
 )
 
-# gather_p(values [E_local, C] f32/f64, slots [N, K], topk_idx [T, K]) -> [T, K] values' dtype
+# gather_p(values [E_local, C] f32/f64, slots [N, K], topk_idx [T, K], counts [E_local] (AD
+#   only)) -> [T, K] values' dtype
 moe_gather_p = core.Primitive("strata_moe_gather")
 
 
-def _gather_abstract_eval(values, slots, idx, *, axes):
+def _gather_abstract_eval(values, slots, idx, counts, *, axes):
     return _out_aval(values, idx.shape, values.dtype, (values, slots, idx), axes), lowering.effects(
         axes
     )
@@ -239,8 +247,8 @@ def _gather_abstract_eval(values, slots, idx, *, axes):
 moe_gather_p.def_effectful_abstract_eval(_gather_abstract_eval)
 mlir.register_lowering(
     moe_gather_p,
-    lambda ctx, values, slots, idx, *, axes: _lower("strata_moe_gather", "moe.combine")(
-        ctx, values, slots, idx, axes=axes
+    lambda ctx, values, slots, idx, counts, *, axes: _lower("strata_moe_gather", "moe.combine")(
+        _native_operands(ctx, 3), values, slots, idx, axes=axes
     ),
     platform="cpu",
     cacheable=False,
@@ -338,8 +346,8 @@ def _dispatch_batcher(axis_data, vals_in, dims_in, *, axes, capacity, weighted):
         out = moe_dispatch_p.bind(*vals_in, axes=axes, capacity=capacity, weighted=weighted)
         return out, None
     b, r = axis_data.size, lowering.axis_size(axes)
-    x, w, slots, counts = vals_in
-    xd, wd, sd, cd = dims_in
+    x, w, slots, counts, idx = vals_in
+    xd, wd, sd, cd, idd = dims_in
     counts = _batch_front(counts, cd, b)  # [B, E_local]
     el = counts.shape[1]
     x = _batch_front(x, xd, b)  # [B, T, H]
@@ -349,8 +357,12 @@ def _dispatch_batcher(axis_data, vals_in, dims_in, *, axes, capacity, weighted):
     w = _batch_front(w, wd, b)  # weighted: [B, T, K]; else [B, 0, K]
     w = w.reshape(b * w.shape[1], w.shape[2])
     slots = _fold_slots(_batch_front(slots, sd, b), r, el, capacity)
+    idx = _fold_ids(_batch_front(idx, idd, b), el)
+    idx = idx.reshape(b * idx.shape[1], idx.shape[2])
     counts = counts.reshape(b * el)
-    out = moe_dispatch_p.bind(x, w, slots, counts, axes=axes, capacity=capacity, weighted=weighted)
+    out = moe_dispatch_p.bind(
+        x, w, slots, counts, idx, axes=axes, capacity=capacity, weighted=weighted
+    )
     return out.reshape(b, el, *out.shape[1:]), 0
 
 
@@ -359,20 +371,22 @@ def _combine_batcher(axis_data, vals_in, dims_in, *, axes, num_rows):
     if all(d is None for d in dims_in):
         return moe_combine_p.bind(*vals_in, axes=axes, num_rows=num_rows), [None, None]
     b, r = axis_data.size, lowering.axis_size(axes)
-    ey, w, slots, _ = vals_in
-    eyd, wd, sd, _ = dims_in
+    ey, w, slots, _, counts, idx = vals_in
+    eyd, wd, sd, _, cd, idd = dims_in
     ey = _batch_front(ey, eyd, b)  # [B, E_local, C, H]
     el, cap, h = ey.shape[1:]
     w = _batch_front(w, wd, b)  # [B, T, K]
-    t = w.shape[1]
+    t, k = w.shape[1:]
     if b == 0:
         return [_empty((0, t, h), ey.dtype, axes), _empty((num_rows, h), ey.dtype, axes)], [0, None]
     slots = _fold_slots(_batch_front(slots, sd, b), r, el, cap)
     y, part = moe_combine_p.bind(
         ey.reshape(b * el, cap, h),
-        w.reshape(b * t, w.shape[2]),
+        w.reshape(b * t, k),
         slots,
         _rows_of(slots),
+        _batch_front(counts, cd, b).reshape(b * el),
+        _fold_ids(_batch_front(idx, idd, b), el).reshape(b * t, k),
         axes=axes,
         num_rows=num_rows,
     )
@@ -384,7 +398,9 @@ def _gather_batcher(axis_data, vals_in, dims_in, *, axes):
     if all(d is None for d in dims_in):
         return moe_gather_p.bind(*vals_in, axes=axes), None
     b, r = axis_data.size, lowering.axis_size(axes)
-    values, slots, idx = (_batch_front(v, d, b) for v, d in zip(vals_in, dims_in, strict=True))
+    values, slots, idx, counts = (
+        _batch_front(v, d, b) for v, d in zip(vals_in, dims_in, strict=True)
+    )
     el, cap = values.shape[1], values.shape[2]
     t, k = idx.shape[1:]
     if b == 0:
@@ -393,6 +409,7 @@ def _gather_batcher(axis_data, vals_in, dims_in, *, axes):
         values.reshape(b * el, cap),
         _fold_slots(slots, r, el, cap),
         _fold_ids(idx, el).reshape(b * t, k),
+        counts.reshape(b * el),
         axes=axes,
     )
     return out.reshape(b, t, k), 0
@@ -406,80 +423,152 @@ batching.fancy_primitive_batchers[moe_gather_p] = _gather_batcher
 
 def _bind_dispatch(x, w, layout: MoELayout, weighted: bool):
     axes = lowering.axis_tuple(layout.axis_name)
-    x, w, slots, counts = (
-        lowering.pvary_missing(v, axes) for v in (x, w, layout.slots, layout.recv_counts)
-    )
+    ops = (x, w, layout.slots, layout.recv_counts, layout.topk_idx)
     return moe_dispatch_p.bind(
-        x, w, slots, counts, axes=axes, capacity=layout.capacity, weighted=weighted
+        *(lowering.pvary_missing(v, axes) for v in ops),
+        axes=axes,
+        capacity=layout.capacity,
+        weighted=weighted,
     )
 
 
 def _bind_combine(ey, w, layout: MoELayout):
     axes = lowering.axis_tuple(layout.axis_name)
-    ey, w, slots, rows = (
-        lowering.pvary_missing(v, axes) for v in (ey, w, layout.slots, layout.rows)
-    )
+    ops = (ey, w, layout.slots, layout.rows, layout.recv_counts, layout.topk_idx)
     # num_rows=0: the native combine is one pass and needs no partial rows (native/moe/moe.h)
-    y, _ = moe_combine_p.bind(ey, w, slots, rows, axes=axes, num_rows=0)
+    y, _ = moe_combine_p.bind(
+        *(lowering.pvary_missing(v, axes) for v in ops), axes=axes, num_rows=0
+    )
     return y
 
 
-def _bind_gather(values, layout: MoELayout):
-    axes = lowering.axis_tuple(layout.axis_name)
-    values, slots, idx = (
-        lowering.pvary_missing(v, axes) for v in (values, layout.slots, layout.topk_idx)
+# --------------------------------------------------------------------------------------
+# Autodiff: rules of the primitives, so jvp, vjp and their compositions (jacfwd, hessians)
+# all work. dispatch is linear in x (and, weighted, in the weights); combine is bilinear in
+# (expert_y, weights); gather is linear in its values. Each transpose is another of them:
+#   dispatch^T (x)       = combine with the unit weights of each token's distinct experts
+#                          (weighted: with the weights)
+#   dispatch^T (weights) = gather of <ct row, x row> per slot (x dispatched to the slots)
+#   combine^T (expert_y) = weighted dispatch of the cotangent rows
+#   combine^T (weights)  = gather of <ct row, expert_y row> per slot (ct dispatched)
+#   gather^T             = weighted dispatch of ones [T, 1] with the cotangent as weights
+# --------------------------------------------------------------------------------------
+
+
+def _zero_tangent(t) -> bool:
+    return type(t) is ad.Zero
+
+
+def _zero_like(v):
+    return ad.Zero(core.typeof(v).to_tangent_aval())
+
+
+def _dispatch_jvp(primals, tangents, *, axes, capacity, weighted):
+    x, w, slots, counts, idx = primals
+    tx, tw = tangents[:2]
+    params = dict(axes=axes, capacity=capacity, weighted=weighted)
+    out = moe_dispatch_p.bind(x, w, slots, counts, idx, **params)
+    terms = []
+    if not _zero_tangent(tx):
+        terms.append(moe_dispatch_p.bind(tx, w, slots, counts, idx, **params))
+    if weighted and not _zero_tangent(tw):
+        terms.append(moe_dispatch_p.bind(x, tw, slots, counts, idx, **params))
+    if not terms:
+        return out, _zero_like(out)
+    return out, functools.reduce(jnp.add, terms)
+
+
+def _slot_dots(rows, other, acc):
+    """<rows[e, c], other[e, c]> per slot, in the accumulator dtype: [E_local, C]."""
+    return jnp.einsum("ech,ech->ec", rows.astype(acc), other.astype(acc))
+
+
+def _dispatch_transpose(ct, x, w, slots, counts, idx, *, axes, capacity, weighted):
+    if _zero_tangent(ct):
+        return [None] * 5
+    rows = _rows_of(slots)
+    if ad.is_undefined_primal(x):
+        acc = _acc_dtype(x.aval.dtype)
+        unit = w if weighted else _first_occurrence(idx).astype(acc)
+        ct_x, _ = moe_combine_p.bind(ct, unit, slots, rows, counts, idx, axes=axes, num_rows=0)
+        return [ct_x, None, None, None, None]
+    # Linear in the weights (weighted dispatch): d w[t, k] = <ct[slot(t, k)], x[t]>.
+    acc = w.dtype
+    empty = lowering.pvary_missing(jnp.zeros((0, idx.shape[1]), jnp.float32), axes)
+    x_rows = moe_dispatch_p.bind(
+        x, empty, slots, counts, idx, axes=axes, capacity=capacity, weighted=False
     )
-    return moe_gather_p.bind(values, slots, idx, axes=axes)
+    dots = _slot_dots(x_rows, ct, acc)
+    return [None, moe_gather_p.bind(dots, slots, idx, counts, axes=axes), None, None, None]
 
 
-# --------------------------------------------------------------------------------------
-# Autodiff: dispatch and combine are linear in x / expert_y (and combine in the weights)
-# --------------------------------------------------------------------------------------
+def _combine_jvp(primals, tangents, *, axes, num_rows):
+    ey, w, slots, rows, counts, idx = primals
+    t_ey, t_w = tangents[:2]
+    y, part = moe_combine_p.bind(*primals, axes=axes, num_rows=num_rows)
+    terms = []
+    if not _zero_tangent(t_ey):
+        terms.append(moe_combine_p.bind(t_ey, w, *primals[2:], axes=axes, num_rows=num_rows)[0])
+    if not _zero_tangent(t_w):
+        terms.append(moe_combine_p.bind(ey, t_w, *primals[2:], axes=axes, num_rows=num_rows)[0])
+    ty = functools.reduce(jnp.add, terms) if terms else _zero_like(y)
+    return [y, part], [ty, _zero_like(part)]
 
 
-@jax.custom_vjp
-def _dispatch_rows(x, layout: MoELayout):
-    return _bind_dispatch(x, _no_weights(layout), layout, False)
+def _combine_transpose(cts, ey, w, slots, rows, counts, idx, *, axes, num_rows):
+    ct = cts[0]
+    if _zero_tangent(ct):
+        return [None] * 6
+    if ad.is_undefined_primal(ey):
+        cap = ey.aval.shape[1]
+        ct_ey = moe_dispatch_p.bind(
+            ct, w, slots, counts, idx, axes=axes, capacity=cap, weighted=True
+        )
+        return [ct_ey, None, None, None, None, None]
+    # Linear in the weights: d w[t, k] = <ct[t], expert_y[slot(t, k)]>: dispatch ct, dot on
+    # the expert rank, read each choice's scalar back from the expert's rank.
+    empty = lowering.pvary_missing(jnp.zeros((0, idx.shape[1]), jnp.float32), axes)
+    ct_rows = moe_dispatch_p.bind(
+        ct, empty, slots, counts, idx, axes=axes, capacity=ey.shape[1], weighted=False
+    )
+    dots = _slot_dots(ct_rows, ey, _acc_dtype(ey.dtype))
+    ct_w = moe_gather_p.bind(dots, slots, idx, counts, axes=axes).astype(w.aval.dtype)
+    return [None, ct_w, None, None, None, None]
 
 
-def _dispatch_rows_fwd(x, layout):
-    return _dispatch_rows(x, layout), layout
+def _gather_jvp(primals, tangents, *, axes):
+    out = moe_gather_p.bind(*primals, axes=axes)
+    if _zero_tangent(tangents[0]):
+        return out, _zero_like(out)
+    return out, moe_gather_p.bind(tangents[0], *primals[1:], axes=axes)
 
 
-def _dispatch_rows_bwd(layout, ct):
-    # Transpose of dispatch: each token sums the cotangent rows of its (distinct, kept) slots,
-    # i.e. a combine with unit weights on the first occurrence of every expert.
-    unit = layout.unique.astype(_acc_dtype(ct.dtype))
-    return _bind_combine(ct, unit, layout), None
+def _gather_transpose(ct, values, slots, idx, counts, *, axes):
+    if _zero_tangent(ct):
+        return [None] * 4
+    # values[e, c] collects the cotangent of every (token, choice) that reads slot (e, c):
+    # a weighted dispatch of a one-element row per token with the cotangent as its weights.
+    el, cap = values.aval.shape
+    ones = jnp.ones((idx.shape[0], 1), values.aval.dtype)
+    ct_v = moe_dispatch_p.bind(
+        lowering.pvary_missing(ones, axes),
+        ct.astype(values.aval.dtype),
+        slots,
+        counts,
+        idx,
+        axes=axes,
+        capacity=cap,
+        weighted=True,
+    )
+    return [ct_v.reshape(el, cap), None, None, None]
 
 
-_dispatch_rows.defvjp(_dispatch_rows_fwd, _dispatch_rows_bwd)
-
-
-@jax.custom_vjp
-def _combine_rows(expert_y, weights, layout: MoELayout):
-    return _bind_combine(expert_y, weights.astype(_acc_dtype(expert_y.dtype)), layout)
-
-
-def _combine_rows_fwd(expert_y, weights, layout):
-    return _combine_rows(expert_y, weights, layout), (expert_y, weights, layout)
-
-
-def _combine_rows_bwd(res, ct):
-    expert_y, weights, layout = res
-    w_acc = weights.astype(_acc_dtype(ct.dtype))
-    # d expert_y[slot] = (sum of the token's weights naming the slot's expert) * ct[token]
-    d_ey = _bind_dispatch(ct, w_acc, layout, True)
-    # d w[t, k] = <ct[t], expert_y[slot(t, k)]>: dispatch ct, dot on the expert rank, and
-    # read each choice's scalar back from the expert's rank.
-    ct_rows = _bind_dispatch(ct, _no_weights(layout), layout, False)
-    acc = jnp.float64 if expert_y.dtype == jnp.float64 else jnp.float32
-    dots = jnp.einsum("ech,ech->ec", ct_rows.astype(acc), expert_y.astype(acc))
-    d_w = _bind_gather(dots, layout).astype(weights.dtype)
-    return d_ey, d_w, None
-
-
-_combine_rows.defvjp(_combine_rows_fwd, _combine_rows_bwd)
+ad.primitive_jvps[moe_dispatch_p] = _dispatch_jvp
+ad.primitive_transposes[moe_dispatch_p] = _dispatch_transpose
+ad.primitive_jvps[moe_combine_p] = _combine_jvp
+ad.primitive_transposes[moe_combine_p] = _combine_transpose
+ad.primitive_jvps[moe_gather_p] = _gather_jvp
+ad.primitive_transposes[moe_gather_p] = _gather_transpose
 
 
 def _acc_dtype(dtype):
@@ -609,7 +698,8 @@ def _plan(idx, num_experts: int, capacity: int, axes: tuple):
 def dispatch(x, topk_idx, *, num_experts: int, axis_name: AxisName, capacity: int | None = None):
     """Sends every token to the ranks of its experts (DeepEP's ``dispatch``).
 
-    Call inside :func:`jax.shard_map` over ``axis_name`` (size R); differentiable w.r.t. ``x``.
+    Call inside :func:`jax.shard_map` over ``axis_name`` (size R); differentiable w.r.t. ``x``
+    in both modes (``jax.grad``, ``jax.jvp`` and compositions such as ``jax.hessian``).
 
     Args:
       x: [T, H] this rank's tokens; float32, float64, bfloat16 or float16. T and H may be any
@@ -665,7 +755,9 @@ def dispatch(x, topk_idx, *, num_experts: int, axis_name: AxisName, capacity: in
         capacity=capacity,
         axis_name=tuple(axis_name) if isinstance(axis_name, list) else axis_name,
     )
-    return _dispatch_rows(lowering.pvary_missing(x, axes), layout), layout
+    return _bind_dispatch(
+        lowering.pvary_missing(x, axes), _no_weights(layout), layout, False
+    ), layout
 
 
 def combine(expert_y, layout: MoELayout, topk_weights):
@@ -682,7 +774,7 @@ def combine(expert_y, layout: MoELayout, topk_weights):
       (t, topk_idx[t, k])]``. Weights are applied here and only here; -1 choices and dropped
       pairs contribute 0; a token naming one expert twice gets the sum of both weights times
       that expert's row. Accumulates in float32 (float64 for float64). Differentiable w.r.t.
-      expert_y and topk_weights.
+      expert_y and topk_weights, in reverse and forward mode (bilinear in the two).
 
     Raises:
       ValueError: shapes or dtypes that do not match the layout.
@@ -719,9 +811,8 @@ def combine(expert_y, layout: MoELayout, topk_weights):
             f"[{t}, {k}] like topk_idx, got {topk_weights.dtype}"
             f"{list(topk_weights.shape)}."
         )
-    return _combine_rows(
-        lowering.pvary_missing(expert_y, axes), lowering.pvary_missing(topk_weights, axes), layout
-    )
+    w_acc = lowering.pvary_missing(topk_weights, axes).astype(_acc_dtype(expert_y.dtype))
+    return _bind_combine(lowering.pvary_missing(expert_y, axes), w_acc, layout)
 
 
 # --------------------------------------------------------------------------------------
