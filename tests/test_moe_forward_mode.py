@@ -1,6 +1,6 @@
 """Forward-mode and higher-order autodiff of strata_jax.moe.dispatch/combine against the dense
-reference of test_moe.py: jax.jvp, jax.jacfwd of jax.grad (second order: the transposes of the
-transposes), under vmap, and across two (fake) fabrics."""
+reference of test_moe.py: jax.jvp, jax.jacfwd and jax.jacrev of jax.grad (second order), under
+vmap, and across two (fake) fabrics."""
 
 from __future__ import annotations
 
@@ -66,10 +66,12 @@ def test_jvp_against_reference(rng, capacity, dtype):
         )
 
 
+@pytest.mark.parametrize("outer", ["jacfwd", "jacrev"])
 @pytest.mark.parametrize("capacity", [None, 2])
-def test_second_order_against_reference(rng, capacity):
-    """jacfwd(grad): jvps of the transposes (combine^T = dispatch, dispatch^T = combine,
-    the weights' gather and its own transpose)."""
+def test_second_order_against_reference(rng, capacity, outer):
+    """jacfwd(grad): the jvps of the transposes (combine^T = weighted dispatch, dispatch^T =
+    combine, the weights' gather); jacrev(grad): the transposes of those transposes (a weighted
+    dispatch transposed w.r.t. its weights failed on an AttributeError; a review found it)."""
     idx, cap, x, ey, w = _case(rng, capacity)
 
     def loss(fwd):
@@ -80,7 +82,8 @@ def test_second_order_against_reference(rng, capacity):
         return f
 
     def hess(fwd):
-        return jax.jacfwd(jax.grad(loss(fwd), argnums=(0, 2)), argnums=(0, 2))(x, ey, w)
+        jac = jax.jacfwd if outer == "jacfwd" else jax.jacrev
+        return jac(jax.grad(loss(fwd), argnums=(0, 1, 2)), argnums=(0, 1, 2))(x, ey, w)
 
     got = jax.jit(lambda: hess(_strata(capacity)(idx)))()
     want = hess(_ref(idx, cap))

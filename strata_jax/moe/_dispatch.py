@@ -308,6 +308,13 @@ def _empty(shape, dtype, axes):
     return lowering.pvary_missing(jnp.zeros(shape, dtype), axes)
 
 
+def _rows_placeholder(slots, axes):
+    """combine's ``rows`` operand where only its shape matters: the native one-pass combine and
+    the hierarchical lowering never read it (rows [N] of the plan; -1 here), and recomputing
+    it is a cumsum over N in every backward pass."""
+    return lowering.pvary_missing(jnp.full(slots.shape[:1], -1, jnp.int32), axes)
+
+
 def _rows_of(slots):
     """The plan's ``rows`` from its slots [..., N, K]: a token's rank among the tokens with a
     kept slot here, in token order, or -1."""
@@ -384,7 +391,7 @@ def _combine_batcher(axis_data, vals_in, dims_in, *, axes, num_rows):
         ey.reshape(b * el, cap, h),
         w.reshape(b * t, k),
         slots,
-        _rows_of(slots),
+        _rows_placeholder(slots, axes),
         _batch_front(counts, cd, b).reshape(b * el),
         _fold_ids(_batch_front(idx, idd, b), el).reshape(b * t, k),
         axes=axes,
@@ -486,14 +493,14 @@ def _slot_dots(rows, other, acc):
 def _dispatch_transpose(ct, x, w, slots, counts, idx, *, axes, capacity, weighted):
     if _zero_tangent(ct):
         return [None] * 5
-    rows = _rows_of(slots)
+    rows = _rows_placeholder(slots, axes)
     if ad.is_undefined_primal(x):
         acc = _acc_dtype(x.aval.dtype)
         unit = w if weighted else _first_occurrence(idx).astype(acc)
         ct_x, _ = moe_combine_p.bind(ct, unit, slots, rows, counts, idx, axes=axes, num_rows=0)
         return [ct_x, None, None, None, None]
     # Linear in the weights (weighted dispatch): d w[t, k] = <ct[slot(t, k)], x[t]>.
-    acc = w.dtype
+    acc = w.aval.dtype  # w is the undefined primal here
     empty = lowering.pvary_missing(jnp.zeros((0, idx.shape[1]), jnp.float32), axes)
     x_rows = moe_dispatch_p.bind(
         x, empty, slots, counts, idx, axes=axes, capacity=capacity, weighted=False
