@@ -101,9 +101,63 @@ def case(seed: int, t: int, h: int, k: int, experts_per_rank: int, capacity) -> 
     check(f"{tag} d/dexpert_y", gey, dey.reshape(ey.shape), tol)
 
 
+def transforms_case(seed: int, t: int, h: int, capacity: int) -> None:
+    """vmap (a batch of 2 routings) and jvp across processes against separate forward calls:
+    the vmapped call must equal each element's own call bitwise, and the tangent equal the
+    forward calls it is linear in (dispatch of tx; combine of (t_ey, w) plus (ey, t_w))."""
+    rng = np.random.default_rng(seed)
+    n, e, k, b = R * t, 2 * R, 2, 2
+    idx = rng.integers(-1, e, (b, n, k)).astype(np.int32)
+    x, tx = (rng.standard_normal((b, n, h)).astype(np.float32) for _ in range(2))
+    w, tw = (rng.random((b, n, k)).astype(np.float32) for _ in range(2))
+    ey, tey = (rng.standard_normal((b, e, capacity, h)).astype(np.float32) for _ in range(2))
+
+    def body(x, idx, w, ey):
+        r, lay = sj.moe.dispatch(x, idx, num_experts=e, axis_name="x", capacity=capacity)
+        return r, sj.moe.combine(ey, lay, w)
+
+    one = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, spec)))
+    bspec = P(None, "x")
+    batched = jax.jit(
+        jax.shard_map(jax.vmap(body), mesh=mesh, in_specs=(bspec,) * 4, out_specs=(bspec, bspec))
+    )
+
+    def put_b(a):
+        return jax.make_array_from_callback(a.shape, NamedSharding(mesh, bspec), lambda i: a[i])
+
+    def local(arr):
+        return {sh.device.id: np.asarray(sh.data) for sh in arr.addressable_shards}
+
+    def same(name, got: dict, want: dict, tol=0.0):
+        for d, g in got.items():
+            if g.shape != want[d].shape or not np.allclose(g, want[d], rtol=tol, atol=tol):
+                print(f"MISMATCH {name} on device {d}", flush=True)
+                sys.exit(3)
+
+    got = batched(*map(put_b, (x, idx, w, ey)))
+    for i in range(b):
+        want = one(*map(put, (x[i], idx[i], w[i], ey[i])))
+        for name, g, wv in zip(("vmap recv", "vmap y"), got, want, strict=True):
+            same(f"{name} [{i}]", {d: v[i] for d, v in local(g).items()}, local(wv))
+
+    jvp = jax.jit(
+        lambda x, i, w, ey, tx, tw, tey: jax.jvp(
+            lambda x, w, ey: one(x, i, w, ey), (x, w, ey), (tx, tw, tey)
+        )[1]
+    )
+    args = [put(a[0]) for a in (x, idx, w, ey, tx, tw, tey)]
+    t_recv, t_y = jvp(*args)
+    xs, i0, ws, eys, txs, tws, teys = args
+    same("jvp recv", local(t_recv), local(one(txs, i0, ws, eys)[0]))
+    y1, y2 = one(xs, i0, ws, teys)[1], one(xs, i0, tws, eys)[1]
+    want_y = {d: v + local(y2)[d] for d, v in local(y1).items()}
+    same("jvp y", local(t_y), want_y, 1e-5)
+
+
 case(1, t=7, h=5, k=3, experts_per_rank=2, capacity=None)  # small: staged buffers
 case(2, t=9, h=6, k=2, experts_per_rank=3, capacity=2)  # capacity drops
 case(3, t=64, h=1100, k=2, experts_per_rank=1, capacity=None)  # x past the threshold
+transforms_case(4, t=6, h=300, capacity=3)
 stats = sj.memory_stats()
 print(
     f"OK moe {checks} checks on {R} ranks, mode {info['registration']}, zero_copy_bytes "
