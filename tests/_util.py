@@ -144,3 +144,18 @@ def unordered_strata_calls(compiled_hlo: str) -> list[tuple[str, str]]:
             if x not in before[y] and y not in before[x]
         ]
     return pairs
+
+
+def on_one_and_two_fabrics(run, monkeypatch):
+    """``run()`` as the machine is (one fabric), then with devices 0-1 and 2-3 as two fake
+    fabrics (the hierarchical lowering; asserted to have moved inter-fabric bytes). Returns
+    both results, to compare with each other or an oracle."""
+    from strata_jax._src import topology
+
+    single = run()
+    monkeypatch.setattr(topology, "_map", topology.FabricMap(("a", "b"), 0))
+    monkeypatch.setattr(topology, "fabric_of_device", lambda d: d.id // 2)
+    before = sj.comm_stats()["inter_fabric_bytes"]
+    split = run()
+    assert sj.comm_stats()["inter_fabric_bytes"] > before  # the hierarchical path ran
+    return single, split

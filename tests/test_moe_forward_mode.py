@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import mesh1d
+from _util import mesh1d, on_one_and_two_fabrics
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from moe_reference import ref_plan
@@ -92,8 +92,6 @@ def test_second_order_against_reference(rng, capacity, outer):
 
 
 def test_jvp_under_vmap_and_across_fake_fabrics(rng, monkeypatch):
-    from strata_jax._src import topology
-
     idx, cap, x, ey, w = _case(rng, 2)
     tx = jnp.asarray(rng.standard_normal((2, *x.shape)), x.dtype)
     devs = sorted(jax.devices(), key=lambda d: d.id)[:R]
@@ -108,12 +106,7 @@ def test_jvp_under_vmap_and_across_fake_fabrics(rng, monkeypatch):
     ref = _ref(idx, cap)
     per_t = [jax.jvp(lambda x: ref(x, ey, w), (x,), (t,))[1] for t in tx]
     want = [np.stack(v) for v in zip(*per_t, strict=True)]
-    single = run()
-    monkeypatch.setattr(topology, "_map", topology.FabricMap(("a", "b"), 0))
-    monkeypatch.setattr(topology, "fabric_of_device", lambda d: d.id // 2)
-    before = sj.comm_stats()["inter_fabric_bytes"]
-    split = run()
-    assert sj.comm_stats()["inter_fabric_bytes"] > before  # the hierarchical path ran
+    single, split = on_one_and_two_fabrics(run, monkeypatch)
     for a, b, c in zip(single, split, want, strict=True):
         np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(b, c, rtol=1e-5, atol=1e-5)
