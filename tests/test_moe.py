@@ -348,3 +348,40 @@ def test_16_two_dispatches_in_flight(rng):
             ref_forward(x * scale, jnp.zeros((num_experts, n * t, h)), w, src, cidx)[0]
         ).reshape(num_experts, n * t, h)
         np.testing.assert_allclose(y, ref_forward(x, ey, w, src, cidx)[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_rows_from_peers_are_counted(rng, mode):
+    """memory_stats() counts the MoE rows read from other ranks (intra_fabric_bytes; they were
+    not counted at all): dispatch reads each token's row once per other destination rank,
+    combine each kept choice's row held by another rank. H and 2H with the same routing differ
+    by exactly those rows (everything else, e.g. the ids' all_gather, is the same in both)."""
+    n, t, e, k = 4, 6, 8, 3
+    cap = 5 if mode == "normal" else n * t  # low latency: nothing dropped
+    idx = rng.integers(-1, e, (n * t, k)).astype(np.int32)
+    idx[0] = [1, 1, 6]
+    _, cidx, _, _ = ref_plan(idx, e, cap)
+    owner = np.where(cidx >= 0, cidx // cap // (e // n), -1)  # rank of each kept choice
+    src = np.arange(n * t) // t
+    disp_rows = sum(len({int(o) for o in owner[g] if o >= 0} - {int(src[g])}) for g in range(n * t))
+    comb_rows = int(((owner >= 0) & (owner != src[:, None])).sum())
+
+    def body(x, idx, w):
+        if mode == "normal":
+            recv, lay = sj.moe.dispatch(x, idx, num_experts=e, axis_name="x", capacity=cap)
+            return sj.moe.combine(recv * 2.0, lay, w)
+        recv, _, handle = sj.moe.low_latency_dispatch(x, idx, num_experts=e, axis_name="x")
+        return sj.moe.low_latency_combine(recv * 2.0, handle, w)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh1d(n), in_specs=(P("x"),) * 3, out_specs=P("x")))
+
+    def moved(h):
+        x = jnp.asarray(rng.standard_normal((n * t, h)), jnp.float32)
+        w = jnp.asarray(rng.random((n * t, k)), jnp.float32)
+        jax.block_until_ready(f(x, idx, w))  # compile and warm up
+        before = sj.memory_stats()["intra_fabric_bytes"]
+        jax.block_until_ready(f(x, idx, w))
+        return sj.memory_stats()["intra_fabric_bytes"] - before
+
+    h = 16
+    assert moved(2 * h) - moved(h) == (disp_rows + comb_rows) * h * 4

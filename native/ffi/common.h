@@ -32,6 +32,14 @@ using After = std::optional<xla::ffi::AnyBuffer>;
 // its `After`.
 using Done = std::optional<xla::ffi::Result<xla::ffi::AnyBuffer>>;
 
+// Bytes a call read from (or wrote to) its peers' buffers: zero-copy unless a bounce buffer was
+// in the way (staging). memory_stats()'s zero_copy_bytes / peer_bounce_bytes (their sum is
+// intra_fabric_bytes).
+inline void count_peer_bytes(const Team& t, uint64_t n) {
+  (t.zero_copy() ? stats().zero_copy_bytes : stats().peer_bounce_bytes)
+      .fetch_add(n, std::memory_order_relaxed);
+}
+
 inline xla::ffi::Error to_error(const std::string& msg) {
   namespace ffi = xla::ffi;
   stats().failures.fetch_add(1, std::memory_order_relaxed);

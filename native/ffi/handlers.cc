@@ -56,13 +56,6 @@ ffi::Error check_dtype(const char* name, ffi::AnyBuffer x, bool reduce, ReduceOp
   return ffi::Error::Success();
 }
 
-// Bytes a call read from (or wrote to) its peers' buffers: zero-copy unless a bounce buffer was
-// in the way (staging).
-void count_peer_bytes(const Team& t, uint64_t n) {
-  (t.zero_copy() ? stats().zero_copy_bytes : stats().peer_bounce_bytes)
-      .fetch_add(n, std::memory_order_relaxed);
-}
-
 const char* reduce_name(int32_t r) { return r == 0 ? "psum" : r == 1 ? "pmax" : "pmin"; }
 
 ffi::Error AllReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,

@@ -93,9 +93,13 @@ ffi::Error MoeDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer weig
                    if (sd[0] != s.ranks * s.tokens)
                      return "strata_jax moe.dispatch: internal error: plan has the wrong "
                             "number of tokens";
-                   return moe::dispatch(t, s, static_cast<const int32_t*>(slots.untyped_data()),
-                                        static_cast<const int32_t*>(counts.untyped_data()),
-                                        weighted != 0, out->untyped_data());
+                   uint64_t moved = 0;
+                   std::string e =
+                       moe::dispatch(t, s, static_cast<const int32_t*>(slots.untyped_data()),
+                                     static_cast<const int32_t*>(counts.untyped_data()),
+                                     weighted != 0, out->untyped_data(), &moved);
+                   count_peer_bytes(t, moved);
+                   return e;
                  });
 }
 
@@ -142,7 +146,11 @@ ffi::Error MoeCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyBuffer weig
                    if (sd[0] != s.ranks * s.tokens)
                      return "strata_jax moe.combine: internal error: plan does not match the "
                             "group size";
-                   return moe::combine(t, s, weights.untyped_data(), y->untyped_data());
+                   uint64_t moved = 0;
+                   std::string e =
+                       moe::combine(t, s, weights.untyped_data(), y->untyped_data(), &moved);
+                   count_peer_bytes(t, moved);
+                   return e;
                  });
 }
 
@@ -294,10 +302,13 @@ ffi::Error MoeLowLatencyDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyB
                    if (rd[1] != s.ranks * max_tokens)
                      return "strata_jax moe.low_latency_dispatch: internal error: receive "
                             "buffer does not match the group size";
-                   return moe::low_latency_dispatch(
+                   uint64_t moved = 0;
+                   std::string e = moe::low_latency_dispatch(
                        t, s, max_tokens, push != 0, recv->untyped_data(),
                        static_cast<int32_t*>(counts->untyped_data()),
-                       static_cast<int32_t*>(src_slots->untyped_data()));
+                       static_cast<int32_t*>(src_slots->untyped_data()), &moved);
+                   count_peer_bytes(t, moved);
+                   return e;
                  });
 }
 
@@ -341,10 +352,14 @@ ffi::Error MoeLowLatencyCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyB
                    if (ed[1] != s.ranks * max_tokens)
                      return "strata_jax moe.low_latency_combine: internal error: expert "
                             "rows do not match the group size";
-                   return moe::low_latency_combine(
+                   uint64_t moved = 0;
+                   std::string e = moe::low_latency_combine(
                        t, s, max_tokens, weights.untyped_data(),
                        static_cast<const int32_t*>(idx.untyped_data()),
-                       static_cast<const int32_t*>(src_slots.untyped_data()), y->untyped_data());
+                       static_cast<const int32_t*>(src_slots.untyped_data()), y->untyped_data(),
+                       &moved);
+                   count_peer_bytes(t, moved);
+                   return e;
                  });
 }
 

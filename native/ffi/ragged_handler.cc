@@ -86,8 +86,7 @@ ffi::Error RaggedAllToAllImpl(ffi::RunId run, ffi::AnyBuffer operand, ffi::AnyBu
                             [&](Team& t) -> std::string {
                               uint64_t moved = 0;
                               std::string e = ragged_all_to_all(t, s, res, &moved);
-                              (t.zero_copy() ? stats().zero_copy_bytes : stats().peer_bounce_bytes)
-                                  .fetch_add(moved, std::memory_order_relaxed);
+                              count_peer_bytes(t, moved);
                               return e;
                             });
 }

@@ -15,7 +15,8 @@ namespace {
 using DT = xla::ffi::DataType;
 
 template <class T>
-void combine_typed(Team& t, const MoeShape& s, const typename Elem<T>::Acc* w, T* y) {
+void combine_typed(Team& t, const MoeShape& s, const typename Elem<T>::Acc* w, T* y,
+                   uint64_t* peer_bytes) {
   using Acc = typename Elem<T>::Acc;
   const int64_t R = s.ranks, K = s.topk, H = s.hidden;
   const int64_t base = static_cast<int64_t>(t.rank()) * s.tokens;
@@ -35,6 +36,7 @@ void combine_typed(Team& t, const MoeShape& s, const typename Elem<T>::Acc* w, T
       const int32_t* sl = slots[r] + (base + tok) * K;
       for (int64_t k = 0; k < K; ++k)
         if (sl[k] >= 0) {
+          if (r != t.rank()) *peer_bytes += H * sizeof(T);
           rows[m] = ey[r] + int64_t(sl[k]) * H;
           wts[m++] = w[tok * K + k];
         }
@@ -61,10 +63,11 @@ void combine_typed(Team& t, const MoeShape& s, const typename Elem<T>::Acc* w, T
 
 }  // namespace
 
-std::string combine(Team& t, const MoeShape& s, const void* w, void* y) {
+std::string combine(Team& t, const MoeShape& s, const void* w, void* y, uint64_t* peer_bytes) {
   with_row_type(s.dtype, [&](auto tag) {
     using T = decltype(tag);
-    combine_typed<T>(t, s, static_cast<const typename Elem<T>::Acc*>(w), static_cast<T*>(y));
+    combine_typed<T>(t, s, static_cast<const typename Elem<T>::Acc*>(w), static_cast<T*>(y),
+                     peer_bytes);
   });
   return {};
 }

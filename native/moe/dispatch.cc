@@ -18,7 +18,8 @@ using DT = xla::ffi::DataType;
 // in cache for the token's other slots here) and written to each distinct slot with
 // non-temporal stores: recv_x is only written here, so its lines need not be read for ownership
 // (a third of the traffic of a cached copy).
-void dispatch_copy(Team& t, const MoeShape& s, const int32_t* slots, char* out) {
+void dispatch_copy(Team& t, const MoeShape& s, const int32_t* slots, char* out,
+                   uint64_t* peer_bytes) {
   const int64_t N = s.ranks * s.tokens, K = s.topk, rb = s.row_bytes();
   auto row_of = [&](int64_t g) {
     return static_cast<const char*>(t.peer_buf(static_cast<int>(g / s.tokens), kDispX)) +
@@ -38,6 +39,7 @@ void dispatch_copy(Team& t, const MoeShape& s, const int32_t* slots, char* out) 
     while (gn < N && !routed_here(gn)) ++gn;
     const char* next = gn < N ? row_of(gn) : nullptr;
     const char* row = row_of(g);
+    if (g / s.tokens != t.rank()) *peer_bytes += rb;  // read once, copied to each slot here
     const int32_t* sl = slots + g * K;
     for (int64_t k = 0; k < K; ++k) {
       const int32_t slot = sl[k];
@@ -57,7 +59,8 @@ void dispatch_copy(Team& t, const MoeShape& s, const int32_t* slots, char* out) 
 // naming the slot's expert) * x row. The source row is read once into an accumulator-typed
 // buffer, then scaled into each slot.
 template <class T>
-void dispatch_weighted(Team& t, const MoeShape& s, const int32_t* slots, char* out) {
+void dispatch_weighted(Team& t, const MoeShape& s, const int32_t* slots, char* out,
+                       uint64_t* peer_bytes) {
   using Acc = typename Elem<T>::Acc;
   const int64_t N = s.ranks * s.tokens, K = s.topk, H = s.hidden, rb = s.row_bytes();
   std::vector<Acc> row(H);
@@ -68,6 +71,7 @@ void dispatch_weighted(Team& t, const MoeShape& s, const int32_t* slots, char* o
     if (!any) continue;
     const int src = static_cast<int>(g / s.tokens);
     const int64_t tok = g % s.tokens;
+    if (src != t.rank()) *peer_bytes += rb;
     const char* x = static_cast<const char*>(t.peer_buf(src, kDispX));
     load_row<T>(row.data(), reinterpret_cast<const T*>(x + tok * rb), H);
     const Acc* w = static_cast<const Acc*>(t.peer_buf(src, kDispWeights)) + tok * K;
@@ -100,7 +104,7 @@ bool row_dtype_supported(int32_t dtype) {
 }
 
 std::string dispatch(Team& t, const MoeShape& s, const int32_t* slots, const int32_t* counts,
-                     bool weighted, void* out_v) {
+                     bool weighted, void* out_v, uint64_t* peer_bytes) {
   char* out = static_cast<char*>(out_v);
   const int64_t rb = s.row_bytes();
   // Rows of expert e are [0, counts[e]) by construction of the plan; zero the rest first so
@@ -113,10 +117,11 @@ std::string dispatch(Team& t, const MoeShape& s, const int32_t* slots, const int
     zero_bytes(out + (e * s.capacity + used) * rb, (s.capacity - used) * rb);
   }
   if (weighted) {
-    with_row_type(s.dtype, [&](auto tag) { dispatch_weighted<decltype(tag)>(t, s, slots, out); });
+    with_row_type(
+        s.dtype, [&](auto tag) { dispatch_weighted<decltype(tag)>(t, s, slots, out, peer_bytes); });
     copy_fence();  // the zeroing above used non-temporal stores
   } else {
-    dispatch_copy(t, s, slots, out);
+    dispatch_copy(t, s, slots, out, peer_bytes);
   }
   return {};
 }

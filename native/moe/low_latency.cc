@@ -29,7 +29,8 @@ const int32_t* ids_of(Team& t, int r) { return static_cast<const int32_t*>(t.pee
 }  // namespace
 
 std::string low_latency_dispatch(Team& t, const MoeShape& s, int64_t max_tokens, bool push,
-                                 void* out_v, int32_t* counts, int32_t* src_slots) {
+                                 void* out_v, int32_t* counts, int32_t* src_slots,
+                                 uint64_t* peer_bytes) {
   const int R = t.size(), me = t.rank();
   const int64_t T = s.tokens, K = s.topk, El = s.local_experts, E = El * R;
   const int64_t rows_per_expert = R * max_tokens, rb = s.row_bytes();
@@ -59,6 +60,7 @@ std::string low_latency_dispatch(Team& t, const MoeShape& s, int64_t max_tokens,
         if (push) {
           char* dst = static_cast<char*>(const_cast<void*>(t.peer_buf(e / El, kLLRecv)));
           copy_bytes(dst + slot * rb, my_x + tok * rb, rb);
+          if (e / El != me) *peer_bytes += rb;
         }
       } else if (ids[k] >= 0 && ids[k] < E) {
         for (int64_t j = 0; j < k; ++j)
@@ -85,6 +87,7 @@ std::string low_latency_dispatch(Team& t, const MoeShape& s, int64_t max_tokens,
         if (push) continue;
         if (first < 0) {
           copy_bytes(out + slot * rb, x_r + tok * rb, rb);
+          if (r != me) *peer_bytes += rb;
           first = slot;
         } else {
           copy_bytes(out + slot * rb, out + first * rb, rb);
@@ -111,7 +114,8 @@ std::string low_latency_dispatch(Team& t, const MoeShape& s, int64_t max_tokens,
 namespace {
 template <class T>
 void ll_combine_typed(Team& t, const MoeShape& s, int64_t max_tokens, const void* w_v,
-                      const int32_t* topk_idx, const int32_t* src_slots, T* y) {
+                      const int32_t* topk_idx, const int32_t* src_slots, T* y,
+                      uint64_t* peer_bytes) {
   using Acc = typename Elem<T>::Acc;
   const int64_t K = s.topk, H = s.hidden, El = s.local_experts;
   const Acc* w = static_cast<const Acc*>(w_v);
@@ -123,7 +127,9 @@ void ll_combine_typed(Team& t, const MoeShape& s, int64_t max_tokens, const void
     for (int64_t k = 0; k < K; ++k) {
       const int32_t slot = src_slots[tok * K + k];
       if (slot < 0) continue;
-      rows[m] = ey[topk_idx[tok * K + k] / El] + int64_t(slot) * H;
+      const int owner = topk_idx[tok * K + k] / El;
+      if (owner != t.rank()) *peer_bytes += H * sizeof(T);
+      rows[m] = ey[owner] + int64_t(slot) * H;
       wts[m++] = static_cast<Acc>(w[tok * K + k]);
     }
     return m;
@@ -142,10 +148,11 @@ void ll_combine_typed(Team& t, const MoeShape& s, int64_t max_tokens, const void
 }  // namespace
 
 std::string low_latency_combine(Team& t, const MoeShape& s, int64_t max_tokens, const void* w,
-                                const int32_t* topk_idx, const int32_t* src_slots, void* y) {
+                                const int32_t* topk_idx, const int32_t* src_slots, void* y,
+                                uint64_t* peer_bytes) {
   with_row_type(s.dtype, [&](auto tag) {
     using T = decltype(tag);
-    ll_combine_typed<T>(t, s, max_tokens, w, topk_idx, src_slots, static_cast<T*>(y));
+    ll_combine_typed<T>(t, s, max_tokens, w, topk_idx, src_slots, static_cast<T*>(y), peer_bytes);
   });
   return {};
 }

@@ -74,14 +74,16 @@ bool row_dtype_supported(int32_t dtype);
 // out[E_local, C, H] on this rank: slot rows filled from the sources' x (weighted: scaled by
 // the sum of the token's weights that name the slot's expert, read from the source's
 // weights), rows past counts[e] zeroed. Reads the peers' kDispX (and kDispWeights).
+// *peer_bytes: the bytes of rows read from other ranks' buffers (for memory_stats()).
 std::string dispatch(Team& t, const MoeShape& s, const int32_t* slots, const int32_t* counts,
-                     bool weighted, void* out);
+                     bool weighted, void* out, uint64_t* peer_bytes);
 
 // y[t] = sum over expert ranks r in rank order and, within one, k in order, of w[t, k] *
 // expert_y_r[slots_r[g, k]] where slots_r[g, k] >= 0 (g = me * T + t), accumulated in the rows'
 // accumulator type and rounded once. Reads the peers' kCombExpertY and kCombSlots; `w` [T, K]
 // is this rank's weights in the accumulator type.
-std::string combine(Team& t, const MoeShape& s, const void* w, void* y);
+// *peer_bytes: the bytes of rows read from other ranks' buffers.
+std::string combine(Team& t, const MoeShape& s, const void* w, void* y, uint64_t* peer_bytes);
 
 // out[T, K] (float32 or float64, as the values) = for each choice e = topk_idx[t, k] >= 0, the
 // value of the token's slot on the expert's rank (read from that rank's kGathSlots and
@@ -111,15 +113,19 @@ enum LowLatencyCombineBuf : int {
 // choices in the expert rank's flattened [E_local * R * M] rows; -1 for -1 choices; a repeated
 // expert points at the same row). push: every source writes its rows into the destinations'
 // published kLLRecv buffers; else every destination pulls them from the sources' kLLX.
+// *peer_bytes: the bytes of rows read from (pull) or written to (push) other ranks' buffers.
 std::string low_latency_dispatch(Team& t, const MoeShape& s, int64_t max_tokens, bool push,
-                                 void* out, int32_t* counts, int32_t* src_slots);
+                                 void* out, int32_t* counts, int32_t* src_slots,
+                                 uint64_t* peer_bytes);
 
 // y[t] = sum_k w[t, k] * expert_y_owner(k)[src_slots[t, k]] (k in order, accumulated in the
 // rows' accumulator type): this rank pulls its tokens' expert rows from the expert ranks'
 // published kLLExpertY. Weights are read locally; a repeated expert adds its row once per
 // choice, i.e. with the summed weight. w is [T, K] in the rows' accumulator type.
+// *peer_bytes: the bytes of rows read from other ranks' buffers.
 std::string low_latency_combine(Team& t, const MoeShape& s, int64_t max_tokens, const void* w,
-                                const int32_t* topk_idx, const int32_t* src_slots, void* y);
+                                const int32_t* topk_idx, const int32_t* src_slots, void* y,
+                                uint64_t* peer_bytes);
 
 }  // namespace moe
 }  // namespace strata
