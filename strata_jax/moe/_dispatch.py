@@ -266,10 +266,6 @@ mlir.register_lowering(
 # calls. jax.lax's collectives batch the same way (one collective over the batched operand).
 
 
-def _batch_front(x, d, size):
-    return batching.bdim_at_front(x, d, size)
-
-
 def _vmap_check(axis_data, axes, name: str):
     if axis_data.name in axes:
         raise NotImplementedError(
@@ -331,14 +327,14 @@ def _plan_batcher(axis_data, vals_in, dims_in, *, local_experts, capacity, axes)
         )
         return out, [None] * 4
     b, r, el = axis_data.size, lowering.axis_size(axes), local_experts
-    g = _batch_front(g_idx, dims_in[0], b)  # [B, R * T, K]
+    g = batching.bdim_at_front(g_idx, dims_in[0], b)  # [B, R * T, K]
     n, k = g.shape[1:]
     if b == 0:  # nothing to route (static: the same on every rank)
         shapes = [(0, el), (0, el), (0, n, k), (0, n)]
         return [_empty(sh, jnp.int32, axes) for sh in shapes], [0] * 4
     g = _fold_ids(g, el).reshape(b, r, n // r, k).transpose(1, 0, 2, 3).reshape(n * b, k)
     # base (this rank's first expert) comes from axis_index: the same for every element
-    base0 = base if dims_in[1] is None else _batch_front(base, dims_in[1], b)[0]
+    base0 = base if dims_in[1] is None else batching.bdim_at_front(base, dims_in[1], b)[0]
     counts, dropped, slots, _ = moe_plan_p.bind(
         g, base0 * b, local_experts=b * el, capacity=capacity, axes=axes
     )
@@ -355,16 +351,16 @@ def _dispatch_batcher(axis_data, vals_in, dims_in, *, axes, capacity, weighted):
     b, r = axis_data.size, lowering.axis_size(axes)
     x, w, slots, counts, idx = vals_in
     xd, wd, sd, cd, idd = dims_in
-    counts = _batch_front(counts, cd, b)  # [B, E_local]
+    counts = batching.bdim_at_front(counts, cd, b)  # [B, E_local]
     el = counts.shape[1]
-    x = _batch_front(x, xd, b)  # [B, T, H]
+    x = batching.bdim_at_front(x, xd, b)  # [B, T, H]
     if b == 0:
         return _empty((0, el, capacity, x.shape[2]), x.dtype, axes), 0
     x = x.reshape(b * x.shape[1], x.shape[2])
-    w = _batch_front(w, wd, b)  # weighted: [B, T, K]; else [B, 0, K]
+    w = batching.bdim_at_front(w, wd, b)  # weighted: [B, T, K]; else [B, 0, K]
     w = w.reshape(b * w.shape[1], w.shape[2])
-    slots = _fold_slots(_batch_front(slots, sd, b), r, el, capacity)
-    idx = _fold_ids(_batch_front(idx, idd, b), el)
+    slots = _fold_slots(batching.bdim_at_front(slots, sd, b), r, el, capacity)
+    idx = _fold_ids(batching.bdim_at_front(idx, idd, b), el)
     idx = idx.reshape(b * idx.shape[1], idx.shape[2])
     counts = counts.reshape(b * el)
     out = moe_dispatch_p.bind(
@@ -380,20 +376,20 @@ def _combine_batcher(axis_data, vals_in, dims_in, *, axes, num_rows):
     b, r = axis_data.size, lowering.axis_size(axes)
     ey, w, slots, _, counts, idx = vals_in
     eyd, wd, sd, _, cd, idd = dims_in
-    ey = _batch_front(ey, eyd, b)  # [B, E_local, C, H]
+    ey = batching.bdim_at_front(ey, eyd, b)  # [B, E_local, C, H]
     el, cap, h = ey.shape[1:]
-    w = _batch_front(w, wd, b)  # [B, T, K]
+    w = batching.bdim_at_front(w, wd, b)  # [B, T, K]
     t, k = w.shape[1:]
     if b == 0:
         return [_empty((0, t, h), ey.dtype, axes), _empty((num_rows, h), ey.dtype, axes)], [0, None]
-    slots = _fold_slots(_batch_front(slots, sd, b), r, el, cap)
+    slots = _fold_slots(batching.bdim_at_front(slots, sd, b), r, el, cap)
     y, part = moe_combine_p.bind(
         ey.reshape(b * el, cap, h),
         w.reshape(b * t, k),
         slots,
         _rows_placeholder(slots, axes),
-        _batch_front(counts, cd, b).reshape(b * el),
-        _fold_ids(_batch_front(idx, idd, b), el).reshape(b * t, k),
+        batching.bdim_at_front(counts, cd, b).reshape(b * el),
+        _fold_ids(batching.bdim_at_front(idx, idd, b), el).reshape(b * t, k),
         axes=axes,
         num_rows=num_rows,
     )
@@ -406,7 +402,7 @@ def _gather_batcher(axis_data, vals_in, dims_in, *, axes):
         return moe_gather_p.bind(*vals_in, axes=axes), None
     b, r = axis_data.size, lowering.axis_size(axes)
     values, slots, idx, counts = (
-        _batch_front(v, d, b) for v, d in zip(vals_in, dims_in, strict=True)
+        batching.bdim_at_front(v, d, b) for v, d in zip(vals_in, dims_in, strict=True)
     )
     el, cap = values.shape[1], values.shape[2]
     t, k = idx.shape[1:]
@@ -501,7 +497,7 @@ def _dispatch_transpose(ct, x, w, slots, counts, idx, *, axes, capacity, weighte
         return [ct_x, None, None, None, None]
     # Linear in the weights (weighted dispatch): d w[t, k] = <ct[slot(t, k)], x[t]>.
     acc = w.aval.dtype  # w is the undefined primal here
-    empty = lowering.pvary_missing(jnp.zeros((0, idx.shape[1]), jnp.float32), axes)
+    empty = _empty((0, idx.shape[1]), jnp.float32, axes)  # unweighted: no weights
     x_rows = moe_dispatch_p.bind(
         x, empty, slots, counts, idx, axes=axes, capacity=capacity, weighted=False
     )
@@ -534,7 +530,7 @@ def _combine_transpose(cts, ey, w, slots, rows, counts, idx, *, axes, num_rows):
         return [ct_ey, None, None, None, None, None]
     # Linear in the weights: d w[t, k] = <ct[t], expert_y[slot(t, k)]>: dispatch ct, dot on
     # the expert rank, read each choice's scalar back from the expert's rank.
-    empty = lowering.pvary_missing(jnp.zeros((0, idx.shape[1]), jnp.float32), axes)
+    empty = _empty((0, idx.shape[1]), jnp.float32, axes)  # unweighted: no weights
     ct_rows = moe_dispatch_p.bind(
         ct, empty, slots, counts, idx, axes=axes, capacity=ey.shape[1], weighted=False
     )
