@@ -297,13 +297,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     times, outs = C.time_interleaved(fns, args.iters, args.warmup)
     med = {k: C.median(v) for k, v in times.items()}
-    # The memory floor of a phase: its token rows read once and written once, all ranks
-    # (2 * R * bytes_per_rank), at the bandwidth of these devices measured now (STREAM add).
-    # d+c adds the "expert"'s own pass: every rank reads its whole recv_x [E/R, R*cs, H] and
-    # writes the scaled copy (padding rows included: it is a dense op on the buffer).
-    floor_traffic = 2 * R * bytes_per_rank
-    expert_traffic = 2 * R * el * cap * H * dt.itemsize
-    stream = C.stream_add_gbs(mesh, floor_traffic)
+    # The memory floor of a phase: the bytes its output forces it to move, all ranks, at the
+    # bandwidth of these devices measured now (STREAM add). Dispatch reads each token row once
+    # per destination rank and writes all of recv_x [E/R, cap, H]: every row of it is defined
+    # (a routed token's row, or zeros past the count), so none can be skipped. Combine reads
+    # each routed (token, expert) row once and writes y [T, H]. d+c adds the "expert"'s own
+    # pass: every rank reads its whole recv_x and writes the scaled copy.
+    recv_bytes = R * el * cap * H * dt.itemsize
+    slot_rows = sum(len({e for e in row.tolist() if e >= 0}) for row in idx_host)
+    traffic = {
+        "dispatch": R * bytes_per_rank + recv_bytes,
+        "combine": (slot_rows + R * T) * H * dt.itemsize,
+    }
+    expert_traffic = 2 * recv_bytes
+    traffic["d+c"] = traffic["dispatch"] + traffic["combine"] + expert_traffic
+    stream = C.stream_add_gbs(mesh, max(traffic["dispatch"], traffic["combine"]))
 
     tol = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}.get(dt.name, 1e-4)
     checks = {}
@@ -324,11 +332,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
     )
     print(
-        f"# floor      : the phase's token rows read once and written once by all ranks "
-        f"({C.format_size(floor_traffic)} per phase) at {stream:.1f} GB/s, the STREAM add "
-        "bandwidth of these devices measured in this run; x floor = time / floor; d+c's "
-        f"floor is both phases' plus the expert's read and write of recv_x "
-        f"({C.format_size(expert_traffic)})"
+        f"# floor      : the bytes each phase must move, all ranks (dispatch: token rows "
+        f"read once per destination rank + all of recv_x written, "
+        f"{C.format_size(traffic['dispatch'])}; combine: routed rows read + y written, "
+        f"{C.format_size(traffic['combine'])}; d+c: both + the expert's read and write of "
+        f"recv_x, {C.format_size(traffic['d+c'])}) at {stream:.1f} GB/s, the STREAM add "
+        "bandwidth of these devices measured in this run; x floor = time / floor"
     )
     for line in table.header_lines():
         print(line)
@@ -339,8 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             nbytes = bytes_per_rank * (2 if phase == "d+c" else 1)
             st = med.get(f"strata {phase}")
             ratio = t / st if st else None
-            traffic = 2 * floor_traffic + expert_traffic if phase == "d+c" else floor_traffic
-            floor = traffic / (stream * 1e9)
+            floor = traffic[phase] / (stream * 1e9)
             print(
                 table.row([name, phase, t * 1e3, nbytes / t / 1e9, floor * 1e3, t / floor, ratio])
             )

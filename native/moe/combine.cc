@@ -1,6 +1,7 @@
 // Combine, pull-style in one pass: each source rank reads its tokens' expert rows straight from
 // the expert ranks' buffers (see moe.h for why not DeepEP's two phases inside a fabric).
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "coll/kernels.h"
@@ -19,7 +20,8 @@ void combine_typed(Team& t, const MoeShape& s, const typename Elem<T>::Acc* w, T
                    uint64_t* peer_bytes) {
   using Acc = typename Elem<T>::Acc;
   const int64_t R = s.ranks, K = s.topk, H = s.hidden;
-  const int64_t base = static_cast<int64_t>(t.rank()) * s.tokens;
+  const int me = t.rank();
+  const int64_t base = static_cast<int64_t>(me) * s.tokens;
   std::vector<const T*> ey(R);
   std::vector<const int32_t*> slots(R);
   for (int64_t r = 0; r < R; ++r) {
@@ -36,7 +38,7 @@ void combine_typed(Team& t, const MoeShape& s, const typename Elem<T>::Acc* w, T
       const int32_t* sl = slots[r] + (base + tok) * K;
       for (int64_t k = 0; k < K; ++k)
         if (sl[k] >= 0) {
-          if (r != t.rank()) *peer_bytes += H * sizeof(T);
+          if (r != me) *peer_bytes += H * sizeof(T);
           rows[m] = ey[r] + int64_t(sl[k]) * H;
           wts[m++] = w[tok * K + k];
         }
@@ -45,15 +47,21 @@ void combine_typed(Team& t, const MoeShape& s, const typename Elem<T>::Acc* w, T
   };
   std::vector<const T*> rows(K), next_rows(K);
   std::vector<Acc> wts(K), next_wts(K);
-  std::vector<T> row(H);  // the summed row, streamed out from here
+  // y is only written here: non-temporal stores skip the read for ownership of its lines (a
+  // third of the traffic of a cached store of a row that is not read back soon). float rows
+  // stream out of the registers; other types through a row buffer.
+  constexpr bool kDirect = std::is_same_v<T, float>;
+  std::vector<T> row(kDirect ? 0 : H);
   int64_t m = s.tokens > 0 ? sources(0, rows.data(), wts.data()) : 0;
   for (int64_t tok = 0; tok < s.tokens; ++tok) {
     // The next token's rows are prefetched while this token's are summed.
     const int64_t mn = tok + 1 < s.tokens ? sources(tok + 1, next_rows.data(), next_wts.data()) : 0;
-    weighted_sum_rows<T>(row.data(), rows.data(), wts.data(), m, H, next_rows.data(), mn);
-    // y is only written here: non-temporal stores skip the read for ownership of its lines
-    // (a third of the traffic of a cached store of a row that is not read back soon).
-    copy_bytes_stream(y + tok * H, row.data(), H * sizeof(T));
+    if constexpr (kDirect) {
+      weighted_sum_rows<T, true>(y + tok * H, rows.data(), wts.data(), m, H, next_rows.data(), mn);
+    } else {
+      weighted_sum_rows<T>(row.data(), rows.data(), wts.data(), m, H, next_rows.data(), mn);
+      copy_bytes_stream(y + tok * H, row.data(), H * sizeof(T));
+    }
     std::swap(rows, next_rows);
     std::swap(wts, next_wts);
     m = mn;
