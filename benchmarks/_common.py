@@ -266,40 +266,61 @@ def expert_chunk_arg(value: str) -> int | None:
 _STREAM_CACHE: dict[tuple[int, int], float] = {}
 
 
-def stream_add_gbs(mesh: Any, traffic_bytes: int, repeats: int = 7) -> float:
-    """Memory bandwidth of the machine behind ``mesh``'s devices for ``traffic_bytes`` of
-    traffic, in GB/s (1e9 B/s): STREAM's "add" kernel (McCalpin,
-    https://www.cs.virginia.edu/stream/), run by XLA itself on every device of the mesh at once.
+def stream_add_step(mesh: Any, traffic_bytes: int) -> tuple[Callable[[], Any], int]:
+    """One step of STREAM's "add" kernel (McCalpin, https://www.cs.virginia.edu/stream/), run by
+    XLA itself on every device of ``mesh`` at once, and the bytes one step moves.
 
     ``a = a + b`` over float32 arrays sharded across the mesh (``traffic_bytes / 3`` bytes each,
     all devices together), ``a`` donated so the sum is written in place: every byte of ``a`` and
     ``b`` is read once and every byte of ``a`` written once, the 3 units STREAM counts, with no
-    hidden read-for-ownership and no first-touch page faults (pages are touched before timing).
-    All devices run together, so it is the rate of all cores, i.e. of the memory. Median of
-    ``repeats`` after two warm-ups; the max over processes when several run the mesh (every
-    process must call it). Cached per (mesh size, traffic) within the process. Small sizes run
-    from cache, so their "bandwidth" is the cache's.
+    hidden read-for-ownership. Returns ``(step, bytes)``: ``step()`` runs one add and returns
+    the (unblocked) result; time it like any other implementation, e.g. inside
+    ``time_interleaved``, after two warm-up calls (which touch the pages). bandwidth in GB/s =
+    ``bytes / seconds / 1e9``. All devices run together, so it is the rate of all cores, i.e. of
+    the memory; small sizes run from cache, so their "bandwidth" is the cache's.
     """
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     n = int(mesh.devices.size)
     per = max(16, int(traffic_bytes) // 3 // 4 // n)  # float32 elements per device
-    key = (n, per)
-    if key in _STREAM_CACHE:
-        return _STREAM_CACHE[key]
     sharding = NamedSharding(mesh, P(mesh.axis_names))
     shape = (n * per,)
-    a = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=sharding)()
-    b = jax.jit(lambda: jnp.ones(shape, jnp.float32), out_shardings=sharding)()
+    state = {
+        "a": jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=sharding)(),
+        "b": jax.jit(lambda: jnp.ones(shape, jnp.float32), out_shardings=sharding)(),
+    }
     add = jax.jit(lambda x, y: x + y, donate_argnums=0, out_shardings=sharding)
+
+    def step() -> Any:
+        state["a"] = add(state["a"], state["b"])
+        return state["a"]
+
+    return step, 3 * 4 * n * per
+
+
+def stream_add_gbs(mesh: Any, traffic_bytes: int, repeats: int = 7) -> float:
+    """Memory bandwidth of the machine behind ``mesh``'s devices for ``traffic_bytes`` of
+    traffic, in GB/s (1e9 B/s): ``stream_add_step`` timed alone, median of ``repeats`` after two
+    warm-ups; the max over processes when several run the mesh (every process must call it).
+    Cached per (mesh size, traffic) within the process. To place an implementation against the
+    bandwidth under the same conditions, time ``stream_add_step`` in the same alternations
+    instead (benchmarks/moe.py does).
+    """
+    import jax
+    import numpy as np
+
+    n = int(mesh.devices.size)
+    key = (n, max(16, int(traffic_bytes) // 3 // 4 // n))
+    if key in _STREAM_CACHE:
+        return _STREAM_CACHE[key]
+    step, moved = stream_add_step(mesh, traffic_bytes)
     times = []
     for r in range(repeats + 2):
         t0 = time.perf_counter()
-        a = jax.block_until_ready(add(a, b))
+        jax.block_until_ready(step())
         if r >= 2:
             times.append(time.perf_counter() - t0)
     t = median(times)
@@ -307,9 +328,8 @@ def stream_add_gbs(mesh: Any, traffic_bytes: int, repeats: int = 7) -> float:
         from jax.experimental import multihost_utils
 
         t = float(np.max(multihost_utils.process_allgather(np.asarray(t, np.float64))))
-    gbs = 3 * 4 * n * per / t / 1e9
+    gbs = moved / t / 1e9
     _STREAM_CACHE[key] = gbs
-    del a, b
     return gbs
 
 
