@@ -291,16 +291,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{pairs / (R * T):.2f} destination ranks per token"
     )
     print(
-        f"# bytes      : {C.format_size(bytes_per_rank)} of token rows per rank per phase; "
-        f"impls {', '.join(impls)}; {args.iters} iters after {args.warmup} warm-up"
+        f"# bytes      : {C.format_size(bytes_per_rank)} of token rows per rank, one per (token, "
+        f"destination rank); impls {', '.join(impls)}; {args.iters} iters after "
+        f"{args.warmup} warm-up"
     )
 
     # The memory floor of a phase: the bytes its output forces it to move, all ranks, at the
     # bandwidth of these devices measured now (STREAM add). Dispatch reads each token row once
     # per destination rank and writes all of recv_x [E/R, cap, H]: every row of it is defined
     # (a routed token's row, or zeros past the count), so none can be skipped. Combine reads
-    # each routed (token, expert) row once and writes y [T, H]. d+c adds the "expert"'s own
-    # pass: every rank reads its whole recv_x and writes the scaled copy.
+    # each routed (token, expert) row once and writes y [T, H] (the run fails on any drop, so
+    # every routed row is read). d+c adds the "expert"'s own pass: every rank reads its whole
+    # recv_x and writes the scaled copy.
     recv_bytes = R * el * cap * H * dt.itemsize
     slot_rows = sum(len({e for e in row.tolist() if e >= 0}) for row in idx_host)
     traffic = {
@@ -343,7 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{C.format_size(traffic['combine'])}; d+c: both + the expert's read and write of "
         f"recv_x, {C.format_size(traffic['d+c'])}) at {stream:.1f} GB/s, the STREAM add "
         "bandwidth of these devices (median of its calls, timed in turns with the phases); "
-        "x floor = time / floor"
+        "x floor = time / floor (below 1 where streaming stores beat the in-place add); "
+        "GB/s/rank = the floor's bytes per rank / time"
     )
     for line in table.header_lines():
         print(line)
@@ -351,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in impls:
         for phase in ("dispatch", "combine", "d+c"):
             t = med[f"{name} {phase}"]
-            nbytes = bytes_per_rank * (2 if phase == "d+c" else 1)
+            nbytes = traffic[phase] / R
             st = med.get(f"strata {phase}")
             ratio = t / st if st else None
             floor = traffic[phase] / (stream * 1e9)

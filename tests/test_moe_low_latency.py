@@ -168,3 +168,44 @@ def test_low_latency_across_processes(mode):
     r = _launch(2, "check_moe_low_latency.py", mode=mode)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("OK moe low-latency") == 2, r.stdout[-2000:]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("k", [3, 4])
+def test_combine_order_same_as_normal_mode(rng, dtype, k):
+    """low_latency_combine sums a token's rows in combine's order (expert ranks ascending, a
+    rank's choices in k order), so the two modes give bitwise the same y. The first token's
+    choices are in falling rank order and its expert outputs cancel (1e4, -1e4, then small):
+    summed in k order instead, its y differs in float32."""
+    n, e, t = R, R * E_LOCAL, 5
+    idx = np.stack([rng.choice(e, k, replace=False) for _ in range(n * t)]).astype(np.int32)
+    idx[0] = [7, 0, 2, 5][:k]  # ranks 3, 0, 1, 2
+    idx[1, 1] = -1
+    x = rng.standard_normal((n * t, H)).astype(np.float32)
+    x[0] = 1.0
+    w = rng.random((n * t, k)).astype(np.float32)
+    w[0] = 1.0
+    scale = rng.standard_normal(e).astype(np.float32)
+    scale[[7, 0]] = [1e4, -1e4]
+    dt = jnp.dtype(dtype)
+
+    def body(x, idx, w):
+        s = jax.lax.dynamic_slice_in_dim(
+            jnp.asarray(scale), jax.lax.axis_index("x") * E_LOCAL, E_LOCAL
+        )
+        s = s.astype(dt)[:, None, None]
+        recv, lay = sj.moe.dispatch(x, idx, num_experts=e, axis_name="x")
+        y = sj.moe.combine(recv * s, lay, w)
+        rl, _, h = sj.moe.low_latency_dispatch(x, idx, num_experts=e, axis_name="x")
+        return y, sj.moe.low_latency_combine(rl * s, h, w)
+
+    spec = P("x")
+    f = jax.jit(jax.shard_map(body, mesh=mesh1d(n), in_specs=(spec,) * 3, out_specs=(spec,) * 2))
+    y, yl = f(jnp.asarray(x, dt), idx, jnp.asarray(w, dt))
+    assert y.dtype == dt and yl.dtype == dt
+    np.testing.assert_array_equal(
+        np.asarray(yl).view(np.uint16 if dt.itemsize == 2 else np.uint32),
+        np.asarray(y).view(np.uint16 if dt.itemsize == 2 else np.uint32),
+    )
+    want = (w[0, :] * scale[idx[0]]).sum() * 1.0
+    np.testing.assert_allclose(np.asarray(y[0].astype(jnp.float32)), want, rtol=2e-2, atol=2e-2)

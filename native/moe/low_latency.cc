@@ -121,16 +121,28 @@ void ll_combine_typed(Team& t, const MoeShape& s, int64_t max_tokens, const void
   const Acc* w = static_cast<const Acc*>(w_v);
   std::vector<const T*> ey(t.size());
   for (int r = 0; r < t.size(); ++r) ey[r] = static_cast<const T*>(t.peer_buf(r, kLLExpertY));
-  // A token's expert rows and weights in k order (the normal mode's order for one token).
+  // A token's expert rows and weights in the normal mode's order (combine.cc): expert ranks
+  // ascending, a rank's choices in k order. Both modes then sum a token's rows in one order and
+  // give bitwise the same y (the order matters in floating point: 1e8 + -1e8 + 1 is not
+  // 1 + 1e8 + -1e8). At most K rows: an insertion by owner rank, stable for equal owners.
+  const int me = t.rank();
+  std::vector<int> owner_of(K);
   auto sources = [&](int64_t tok, const T** rows, Acc* wts) {
     int64_t m = 0;
     for (int64_t k = 0; k < K; ++k) {
       const int32_t slot = src_slots[tok * K + k];
       if (slot < 0) continue;
       const int owner = topk_idx[tok * K + k] / El;
-      if (owner != t.rank()) *peer_bytes += H * sizeof(T);
-      rows[m] = ey[owner] + int64_t(slot) * H;
-      wts[m++] = static_cast<Acc>(w[tok * K + k]);
+      if (owner != me) *peer_bytes += H * sizeof(T);
+      int64_t at = m++;
+      for (; at > 0 && owner_of[at - 1] > owner; --at) {
+        rows[at] = rows[at - 1];
+        wts[at] = wts[at - 1];
+        owner_of[at] = owner_of[at - 1];
+      }
+      rows[at] = ey[owner] + int64_t(slot) * H;
+      wts[at] = static_cast<Acc>(w[tok * K + k]);
+      owner_of[at] = owner;
     }
     return m;
   };

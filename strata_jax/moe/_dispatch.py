@@ -1004,7 +1004,9 @@ def low_latency_combine(expert_y, handle: LowLatencyHandle, topk_weights):
       y [T, H] in expert_y's dtype: ``y[t] = sum_k topk_weights[t, k] * expert_y[row of
       (t, topk_idx[t, k])]``, as :func:`combine`: weights applied here and only here, -1
       choices contribute 0, a repeated expert gets the sum of its weights. Accumulates in
-      float32 (float64 for float64), choices in k order.
+      float32 (float64 for float64), a token's rows in :func:`combine`'s order (expert ranks
+      in rank order, a rank's choices in k order): bitwise the same y as :func:`combine` of
+      the same rows.
 
     Raises:
       ValueError: shapes or dtypes that do not match the handle.
