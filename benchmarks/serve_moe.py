@@ -46,10 +46,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -106,9 +108,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("bench_out"))
     p.add_argument("--no-progress", dest="progress", action="store_false")
     args = p.parse_args(argv)
-    args.impls = C.parse_list(args.impl, IMPLS)
+    try:
+        args.impls = C.parse_list(args.impl, IMPLS)
+    except ValueError as e:
+        p.error(f"--impl: {e}")
+    if not args.impls:
+        p.error(f"--impl: name at least one of {IMPLS}")
     if args.gen < 2 or args.prompt < 1 or args.requests < 1:
         p.error("need --gen >= 2, --prompt >= 1, --requests >= 1")
+    if args.batch < 1 or args.devices < 1 or args.train_steps < 2:
+        p.error("need --batch >= 1, --devices >= 1, --train-steps >= 2")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        p.error(f"--temperature must be 0 (greedy) or a positive number, got {args.temperature}")
+    if args.load is not None and not args.load.is_file():
+        p.error(f"--load {args.load}: no such file (write one with train_moe.py --save PATH)")
     return args
 
 
@@ -272,11 +285,22 @@ def main(argv: list[str] | None = None) -> int:
     axis = "ep"
     mesh = Mesh(np.array(jax.devices()), (axis,))
     R = mesh.shape[axis]
-    dense_np, experts_np, cfg = load_params(ckpt, train_moe.init_params)
+    try:
+        dense_np, experts_np, cfg = load_params(ckpt, train_moe.init_params)
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+        raise SystemExit(
+            f"--load {ckpt}: not a checkpoint of this model ({type(e).__name__}: {e}); write "
+            "one with train_moe.py --save PATH, or leave --load out to train one"
+        ) from None
     if cfg["experts"] % R:
         raise SystemExit(f"the model's {cfg['experts']} experts do not split over {R} devices")
     corpus, corpus_name = train_moe.load_corpus(args.data)
     B, Pn, G = args.batch * R, args.prompt, args.gen
+    if corpus.size <= Pn:
+        raise SystemExit(
+            f"the corpus ({corpus_name}) has {corpus.size} bytes: too few to cut --prompt {Pn} "
+            "byte prompts from; give a larger --data file or a smaller --prompt"
+        )
     rng = np.random.default_rng(args.seed + 7)
     starts = rng.integers(0, corpus.size - Pn, size=(args.requests, B))
     prompts_np = corpus[starts[..., None] + np.arange(Pn)]  # [requests, B, P] uint8

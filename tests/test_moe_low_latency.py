@@ -209,3 +209,54 @@ def test_combine_order_same_as_normal_mode(rng, dtype, k):
     )
     want = (w[0, :] * scale[idx[0]]).sum() * 1.0
     np.testing.assert_allclose(np.asarray(y[0].astype(jnp.float32)), want, rtol=2e-2, atol=2e-2)
+
+
+def test_not_differentiable_says_what_to_do():
+    """grad through the low-latency pair names the public function and the normal mode (not
+    JAX's stock "Differentiation rule for 'strata_moe_ll_dispatch' not implemented"); inputs
+    passed through stop_gradient need no rule."""
+    n, e, t = 2, 4, 3
+    idx = jnp.zeros((n * t, 2), jnp.int32).at[:, 1].set(3)
+    w = jnp.ones((n * t, 2), jnp.float32)
+    x = jnp.ones((n * t, H), jnp.float32)
+
+    def body(x, idx, w):
+        recv, _, handle = sj.moe.low_latency_dispatch(x, idx, num_experts=e, axis_name="x")
+        return sj.moe.low_latency_combine(recv, handle, w)
+
+    spec = P("x")
+    f = jax.jit(jax.shard_map(body, mesh=mesh1d(n), in_specs=(spec,) * 3, out_specs=spec))
+    with pytest.raises(NotImplementedError, match=r"low_latency_dispatch is not differentiable"):
+        jax.grad(lambda x: f(x, idx, w).sum())(x)
+    with pytest.raises(NotImplementedError, match=r"low_latency_combine is not.*dispatch/combine"):
+        jax.grad(lambda w: f(x, idx, w).sum())(w)
+    g = jax.grad(lambda x: f(jax.lax.stop_gradient(x), idx, w).sum() + x.sum())(x)
+    np.testing.assert_array_equal(np.asarray(g), np.ones((n * t, H), np.float32))
+
+
+def test_wide_ids_do_not_wrap():
+    """int64 ids past int32 (jax_enable_x64 is on in conftest) are "no expert" in both modes,
+    not the expert they would wrap to (2**32 + 1 -> 1); uint8 ids with E above 255 stay ids."""
+    assert jax.config.jax_enable_x64
+    n, e, t = 2, 4, 2
+    idx = np.full((n * t, 1), -1, np.int64)
+    idx[0, 0] = 2**32 + 1
+    idx[1, 0] = -(2**32) + 3
+    idx[2, 0] = 2**40
+    idx[3, 0] = 2  # the one real choice
+    x = jnp.ones((n * t, H), jnp.float32)
+
+    def body(x, idx):
+        _, ll_counts, _ = sj.moe.low_latency_dispatch(x, idx, num_experts=e, axis_name="x")
+        _, lay = sj.moe.dispatch(x, idx, num_experts=e, axis_name="x")
+        return ll_counts, lay.recv_counts
+
+    spec = P("x")
+    f = jax.jit(jax.shard_map(body, mesh=mesh1d(n), in_specs=(spec,) * 2, out_specs=(spec,) * 2))
+    ll_counts, counts = f(x, jnp.asarray(idx))
+    np.testing.assert_array_equal(np.asarray(ll_counts), [0, 0, 1, 0])
+    np.testing.assert_array_equal(np.asarray(counts), [0, 0, 1, 0])
+    from strata_jax.moe._reference import sanitize_ids
+
+    got = sanitize_ids(jnp.asarray([[5, 255]], jnp.uint8), 300)
+    np.testing.assert_array_equal(np.asarray(got), [[5, 255]])

@@ -66,6 +66,7 @@ from jax._src.interpreters import ad, batching, mlir
 
 from strata_jax._src import hierarchy, lowering
 from strata_jax._src.collectives import all_gather
+from strata_jax.moe._reference import sanitize_ids
 
 AxisName = Any
 
@@ -588,11 +589,6 @@ def _no_weights(layout: MoELayout):
 # --------------------------------------------------------------------------------------
 
 
-def _sanitize(topk_idx, num_experts: int):
-    idx = topk_idx.astype(jnp.int32)
-    return jnp.where((idx >= 0) & (idx < num_experts), idx, -1)
-
-
 def _first_occurrence(idx):
     """[.., K] bool: idx[.., k] is valid and differs from every idx[.., j], j < k."""
     k = idx.shape[-1]
@@ -654,7 +650,7 @@ def dispatch_layout(topk_idx, num_experts: int, axis_name: AxisName):
     axes = lowering.axis_tuple(axis_name)
     r = _check("dispatch_layout", axes, num_experts, topk_idx)
     el = num_experts // r
-    idx = _sanitize(topk_idx, num_experts)
+    idx = sanitize_ids(topk_idx, num_experts)
     uniq = _first_occurrence(idx)
     per_expert = jax.nn.one_hot(jnp.where(uniq, idx, -1), num_experts, dtype=jnp.int32).sum(
         axis=(0, 1)
@@ -744,7 +740,7 @@ def dispatch(x, topk_idx, *, num_experts: int, axis_name: AxisName, capacity: in
             f"None, got {capacity!r}."
         )
     capacity = int(capacity)
-    idx = lowering.pvary_missing(_sanitize(topk_idx, num_experts), axes)
+    idx = lowering.pvary_missing(sanitize_ids(topk_idx, num_experts), axes)
     recv_counts, recv_dropped, dropped, slots, rows = _plan(idx, num_experts, capacity, axes)
     layout = MoELayout(
         recv_counts=recv_counts,
@@ -913,6 +909,22 @@ batching.fancy_primitive_batchers[moe_ll_dispatch_p] = _ll_batcher("low_latency_
 batching.fancy_primitive_batchers[moe_ll_combine_p] = _ll_batcher("low_latency_combine")
 
 
+def _ll_jvp(name: str):
+    def jvp(primals, tangents, **params):
+        raise NotImplementedError(
+            f"strata_jax.moe.{name} is not differentiable (the low-latency mode is for "
+            "inference: no jvp, grad or vjp). Train with the normal mode, "
+            "strata_jax.moe.dispatch/combine, which has both; or, if no gradient should flow "
+            "through this call, pass its inputs through jax.lax.stop_gradient."
+        )
+
+    return jvp
+
+
+ad.primitive_jvps[moe_ll_dispatch_p] = _ll_jvp("low_latency_dispatch")
+ad.primitive_jvps[moe_ll_combine_p] = _ll_jvp("low_latency_combine")
+
+
 def low_latency_dispatch(
     x,
     topk_idx,
@@ -970,7 +982,7 @@ def low_latency_dispatch(
         raise ValueError(
             f"strata_jax.moe.low_latency_dispatch: algo must be one of {_LL_ALGOS}, got {algo!r}."
         )
-    idx = lowering.pvary_missing(_sanitize(topk_idx, num_experts), axes)
+    idx = lowering.pvary_missing(sanitize_ids(topk_idx, num_experts), axes)
     recv, counts, slots = moe_ll_dispatch_p.bind(
         lowering.pvary_missing(x, axes),
         idx,

@@ -80,9 +80,23 @@ def _check(
         )
 
 
+def sanitize_ids(topk_idx: jax.Array, num_experts: int) -> jax.Array:
+    """[..., K] int32 expert ids: ids outside [0, num_experts) become -1.
+
+    Compared in the ids' own integer dtype before the cast, so an int64 id such as 2**32 + 1
+    (with jax_enable_x64) is "no expert", not expert 1 after wrapping to int32.
+    """
+    idx = jnp.asarray(topk_idx)
+    info = jnp.iinfo(idx.dtype)
+    valid = idx >= 0 if info.min < 0 else jnp.ones(idx.shape, bool)
+    if num_experts <= info.max:  # else every non-negative id of this dtype is below it
+        valid = valid & (idx < num_experts)
+    return jnp.where(valid, idx.astype(jnp.int32), -1)
+
+
 def _membership(topk_idx: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
     """[T, E] bool "token t routes to e" and [T, K] bool "slot k is e's first mention"."""
-    idx = topk_idx.astype(jnp.int32)
+    idx = sanitize_ids(topk_idx, num_experts)
     k = idx.shape[1]
     member = (idx[:, :, None] == jnp.arange(num_experts, dtype=jnp.int32)).any(axis=1)
     earlier = jnp.tril(jnp.ones((k, k), bool), -1)  # earlier[k, j]: j < k
@@ -141,7 +155,7 @@ def dispatch(
     cap = nranks * t if capacity is None else int(capacity)
     if cap < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
-    idx = topk_idx.astype(jnp.int32)
+    idx = sanitize_ids(topk_idx, num_experts)
     member, first = _membership(idx, num_experts)
 
     # Position of every (token, expert) pair in the expert's queue over all source ranks.
