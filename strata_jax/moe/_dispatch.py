@@ -893,36 +893,35 @@ mlir.register_lowering(
 )
 
 
-def _ll_batcher(name: str):
-    def batcher(axis_data, vals_in, dims_in, **params):
-        raise NotImplementedError(
-            f"strata_jax.moe.{name} has no jax.vmap rule (its static [E_local, R * "
-            "max_tokens_per_rank, H] buffer would grow by the batch size squared); fold the "
-            "batch into the tokens (x [B * T, H], max_tokens_per_rank >= B * T) or use the "
-            "normal mode (dispatch/combine), which batches."
-        )
+def _ll_unsupported(why: str):
+    """A vmap or JVP rule for the low-latency primitives that raises ``why`` (formatted with
+    the public function's name) instead of JAX's stock message naming the primitive."""
 
-    return batcher
+    def make(name: str):
+        def rule(*args, **params):
+            raise NotImplementedError(why.format(name=f"strata_jax.moe.{name}"))
 
+        return rule
 
-batching.fancy_primitive_batchers[moe_ll_dispatch_p] = _ll_batcher("low_latency_dispatch")
-batching.fancy_primitive_batchers[moe_ll_combine_p] = _ll_batcher("low_latency_combine")
+    return make
 
 
-def _ll_jvp(name: str):
-    def jvp(primals, tangents, **params):
-        raise NotImplementedError(
-            f"strata_jax.moe.{name} is not differentiable (the low-latency mode is for "
-            "inference: no jvp, grad or vjp). Train with the normal mode, "
-            "strata_jax.moe.dispatch/combine, which has both; or, if no gradient should flow "
-            "through this call, pass its inputs through jax.lax.stop_gradient."
-        )
-
-    return jvp
-
-
-ad.primitive_jvps[moe_ll_dispatch_p] = _ll_jvp("low_latency_dispatch")
-ad.primitive_jvps[moe_ll_combine_p] = _ll_jvp("low_latency_combine")
+_ll_no_vmap = _ll_unsupported(
+    "{name} has no jax.vmap rule (its static [E_local, R * max_tokens_per_rank, H] buffer would "
+    "grow by the batch size squared); fold the batch into the tokens (x [B * T, H], "
+    "max_tokens_per_rank >= B * T) or use the normal mode (dispatch/combine), which batches."
+)
+_ll_no_jvp = _ll_unsupported(
+    "{name} is not differentiable (the low-latency mode is for inference: no jvp, grad or vjp). "
+    "Train with the normal mode, strata_jax.moe.dispatch/combine, which has both; or, if no "
+    "gradient should flow through this call, pass its inputs through jax.lax.stop_gradient."
+)
+for _p, _name in (
+    (moe_ll_dispatch_p, "low_latency_dispatch"),
+    (moe_ll_combine_p, "low_latency_combine"),
+):
+    batching.fancy_primitive_batchers[_p] = _ll_no_vmap(_name)
+    ad.primitive_jvps[_p] = _ll_no_jvp(_name)
 
 
 def low_latency_dispatch(
