@@ -184,6 +184,16 @@ def test_pbroadcast(rng, dtype, source):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", ["uint8", "float32"])
+@pytest.mark.parametrize("shape", [(0,), (1,), (1001,), (65537,), (300001,)])
+def test_pbroadcast_sizes(rng, dtype, shape):
+    # Each rank copies its share of the source's input into every output (64 KiB tiles): sizes
+    # below one cache line per rank, across tile edges and with a ragged last share.
+    x = random_array(rng, (8, *shape), dtype)
+    got = shard_run(per_rank(lambda v: sj.pbroadcast(v, "x", 6)), mesh1d(), x)
+    np.testing.assert_array_equal(got, np.broadcast_to(x[6], x.shape))
+
+
 # ----------------------------------------------------------------------------------------
 # 2-D meshes: every axis and both, in both orders
 # ----------------------------------------------------------------------------------------

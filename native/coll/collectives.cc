@@ -74,8 +74,29 @@ std::string reduce_scatter(Team& t, int32_t dtype, ReduceOp op, size_t out_count
   return {};
 }
 
-std::string all_gather(Team& t, size_t in_bytes) {
+namespace {
+// Copies src[0, bytes) to byte `at` of every rank's output, tile by tile: the tile is read from
+// memory once and stays in cache for the n copies (streaming stores: no read for ownership).
+void copy_push(Team& t, const char* src, size_t bytes, size_t at) {
   const int n = t.size(), r = t.rank();
+  constexpr size_t kTileBytes = 64 * 1024;
+  for (size_t t0 = 0; t0 < bytes; t0 += kTileBytes) {
+    const size_t len = bytes - t0 < kTileBytes ? bytes - t0 : kTileBytes;
+    for (int k = 0; k < n; ++k) {
+      const int j = (r + k) % n;  // staggered so ranks do not all write one peer at once
+      copy_bytes(static_cast<char*>(t.peer_out(j)) + at + t0, src + t0, len);
+    }
+  }
+  copy_fence();
+}
+}  // namespace
+
+std::string all_gather(Team& t, size_t in_bytes, bool push) {
+  const int n = t.size(), r = t.rank();
+  if (push) {
+    copy_push(t, static_cast<const char*>(t.peer_in(r)), in_bytes, r * in_bytes);
+    return {};
+  }
   char* out = static_cast<char*>(t.peer_out(r));
   for (int k = 0; k < n; ++k) {
     const int j = (r + k) % n;
@@ -161,7 +182,13 @@ std::string permute(Team& t, size_t bytes, int src) {
   return {};
 }
 
-std::string broadcast(Team& t, size_t bytes, int root) {
+std::string broadcast(Team& t, size_t bytes, int root, bool push) {
+  if (push) {
+    size_t b, e;
+    chunk_range(bytes, 1, t.size(), t.rank(), &b, &e);
+    copy_push(t, static_cast<const char*>(t.peer_in(root)) + b, e - b, b);
+    return {};
+  }
   copy_bytes(t.peer_out(t.rank()), t.peer_in(root), bytes);
   copy_fence();
   return {};

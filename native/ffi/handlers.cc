@@ -56,6 +56,13 @@ ffi::Error check_dtype(const char* name, ffi::AnyBuffer x, bool reduce, ReduceOp
   return ffi::Error::Success();
 }
 
+// Whether the algorithms may write into the peers' outputs: every team publishes them except
+// the low-latency path of the shared-memory fabric (shm_ll.h: its slots hold copies of the
+// inputs only). All ranks of a team are on the same path, so they all choose alike.
+bool peers_publish_outputs(const Team& t) {
+  return t.peer_out((t.rank() + 1) % t.size()) != nullptr;
+}
+
 const char* reduce_name(int32_t r) { return r == 0 ? "psum" : r == 1 ? "pmax" : "pmin"; }
 
 ffi::Error AllReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
@@ -78,8 +85,7 @@ ffi::Error AllReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, A
         // Every rank follows rank 0's choice, even if the threshold changed
         // while the call was in flight. Two-shot writes into the peers' outputs, which a team
         // of the low-latency path does not publish (all its ranks see the same: one-shot).
-        const bool two = t.size() > 2 && t.peer_desc(0).algo == 1 &&
-                         t.peer_out((t.rank() + 1) % t.size()) != nullptr;
+        const bool two = t.size() > 2 && t.peer_desc(0).algo == 1 && peers_publish_outputs(t);
         (two ? stats().two_shot : stats().one_shot).fetch_add(1, std::memory_order_relaxed);
         count_peer_bytes(t, x.size_bytes() * (t.size() - 1));
         return all_reduce(t, dt, op, count, two);
@@ -126,7 +132,7 @@ ffi::Error AllGatherImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, A
                             return "strata_jax all_gather: output size is not the group size "
                                    "times the input size";
                           count_peer_bytes(t, x.size_bytes() * (t.size() - 1));
-                          return all_gather(t, x.size_bytes());
+                          return all_gather(t, x.size_bytes(), peers_publish_outputs(t));
                         });
 }
 
@@ -248,14 +254,13 @@ ffi::Error BroadcastImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, A
   d.dtype = static_cast<int32_t>(x.element_type());
   d.in_bytes = d.out_bytes = x.size_bytes();
   d.aux = root;
-  return run_collective("pbroadcast", run, op_id, pid, GroupAttrs{groups, group_size, device_ids},
-                        d, x.untyped_data(), y->untyped_data(),
-                        [&](Team& t, const Placement&) -> std::string {
-                          if (root < 0 || root >= t.size())
-                            return "strata_jax pbroadcast: source out of range";
-                          count_peer_bytes(t, x.size_bytes());
-                          return broadcast(t, x.size_bytes(), static_cast<int>(root));
-                        });
+  return run_collective(
+      "pbroadcast", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
+      x.untyped_data(), y->untyped_data(), [&](Team& t, const Placement&) -> std::string {
+        if (root < 0 || root >= t.size()) return "strata_jax pbroadcast: source out of range";
+        count_peer_bytes(t, x.size_bytes());
+        return broadcast(t, x.size_bytes(), static_cast<int>(root), peers_publish_outputs(t));
+      });
 }
 
 #define STRATA_COMMON_BIND           \
