@@ -130,13 +130,16 @@ def time_interleaved(
     warmup: int = 2,
     block: Callable[[Any], Any] | None = None,
     on_error: Callable[[str, BaseException], None] | None = None,
+    cpu: dict[str, list[float]] | None = None,
 ) -> tuple[dict[str, list[float]], dict[str, Any]]:
     """Time several implementations round-robin: call 1 of each, call 2 of each, ...
 
     Interleaving removes the bias of running one implementation after the other (memory state,
     page-cache and frequency drift favour whoever runs second). Each call is blocked to completion.
     An implementation that raises is dropped (``on_error(name, exc)``; re-raised without it).
-    Returns per-name call times (seconds) and last outputs.
+    Returns per-name call times (seconds) and last outputs. ``cpu``: filled with each timed
+    call's CPU time of this process, all threads, user + system (seconds,
+    ``time.process_time``): CPU time over wall time says how many cores a call kept busy.
     """
     if block is None:
         import jax
@@ -148,9 +151,11 @@ def time_interleaved(
     for i in range(warmup + iters):
         for name, fn in list(live.items()):
             try:
+                c0 = time.process_time()
                 t0 = time.perf_counter()
                 outs[name] = block(fn())
                 dt = time.perf_counter() - t0
+                dc = time.process_time() - c0
             except Exception as e:
                 if on_error is None:
                     raise
@@ -159,6 +164,8 @@ def time_interleaved(
                 continue
             if i >= warmup:
                 times[name].append(dt)
+                if cpu is not None:
+                    cpu.setdefault(name, []).append(dc)
     return times, outs
 
 

@@ -189,8 +189,11 @@ class Context:
     def max_across(self, v: float) -> float:
         return v if self.process_count == 1 else float(np.max(self._gather(v)))
 
-    def sum_across(self, v: int) -> int:
-        return v if self.process_count == 1 else int(np.sum(self._gather(float(v))))
+    def sum_across(self, v: float) -> float:
+        if self.process_count == 1:
+            return v
+        total = np.sum(self._gather(float(v)))
+        return int(total) if isinstance(v, (int, np.integer)) else float(total)
 
 
 def make_context(platform: str) -> Context:
@@ -438,7 +441,10 @@ def run_sweep(
                 inter[impl] = inter_fabric_bytes(impl, pt, fn, ctx)
             except Exception as e:  # keep sweeping; the row says what failed
                 on_error(impl, e)
-        times, last = C.time_interleaved(fns, pt.iters, max(0, pt.warmup - 1), on_error=on_error)
+        cpu: dict[str, list[float]] = {}
+        times, last = C.time_interleaved(
+            fns, pt.iters, max(0, pt.warmup - 1), on_error=on_error, cpu=cpu
+        )
         for impl, r in results.items():
             if impl in errors or impl not in fns:
                 r.update(time_us=None, algbw_gbs=None, busbw_gbs=None, wrong=None)
@@ -453,6 +459,10 @@ def run_sweep(
                 wrong = max(w for w, _ in checks)
                 maxerr = max(e for _, e in checks)
             t = ctx.max_across(C.median(times[impl]))
+            # CPU time of every process together per call, over the call's time: the cores the
+            # call kept busy (this machine's core count bounds it; at that bound a faster
+            # implementation is one that burns less CPU, not one that waits less).
+            cpu_s = ctx.sum_across(C.median(cpu[impl]))
             algbw = pt.nbytes / t / 1e9
             r.update(
                 time_us=t * 1e6,
@@ -467,6 +477,8 @@ def run_sweep(
                 traffic_bytes=traffic,
                 stream_gbs=stream,
                 mem_share=(traffic / t / 1e9 / stream) if stream else None,
+                cpu_us=cpu_s * 1e6,
+                cores=cpu_s / t,
             )
         del firsts, last
         step()
@@ -531,8 +543,9 @@ def make_table(impls: Sequence[str]) -> C.Table:
             C.Column("%mem", 5, ".0f"),
             C.Column("#wrong", 7),
             C.Column("inter(B)", 10),
+            C.Column("cores", 5, ".2f"),
         ]
-        groups.append((f" {impl} ", 6))
+        groups.append((f" {impl} ", 7))
     others = [i for i in impls if i != "strata"] if "strata" in impls else []
     for o in others:
         cols.append(C.Column(f"{o}/strata", max(12, len(o) + 7), ".2f"))
@@ -547,12 +560,20 @@ def table_row(table: C.Table, pt: Point, results: dict[str, dict[str, Any]]) -> 
     vals: list[Any] = [pt.nbytes, pt.count, pt.dtype.name, pt.op]
     for r in results.values():
         if r.get("time_us") is None:
-            vals += ["error", None, None, None, None, None]
+            vals += ["error", None, None, None, None, None, None]
         else:
             inter = r.get("inter_fabric_bytes")
             share = r.get("mem_share")
             pct = None if share is None else 100 * share
-            vals += [r["time_us"], r["algbw_gbs"], r["busbw_gbs"], pct, r["wrong"], inter]
+            vals += [
+                r["time_us"],
+                r["algbw_gbs"],
+                r["busbw_gbs"],
+                pct,
+                r["wrong"],
+                inter,
+                r["cores"],
+            ]
     base = results.get("strata", {}).get("time_us")
     if base is not None or "strata" in results:
         for impl, r in results.items():
@@ -814,6 +835,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "psum_scatter/pbroadcast) over its time, as % of 'stream' = the memory bandwidth of"
         " these devices (GB/s): STREAM add a = a + b by XLA on every device at once, in place,"
         " for the same bytes, measured in this run just before the point"
+    )
+    write(
+        "# cores      : CPU time of all processes per call (user + system, every thread; median)"
+        " over time: the cores the call kept busy, at most this machine's"
+        f" {os.cpu_count()}; where it reaches that, the call is CPU-bound"
     )
     write(
         "# #wrong     : elements != jax.lax (bitwise; float psum/psum_scatter: |d| > (N-1)*N*eps*"

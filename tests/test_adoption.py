@@ -295,6 +295,30 @@ def test_collectives_benchmark_sizes_follow_nccl_tests():
     assert 4096 in C.size_sweep(8, 64 << 20, 2)
 
 
+def test_benchmark_timer_reports_cpu_per_call():
+    """time_interleaved's ``cpu`` (the benchmarks' ``cores`` column): a call that burns 10 ms
+    of CPU reports at least that; one that sleeps reports far less than it waited."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import _common as C
+    finally:
+        sys.path.pop(0)
+    import time
+
+    def burn():
+        c0 = time.process_time()
+        while time.process_time() - c0 < 0.01:
+            pass
+
+    cpu: dict[str, list[float]] = {}
+    times, _ = C.time_interleaved(
+        {"burn": burn, "sleep": lambda: time.sleep(0.05)}, 3, 0, block=lambda v: v, cpu=cpu
+    )
+    assert len(cpu["burn"]) == len(cpu["sleep"]) == 3
+    assert min(cpu["burn"]) >= 0.01
+    assert min(times["sleep"]) >= 0.05 and max(cpu["sleep"]) < 0.025
+
+
 def test_no_exchange_removes_every_exchange_and_restores_jax_lax():
     """The benchmarks' communication-free bound (impl nocomm): while tracing, the program has
     no collective left; afterwards jax.lax is itself again."""
