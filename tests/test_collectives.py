@@ -51,6 +51,28 @@ def test_psum_dtypes(rng, dtype, shape):
         np.testing.assert_array_equal(got[r], got[0])
 
 
+@pytest.mark.parametrize("n", range(2, 9))
+@pytest.mark.parametrize("count", [1000, 70001])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_psum_folds_in_rank_order(n, count, dtype):
+    """Every element is summed rank 0, 1, ..., n-1, in a float32 accumulator for bfloat16: the
+    result is bitwise numpy's left fold, for every group size (the kernel folds four sources per
+    pass, then the one to three left in one pass), one-shot and two-shot sizes alike."""
+    rng = np.random.default_rng(n * count)
+    # Magnitudes over 12 decades: almost any other order rounds differently.
+    x = (rng.standard_normal((n, count)) * 10.0 ** rng.integers(-6, 6, (n, count))).astype(dtype)
+    got = shard_run(per_rank(lambda v: sj.psum(v, "x")), mesh1d(n), x)
+    acc = x[0].astype(np.float32)
+    for j in range(1, n):
+        acc = acc + x[j].astype(np.float32)
+    want = acc.astype(dtype)
+    for r in range(n):
+        np.testing.assert_array_equal(
+            got[r].view(np.uint16 if dtype == "bfloat16" else np.uint32),
+            want.view(np.uint16 if dtype == "bfloat16" else np.uint32),
+        )
+
+
 @pytest.mark.parametrize("shape", SHAPES + [(2**20 + 3,)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
 def test_psum_sizes(rng, dtype, shape):

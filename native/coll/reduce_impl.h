@@ -78,6 +78,25 @@ void fold4(typename Elem<T>::Acc* __restrict acc, const T* __restrict s0, const 
 }
 
 template <class T, ReduceOp OP>
+void fold3(typename Elem<T>::Acc* __restrict acc, const T* __restrict s0, const T* __restrict s1,
+           const T* __restrict s2, size_t len) {
+  using E = Elem<T>;
+  for (size_t i = 0; i < len; ++i) {
+    auto a = op_apply<OP>(acc[i], E::load(s0[i]));
+    a = op_apply<OP>(a, E::load(s1[i]));
+    acc[i] = op_apply<OP>(a, E::load(s2[i]));
+  }
+}
+
+template <class T, ReduceOp OP>
+void fold2(typename Elem<T>::Acc* __restrict acc, const T* __restrict s0, const T* __restrict s1,
+           size_t len) {
+  using E = Elem<T>;
+  for (size_t i = 0; i < len; ++i)
+    acc[i] = op_apply<OP>(op_apply<OP>(acc[i], E::load(s0[i])), E::load(s1[i]));
+}
+
+template <class T, ReduceOp OP>
 void fold1(typename Elem<T>::Acc* __restrict acc, const T* __restrict s, size_t len) {
   using E = Elem<T>;
   for (size_t i = 0; i < len; ++i) acc[i] = op_apply<OP>(acc[i], E::load(s[i]));
@@ -98,7 +117,22 @@ void reduce_typed(const void* const* srcs, int n, void* dst_at_begin, size_t beg
     int k = 1;
     for (; k + 4 <= n; k += 4)
       fold4<T, OP>(acc, src(k, t0), src(k + 1, t0), src(k + 2, t0), src(k + 3, t0), len);
-    for (; k < n; ++k) fold1<T, OP>(acc, src(k, t0), len);
+    // The 1-3 sources left in one explicit pass. A loop of fold1 here was unrolled by two and
+    // jammed by GCC into one scalar loop over source pairs (vaddss / vmaxss with branches):
+    // with 8 ranks, 3 of the 7 folds ran scalar.
+    switch (n - k) {
+      case 3:
+        fold3<T, OP>(acc, src(k, t0), src(k + 1, t0), src(k + 2, t0), len);
+        break;
+      case 2:
+        fold2<T, OP>(acc, src(k, t0), src(k + 1, t0), len);
+        break;
+      case 1:
+        fold1<T, OP>(acc, src(k, t0), len);
+        break;
+      default:
+        break;
+    }
     T* __restrict d = dst + t0;
     for (size_t i = 0; i < len; ++i) d[i] = E::store(acc[i]);
   }

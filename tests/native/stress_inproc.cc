@@ -71,7 +71,8 @@ int main(int argc, char** argv) {
             d.in_bytes = count * 4;
             d.out_bytes = count * 4 * n;
             std::string e = team->arrive(d, in.data(), gathered.data());
-            if (e.empty()) e = all_gather(*team, count * 4);
+            // Push on even iterations, pull on odd ones: both forms under the sanitizers.
+            if (e.empty()) e = all_gather(*team, count * 4, it % 2 == 0);
             if (e.empty()) e = team->depart();
             if (!e.empty()) {
               errors[g * n + r] = 1;
