@@ -91,16 +91,23 @@ void copy_push(Team& t, const char* src, size_t bytes, size_t at) {
 }
 }  // namespace
 
-std::string all_gather(Team& t, size_t in_bytes, bool push) {
+std::string all_gather(Team& t, size_t in_bytes, bool push, const int64_t* placement, int parts) {
   const int n = t.size(), r = t.rank();
+  const size_t sub = in_bytes / parts;
+  // Output byte offset of sub-block f of rank j's input.
+  auto at = [&](int j, int f) {
+    return static_cast<size_t>(placement ? placement[j * parts + f] : j * parts + f) * sub;
+  };
+  const char* mine = static_cast<const char*>(t.peer_in(r));
   if (push) {
-    copy_push(t, static_cast<const char*>(t.peer_in(r)), in_bytes, r * in_bytes);
+    for (int f = 0; f < parts; ++f) copy_push(t, mine + f * sub, sub, at(r, f));
     return {};
   }
   char* out = static_cast<char*>(t.peer_out(r));
   for (int k = 0; k < n; ++k) {
     const int j = (r + k) % n;
-    copy_bytes(out + j * in_bytes, t.peer_in(j), in_bytes);
+    const char* in = static_cast<const char*>(t.peer_in(j));
+    for (int f = 0; f < parts; ++f) copy_bytes(out + at(j, f), in + f * sub, sub);
   }
   copy_fence();
   return {};

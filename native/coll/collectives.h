@@ -33,7 +33,13 @@ std::string reduce_scatter(Team& t, int32_t dtype, ReduceOp op, size_t out_count
 // output, tile by tile while the tile is in cache, so each input byte is read from memory once
 // (the floor; measured 1.06-1.4x faster than pulling at 16-64 MiB on 8 in-process devices).
 // Otherwise every rank pulls the n blocks into its own output.
-std::string all_gather(Team& t, size_t in_bytes, bool push);
+// `placement` (n * parts entries, a permutation; null: the identity): each input is `parts`
+// equal sub-blocks, and sub-block f of rank j lands at output block placement[j * parts + f]
+// (blocks of in_bytes / parts bytes). The hierarchical all_gather (hierarchy.py) puts its
+// (local index, fabric) blocks straight into group order this way instead of reordering the
+// whole output in one more pass.
+std::string all_gather(Team& t, size_t in_bytes, bool push, const int64_t* placement = nullptr,
+                       int parts = 1);
 // All-gather of a op b (this rank's two local inputs of `count` elements each, combined in that
 // order): rank r reduces its block once, tile by tile, and stores it straight into every rank's
 // output at block r (push). The last two steps of a two-fabric all-reduce in one pass

@@ -116,24 +116,51 @@ ffi::Error ReduceScatterImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pi
                         });
 }
 
-ffi::Error AllGatherImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
-                         ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
-                         int64_t group_size, I64s device_ids) {
+// `placement`: empty, or the output block of each (rank, sub-block) (collectives.h all_gather).
+ffi::Error all_gather_impl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
+                           ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
+                           int64_t group_size, I64s device_ids, I64s placement) {
   if (auto e = check_dtype("all_gather", x, false, ReduceOp::kSum); e.failure()) return e;
+  const int64_t* place = placement.size() ? placement.begin() : nullptr;
+  const int parts = group_size > 0 && placement.size() ? placement.size() / group_size : 1;
   OpDesc d;
   d.kind = kAllGather;
   d.dtype = static_cast<int32_t>(x.element_type());
   d.in_bytes = x.size_bytes();
   d.out_bytes = y->size_bytes();
-  return run_collective("all_gather", run, op_id, pid, GroupAttrs{groups, group_size, device_ids},
-                        d, x.untyped_data(), y->untyped_data(),
-                        [&](Team& t, const Placement&) -> std::string {
-                          if (x.size_bytes() * t.size() != y->size_bytes())
-                            return "strata_jax all_gather: output size is not the group size "
-                                   "times the input size";
-                          count_peer_bytes(t, x.size_bytes() * (t.size() - 1));
-                          return all_gather(t, x.size_bytes(), peers_publish_outputs(t));
-                        });
+  d.aux = parts;
+  return run_collective(
+      "all_gather", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
+      x.untyped_data(), y->untyped_data(), [&](Team& t, const Placement&) -> std::string {
+        if (x.size_bytes() * t.size() != y->size_bytes())
+          return "strata_jax all_gather: output size is not the group size times the input size";
+        if (place) {  // written by hierarchy.py; checked, as a wrong table would write anywhere
+          const int64_t nb = static_cast<int64_t>(t.size()) * parts;
+          std::vector<char> seen(nb, 0);
+          bool ok = static_cast<int64_t>(placement.size()) == nb && x.size_bytes() % parts == 0;
+          for (int64_t i = 0; ok && i < nb; ++i) {
+            ok = place[i] >= 0 && place[i] < nb && !seen[place[i]];
+            if (ok) seen[place[i]] = 1;
+          }
+          if (!ok)
+            return "strata_jax all_gather: internal error: the block placement is not a "
+                   "permutation of the group's sub-blocks";
+        }
+        count_peer_bytes(t, x.size_bytes() * (t.size() - 1));
+        return all_gather(t, x.size_bytes(), peers_publish_outputs(t), place, parts);
+      });
+}
+
+ffi::Error AllGatherImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
+                         ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
+                         int64_t group_size, I64s device_ids) {
+  return all_gather_impl(run, x, pid, y, op_id, groups, group_size, device_ids, I64s());
+}
+
+ffi::Error AllGatherPlacedImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
+                               ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
+                               int64_t group_size, I64s device_ids, I64s placement) {
+  return all_gather_impl(run, x, pid, y, op_id, groups, group_size, device_ids, placement);
 }
 
 // Shards up to this size take the packed, pull form of all_gather_reduce (the input published
@@ -283,6 +310,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceHandler, AllReduceImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceScatterHandler, ReduceScatterImpl,
                               STRATA_COMMON_BIND.Attr<int32_t>("reduce"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherHandler, AllGatherImpl, STRATA_COMMON_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherPlacedHandler, AllGatherPlacedImpl,
+                              STRATA_COMMON_BIND.Attr<I64s>("placement"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherReduceHandler, AllGatherReduceImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::RunId>()

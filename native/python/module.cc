@@ -32,6 +32,7 @@ NB_MODULE(_strata, m) {
     d["strata_all_reduce"] = capsule(strata::AllReduceHandler);
     d["strata_reduce_scatter"] = capsule(strata::ReduceScatterHandler);
     d["strata_all_gather"] = capsule(strata::AllGatherHandler);
+    d["strata_all_gather_placed"] = capsule(strata::AllGatherPlacedHandler);
     d["strata_all_gather_reduce"] = capsule(strata::AllGatherReduceHandler);
     d["strata_all_to_all"] = capsule(strata::AllToAllHandler);
     d["strata_permute"] = capsule(strata::PermuteHandler);

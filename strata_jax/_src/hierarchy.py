@@ -25,7 +25,8 @@ StrataCL's supernode/scale-out, Hu et al. 2026). Inter-fabric bytes are per devi
   member writes its reduced block straight into every peer's output; below, each reduces
   every member's published pair into its own output, which the low-latency path can run).
 - all_gather: all-gather across fabrics of the own block first (F-1 blocks cross, not
-  (F-1)*L), then inside the fabric, then a static reorder into group order.
+  (F-1)*L), then inside the fabric, where each block is written straight to its place in
+  group order (strata_all_gather_placed; no reorder pass).
 - psum_scatter: blocks reordered to (l, f), reduce-scatter inside (each member sums the F
   blocks of its local index), then reduce-scatter across fabrics (F = 2: the partner's block
   by one collective-permute, reduced on arrival). Crosses (F-1)/F of S/L.
@@ -162,11 +163,14 @@ def _gc(
     concat: int = 0,
     z=None,
     z_first=(),
+    placement=(),
 ):
     """One collective over explicit groups; ``split``/``concat``: all_to_all's (tiled) axes.
 
     ``all_gather_reduce`` (strata only): the all_gather of ``x reduce z``, combined in the order
-    ``z_first[partition]`` gives (1: z first).
+    ``z_first[partition]`` gives (1: z first). ``placement`` (strata all_gather only): each
+    input is ``len(placement) // n`` equal blocks, and block f of group rank j lands at output
+    block ``placement[j * parts + f]``.
     """
     return group_collective_p.bind(
         x,
@@ -179,10 +183,13 @@ def _gc(
         split=int(split),
         concat=int(concat),
         z_first=tuple(int(v) for v in z_first),
+        placement=tuple(int(v) for v in placement),
     )
 
 
-def _gc_abstract_eval(aval, *z, kind, engine, groups, reduce, pairs, split, concat, z_first):
+def _gc_abstract_eval(
+    aval, *z, kind, engine, groups, reduce, pairs, split, concat, z_first, placement
+):
     n = len(groups[0])
     if kind == "reduce_scatter":
         return aval.update(shape=(aval.shape[0] // n, *aval.shape[1:]))
@@ -280,7 +287,9 @@ _STRATA_TARGETS = {
 _REDUCE_CODES = {"sum": 0, "max": 1, "min": 2}
 
 
-def _strata_lowering(ctx, x, *z, kind, groups, reduce, pairs, split=0, concat=0, z_first=()):
+def _strata_lowering(
+    ctx, x, *z, kind, groups, reduce, pairs, split=0, concat=0, z_first=(), placement=()
+):
     """One strata call over explicit intra-fabric groups (``lowering.lower_strata_call``)."""
     if kind not in _STRATA_TARGETS:
         return _xla_lowering(ctx, x, kind=kind, groups=groups, reduce=reduce, pairs=pairs)
@@ -300,6 +309,9 @@ def _strata_lowering(ctx, x, *z, kind, groups, reduce, pairs, split=0, concat=0,
                 sources[first[d]] = first[s]
         attrs["sources"] = sources
     target = _STRATA_TARGETS[kind]
+    if placement:
+        attrs["placement"] = np.asarray(placement, np.int64)
+        target = "strata_all_gather_placed"
     (out,) = lowering.lower_strata_call(
         ctx, target, kind, [x, *z], np.asarray(groups, np.int64), **attrs
     )
@@ -313,10 +325,12 @@ def _count_inter(ctx, x, nbytes: int) -> None:
     rule(sub, x, bytes=np.int64(nbytes))
 
 
-def _gc_lowering(ctx, x, *z, kind, engine, groups, reduce, pairs, split, concat, z_first):
+def _gc_lowering(
+    ctx, x, *z, kind, engine, groups, reduce, pairs, split, concat, z_first, placement
+):
     kw = dict(kind=kind, groups=groups, reduce=reduce, pairs=pairs, split=split, concat=concat)
     if engine == "strata":
-        out = _strata_lowering(ctx, x, *z, z_first=z_first, **kw)
+        out = _strata_lowering(ctx, x, *z, z_first=z_first, placement=placement, **kw)
     else:
         (aval_in,) = ctx.avals_in
         _count_inter(ctx, x, int(aval_in.size) * aval_in.dtype.itemsize)
@@ -384,12 +398,10 @@ def _all_reduce(x, p: Plan, reduce: str):
 def _all_gather(x, p: Plan):
     if p.L == 1 or not p.uniform:
         return _gc(x, "all_gather", "xla", p.groups)
-    k = x.shape[0]
     v = _gc(x, "all_gather", "xla", p.inter)  # [F*k]: own local index, every fabric
-    v = _gc(v, "all_gather", "strata", p.intra)  # [L*F*k], (l, f) order
-    v = v.reshape(p.L * p.F, k, *x.shape[1:])
-    order = np.argsort(p.perm_lf())  # position in (l, f) order of each group rank
-    return v[order].reshape(p.L * p.F * k, *x.shape[1:])
+    # Inside the fabric, block (l, f) goes straight to its place in group order, perm_lf()[l*F
+    # + f]: no reorder pass over the whole output afterwards.
+    return _gc(v, "all_gather", "strata", p.intra, placement=p.perm_lf())
 
 
 def _reduce_scatter(x, p: Plan, reduce: str):
