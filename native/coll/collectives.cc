@@ -65,12 +65,16 @@ std::string all_reduce(Team& t, int32_t dtype, ReduceOp op, size_t count, bool t
   return {};
 }
 
-std::string reduce_scatter(Team& t, int32_t dtype, ReduceOp op, size_t out_count) {
+std::string reduce_scatter(Team& t, int32_t dtype, ReduceOp op, size_t out_count,
+                           const int64_t* placement, int parts) {
   const int n = t.size(), r = t.rank(), es = dtype_size(dtype);
+  const size_t sub = out_count / parts;
   std::vector<const void*> srcs(n);
-  for (int j = 0; j < n; ++j)
-    srcs[j] = static_cast<const char*>(t.peer_in(j)) + static_cast<size_t>(r) * out_count * es;
-  reduce_n(dtype, op, srcs.data(), n, t.peer_out(r), 0, out_count);
+  for (int f = 0; f < parts; ++f) {
+    const size_t block = placement ? placement[r * parts + f] : r * parts + f;
+    for (int j = 0; j < n; ++j) srcs[j] = static_cast<const char*>(t.peer_in(j)) + block * sub * es;
+    reduce_n(dtype, op, srcs.data(), n, static_cast<char*>(t.peer_out(r)) + f * sub * es, 0, sub);
+  }
   return {};
 }
 

@@ -92,28 +92,64 @@ ffi::Error AllReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, A
       });
 }
 
-ffi::Error ReduceScatterImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
-                             ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
-                             int64_t group_size, I64s device_ids, int32_t reduce) {
+// Whether `place` (nb entries) is a permutation of [0, nb). The placement tables are written by
+// hierarchy.py and checked anyway: a wrong one would read or write outside the buffers.
+bool is_permutation(const int64_t* place, size_t len, int64_t nb) {
+  if (static_cast<int64_t>(len) != nb) return false;
+  std::vector<char> seen(nb, 0);
+  for (int64_t i = 0; i < nb; ++i) {
+    if (place[i] < 0 || place[i] >= nb || seen[place[i]]) return false;
+    seen[place[i]] = 1;
+  }
+  return true;
+}
+
+// `placement`: empty, or the input block of each (rank, sub-block) (collectives.h
+// reduce_scatter).
+ffi::Error reduce_scatter_impl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
+                               ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
+                               int64_t group_size, I64s device_ids, int32_t reduce,
+                               I64s placement) {
   const ReduceOp op = static_cast<ReduceOp>(reduce);
   if (auto e = check_dtype("psum_scatter", x, true, op); e.failure()) return e;
   const int32_t dt = static_cast<int32_t>(x.element_type());
+  const int64_t* place = placement.size() ? placement.begin() : nullptr;
+  const int parts = group_size > 0 && placement.size() ? placement.size() / group_size : 1;
   OpDesc d;
   d.kind = kReduceScatter;
   d.dtype = dt;
   d.reduce = reduce;
   d.in_bytes = x.size_bytes();
   d.out_bytes = y->size_bytes();
+  d.aux = parts;
   const size_t out_count = y->element_count();
-  return run_collective("psum_scatter", run, op_id, pid, GroupAttrs{groups, group_size, device_ids},
-                        d, x.untyped_data(), y->untyped_data(),
-                        [&](Team& t, const Placement&) -> std::string {
-                          if (out_count * t.size() != x.element_count())
-                            return "strata_jax psum_scatter: input size is not the group "
-                                   "size times the output size";
-                          count_peer_bytes(t, y->size_bytes() * (t.size() - 1));
-                          return reduce_scatter(t, dt, op, out_count);
-                        });
+  return run_collective(
+      "psum_scatter", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
+      x.untyped_data(), y->untyped_data(), [&](Team& t, const Placement&) -> std::string {
+        if (out_count * t.size() != x.element_count())
+          return "strata_jax psum_scatter: input size is not the group size times the output "
+                 "size";
+        if (place && (out_count % parts ||
+                      !is_permutation(place, placement.size(), int64_t{t.size()} * parts)))
+          return "strata_jax psum_scatter: internal error: the block placement is not a "
+                 "permutation of the group's sub-blocks";
+        count_peer_bytes(t, y->size_bytes() * (t.size() - 1));
+        return reduce_scatter(t, dt, op, out_count, place, parts);
+      });
+}
+
+ffi::Error ReduceScatterImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
+                             ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
+                             int64_t group_size, I64s device_ids, int32_t reduce) {
+  return reduce_scatter_impl(run, x, pid, y, op_id, groups, group_size, device_ids, reduce, I64s());
+}
+
+ffi::Error ReduceScatterPlacedImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
+                                   ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
+                                   int64_t group_size, I64s device_ids, int32_t reduce,
+                                   I64s placement) {
+  return reduce_scatter_impl(run, x, pid, y, op_id, groups, group_size, device_ids, reduce,
+                             placement);
 }
 
 // `placement`: empty, or the output block of each (rank, sub-block) (collectives.h all_gather).
@@ -134,18 +170,10 @@ ffi::Error all_gather_impl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
       x.untyped_data(), y->untyped_data(), [&](Team& t, const Placement&) -> std::string {
         if (x.size_bytes() * t.size() != y->size_bytes())
           return "strata_jax all_gather: output size is not the group size times the input size";
-        if (place) {  // written by hierarchy.py; checked, as a wrong table would write anywhere
-          const int64_t nb = static_cast<int64_t>(t.size()) * parts;
-          std::vector<char> seen(nb, 0);
-          bool ok = static_cast<int64_t>(placement.size()) == nb && x.size_bytes() % parts == 0;
-          for (int64_t i = 0; ok && i < nb; ++i) {
-            ok = place[i] >= 0 && place[i] < nb && !seen[place[i]];
-            if (ok) seen[place[i]] = 1;
-          }
-          if (!ok)
-            return "strata_jax all_gather: internal error: the block placement is not a "
-                   "permutation of the group's sub-blocks";
-        }
+        if (place && (x.size_bytes() % parts ||
+                      !is_permutation(place, placement.size(), int64_t{t.size()} * parts)))
+          return "strata_jax all_gather: internal error: the block placement is not a "
+                 "permutation of the group's sub-blocks";
         count_peer_bytes(t, x.size_bytes() * (t.size() - 1));
         return all_gather(t, x.size_bytes(), peers_publish_outputs(t), place, parts);
       });
@@ -309,6 +337,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceHandler, AllReduceImpl,
                               STRATA_COMMON_BIND.Attr<int32_t>("reduce"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceScatterHandler, ReduceScatterImpl,
                               STRATA_COMMON_BIND.Attr<int32_t>("reduce"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceScatterPlacedHandler, ReduceScatterPlacedImpl,
+                              STRATA_COMMON_BIND.Attr<int32_t>("reduce").Attr<I64s>("placement"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherHandler, AllGatherImpl, STRATA_COMMON_BIND);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherPlacedHandler, AllGatherPlacedImpl,
                               STRATA_COMMON_BIND.Attr<I64s>("placement"));

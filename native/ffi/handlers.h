@@ -7,6 +7,7 @@
 namespace strata {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AllReduceHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(ReduceScatterHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(ReduceScatterPlacedHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AllGatherHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AllGatherPlacedHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AllGatherReduceHandler);

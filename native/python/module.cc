@@ -31,6 +31,7 @@ NB_MODULE(_strata, m) {
     nb::dict d;
     d["strata_all_reduce"] = capsule(strata::AllReduceHandler);
     d["strata_reduce_scatter"] = capsule(strata::ReduceScatterHandler);
+    d["strata_reduce_scatter_placed"] = capsule(strata::ReduceScatterPlacedHandler);
     d["strata_all_gather"] = capsule(strata::AllGatherHandler);
     d["strata_all_gather_placed"] = capsule(strata::AllGatherPlacedHandler);
     d["strata_all_gather_reduce"] = capsule(strata::AllGatherReduceHandler);
