@@ -5,11 +5,13 @@ times -f/--factor up to -e/--max-bytes, default 8 B .. 64 MiB by 2) and every
 implementation in --impl, the script builds ``jax.jit(jax.shard_map(body, mesh, P('x'), P('x')))``
 where ``body`` applies the op over mesh axis ``'x'``, feeds it fresh random inputs, times --iters
 blocking calls after --warmup warm-up calls and reports the median, nccl-tests' algbw/busbw, and
-the number of output elements that differ from ``jax.lax`` on the same input. Implementations run
-side by side on the same inputs; the last columns give the speedup of strata over each other
-implementation (``time_other / time_strata``). A progress bar runs on stderr (tqdm, optional
-``bench`` extra); CSV, JSON (rows + machine description) and a PNG plot of busbw against size go
-to --out.
+the number of output elements that differ from numpy's result on the same input (each
+implementation, jax.lax included, is checked against numpy, not against another implementation:
+jax.lax over gloo has been seen to return wrong values, see README "Several hosts").
+Implementations run side by side on the same inputs; the last columns give the speedup of strata
+over each other implementation (``time_other / time_strata``). A progress bar runs on stderr
+(tqdm, optional ``bench`` extra); CSV, JSON (rows + machine description) and a PNG plot of busbw
+against size go to --out.
 
 Size convention (nccl-tests'): ``size`` is the per-rank buffer nccl-tests counts, ``count`` its
 elements -- all-reduce (psum/pmax/pmin): input = output = size; all_gather: the per-rank OUTPUT
@@ -38,8 +40,8 @@ shape: the launcher preloads it for --procs runs), so every implementation's lar
 from reused memory; ``--no-preload`` measures plain glibc, where first-touch page faults on fresh
 outputs dominate every implementation at large sizes.
 
-Notes: jax.lax.pbroadcast has no CPU lowering in jaxlib 0.10, so the 'xla' pbroadcast (and the
-reference for pbroadcast) is its documented equivalent ``psum(where(axis_index == source, x, 0))``.
+Notes: jax.lax.pbroadcast has no CPU lowering in jaxlib 0.10, so the 'xla' pbroadcast is its
+documented equivalent ``psum(where(axis_index == source, x, 0))``.
 Each call is waited for before the next is dispatched: dispatching multi-device launches far ahead
 deadlocks XLA CPU (see DESIGN.md).
 """
@@ -240,7 +242,9 @@ def float_tolerance(dtype: np.dtype, n: int, amax: float) -> float:
     Each sum is within (n-1) * u * n * amax of the exact one (u = eps/2), so the two are within
     (n-1) * n * eps * amax. Accumulating in higher precision (strata for bf16/f16) only tightens it.
     """
-    eps = float(np.finfo(dtype).eps)
+    import ml_dtypes  # a jax dependency; its finfo also knows bfloat16 and the float8s
+
+    eps = float(ml_dtypes.finfo(dtype).eps) if dtype.kind == "V" else float(np.finfo(dtype).eps)
     return max(1, n - 1) * n * eps * amax
 
 
@@ -279,6 +283,40 @@ def count_wrong(
             wrong += int(np.count_nonzero(~(d <= tol)))  # NaN counts as wrong
             maxerr = max(maxerr, float(np.nanmax(d)) if np.isfinite(d).any() else float("inf"))
     return wrong, maxerr
+
+
+def numpy_reference(op: str, host: np.ndarray, n: int) -> list[np.ndarray] | None:
+    """Each rank's expected output of ``make_body(op)`` on the global input ``host`` (rank r's
+    input is block r), from numpy alone; None where numpy's meaning is not the op's (max/min of
+    complex numbers, a sum of booleans). Sums are taken in float64 / complex128 / int64 and
+    rounded once: within ``float_tolerance`` of any summation order."""
+    x = host.reshape(n, -1)
+    c = x.shape[1]
+    kind = host.dtype.kind
+    if op in ("psum", "pmax", "pmin", "psum_scatter"):
+        if kind == "b" and op in ("psum", "psum_scatter"):
+            return None
+        if kind == "c" and op in ("pmax", "pmin"):
+            return None
+        if op in ("pmax", "pmin"):
+            red = (np.max if op == "pmax" else np.min)(x, axis=0)
+        else:
+            # bfloat16 and the other ml_dtypes floats have kind "V": summed in float64 too
+            wide = {"c": np.complex128, "i": np.int64, "u": np.uint64}.get(kind, np.float64)
+            red = x.astype(wide).sum(axis=0).astype(host.dtype)
+        if op == "psum_scatter":
+            return list(red.reshape(n, c // n))
+        return [red] * n
+    if op == "all_gather":
+        return [host] * n
+    if op == "all_to_all":
+        blocks = x.reshape(n, n, c // n)  # [source, destination, chunk]
+        return [blocks[:, r].reshape(-1) for r in range(n)]
+    if op == "ppermute":  # make_body's ring: rank i sends to i + 1
+        return [x[(r - 1) % n] for r in range(n)]
+    if op == "pbroadcast":  # make_body's source: rank 0
+        return [x[0]] * n
+    raise ValueError(op)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -362,7 +400,8 @@ class Runner:
         return jax.jit(f)
 
     # ---- one point
-    def make_input(self, pt: Point, seed: int) -> Any:
+    def make_input(self, pt: Point, seed: int) -> tuple[Any, np.ndarray]:
+        """The sharded input and its host copy (every process holds all of it)."""
         import jax
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
@@ -371,7 +410,7 @@ class Runner:
         total = n * OPS[pt.op].in_count(pt.count, n)
         host = random_array(np.random.default_rng(seed), total, pt.dtype, n)
         sharding = NamedSharding(self.ctx.mesh, P(AXIS))
-        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx]), host
 
     def prepare(self, impl: str, pt: Point, x: Any) -> Callable[[], Any]:
         """A no-argument callable running `impl` on `x` (compiled by its first call)."""
@@ -408,20 +447,25 @@ def run_sweep(
         # before this point's arrays exist (every process takes part, as in any jitted call).
         traffic = spec.min_traffic(pt.nbytes, ctx.n)
         stream = C.stream_add_gbs(ctx.mesh, traffic)
-        x = runner.make_input(pt, seed + k)
+        x, host = runner.make_input(pt, seed + k)
         amax = float(np.sqrt(2.0)) if pt.dtype.kind == "c" else 1.0
         tol = (
             float_tolerance(pt.dtype, ctx.n, amax)
-            if spec.reduces and pt.dtype.kind in "fc"
+            if spec.reduces and (pt.dtype.kind in "fc" or pt.dtype.kind == "V")
             else None
         )
-        # reference: jax.lax on the same input (the 'xla' program; reused when 'xla' is timed)
+        # reference: numpy on the host copy of the input, so that each implementation's #wrong
+        # is its own (jax.lax over gloo is one of the implementations checked, not the oracle).
         ref: list[np.ndarray] | None = None
         ref_error = None
-        try:
-            ref = local_pieces(runner.shard_map_fn("xla", pt.op)(x))
-        except Exception as e:  # jax.lax cannot do it (e.g. pmax on complex): time, don't check
-            ref_error = "jax.lax reference failed: " + _one_line(e)
+        expected = numpy_reference(pt.op, host, ctx.n)
+        if expected is None:
+            ref_error = f"no numpy reference for {pt.op} on {pt.dtype.name}: not checked"
+        else:
+            rank_of = {d: r for r, d in enumerate(ctx.mesh.devices.flat)}
+            shards = sorted(x.addressable_shards, key=lambda s: s.device.id)
+            ref = [expected[rank_of[s.device]] for s in shards]
+        del host
         results: dict[str, dict[str, Any]] = {impl: {"impl": impl} for impl in runner.impls}
         errors: dict[str, str] = {}
 
@@ -804,7 +848,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     write(
         f"# compared   : {', '.join(args.impls)}  ('xla' = jax.lax"
         + (" over gloo" if multi else "")
-        + "; the reference is jax.lax on the same input)"
+        + "; #wrong is against numpy on the same input)"
     )
     write(
         f"# ranks      : {ctx.n} = {ctx.process_count} process(es) x {args.devices} "
@@ -842,8 +886,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f" {os.cpu_count()}; where it reaches that, the call is CPU-bound"
     )
     write(
-        "# #wrong     : elements != jax.lax (bitwise; float psum/psum_scatter: |d| > (N-1)*N*eps*"
-        "max|x|), first and last call checked; speedup = time_other / time_strata"
+        "# #wrong     : elements != numpy's result on the same input (bitwise; float"
+        " psum/psum_scatter: |d| > (N-1)*N*eps*max|x|), first and last call checked; '-': not"
+        " checked (no numpy meaning: psum of bool, pmax/pmin of complex); speedup ="
+        " time_other / time_strata"
     )
 
     points = [

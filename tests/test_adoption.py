@@ -319,6 +319,34 @@ def test_benchmark_timer_reports_cpu_per_call():
     assert min(times["sleep"]) >= 0.05 and max(cpu["sleep"]) < 0.025
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int32", "bfloat16"])
+def test_collectives_benchmark_numpy_oracle_matches_jax_lax(dtype):
+    """benchmarks/collectives.py checks every implementation (jax.lax too) against numpy: its
+    expected outputs equal jax.lax's for every operator, rank by rank."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import collectives as B
+    finally:
+        sys.path.pop(0)
+    n = 8
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("x",))
+    rng = np.random.default_rng(7)
+    for op in B.OPS:
+        host = B.random_array(rng, n * 48, np.dtype(jnp.dtype(dtype)), n)
+        want = B.numpy_reference(op, host, n)
+        f = jax.jit(
+            jax.shard_map(
+                B.make_body(B._LaxForBench(), op, n), mesh=mesh, in_specs=P("x"), out_specs=P("x")
+            )
+        )
+        got = np.asarray(f(host)).reshape(n, -1)
+        tol = B.float_tolerance(np.dtype(jnp.dtype(dtype)), n, 1.0) if dtype != "int32" else 0
+        for r in range(n):
+            np.testing.assert_allclose(
+                got[r].astype(np.float64), want[r].astype(np.float64), atol=tol, err_msg=op
+            )
+
+
 def test_no_exchange_removes_every_exchange_and_restores_jax_lax():
     """The benchmarks' communication-free bound (impl nocomm): while tracing, the program has
     no collective left; afterwards jax.lax is itself again."""
