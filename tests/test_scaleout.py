@@ -99,6 +99,42 @@ def test_hierarchical_in_process(two_fake_fabrics, rng, order):
     assert sj.comm_stats()["inter_fabric_bytes"] > before
 
 
+@pytest.mark.parametrize("layout", ["one_per_fabric", "uneven"])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16])
+def test_pmax_pmin_on_xla_path_propagate_nan(monkeypatch, rng, layout, dtype):
+    """Groups that go to XLA's collective (one device per fabric, or fabrics holding different
+    numbers of the group's devices) still propagate NaN from any rank, and order -0.0 < +0.0
+    (IEEE-754 maximum/minimum): the values cross as integer keys in total order. Before, they
+    got gloo's max, which returned 5 for max(NaN, 5) on some ranks."""
+    fabric = {"one_per_fabric": lambda d: d.id, "uneven": lambda d: 0 if d.id < 3 else 1}[layout]
+    monkeypatch.setattr(topology, "_map", topology.FabricMap(("a", "b", "c", "d"), 0))
+    monkeypatch.setattr(topology, "fabric_of_device", fabric)
+    devs = sorted(jax.devices(), key=lambda d: d.id)[:4]
+    mesh = Mesh(np.array(devs), ("x",))
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    for r in range(4):
+        x[r, r * 8 : r * 8 + 3] = np.nan  # NaN on one rank only, a different column per rank
+    x[:, 40] = [0.0, -0.0, 0.0, -0.0]  # zero ties
+    x[:, 41] = [-0.0, -0.0, -0.0, 0.0]
+    x[:, 42] = [np.inf, -np.inf, 1.0, np.nan]
+    x = x.astype(dtype)
+
+    def run(op):
+        body = lambda v: getattr(sj, op)(v, "x")  # noqa: E731
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+        assert "all-reduce" in f.lower(x).compile().as_text()  # the XLA path, as intended
+        return np.asarray(f(x)).astype(np.float32)
+
+    xf = x.astype(np.float32)
+    for op, want in (("pmax", np.max(xf, axis=0)), ("pmin", np.min(xf, axis=0))):
+        got = run(op)
+        for r in range(4):
+            np.testing.assert_array_equal(np.isnan(got[r]), np.isnan(want), err_msg=op)
+            np.testing.assert_array_equal(got[r], want, err_msg=op)  # NaN == NaN here
+            zero = got[r, 40:42]
+            assert list(np.signbit(zero)) == ([False, False] if op == "pmax" else [True, True])
+
+
 @pytest.mark.parametrize("order", [[0, 1, 2, 3], [3, 1, 0, 2], [0, 2, 1, 3]])
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.int8])
 @pytest.mark.parametrize("axis,tiled", [(0, True), (1, True), (0, False)])

@@ -60,7 +60,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 from jax._src.sharding_impls import SPMDAxisContext
 
-from strata_jax._src import lowering, topology
+from strata_jax._src import lowering, runtime, topology
 
 # --------------------------------------------------------------------------------------
 # The plan: groups of the collective and how fabrics cut them
@@ -323,6 +323,9 @@ def _strata_lowering(
 
 def _count_inter(ctx, x, nbytes: int) -> None:
     """Custom call that adds nbytes to comm_stats()['inter_fabric_bytes'] when it runs."""
+    # Registers the FFI targets: this may be the program's only strata call (a group handed
+    # to XLA whole), which would otherwise fail to compile ("No FFI handler registered").
+    runtime.native()
     rule = jax.ffi.ffi_lowering("strata_count_inter_fabric", has_side_effect=True)
     sub = ctx.replace(primitive=None, avals_out=[core.ShapedArray((), np.uint8)])
     rule(sub, x, bytes=np.int64(nbytes))
@@ -374,9 +377,33 @@ def _pairs(groups) -> list[tuple[int, int]]:
 _REDUCE_NAMES = {0: "sum", 1: "max", 2: "min"}
 
 
+_KEY_TYPES = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
+
+
+def _xla_all_reduce(x, groups, reduce: str):
+    """XLA's all-reduce over ``groups``, with pmax/pmin of floats made to propagate NaN.
+
+    gloo's max/min drop NaN (max(NaN, 5) = 5 on some ranks, NaN on others). Floats therefore
+    cross as integer keys in IEEE-754 total order (the sign-magnitude bits with the magnitude
+    flipped for negatives, so that integer order is float order), with every NaN made +NaN for
+    max and -NaN for min, the ends of that order: a NaN anywhere wins on every rank. A tie of
+    -0.0 and +0.0 gives +0.0 for max and -0.0 for min (IEEE-754 maximum/minimum). Same bytes,
+    one collective.
+    """
+    if reduce == "sum" or not jnp.issubdtype(x.dtype, jnp.floating):
+        return _gc(x, "all_reduce", "xla", groups, reduce=reduce)
+    key_t = _KEY_TYPES[jnp.dtype(x.dtype).itemsize]
+    flip = jnp.array(jnp.iinfo(key_t).max, key_t)  # every bit but the sign
+    nan = jnp.array(jnp.nan if reduce == "max" else -jnp.nan, x.dtype)
+    b = jax.lax.bitcast_convert_type(jnp.where(jnp.isnan(x), nan, x), key_t)
+    k = jnp.where(b < 0, b ^ flip, b)
+    k = _gc(k, "all_reduce", "xla", groups, reduce=reduce)
+    return jax.lax.bitcast_convert_type(jnp.where(k < 0, k ^ flip, k), x.dtype)
+
+
 def _all_reduce(x, p: Plan, reduce: str):
     if p.L == 1 or not p.uniform:
-        return _gc(x, "all_reduce", "xla", p.groups, reduce=reduce)
+        return _xla_all_reduce(x, p.groups, reduce)
     v = x.reshape(-1)
     m = v.shape[0]
     chunk = -(-m // p.L)
@@ -393,7 +420,7 @@ def _all_reduce(x, p: Plan, reduce: str):
             v, "all_gather_reduce", "strata", p.intra, reduce=reduce, z=z, z_first=_slot_table(p)
         )
     else:
-        v = _gc(v, "all_reduce", "xla", p.inter, reduce=reduce)
+        v = _xla_all_reduce(v, p.inter, reduce)
         v = _gc(v, "all_gather", "strata", p.intra)
     return v[:m].reshape(x.shape)
 
