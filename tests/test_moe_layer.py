@@ -247,14 +247,15 @@ def test_expert_chunks_skip_empty_rows(impl, rule, capacity, chunk, rng):
 
 def test_expert_chunk_is_checked(rng):
     args = _params(rng, 4, 8, 8, 8, "float32")
-    got = sharded_moe("xla_sort", num_experts=8, top_k=2, expert_chunk=np.int64(3))(*args)
-    want = sharded_moe("xla_sort", num_experts=8, top_k=2)(*args)
+    # Jitted: the checks run at trace time, and op-by-op execution of the layer took 26 s.
+    got = jax.jit(sharded_moe("xla_sort", num_experts=8, top_k=2, expert_chunk=np.int64(3)))(*args)
+    want = jax.jit(sharded_moe("xla_sort", num_experts=8, top_k=2))(*args)
     _close(got, want, "float32", "numpy int expert_chunk")
     for bad in (0, -2, 2.5, True, np.bool_(True), "8"):
         with pytest.raises(ValueError, match="expert_chunk must be a positive int"):
-            sharded_moe("xla_sort", num_experts=8, top_k=2, expert_chunk=bad)(*args)
+            jax.jit(sharded_moe("xla_sort", num_experts=8, top_k=2, expert_chunk=bad))(*args)
     with pytest.raises(ValueError, match="does not apply to impl='strata_ragged'"):
-        sharded_moe("strata_ragged", num_experts=8, top_k=2, expert_chunk=4)(*args)
+        jax.jit(sharded_moe("strata_ragged", num_experts=8, top_k=2, expert_chunk=4))(*args)
 
 
 def test_xla_and_strata_semantics_agree_when_nothing_drops(rng):
