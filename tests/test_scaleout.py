@@ -276,6 +276,7 @@ def test_empty_arrays_across_fake_fabrics(two_fake_fabrics):
         (2, range(8)),  # 4 fabrics of 2, each fabric's members together
         (4, range(8)),  # 2 fabrics of 4
         (2, [5, 0, 3, 6, 1, 4, 7, 2]),  # 4 fabrics of 2, fabrics interleaved in the group
+        (4, [4, 0, 5, 1, 6, 2, 7, 3]),  # 2 fabrics of 4, interleaved, the second one first
     ],
 )
 def test_all_to_all_across_fake_fabrics(monkeypatch, rng, fabric_size, order):
@@ -328,6 +329,42 @@ def test_all_to_all_across_fake_fabrics(monkeypatch, rng, fabric_size, order):
         got, want = _both(mesh, ga, gb, x)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"grad {name}")
     assert sj.comm_stats()["inter_fabric_bytes"] > before  # the hierarchical path ran
+
+
+@pytest.mark.parametrize("dtype", [np.bool_, np.int8, jnp.bfloat16, np.complex64, np.float64])
+def test_all_to_all_two_fabrics_diverts_the_partner_block(monkeypatch, rng, dtype):
+    """Two fabrics of 4: strata writes the partner fabric's aggregate to a result of its own
+    (strata_all_to_all_divert), which crosses whole, and the block that comes back is written
+    in place of it. Every (split, concat) pair and the untiled form equal jax.lax, bitwise, for
+    dtypes of 1 to 8 bytes; a block left unwritten would show as garbage (the output is not
+    zeroed)."""
+    monkeypatch.setattr(topology, "_map", topology.FabricMap(tuple("ab"), 0))
+    monkeypatch.setattr(topology, "fabric_of_device", lambda d: d.id // 4)
+    devs = sorted(jax.devices(), key=lambda d: d.id)[:8]
+    mesh = Mesh(np.array(devs), ("x",))
+    shape = (8 * 8, 8, 16)  # per device [8, 8, 16]: every axis splits 8 ways
+    if dtype == np.bool_:
+        x = rng.random(shape) < 0.5
+    elif dtype == np.complex64:
+        x = (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
+    else:
+        x = rng.integers(-100, 100, shape).astype(dtype)
+    for s, c in [(0, 0), (0, 2), (1, 0), (2, 1), (2, 2)]:
+        got, want = _both(
+            mesh,
+            lambda v, s=s, c=c: sj.all_to_all(v, "x", s, c, tiled=True),
+            lambda v, s=s, c=c: jax.lax.all_to_all(v, "x", s, c, tiled=True),
+            x,
+        )
+        np.testing.assert_array_equal(got, want, err_msg=f"split {s} concat {c}")
+    got, want = _both(
+        mesh,
+        lambda v: sj.all_to_all(v, "x", 0, 1, tiled=False),
+        lambda v: jax.lax.all_to_all(v, "x", 0, 1, tiled=False),
+        x,
+        out=P(None, "x"),
+    )
+    np.testing.assert_array_equal(got, want, err_msg="untiled")
 
 
 def _moe_step(mesh, x, idx, w, ey, capacity):

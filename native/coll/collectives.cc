@@ -153,8 +153,8 @@ void copy_strided(char* dst, const int64_t* dst_strides, const char* src,
   }
 }
 
-std::string all_to_all(Team& t, int esize, const std::vector<int64_t>& shape, int split,
-                       int concat) {
+std::string all_to_all(Team& t, int esize, const std::vector<int64_t>& shape, int split, int concat,
+                       const Divert* divert) {
   const int n = t.size(), r = t.rank(), nd = static_cast<int>(shape.size());
   if (nd > 16) return "all_to_all supports at most 16 dimensions";
   std::vector<int64_t> b(shape);
@@ -171,12 +171,39 @@ std::string all_to_all(Team& t, int esize, const std::vector<int64_t>& shape, in
   }
   for (int64_t v : b)
     if (v == 0) return {};
+  // Diverted: one block of extent `b` with divert->axis of size 1 goes to each of the two
+  // destinations per source, the kept indices to `out`, the diverted one to divert->out.
+  const int dax = divert ? divert->axis : -1;
+  if (divert && (dax < 0 || dax >= nd || dax == split || dax == concat || divert->index < 0 ||
+                 divert->index >= shape[dax]))
+    return "internal error: all_to_all divert axis or index out of range";
+  std::vector<int64_t> ds2(nd);  // strides of divert->out: the output's shape, dax of size 1
+  if (divert) {
+    int64_t a = 1;
+    for (int k = nd - 1; k >= 0; --k) {
+      ds2[k] = a;
+      a *= k == dax ? 1 : o[k];
+    }
+  }
   char* out = static_cast<char*>(t.peer_out(r));
   for (int k = 0; k < n; ++k) {
     const int j = (r + k) % n;
     const char* src = static_cast<const char*>(t.peer_in(j)) + r * b[split] * ss[split] * esize;
     char* dst = out + j * b[concat] * ds[concat] * esize;
-    copy_strided(dst, ds.data(), src, ss.data(), b.data(), nd, esize);
+    if (!divert) {
+      copy_strided(dst, ds.data(), src, ss.data(), b.data(), nd, esize);
+      continue;
+    }
+    std::vector<int64_t> one(b);
+    one[dax] = 1;
+    for (int64_t i = 0; i < shape[dax]; ++i) {
+      const char* s = src + i * ss[dax] * esize;
+      if (i == divert->index)
+        copy_strided(divert->out + j * b[concat] * ds2[concat] * esize, ds2.data(), s, ss.data(),
+                     one.data(), nd, esize);
+      else
+        copy_strided(dst + i * ds[dax] * esize, ds.data(), s, ss.data(), one.data(), nd, esize);
+    }
   }
   copy_fence();
   return {};

@@ -73,8 +73,19 @@ std::string all_gather_reduce_packed(Team& t, int32_t dtype, ReduceOp op, size_t
 }
 // Tiled all-to-all of an array of `shape` (row-major) split along `split` and concatenated along
 // `concat`; esize bytes per element.
-std::string all_to_all(Team& t, int esize, const std::vector<int64_t>& shape, int split,
-                       int concat);
+//
+// `divert` (optional): the output's index `divert->index` along `divert->axis` (neither the split
+// nor the concat axis) is written to `divert->out` instead, a row-major array of the output's
+// shape with that axis of size 1, and left unwritten in the output. The two-fabric all_to_all
+// (strata_jax/_src/hierarchy.py) diverts the partner fabric's aggregate, which then crosses as
+// one buffer with no copy taken out of the output.
+struct Divert {
+  int axis = -1;
+  int64_t index = 0;
+  char* out = nullptr;
+};
+std::string all_to_all(Team& t, int esize, const std::vector<int64_t>& shape, int split, int concat,
+                       const Divert* divert = nullptr);
 // Output = input of rank `src` (zeros when src < 0).
 std::string permute(Team& t, size_t bytes, int src);
 // `push` (the team publishes every rank's output; the same on every rank): rank r copies chunk r

@@ -281,6 +281,44 @@ ffi::Error AllToAllImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, Af
       });
 }
 
+// all_to_all with one index of the output's `divert_axis` written to a second result `y2`
+// (collectives.h: Divert): `divert[p]` is that index for partition p. The two-fabric all_to_all
+// (strata_jax/_src/hierarchy.py) hands y2, the partner fabric's aggregate, to XLA's
+// collective-permute and puts what comes back into y in place.
+ffi::Error AllToAllDivertImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
+                              ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> y2, Done,
+                              int64_t op_id, I64s groups, int64_t group_size, I64s device_ids,
+                              int64_t split_axis, int64_t concat_axis, int64_t divert_axis,
+                              I64s divert) {
+  if (auto e = check_dtype("all_to_all", x, false, ReduceOp::kSum); e.failure()) return e;
+  OpDesc d;
+  d.kind = kAllToAll;
+  d.dtype = static_cast<int32_t>(x.element_type());
+  d.in_bytes = x.size_bytes();
+  d.out_bytes = y->size_bytes();
+  d.aux = (split_axis * 64 + concat_axis) * 64 + divert_axis + 1;
+  auto dims = x.dimensions();
+  std::vector<int64_t> shape(dims.begin(), dims.end());
+  const int es = dtype_size(d.dtype);
+  return run_collective(
+      "all_to_all", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
+      x.untyped_data(), y->untyped_data(), [&](Team& t, const Placement& pl) -> std::string {
+        const int nd = static_cast<int>(shape.size());
+        if (split_axis < 0 || split_axis >= nd || concat_axis < 0 || concat_axis >= nd ||
+            shape[split_axis] % t.size() != 0)
+          return "strata_jax all_to_all: split axis size must be divisible by the group size";
+        if (pl.partition < 0 || static_cast<size_t>(pl.partition) >= divert.size() ||
+            divert_axis < 0 || divert_axis >= nd || shape[divert_axis] == 0 ||
+            y2->size_bytes() != y->size_bytes() / shape[divert_axis])
+          return "strata_jax all_to_all: internal error: bad divert table or second output";
+        count_peer_bytes(t, x.size_bytes() / t.size() * (t.size() - 1));
+        const Divert dv{static_cast<int>(divert_axis), divert[pl.partition],
+                        static_cast<char*>(y2->untyped_data())};
+        return all_to_all(t, es, shape, static_cast<int>(split_axis), static_cast<int>(concat_axis),
+                          &dv);
+      });
+}
+
 ffi::Error PermuteImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
                        ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
                        int64_t group_size, I64s device_ids, I64s sources) {
@@ -360,6 +398,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherReduceHandler, AllGatherReduceImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AllToAllHandler, AllToAllImpl,
     STRATA_COMMON_BIND.Attr<int64_t>("split_axis").Attr<int64_t>("concat_axis"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllToAllDivertHandler, AllToAllDivertImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .OptionalArg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .OptionalRet<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("op_id")
+                                  .Attr<I64s>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<I64s>("device_ids")
+                                  .Attr<int64_t>("split_axis")
+                                  .Attr<int64_t>("concat_axis")
+                                  .Attr<int64_t>("divert_axis")
+                                  .Attr<I64s>("divert"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PermuteHandler, PermuteImpl,
                               STRATA_COMMON_BIND.Attr<I64s>("sources"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BroadcastHandler, BroadcastImpl,

@@ -34,8 +34,9 @@ StrataCL's supernode/scale-out, Hu et al. 2026). Inter-fabric bytes are per devi
 - all_to_all: the split axis viewed as [F, L*b] (free); all-to-all inside the fabric splitting
   the L*b part (a strided copy in strata, no transpose in XLA), so that each member holds
   everything its fabric sends to local index l, one aggregate per destination fabric; then
-  one all-to-all across fabrics of those aggregates (F = 2: only the partner's half crosses,
-  by one collective-permute, put in place by one elementwise pass). Crosses (F-1)/F of S.
+  one all-to-all across fabrics of those aggregates (F = 2: strata writes the partner fabric's
+  aggregate to a buffer of its own, which crosses by one collective-permute; what comes back is
+  written in place of it, S/2 copied once). Crosses (F-1)/F of S.
 - ppermute: pairs inside a fabric through strata, pairs across through XLA's
   collective-permute; each destination takes the one that wrote it.
 - pbroadcast: all-gather across fabrics among the source's local index, keep the source's
@@ -346,6 +347,55 @@ def _gc_lowering(
 
 mlir.register_lowering(group_collective_p, _gc_lowering, platform="cpu", cacheable=False)
 
+# The intra-fabric all_to_all of the two-fabric exchange, with the partner fabric's aggregate
+# (index divert[partition] of axis divert_axis) in a second result of its own
+# (native/coll/collectives.h: Divert): that result crosses as it is, and what comes back goes in
+# place of the index left unwritten in the first, with no copy of either half.
+_a2a_divert_p = core.Primitive("strata_all_to_all_divert")
+_a2a_divert_p.multiple_results = True
+
+
+def _a2a_divert_abstract_eval(aval, *, groups, split, concat, divert_axis, divert, merge):
+    """``merge``: the first result comes with divert_axis and the next merged (the same bytes)."""
+    out = _gc_abstract_eval(
+        aval,
+        kind="all_to_all",
+        engine="strata",
+        groups=groups,
+        reduce="sum",
+        pairs=(),
+        split=split,
+        concat=concat,
+        z_first=(),
+        placement=(),
+    )
+    shape2 = list(out.shape)
+    shape2[divert_axis] = 1
+    first = out
+    if merge:
+        a = divert_axis
+        sh = out.shape
+        first = out.update(shape=(*sh[:a], sh[a] * sh[a + 1], *sh[a + 2 :]))
+    return [first, out.update(shape=tuple(shape2))]
+
+
+def _a2a_divert_lowering(ctx, x, *, groups, split, concat, divert_axis, divert, merge):
+    return lowering.lower_strata_call(
+        ctx,
+        "strata_all_to_all_divert",
+        "all_to_all",
+        [x],
+        np.asarray(groups, np.int64),
+        split_axis=np.int64(split),
+        concat_axis=np.int64(concat),
+        divert_axis=np.int64(divert_axis),
+        divert=np.asarray(divert, np.int64),
+    )
+
+
+_a2a_divert_p.def_abstract_eval(_a2a_divert_abstract_eval)
+mlir.register_lowering(_a2a_divert_p, _a2a_divert_lowering, platform="cpu", cacheable=False)
+
 # This partition's id (u32), for the rank-dependent halves of the two-fabric exchanges below.
 _partition_id_p = core.Primitive("strata_partition_id")
 _partition_id_p.def_abstract_eval(lambda: core.ShapedArray((), np.uint32))
@@ -477,21 +527,37 @@ def _all_to_all(x, p: Plan, split_axis: int, concat_axis: int):
         x = _take_blocks(x, s, n, fl)
     v = x.reshape(*shape[:s], p.F, p.L * b, *shape[s + 1 :])
     c1 = c if c < s else c + 1  # the concat axis in v (c == s: the L*b part)
-    v = _gc(v, "all_to_all", "strata", p.intra, split=s + 1, concat=c1)
     if p.F == 2:
         # Two fabrics: only the partner fabric's aggregate moves (one collective-permute of
-        # half the buffer; XLA's all_to_all copies both halves out and back in), and one
-        # elementwise pass puts it in place of the half that left (a dynamic-update-slice
-        # would make XLA copy the strata buffer first).
-        other = 1 - _my_slot(p)
-        send = jax.lax.dynamic_slice_in_dim(v, other, 1, axis=s)
+        # half the buffer; XLA's all_to_all copies both halves out and back in). Strata writes
+        # it to a second result, so it crosses with no slice copied out of v, and what comes
+        # back is written in place of the index strata left unwritten (v has no other reader,
+        # so XLA updates it in place).
+        others = 1 - _slot_table(p)  # the partner fabric's slot, per partition
+        k = c1 - 1 if c1 > s else c1  # where F goes: just before the concat part
+        v, send = _a2a_divert_p.bind(
+            v,
+            groups=tuple(map(tuple, p.intra)),
+            split=s + 1,
+            concat=c1,
+            divert_axis=s,
+            divert=tuple(int(o) for o in others),
+            merge=k == s,
+        )
         got = _gc(send, "permute", "xla", p.inter, pairs=_pairs(p.inter))
-        at = jax.lax.broadcasted_iota(jnp.int32, v.shape, s) == other
-        v = jnp.where(at, jnp.broadcast_to(got, v.shape), v)
-        v = jnp.moveaxis(v, s, c1 - 1 if c1 > s else c1)  # F just before the concat part
-        k = c1 - 1 if c1 > s else c1
-        v = v.reshape(*v.shape[:k], v.shape[k] * v.shape[k + 1], *v.shape[k + 2 :])
+        other = 1 - _my_slot(p)
+        merged = lambda a: a.reshape(*a.shape[:k], -1, *a.shape[k + 2 :])  # noqa: E731
+        if k == s:
+            # F already sits there: strata's result comes merged (the same bytes) and the
+            # update is the last op on it. A reshape between the two, or after the update as
+            # the jit's result, is fused with it and made XLA copy the whole of v first.
+            at = other * got.shape[s + 1]
+            v = jax.lax.dynamic_update_slice_in_dim(v, merged(got), at, axis=s)
+        else:
+            v = jax.lax.dynamic_update_slice_in_dim(v, got, other, axis=s)
+            v = merged(jnp.moveaxis(v, s, k))
     else:
+        v = _gc(v, "all_to_all", "strata", p.intra, split=s + 1, concat=c1)
         v = _gc(v, "all_to_all", "xla", p.inter, split=s, concat=c1)  # axis s: F -> 1
         v = v.reshape(*v.shape[:s], *v.shape[s + 1 :])  # c1 - 1 == c when c >= s
     if not in_order:  # source blocks from (f, l) order back into group order
