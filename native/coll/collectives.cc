@@ -66,14 +66,15 @@ std::string all_reduce(Team& t, int32_t dtype, ReduceOp op, size_t count, bool t
 }
 
 std::string reduce_scatter(Team& t, int32_t dtype, ReduceOp op, size_t out_count,
-                           const int64_t* placement, int parts) {
+                           const int64_t* placement, int parts, int divert_part, char* out2) {
   const int n = t.size(), r = t.rank(), es = dtype_size(dtype);
   const size_t sub = out_count / parts;
   std::vector<const void*> srcs(n);
   for (int f = 0; f < parts; ++f) {
     const size_t block = placement ? placement[r * parts + f] : r * parts + f;
     for (int j = 0; j < n; ++j) srcs[j] = static_cast<const char*>(t.peer_in(j)) + block * sub * es;
-    reduce_n(dtype, op, srcs.data(), n, static_cast<char*>(t.peer_out(r)) + f * sub * es, 0, sub);
+    char* dst = f == divert_part ? out2 : static_cast<char*>(t.peer_out(r)) + f * sub * es;
+    reduce_n(dtype, op, srcs.data(), n, dst, 0, sub);
   }
   return {};
 }

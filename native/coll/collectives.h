@@ -32,8 +32,11 @@ std::string all_reduce(Team& t, int32_t dtype, ReduceOp op, size_t count, bool t
 // equal sub-blocks, and sub-block f of rank r reduces input block placement[r * parts + f] of
 // every rank (blocks of out_count / parts elements); the hierarchical psum_scatter takes its
 // (local index, fabric) blocks this way instead of reordering the input in one more pass.
+// `divert_part` >= 0: that sub-block is written to `out2` instead (left unwritten in the
+// output); the two-fabric psum_scatter hands it to XLA's collective-permute as it is.
 std::string reduce_scatter(Team& t, int32_t dtype, ReduceOp op, size_t out_count,
-                           const int64_t* placement = nullptr, int parts = 1);
+                           const int64_t* placement = nullptr, int parts = 1, int divert_part = -1,
+                           char* out2 = nullptr);
 // `push` (the team publishes every rank's output): rank r copies its input into block r of every
 // output, tile by tile while the tile is in cache, so each input byte is read from memory once
 // (the floor; measured 1.06-1.4x faster than pulling at 16-64 MiB on 8 in-process devices).

@@ -106,10 +106,12 @@ bool is_permutation(const int64_t* place, size_t len, int64_t nb) {
 
 // `placement`: empty, or the input block of each (rank, sub-block) (collectives.h
 // reduce_scatter).
+// `divert` (per partition; empty: none): the sub-block of this rank's output written to `y2`
+// instead (collectives.h reduce_scatter).
 ffi::Error reduce_scatter_impl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
                                ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
-                               int64_t group_size, I64s device_ids, int32_t reduce,
-                               I64s placement) {
+                               int64_t group_size, I64s device_ids, int32_t reduce, I64s placement,
+                               I64s divert = I64s(), void* y2 = nullptr, size_t y2_bytes = 0) {
   const ReduceOp op = static_cast<ReduceOp>(reduce);
   if (auto e = check_dtype("psum_scatter", x, true, op); e.failure()) return e;
   const int32_t dt = static_cast<int32_t>(x.element_type());
@@ -125,7 +127,7 @@ ffi::Error reduce_scatter_impl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer 
   const size_t out_count = y->element_count();
   return run_collective(
       "psum_scatter", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
-      x.untyped_data(), y->untyped_data(), [&](Team& t, const Placement&) -> std::string {
+      x.untyped_data(), y->untyped_data(), [&](Team& t, const Placement& pl) -> std::string {
         if (out_count * t.size() != x.element_count())
           return "strata_jax psum_scatter: input size is not the group size times the output "
                  "size";
@@ -133,9 +135,30 @@ ffi::Error reduce_scatter_impl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer 
                       !is_permutation(place, placement.size(), int64_t{t.size()} * parts)))
           return "strata_jax psum_scatter: internal error: the block placement is not a "
                  "permutation of the group's sub-blocks";
+        int part = -1;
+        if (divert.size()) {
+          if (pl.partition < 0 || static_cast<size_t>(pl.partition) >= divert.size() ||
+              divert[pl.partition] < 0 || divert[pl.partition] >= parts ||
+              y2_bytes * parts != y->size_bytes())
+            return "strata_jax psum_scatter: internal error: bad divert table or second output";
+          part = static_cast<int>(divert[pl.partition]);
+        }
         count_peer_bytes(t, y->size_bytes() * (t.size() - 1));
-        return reduce_scatter(t, dt, op, out_count, place, parts);
+        return reduce_scatter(t, dt, op, out_count, place, parts, part, static_cast<char*>(y2));
       });
+}
+
+// The two-fabric psum_scatter (strata_jax/_src/hierarchy.py): the partner fabric's sub-block,
+// divert[p] for partition p, goes to `y2`, which XLA's collective-permute sends as it is.
+ffi::Error ReduceScatterPlacedDivertImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
+                                         After, ffi::Result<ffi::AnyBuffer> y,
+                                         ffi::Result<ffi::AnyBuffer> y2, Done, int64_t op_id,
+                                         I64s groups, int64_t group_size, I64s device_ids,
+                                         int32_t reduce, I64s placement, I64s divert) {
+  if (!divert.size())
+    return to_error("strata_jax psum_scatter: internal error: an empty divert table");
+  return reduce_scatter_impl(run, x, pid, y, op_id, groups, group_size, device_ids, reduce,
+                             placement, divert, y2->untyped_data(), y2->size_bytes());
 }
 
 ffi::Error ReduceScatterImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
@@ -377,6 +400,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceScatterHandler, ReduceScatterImpl,
                               STRATA_COMMON_BIND.Attr<int32_t>("reduce"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceScatterPlacedHandler, ReduceScatterPlacedImpl,
                               STRATA_COMMON_BIND.Attr<int32_t>("reduce").Attr<I64s>("placement"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceScatterPlacedDivertHandler, ReduceScatterPlacedDivertImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .OptionalArg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .OptionalRet<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("op_id")
+                                  .Attr<I64s>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<I64s>("device_ids")
+                                  .Attr<int32_t>("reduce")
+                                  .Attr<I64s>("placement")
+                                  .Attr<I64s>("divert"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherHandler, AllGatherImpl, STRATA_COMMON_BIND);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherPlacedHandler, AllGatherPlacedImpl,
                               STRATA_COMMON_BIND.Attr<I64s>("placement"));

@@ -13,6 +13,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(AllGatherPlacedHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AllGatherReduceHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AllToAllHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AllToAllDivertHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(ReduceScatterPlacedDivertHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PermuteHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(BroadcastHandler);
 }  // namespace strata

@@ -37,6 +37,7 @@ NB_MODULE(_strata, m) {
     d["strata_all_gather_reduce"] = capsule(strata::AllGatherReduceHandler);
     d["strata_all_to_all"] = capsule(strata::AllToAllHandler);
     d["strata_all_to_all_divert"] = capsule(strata::AllToAllDivertHandler);
+    d["strata_reduce_scatter_placed_divert"] = capsule(strata::ReduceScatterPlacedDivertHandler);
     d["strata_permute"] = capsule(strata::PermuteHandler);
     d["strata_broadcast"] = capsule(strata::BroadcastHandler);
     d["strata_moe_dispatch"] = capsule(strata::MoeDispatchHandler);

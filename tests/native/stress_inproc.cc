@@ -1,6 +1,8 @@
 // Stress test of the in-process fabric and the algorithms, run under AddressSanitizer/UBSan or
 // ThreadSanitizer by tests/test_native_sanitizers.py. Threads play the ranks of several groups
-// that call back-to-back collectives on fresh data; every result is checked exactly (ints).
+// that call back-to-back collectives on fresh data; every result is checked exactly (ints):
+// psum, all_gather (push and pull), all_to_all and psum_scatter (with and without a diverted
+// block).
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -85,6 +87,81 @@ int main(int argc, char** argv) {
                 errors[g * n + r] = fail("all_gather", r, it);
                 return;
               }
+          // all_to_all of a [2, n*b] array split and concatenated along axis 1, on odd
+          // iterations with index it/2 % 2 of axis 0 diverted to a second output (the
+          // two-fabric form); value of source j at [f, i]: j * 100000 + f * 10000 + i.
+          {
+            const int64_t b = 1 + static_cast<int64_t>(count % 7);
+            const std::vector<int64_t> shape{2, n * b};
+            std::vector<int32_t> src(2 * n * b), dst(2 * n * b, -1), side(n * b, -1);
+            for (int f = 0; f < 2; ++f)
+              for (int64_t i = 0; i < n * b; ++i)
+                src[f * n * b + i] = static_cast<int32_t>(r * 100000 + f * 10000 + i);
+            const bool divert = it % 2 == 1;
+            const Divert dv{0, (it / 2) % 2, reinterpret_cast<char*>(side.data())};
+            auto team = InProcFabric::instance().join(1, 9, pl, "all_to_all");
+            OpDesc d;
+            d.kind = 4;
+            d.dtype = kS32;
+            d.in_bytes = d.out_bytes = src.size() * 4;
+            std::string e = team->arrive(d, src.data(), dst.data());
+            if (e.empty()) e = all_to_all(*team, 4, shape, 1, 1, divert ? &dv : nullptr);
+            if (e.empty()) e = team->depart();
+            if (!e.empty()) {
+              std::fprintf(stderr, "%s\n", e.c_str());
+              errors[g * n + r] = 1;
+              return;
+            }
+            for (int f = 0; f < 2; ++f)
+              for (int j = 0; j < n; ++j)
+                for (int64_t q = 0; q < b; ++q) {
+                  const int32_t want = static_cast<int32_t>(j * 100000 + f * 10000 + r * b + q);
+                  const bool side_f = divert && f == dv.index;
+                  const int32_t got = side_f ? side[j * b + q] : dst[f * n * b + j * b + q];
+                  const int32_t left = side_f ? dst[f * n * b + j * b + q] : 0;
+                  if (got != want || (side_f && left != -1)) {
+                    errors[g * n + r] = fail("all_to_all", r, it);
+                    return;
+                  }
+                }
+          }
+          // psum_scatter in 2 sub-blocks per rank, on odd iterations with sub-block it/2 % 2
+          // diverted to a second output (the two-fabric form).
+          {
+            const size_t sub = 1 + count % 300, out_count = 2 * sub;
+            std::vector<int32_t> big(n * out_count), red(out_count, -1), side(sub, -1);
+            for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<int32_t>(r * 7 + i);
+            const bool divert = it % 2 == 1;
+            const int part = divert ? (it / 2) % 2 : -1;
+            auto team = InProcFabric::instance().join(1, 10, pl, "psum_scatter");
+            OpDesc d;
+            d.kind = 2;
+            d.dtype = kS32;
+            d.in_bytes = big.size() * 4;
+            d.out_bytes = red.size() * 4;
+            std::string e = team->arrive(d, big.data(), red.data());
+            if (e.empty())
+              e = reduce_scatter(*team, kS32, ReduceOp::kSum, out_count, nullptr, 2, part,
+                                 reinterpret_cast<char*>(side.data()));
+            if (e.empty()) e = team->depart();
+            if (!e.empty()) {
+              std::fprintf(stderr, "%s\n", e.c_str());
+              errors[g * n + r] = 1;
+              return;
+            }
+            for (int f = 0; f < 2; ++f)
+              for (size_t q = 0; q < sub; ++q) {
+                int32_t want = 0;  // sum over ranks j of j * 7 + (r * 2 + f) * sub + q
+                for (int j = 0; j < n; ++j)
+                  want += static_cast<int32_t>(j * 7 + (r * 2 + f) * sub + q);
+                const bool side_f = f == part;
+                const int32_t got = side_f ? side[q] : red[f * sub + q];
+                if (got != want || (side_f && red[f * sub + q] != -1)) {
+                  errors[g * n + r] = fail("psum_scatter", r, it);
+                  return;
+                }
+              }
+          }
         }
       });
     }
