@@ -180,10 +180,24 @@ std::string all_to_all(Team& t, int esize, const std::vector<int64_t>& shape, in
     return "internal error: all_to_all divert axis or index out of range";
   std::vector<int64_t> ds2(nd);  // strides of divert->out: the output's shape, dax of size 1
   if (divert) {
+    if (divert->move_to >= nd) return "internal error: all_to_all divert move_to out of range";
     int64_t a = 1;
     for (int k = nd - 1; k >= 0; --k) {
       ds2[k] = a;
       a *= k == dax ? 1 : o[k];
+    }
+    if (divert->move_to >= 0 && divert->move_to != dax) {
+      // The output's memory order: its dims with dax taken out and put back at move_to; the
+      // stride of each logical dim is that of its place in this order.
+      std::vector<int> order;
+      for (int k = 0; k < nd; ++k)
+        if (k != dax) order.push_back(k);
+      order.insert(order.begin() + divert->move_to, dax);
+      int64_t m = 1;
+      for (int i = nd - 1; i >= 0; --i) {
+        ds[order[i]] = m;
+        m *= o[order[i]];
+      }
     }
   }
   char* out = static_cast<char*>(t.peer_out(r));

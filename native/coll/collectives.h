@@ -81,11 +81,15 @@ std::string all_gather_reduce_packed(Team& t, int32_t dtype, ReduceOp op, size_t
 // nor the concat axis) is written to `divert->out` instead, a row-major array of the output's
 // shape with that axis of size 1, and left unwritten in the output. The two-fabric all_to_all
 // (strata_jax/_src/hierarchy.py) diverts the partner fabric's aggregate, which then crosses as
-// one buffer with no copy taken out of the output.
+// one buffer with no copy taken out of the output. `move_to`: the output is written with `axis`
+// moved to that position (row-major in that order, as jnp.moveaxis(output, axis, move_to)
+// would lay it out), so that the caller needs no transpose; divert->out is the same either way
+// (the axis has size 1 there).
 struct Divert {
   int axis = -1;
   int64_t index = 0;
   char* out = nullptr;
+  int move_to = -1;  // -1: axis stays where it is
 };
 std::string all_to_all(Team& t, int esize, const std::vector<int64_t>& shape, int split, int concat,
                        const Divert* divert = nullptr);

@@ -312,14 +312,14 @@ ffi::Error AllToAllDivertImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer p
                               ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> y2, Done,
                               int64_t op_id, I64s groups, int64_t group_size, I64s device_ids,
                               int64_t split_axis, int64_t concat_axis, int64_t divert_axis,
-                              I64s divert) {
+                              int64_t move_to, I64s divert) {
   if (auto e = check_dtype("all_to_all", x, false, ReduceOp::kSum); e.failure()) return e;
   OpDesc d;
   d.kind = kAllToAll;
   d.dtype = static_cast<int32_t>(x.element_type());
   d.in_bytes = x.size_bytes();
   d.out_bytes = y->size_bytes();
-  d.aux = (split_axis * 64 + concat_axis) * 64 + divert_axis + 1;
+  d.aux = ((split_axis * 64 + concat_axis) * 64 + divert_axis + 1) * 64 + move_to + 1;
   auto dims = x.dimensions();
   std::vector<int64_t> shape(dims.begin(), dims.end());
   const int es = dtype_size(d.dtype);
@@ -331,12 +331,12 @@ ffi::Error AllToAllDivertImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer p
             shape[split_axis] % t.size() != 0)
           return "strata_jax all_to_all: split axis size must be divisible by the group size";
         if (pl.partition < 0 || static_cast<size_t>(pl.partition) >= divert.size() ||
-            divert_axis < 0 || divert_axis >= nd || shape[divert_axis] == 0 ||
-            y2->size_bytes() != y->size_bytes() / shape[divert_axis])
+            divert_axis < 0 || divert_axis >= nd || shape[divert_axis] == 0 || move_to < -1 ||
+            move_to >= nd || y2->size_bytes() != y->size_bytes() / shape[divert_axis])
           return "strata_jax all_to_all: internal error: bad divert table or second output";
         count_peer_bytes(t, x.size_bytes() / t.size() * (t.size() - 1));
         const Divert dv{static_cast<int>(divert_axis), divert[pl.partition],
-                        static_cast<char*>(y2->untyped_data())};
+                        static_cast<char*>(y2->untyped_data()), static_cast<int>(move_to)};
         return all_to_all(t, es, shape, static_cast<int>(split_axis), static_cast<int>(concat_axis),
                           &dv);
       });
@@ -453,6 +453,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllToAllDivertHandler, AllToAllDivertImpl,
                                   .Attr<int64_t>("split_axis")
                                   .Attr<int64_t>("concat_axis")
                                   .Attr<int64_t>("divert_axis")
+                                  .Attr<int64_t>("move_to")
                                   .Attr<I64s>("divert"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PermuteHandler, PermuteImpl,
                               STRATA_COMMON_BIND.Attr<I64s>("sources"));

@@ -356,8 +356,10 @@ _a2a_divert_p = core.Primitive("strata_all_to_all_divert")
 _a2a_divert_p.multiple_results = True
 
 
-def _a2a_divert_abstract_eval(aval, *, groups, split, concat, divert_axis, divert, merge):
-    """``merge``: the first result comes with divert_axis and the next merged (the same bytes)."""
+def _a2a_divert_abstract_eval(aval, *, groups, split, concat, divert_axis, divert, move_to):
+    """The first result is laid out with divert_axis moved to ``move_to`` and merged with the
+    axis after it there (the two-fabric all_to_all's final layout; the same bytes as strata
+    writes them); the second has divert_axis of size 1."""
     out = _gc_abstract_eval(
         aval,
         kind="all_to_all",
@@ -372,15 +374,13 @@ def _a2a_divert_abstract_eval(aval, *, groups, split, concat, divert_axis, diver
     )
     shape2 = list(out.shape)
     shape2[divert_axis] = 1
-    first = out
-    if merge:
-        a = divert_axis
-        sh = out.shape
-        first = out.update(shape=(*sh[:a], sh[a] * sh[a + 1], *sh[a + 2 :]))
-    return [first, out.update(shape=tuple(shape2))]
+    sh = list(out.shape)
+    sh.insert(move_to, sh.pop(divert_axis))
+    first = (*sh[:move_to], sh[move_to] * sh[move_to + 1], *sh[move_to + 2 :])
+    return [out.update(shape=first), out.update(shape=tuple(shape2))]
 
 
-def _a2a_divert_lowering(ctx, x, *, groups, split, concat, divert_axis, divert, merge):
+def _a2a_divert_lowering(ctx, x, *, groups, split, concat, divert_axis, divert, move_to):
     return lowering.lower_strata_call(
         ctx,
         "strata_all_to_all_divert",
@@ -390,6 +390,7 @@ def _a2a_divert_lowering(ctx, x, *, groups, split, concat, divert_axis, divert, 
         split_axis=np.int64(split),
         concat_axis=np.int64(concat),
         divert_axis=np.int64(divert_axis),
+        move_to=np.int64(move_to),
         divert=np.asarray(divert, np.int64),
     )
 
@@ -571,8 +572,7 @@ def _all_to_all(x, p: Plan, split_axis: int, concat_axis: int):
         # Two fabrics: only the partner fabric's aggregate moves (one collective-permute of
         # half the buffer; XLA's all_to_all copies both halves out and back in). Strata writes
         # it to a second result, so it crosses with no slice copied out of v, and what comes
-        # back is written in place of the index strata left unwritten (v has no other reader,
-        # so XLA updates it in place).
+        # back is written in place of the half strata left unwritten (v has no other reader).
         others = 1 - _slot_table(p)  # the partner fabric's slot, per partition
         k = c1 - 1 if c1 > s else c1  # where F goes: just before the concat part
         v, send = _a2a_divert_p.bind(
@@ -582,20 +582,16 @@ def _all_to_all(x, p: Plan, split_axis: int, concat_axis: int):
             concat=c1,
             divert_axis=s,
             divert=tuple(int(o) for o in others),
-            merge=k == s,
+            move_to=k,
         )
+        # v comes in the final layout: F moved to k and merged with the concat part (strata
+        # writes it so; no transpose). The block that comes back has F of size 1, so its bytes
+        # are already in that order, and the update is the last op on v (a reshape or a
+        # transpose fused with it made XLA copy the whole of v first).
         got = _gc(send, "permute", "xla", p.inter, pairs=_pairs(p.inter))
-        other = 1 - _my_slot(p)
-        merged = lambda a: a.reshape(*a.shape[:k], -1, *a.shape[k + 2 :])  # noqa: E731
-        if k == s:
-            # F already sits there: strata's result comes merged (the same bytes) and the
-            # update is the last op on it. A reshape between the two, or after the update as
-            # the jit's result, is fused with it and made XLA copy the whole of v first.
-            at = other * got.shape[s + 1]
-            v = jax.lax.dynamic_update_slice_in_dim(v, merged(got), at, axis=s)
-        else:
-            v = jax.lax.dynamic_update_slice_in_dim(v, got, other, axis=s)
-            v = merged(jnp.moveaxis(v, s, k))
+        width = send.shape[c1]
+        got = got.reshape(*v.shape[:k], width, *v.shape[k + 1 :])
+        v = jax.lax.dynamic_update_slice_in_dim(v, got, (1 - _my_slot(p)) * width, axis=k)
     else:
         v = _gc(v, "all_to_all", "strata", p.intra, split=s + 1, concat=c1)
         v = _gc(v, "all_to_all", "xla", p.inter, split=s, concat=c1)  # axis s: F -> 1

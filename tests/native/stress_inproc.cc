@@ -87,43 +87,50 @@ int main(int argc, char** argv) {
                 errors[g * n + r] = fail("all_gather", r, it);
                 return;
               }
-          // all_to_all of a [2, n*b] array split and concatenated along axis 1, on odd
-          // iterations with index it/2 % 2 of axis 0 diverted to a second output (the
-          // two-fabric form); value of source j at [f, i]: j * 100000 + f * 10000 + i.
+          // all_to_all of a [3, 2, n*b] array split along axis 2 and concatenated along axis 0
+          // (output [3n, 2, b]); on odd iterations index it/2 % 2 of axis 1 goes to a second
+          // output (the two-fabric form), and every fourth iteration the output is written with
+          // axis 1 moved to the front. Value of source j at [a, f, i]: j*100000 + a*20000 +
+          // f*10000 + i.
           {
             const int64_t b = 1 + static_cast<int64_t>(count % 7);
-            const std::vector<int64_t> shape{2, n * b};
-            std::vector<int32_t> src(2 * n * b), dst(2 * n * b, -1), side(n * b, -1);
-            for (int f = 0; f < 2; ++f)
-              for (int64_t i = 0; i < n * b; ++i)
-                src[f * n * b + i] = static_cast<int32_t>(r * 100000 + f * 10000 + i);
-            const bool divert = it % 2 == 1;
-            const Divert dv{0, (it / 2) % 2, reinterpret_cast<char*>(side.data())};
+            const std::vector<int64_t> shape{3, 2, n * b};
+            std::vector<int32_t> src(6 * n * b), dst(6 * n * b, -1), side(3 * n * b, -1);
+            for (int a = 0; a < 3; ++a)
+              for (int f = 0; f < 2; ++f)
+                for (int64_t i = 0; i < n * b; ++i)
+                  src[(a * 2 + f) * n * b + i] =
+                      static_cast<int32_t>(r * 100000 + a * 20000 + f * 10000 + i);
+            const bool divert = it % 2 == 1, moved = divert && it % 4 == 3;
+            const Divert dv{1, (it / 2) % 2, reinterpret_cast<char*>(side.data()), moved ? 0 : -1};
             auto team = InProcFabric::instance().join(1, 9, pl, "all_to_all");
             OpDesc d;
             d.kind = 4;
             d.dtype = kS32;
             d.in_bytes = d.out_bytes = src.size() * 4;
             std::string e = team->arrive(d, src.data(), dst.data());
-            if (e.empty()) e = all_to_all(*team, 4, shape, 1, 1, divert ? &dv : nullptr);
+            if (e.empty()) e = all_to_all(*team, 4, shape, 2, 0, divert ? &dv : nullptr);
             if (e.empty()) e = team->depart();
             if (!e.empty()) {
               std::fprintf(stderr, "%s\n", e.c_str());
               errors[g * n + r] = 1;
               return;
             }
-            for (int f = 0; f < 2; ++f)
-              for (int j = 0; j < n; ++j)
-                for (int64_t q = 0; q < b; ++q) {
-                  const int32_t want = static_cast<int32_t>(j * 100000 + f * 10000 + r * b + q);
-                  const bool side_f = divert && f == dv.index;
-                  const int32_t got = side_f ? side[j * b + q] : dst[f * n * b + j * b + q];
-                  const int32_t left = side_f ? dst[f * n * b + j * b + q] : 0;
-                  if (got != want || (side_f && left != -1)) {
-                    errors[g * n + r] = fail("all_to_all", r, it);
-                    return;
+            for (int j = 0; j < n; ++j)
+              for (int a = 0; a < 3; ++a)
+                for (int f = 0; f < 2; ++f)
+                  for (int64_t q = 0; q < b; ++q) {
+                    const int32_t want =
+                        static_cast<int32_t>(j * 100000 + a * 20000 + f * 10000 + r * b + q);
+                    const int64_t row = j * 3 + a;  // output index along axis 0
+                    const int64_t at = moved ? (f * 3 * n + row) * b + q : (row * 2 + f) * b + q;
+                    const bool side_f = divert && f == dv.index;
+                    const int32_t got = side_f ? side[row * b + q] : dst[at];
+                    if (got != want || (side_f && dst[at] != -1)) {
+                      errors[g * n + r] = fail("all_to_all", r, it);
+                      return;
+                    }
                   }
-                }
           }
           // psum_scatter in 2 sub-blocks per rank, on odd iterations with sub-block it/2 % 2
           // diverted to a second output (the two-fabric form).
