@@ -332,13 +332,16 @@ def test_all_to_all_across_fake_fabrics(monkeypatch, rng, fabric_size, order):
     assert sj.comm_stats()["inter_fabric_bytes"] > before  # the hierarchical path ran
 
 
-@pytest.mark.parametrize("dtype", [np.bool_, np.int8, jnp.bfloat16, np.complex64, np.float64])
+@pytest.mark.parametrize(
+    "dtype", [np.bool_, np.int8, jnp.bfloat16, np.float32, np.complex64, np.float64]
+)
 def test_all_to_all_two_fabrics_diverts_the_partner_block(monkeypatch, rng, dtype):
     """Two fabrics of 4: strata writes the partner fabric's aggregate to a result of its own
     (strata_all_to_all_divert), which crosses whole, and the block that comes back is written
     in place of it. Every (split, concat) pair and the untiled form equal jax.lax, bitwise, for
     dtypes of 1 to 8 bytes; a block left unwritten would show as garbage (the output is not
-    zeroed)."""
+    zeroed). Strata writes the result with the fabric axis already before the concat part, so
+    the compiled program has no transpose or copy for any axis pair."""
     monkeypatch.setattr(topology, "_map", topology.FabricMap(tuple("ab"), 0))
     monkeypatch.setattr(topology, "fabric_of_device", lambda d: d.id // 4)
     devs = sorted(jax.devices(), key=lambda d: d.id)[:8]
@@ -351,6 +354,18 @@ def test_all_to_all_two_fabrics_diverts_the_partner_block(monkeypatch, rng, dtyp
     else:
         x = rng.integers(-100, 100, shape).astype(dtype)
     for s, c in [(0, 0), (0, 2), (1, 0), (2, 1), (2, 2)]:
+        if dtype == np.float32:  # strata writes the final layout: no transpose, no copy left
+            f = jax.jit(
+                jax.shard_map(
+                    lambda v, s=s, c=c: sj.all_to_all(v, "x", s, c, tiled=True),
+                    mesh=mesh,
+                    in_specs=P("x"),
+                    out_specs=P("x"),
+                )
+            )
+            hlo = f.lower(x).compile().as_text()
+            assert "strata_all_to_all_divert" in hlo
+            assert " copy(" not in hlo and "transpose(" not in hlo, (s, c)
         got, want = _both(
             mesh,
             lambda v, s=s, c=c: sj.all_to_all(v, "x", s, c, tiled=True),
