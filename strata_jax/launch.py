@@ -302,6 +302,13 @@ class _Launch:
                 rank, code = failed[0]
                 self.message(f"rank {rank.index} {_describe(code)}; stopping the other ranks")
                 self.stop_all(min(self.grace, self.fail_grace))
+                # The rank seen first is not always the cause: a peer's collective fails at
+                # once naming a dead rank, and may exit before the dead rank is reaped. Name
+                # every rank that exited by itself with an error (signals are the stop's).
+                for r in self.ranks:
+                    c = r.proc.returncode
+                    if r is not rank and c is not None and c > 0:
+                        self.message(f"rank {r.index} {_describe(c)} as well")
                 return code if code > 0 else 128 - code
             elif all(c == 0 for c in codes):
                 return 0
