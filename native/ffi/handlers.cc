@@ -379,18 +379,24 @@ ffi::Error BroadcastImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, A
       });
 }
 
-#define STRATA_COMMON_BIND           \
-  ffi::Ffi::Bind()                   \
-      .Ctx<ffi::RunId>()             \
-      .Arg<ffi::AnyBuffer>()         \
-      .Arg<ffi::AnyBuffer>()         \
-      .OptionalArg<ffi::AnyBuffer>() \
-      .Ret<ffi::AnyBuffer>()         \
-      .OptionalRet<ffi::AnyBuffer>() \
-      .Attr<int64_t>("op_id")        \
-      .Attr<I64s>("groups")          \
-      .Attr<int64_t>("group_size")   \
-      .Attr<I64s>("device_ids")
+// Every handler's binding: (x, partition id, optional After) -> (y, [y2,] optional Done), then
+// the group attributes of lowering.lower_strata_call; the handler's own attributes follow.
+#define STRATA_GROUP_ATTRS \
+  Attr<int64_t>("op_id").Attr<I64s>("groups").Attr<int64_t>("group_size").Attr<I64s>("device_ids")
+#define STRATA_BIND_ARGS     \
+  ffi::Ffi::Bind()           \
+      .Ctx<ffi::RunId>()     \
+      .Arg<ffi::AnyBuffer>() \
+      .Arg<ffi::AnyBuffer>() \
+      .OptionalArg<ffi::AnyBuffer>()
+#define STRATA_COMMON_BIND \
+  STRATA_BIND_ARGS.Ret<ffi::AnyBuffer>().OptionalRet<ffi::AnyBuffer>().STRATA_GROUP_ATTRS
+// The two-fabric forms (Divert): a second result, the block that crosses to the other fabric.
+#define STRATA_TWO_RESULTS_BIND          \
+  STRATA_BIND_ARGS.Ret<ffi::AnyBuffer>() \
+      .Ret<ffi::AnyBuffer>()             \
+      .OptionalRet<ffi::AnyBuffer>()     \
+      .STRATA_GROUP_ATTRS
 
 }  // namespace
 
@@ -400,22 +406,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceScatterHandler, ReduceScatterImpl,
                               STRATA_COMMON_BIND.Attr<int32_t>("reduce"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceScatterPlacedHandler, ReduceScatterPlacedImpl,
                               STRATA_COMMON_BIND.Attr<int32_t>("reduce").Attr<I64s>("placement"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceScatterPlacedDivertHandler, ReduceScatterPlacedDivertImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .OptionalArg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .OptionalRet<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("op_id")
-                                  .Attr<I64s>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<I64s>("device_ids")
-                                  .Attr<int32_t>("reduce")
-                                  .Attr<I64s>("placement")
-                                  .Attr<I64s>("divert"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    ReduceScatterPlacedDivertHandler, ReduceScatterPlacedDivertImpl,
+    STRATA_TWO_RESULTS_BIND.Attr<int32_t>("reduce").Attr<I64s>("placement").Attr<I64s>("divert"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherHandler, AllGatherImpl, STRATA_COMMON_BIND);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherPlacedHandler, AllGatherPlacedImpl,
                               STRATA_COMMON_BIND.Attr<I64s>("placement"));
@@ -428,29 +421,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherReduceHandler, AllGatherReduceImpl,
                                   .OptionalArg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .OptionalRet<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("op_id")
-                                  .Attr<I64s>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<I64s>("device_ids")
-                                  .Attr<int32_t>("reduce")
+                                  .STRATA_GROUP_ATTRS.Attr<int32_t>("reduce")
                                   .Attr<I64s>("z_first"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AllToAllHandler, AllToAllImpl,
     STRATA_COMMON_BIND.Attr<int64_t>("split_axis").Attr<int64_t>("concat_axis"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllToAllDivertHandler, AllToAllDivertImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .OptionalArg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .OptionalRet<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("op_id")
-                                  .Attr<I64s>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<I64s>("device_ids")
-                                  .Attr<int64_t>("split_axis")
+                              STRATA_TWO_RESULTS_BIND.Attr<int64_t>("split_axis")
                                   .Attr<int64_t>("concat_axis")
                                   .Attr<int64_t>("divert_axis")
                                   .Attr<int64_t>("move_to")
