@@ -200,6 +200,8 @@ std::string all_to_all(Team& t, int esize, const std::vector<int64_t>& shape, in
       }
     }
   }
+  std::vector<int64_t> one(b);  // a block with dax of size 1 (the diverted form's unit)
+  if (divert) one[dax] = 1;
   char* out = static_cast<char*>(t.peer_out(r));
   for (int k = 0; k < n; ++k) {
     const int j = (r + k) % n;
@@ -209,8 +211,6 @@ std::string all_to_all(Team& t, int esize, const std::vector<int64_t>& shape, in
       copy_strided(dst, ds.data(), src, ss.data(), b.data(), nd, esize);
       continue;
     }
-    std::vector<int64_t> one(b);
-    one[dax] = 1;
     for (int64_t i = 0; i < shape[dax]; ++i) {
       const char* s = src + i * ss[dax] * esize;
       if (i == divert->index)

@@ -277,49 +277,24 @@ ffi::Error AllGatherReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer 
       /*peers_write=*/!packed);
 }
 
-ffi::Error AllToAllImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
-                        ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
-                        int64_t group_size, I64s device_ids, int64_t split_axis,
-                        int64_t concat_axis) {
+// `divert` (per partition; empty: none): index divert[p] of the output's `divert_axis` goes to
+// `y2` instead, and the output is laid out with that axis at `move_to` (collectives.h: Divert).
+// The two-fabric all_to_all (strata_jax/_src/hierarchy.py) hands y2, the partner fabric's
+// aggregate, to XLA's collective-permute and puts what comes back into y in place.
+ffi::Error all_to_all_impl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
+                           ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
+                           int64_t group_size, I64s device_ids, int64_t split_axis,
+                           int64_t concat_axis, int64_t divert_axis = -1, int64_t move_to = -1,
+                           I64s divert = I64s(), void* y2 = nullptr, size_t y2_bytes = 0) {
   if (auto e = check_dtype("all_to_all", x, false, ReduceOp::kSum); e.failure()) return e;
+  const bool diverted = divert.size() != 0;
   OpDesc d;
   d.kind = kAllToAll;
   d.dtype = static_cast<int32_t>(x.element_type());
   d.in_bytes = x.size_bytes();
   d.out_bytes = y->size_bytes();
   d.aux = split_axis * 64 + concat_axis;
-  auto dims = x.dimensions();
-  std::vector<int64_t> shape(dims.begin(), dims.end());
-  const int es = dtype_size(d.dtype);
-  return run_collective(
-      "all_to_all", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
-      x.untyped_data(), y->untyped_data(), [&](Team& t, const Placement&) -> std::string {
-        const int nd = static_cast<int>(shape.size());
-        if (split_axis < 0 || split_axis >= nd || concat_axis < 0 || concat_axis >= nd ||
-            shape[split_axis] % t.size() != 0)
-          return "strata_jax all_to_all: split axis size must be divisible by the group size";
-        count_peer_bytes(t, x.size_bytes() / t.size() * (t.size() - 1));
-        return all_to_all(t, es, shape, static_cast<int>(split_axis),
-                          static_cast<int>(concat_axis));
-      });
-}
-
-// all_to_all with one index of the output's `divert_axis` written to a second result `y2`
-// (collectives.h: Divert): `divert[p]` is that index for partition p. The two-fabric all_to_all
-// (strata_jax/_src/hierarchy.py) hands y2, the partner fabric's aggregate, to XLA's
-// collective-permute and puts what comes back into y in place.
-ffi::Error AllToAllDivertImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
-                              ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> y2, Done,
-                              int64_t op_id, I64s groups, int64_t group_size, I64s device_ids,
-                              int64_t split_axis, int64_t concat_axis, int64_t divert_axis,
-                              int64_t move_to, I64s divert) {
-  if (auto e = check_dtype("all_to_all", x, false, ReduceOp::kSum); e.failure()) return e;
-  OpDesc d;
-  d.kind = kAllToAll;
-  d.dtype = static_cast<int32_t>(x.element_type());
-  d.in_bytes = x.size_bytes();
-  d.out_bytes = y->size_bytes();
-  d.aux = ((split_axis * 64 + concat_axis) * 64 + divert_axis + 1) * 64 + move_to + 1;
+  if (diverted) d.aux = (d.aux * 64 + divert_axis + 1) * 64 + move_to + 1;
   auto dims = x.dimensions();
   std::vector<int64_t> shape(dims.begin(), dims.end());
   const int es = dtype_size(d.dtype);
@@ -330,16 +305,37 @@ ffi::Error AllToAllDivertImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer p
         if (split_axis < 0 || split_axis >= nd || concat_axis < 0 || concat_axis >= nd ||
             shape[split_axis] % t.size() != 0)
           return "strata_jax all_to_all: split axis size must be divisible by the group size";
-        if (pl.partition < 0 || static_cast<size_t>(pl.partition) >= divert.size() ||
-            divert_axis < 0 || divert_axis >= nd || shape[divert_axis] == 0 || move_to < -1 ||
-            move_to >= nd || y2->size_bytes() != y->size_bytes() / shape[divert_axis])
+        if (diverted &&
+            (pl.partition < 0 || static_cast<size_t>(pl.partition) >= divert.size() ||
+             divert_axis < 0 || divert_axis >= nd || shape[divert_axis] == 0 || move_to < -1 ||
+             move_to >= nd || y2_bytes != y->size_bytes() / shape[divert_axis]))
           return "strata_jax all_to_all: internal error: bad divert table or second output";
         count_peer_bytes(t, x.size_bytes() / t.size() * (t.size() - 1));
-        const Divert dv{static_cast<int>(divert_axis), divert[pl.partition],
-                        static_cast<char*>(y2->untyped_data()), static_cast<int>(move_to)};
+        const Divert dv{static_cast<int>(divert_axis), diverted ? divert[pl.partition] : 0,
+                        static_cast<char*>(y2), static_cast<int>(move_to)};
         return all_to_all(t, es, shape, static_cast<int>(split_axis), static_cast<int>(concat_axis),
-                          &dv);
+                          diverted ? &dv : nullptr);
       });
+}
+
+ffi::Error AllToAllImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
+                        ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
+                        int64_t group_size, I64s device_ids, int64_t split_axis,
+                        int64_t concat_axis) {
+  return all_to_all_impl(run, x, pid, y, op_id, groups, group_size, device_ids, split_axis,
+                         concat_axis);
+}
+
+ffi::Error AllToAllDivertImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
+                              ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> y2, Done,
+                              int64_t op_id, I64s groups, int64_t group_size, I64s device_ids,
+                              int64_t split_axis, int64_t concat_axis, int64_t divert_axis,
+                              int64_t move_to, I64s divert) {
+  if (!divert.size())
+    return to_error("strata_jax all_to_all: internal error: an empty divert table");
+  return all_to_all_impl(run, x, pid, y, op_id, groups, group_size, device_ids, split_axis,
+                         concat_axis, divert_axis, move_to, divert, y2->untyped_data(),
+                         y2->size_bytes());
 }
 
 ffi::Error PermuteImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
