@@ -7,7 +7,7 @@ where ``body`` applies the op over mesh axis ``'x'``, feeds it fresh random inpu
 blocking calls after --warmup warm-up calls and reports the median, nccl-tests' algbw/busbw, and
 the number of output elements that differ from numpy's result on the same input (each
 implementation, jax.lax included, is checked against numpy, not against another implementation:
-jax.lax over gloo has been seen to return wrong values, see README "Several hosts").
+jax.lax over gloo has been seen to return wrong values, see docs/design.md, "Across fabrics").
 Implementations run side by side on the same inputs; the last columns give the speedup of strata
 over each other implementation (``time_other / time_strata``). A progress bar runs on stderr
 (tqdm, optional ``bench`` extra); CSV, JSON (rows + machine description) and a PNG plot of busbw

@@ -35,7 +35,7 @@ def _installed_copy_if_unbuilt():
             "source folder without a build and no installed strata_jax was found. Run "
             '`pip install ".[test]"` (a normal install; running from the repository root then '
             'uses it automatically), or `pip install --no-build-isolation -e ".[test]"` for '
-            "development (see README.md, Developing)."
+            "development (see docs/contributing.md)."
         )
     installed = importlib.util.module_from_spec(spec)
     sys.modules[__name__] = installed

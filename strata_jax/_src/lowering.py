@@ -404,7 +404,8 @@ def _keep_program_order() -> bool:
         return False
     raise ValueError(
         f"STRATA_PROGRAM_ORDER={forced!r}: use 1 or leave it unset (chain strata calls in "
-        "program order, the default), or 0 (never: may deadlock, see README)."
+        "program order, the default), or 0 (never: may deadlock, see docs/design.md, Calls in "
+        "program order)."
     )
 
 

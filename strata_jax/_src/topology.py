@@ -101,13 +101,16 @@ def num_fabrics() -> int:
 def topology() -> dict:
     """The fabric domains of the current job.
 
+    The result is a dict with these keys:
+
+    - ``process``: this process's index; ``fabric``: its fabric index;
+    - ``fabric_ids``: the fabric id string of every process (index = process index);
+    - ``fabrics``: one dict per fabric (ordered by lowest process index) with ``id``,
+      ``processes`` (process indices) and ``devices`` (global ids of the jax devices of
+      those processes).
+
     Returns:
-      dict with
-      - ``process``: this process's index; ``fabric``: its fabric index;
-      - ``fabric_ids``: the fabric id string of every process (index = process index);
-      - ``fabrics``: one dict per fabric (ordered by lowest process index) with ``id``,
-        ``processes`` (process indices) and ``devices`` (global ids of the jax devices of
-        those processes).
+      The dict described above.
 
     Shared memory connects only processes of one fabric; a collective whose group spans
     fabrics moves the bytes between them with XLA's own collectives (see ``hierarchy.py``).

@@ -102,7 +102,9 @@ class MoELayout:
     it from ``jax.shard_map``, note that ``dropped`` is 0-d (give it its own out_spec or
     reshape it). Under ``jax.vmap`` its fields gain the batch axis like any pytree.
 
-    Attributes (per rank; R ranks, T tokens, K choices, E experts, E_local = E // R, C slots):
+    Shapes are per rank: R ranks, T tokens, K choices, E experts, E_local = E // R, C slots.
+
+    Attributes:
       recv_counts: [E_local] int32, rows in use per local expert (rows [0, count) of recv_x).
       recv_dropped: [E_local] int32, (token, expert) pairs routed to each local expert that did
         not fit in the capacity.
@@ -114,7 +116,9 @@ class MoELayout:
         slot on this rank (g order), -1 (kept for tools; the one-pass combine does not use it).
       topk_idx: [T, K] int32, this rank's choices (ids outside [0, E) replaced by -1).
       unique: [T, K] bool, choice k is the first occurrence of a valid expert in the token.
-      num_experts, capacity, axis_name: static.
+      num_experts: static, E.
+      capacity: static, C.
+      axis_name: static, the expert-parallel mesh axis.
     """
 
     recv_counts: jax.Array
@@ -832,12 +836,16 @@ class LowLatencyHandle:
 
     A registered pytree (crosses ``jax.jit``/``scan``); not differentiable.
 
-    Attributes (per rank; T tokens, K choices):
+    Shapes are per rank: T tokens, K choices.
+
+    Attributes:
       topk_idx: [T, K] int32, this rank's choices (ids outside [0, E) replaced by -1).
       src_slots: [T, K] int32, row of choice k of token t in the expert's rank's ``recv_x``
         flattened to [E_local * R * M] (``e_local * R * M + position``), -1 for -1 choices; a
         repeated expert points at its first occurrence's row.
-      num_experts, max_tokens_per_rank, axis_name: static.
+      num_experts: static, E.
+      max_tokens_per_rank: static, M.
+      axis_name: static, the expert-parallel mesh axis.
     """
 
     topk_idx: jax.Array

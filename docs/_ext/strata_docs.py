@@ -1,0 +1,75 @@
+"""Sphinx extension of the strata_jax docs.
+
+* ``strata-perf``: a directive that renders the benchmark JSON files under ``docs/perf/`` as
+  tables and plots (with the machine, date, command and commit each was measured with).
+* A check that every public name of the documented modules has a docstring: a missing one is a
+  Sphinx warning, so ``sphinx -W`` fails on it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+import strata_perf
+from sphinx.application import Sphinx
+from sphinx.util import logging
+
+logger = logging.getLogger(__name__)
+
+# The modules whose public names must all have a docstring (the API reference's modules).
+CHECKED_MODULES = ("strata_jax", "strata_jax.moe", "strata_jax.launch")
+
+
+def _public_names(mod: Any) -> list[str]:
+    names = getattr(mod, "__all__", None)
+    if names is None:
+        names = [n for n in vars(mod) if not n.startswith("_")]
+        names = [n for n in names if getattr(vars(mod)[n], "__module__", None) == mod.__name__]
+    return list(names)
+
+
+def missing_docstrings(module_names: tuple[str, ...] = CHECKED_MODULES) -> list[str]:
+    """Qualified names of the public functions, classes, methods and properties with no
+    docstring (their own: an inherited one does not count)."""
+    missing = []
+    for mname in module_names:
+        mod = importlib.import_module(mname)
+        if not (mod.__doc__ or "").strip():
+            missing.append(mname)
+        for name in _public_names(mod):
+            obj = getattr(mod, name)
+            if inspect.ismodule(obj):
+                continue
+            if callable(obj) or inspect.isclass(obj):
+                if not (getattr(obj, "__doc__", None) or "").strip():
+                    missing.append(f"{mname}.{name}")
+            if inspect.isclass(obj):
+                for attr, value in vars(obj).items():
+                    if attr.startswith("_"):
+                        continue
+                    fn = value.fget if isinstance(value, property) else value
+                    if isinstance(fn, (staticmethod, classmethod)):
+                        fn = fn.__func__
+                    if inspect.isfunction(fn) or isinstance(value, property):
+                        if not (fn.__doc__ or "").strip():
+                            missing.append(f"{mname}.{name}.{attr}")
+    return missing
+
+
+def _check_docstrings(app: Sphinx) -> None:
+    for qual in missing_docstrings():
+        logger.warning(
+            "public name without a docstring: %s (every public name of %s needs one)",
+            qual,
+            ", ".join(CHECKED_MODULES),
+            type="strata",
+            subtype="docstring",
+        )
+
+
+def setup(app: Sphinx) -> dict[str, Any]:
+    app.connect("builder-inited", _check_docstrings)
+    strata_perf.setup(app)
+    return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
