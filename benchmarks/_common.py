@@ -23,8 +23,10 @@ import json
 import os
 import platform
 import re
+import shlex
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -561,8 +563,85 @@ def _version(mod: str) -> str | None:
         return None
 
 
+def _cmdline(pid: int) -> tuple[list[str], int] | None:
+    """(argv, parent pid) of a process, from /proc; None if it cannot be read."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return [a.decode(errors="replace") for a in argv if a], int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def run_command() -> str:
+    """How this benchmark was started, as the user typed it (what the docs print above each
+    generated table).
+
+    A benchmark may run under the launcher (``python -m strata_jax.launch -n 4 <script>``), or
+    start the launcher or its own children itself (``collectives.py --procs 4``,
+    ``registration.py``): the outermost of this process's ancestors (up to 6 up) that runs
+    the launcher or this same script is taken; else this process's own ``python <script>
+    <args>``.
+    """
+    script = os.path.basename(sys.argv[0])
+    best = [sys.executable, sys.argv[0], *sys.argv[1:]]
+    pid = os.getppid()
+    for _ in range(6):
+        if pid <= 1:
+            break
+        found = _cmdline(pid)
+        if found is None:
+            break
+        words, pid = found
+        launched = any(w == "strata_jax.launch" or w.endswith("strata-launch") for w in words)
+        if launched or any(os.path.basename(w) == script for w in words[1:2]):
+            best = words
+    if best and os.path.basename(best[0]).startswith("python"):
+        best = ["python", *best[1:]]
+    return shlex.join(
+        os.path.relpath(w) if w.endswith(".py") and os.path.isabs(w) else w for w in best
+    )
+
+
+# What "+dirty" looks at: the code a benchmark measures, not the docs around it.
+CODE_PATHS = ("strata_jax", "native", "benchmarks", "CMakeLists.txt", "pyproject.toml")
+
+
+def git_commit() -> str | None:
+    """The commit of the checkout the benchmark runs from (``+dirty`` if it has uncommitted
+    changes to the tracked files of :data:`CODE_PATHS`), or None outside a git checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            [
+                "git",
+                "-C",
+                str(here.parent),
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                *CODE_PATHS,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
 def machine_info(extra_env_prefixes: Sequence[str] = ("STRATA_",)) -> dict[str, Any]:
-    """CPU model, cores, memory, versions and the environment variables that change behaviour.
+    """CPU model, cores, memory, versions and the environment variables that change behaviour,
+    with the command, the git commit and the load average (1, 5, 15 min) at the time of the call.
 
     Call after jax is imported if jax's own facts (devices) are wanted; it is imported lazily here.
     """
@@ -576,6 +655,9 @@ def machine_info(extra_env_prefixes: Sequence[str] = ("STRATA_",)) -> dict[str, 
     )
     info: dict[str, Any] = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": run_command(),
+        "commit": git_commit(),
+        "load_avg": list(os.getloadavg()),
         "host": socket.gethostname(),
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),
@@ -605,6 +687,10 @@ def machine_info(extra_env_prefixes: Sequence[str] = ("STRATA_",)) -> dict[str, 
 
 
 def print_machine(info: dict[str, Any], write: Callable[[str], Any] = print) -> None:
+    if "command" in info:
+        load = ", ".join(f"{v:.2f}" for v in info.get("load_avg", []))
+        write(f"# command    : {info['command']}")
+        write(f"# commit     : {info.get('commit')}  date {info['date']}  load average {load}")
     write(f"# host       : {info['host']}  ({info['platform']})")
     write(
         f"# cpu        : {info['cpu']}, {info['cores']} cores ({info['cores_usable']} usable), "

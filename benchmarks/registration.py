@@ -35,6 +35,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
 MODES = ("on_alloc", "on_use", "staging")
 RESULT_TAG = "REGBENCH-RESULT "
 
@@ -325,8 +328,9 @@ def main(argv: list[str] | None = None) -> int:
             "(goal 0)"
         )
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "registration.json").write_text(
-        json.dumps({"runs": rows, "summary": summary}, indent=1)
+    C.write_json(
+        a.out / "registration.json",
+        {"machine": C.machine_info(), "args": vars(a), "runs": rows, "summary": summary},
     )
     return 0 if failed == 0 else 1
 
