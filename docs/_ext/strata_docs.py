@@ -12,12 +12,6 @@ import importlib
 import inspect
 from typing import Any
 
-import strata_perf
-from sphinx.application import Sphinx
-from sphinx.util import logging
-
-logger = logging.getLogger(__name__)
-
 # The modules whose public names must all have a docstring (the API reference's modules).
 CHECKED_MODULES = ("strata_jax", "strata_jax.moe", "strata_jax.launch")
 
@@ -58,7 +52,10 @@ def missing_docstrings(module_names: tuple[str, ...] = CHECKED_MODULES) -> list[
     return missing
 
 
-def _check_docstrings(app: Sphinx) -> None:
+def _check_docstrings(app: Any) -> None:
+    from sphinx.util import logging
+
+    logger = logging.getLogger(__name__)
     for qual in missing_docstrings():
         logger.warning(
             "public name without a docstring: %s (every public name of %s needs one)",
@@ -69,7 +66,10 @@ def _check_docstrings(app: Sphinx) -> None:
         )
 
 
-def setup(app: Sphinx) -> dict[str, Any]:
+def setup(app: Any) -> dict[str, Any]:
+    """Register the docstring check and the ``strata-perf`` directive (Sphinx entry point)."""
+    import strata_perf
+
     app.connect("builder-inited", _check_docstrings)
     strata_perf.setup(app)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}

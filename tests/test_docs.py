@@ -1,0 +1,274 @@
+"""Every code block of README.md and docs/ runs (or, for shell commands, names what exists).
+
+* ```python blocks: each page's blocks run in order in one namespace (a page reads like a
+  notebook), every page in a fresh namespace; all pages share one subprocess (one JAX start-up)
+  whose CPU device count the blocks set themselves (``jax.config.update("jax_num_cpu_devices",
+  N)``, as the README example does). A block fails the test of its page with its traceback.
+* docs/examples/*.py: each runs as a script in its own subprocess.
+* ```bash blocks: not run (they train models, start jobs, install packages); every script they
+  name must exist, and every ``--flag`` given to a benchmark or to the launcher must be one that
+  script defines.
+* A block preceded by ``<!-- skip-test: reason -->`` (on the line just before its fence) is
+  left out; the reason is required.
+
+The docs build itself (``sphinx -W``) runs in .ci/run; test_docs_build_has_no_missing_docstrings
+checks the docstring rule without Sphinx.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+SKIP_RE = re.compile(r"<!--\s*skip-test:\s*(\S.*?)\s*-->")
+FENCE_RE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)")
+
+
+def doc_pages() -> list[Path]:
+    pages = [ROOT / "README.md"]
+    pages += sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.parts)
+    return pages
+
+
+def code_blocks(path: Path) -> list[dict]:
+    """Fenced blocks of a Markdown file: language, code (dedented), first line, skip reason."""
+    lines = path.read_text().splitlines()
+    blocks = []
+    i = 0
+    while i < len(lines):
+        m = FENCE_RE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, fence, lang = m.group(1), m.group(2), m.group(3).lower()
+        start = i
+        body = []
+        i += 1
+        while i < len(lines) and not lines[i].strip().startswith(fence):
+            body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i])
+            i += 1
+        i += 1
+        prev = lines[start - 1] if start > 0 else ""
+        skip = SKIP_RE.search(prev)
+        blocks.append(
+            dict(
+                lang=lang,
+                code=textwrap.dedent("\n".join(body)) + "\n",
+                line=start + 1,
+                skip=skip.group(1) if skip else None,
+            )
+        )
+    return blocks
+
+
+def _rel(p: Path) -> str:
+    return str(p.relative_to(ROOT))
+
+
+PY_PAGES = [
+    p for p in doc_pages() if any(b["lang"] == "python" and not b["skip"] for b in code_blocks(p))
+]
+
+# Runs in the subprocess: every page's python blocks in order, in a fresh namespace per page.
+RUNNER = r"""
+import json, sys, traceback
+pages = json.loads(sys.stdin.read())
+results = {}
+for page, blocks in pages.items():
+    ns = {"__name__": "__docs__"}
+    results[page] = None
+    for line, code in blocks:
+        try:
+            exec(compile(code, f"{page}:{line}", "exec"), ns)
+        except BaseException:
+            results[page] = f"block at line {line}:\n" + traceback.format_exc()
+            break
+print("DOCS-RESULTS " + json.dumps(results), flush=True)
+"""
+
+
+DEVICES_RE = re.compile(r"jax_num_cpu_devices[\"']\s*,\s*(\d+)")
+
+
+def _device_count(blocks: list[tuple[int, str]]) -> int:
+    """The CPU device count a page's blocks ask for (0: they do not say). Pages that ask for
+    different counts run in different subprocesses: a JAX backend has one count for life."""
+    found = {int(n) for _, code in blocks for n in DEVICES_RE.findall(code)}
+    assert len(found) <= 1, f"one page asks for several device counts: {sorted(found)}"
+    return found.pop() if found else 0
+
+
+@pytest.fixture(scope="module")
+def python_block_results() -> dict[str, str | None]:
+    pages = {
+        _rel(p): [
+            (b["line"], b["code"])
+            for b in code_blocks(p)
+            if b["lang"] == "python" and not b["skip"]
+        ]
+        for p in PY_PAGES
+    }
+    groups: dict[int, dict] = {}
+    for page, blocks in pages.items():
+        groups.setdefault(_device_count(blocks), {})[page] = blocks
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the blocks set their device count themselves
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    results: dict[str, str | None] = {}
+    for group in groups.values():
+        r = subprocess.run(
+            [sys.executable, "-c", RUNNER],
+            input=json.dumps(group),
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=env,
+            timeout=280,
+        )
+        line = next((x for x in r.stdout.splitlines() if x.startswith("DOCS-RESULTS ")), None)
+        if line is None:
+            pytest.fail(
+                f"the docs runner died (rc {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+            )
+        results.update(json.loads(line[len("DOCS-RESULTS ") :]))
+    return results
+
+
+def test_the_docs_have_python_blocks():
+    """The README and the guides keep runnable examples (a parser that finds none fails here)."""
+    names = {_rel(p) for p in PY_PAGES}
+    assert "README.md" in names
+    assert "docs/guide/moe.md" in names
+
+
+@pytest.mark.parametrize("page", [_rel(p) for p in PY_PAGES])
+def test_python_blocks_run(page, python_block_results):
+    err = python_block_results[page]
+    assert err is None, f"{page}: {err}"
+
+
+EXAMPLES = sorted((DOCS / "examples").glob("*.py"))
+
+
+@pytest.mark.parametrize("example", [_rel(p) for p in EXAMPLES])
+def test_examples_run(example):
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    r = subprocess.run(
+        [sys.executable, example], capture_output=True, text=True, cwd=ROOT, env=env, timeout=240
+    )
+    assert r.returncode == 0, (
+        f"{example} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    )
+
+
+# --- shell blocks: the scripts and flags they name exist -------------------------------------
+
+LAUNCHER_SRC = (ROOT / "strata_jax" / "launch.py").read_text()
+
+
+def _defined_flags(script: Path) -> str:
+    """Source text in which a script's flags are defined: the script and the benchmarks' shared
+    modules it may take arguments from."""
+    texts = [script.read_text()]
+    if script.parent.name == "benchmarks":
+        texts += [p.read_text() for p in script.parent.glob("*.py") if p != script]
+    return "\n".join(texts)
+
+
+def _commands(code: str) -> list[list[str]]:
+    """Shell commands of a block, one word list per command (comments, `&&` chains and
+    line continuations handled; no quoting beyond what shlex does)."""
+    import shlex
+
+    joined = code.replace("\\\n", " ")
+    cmds = []
+    for line in joined.splitlines():
+        line = line.split(" #", 1)[0] if not line.lstrip().startswith("#") else ""
+        for part in re.split(r"&&|\|\||;", line):
+            try:
+                words = shlex.split(part)
+            except ValueError:
+                continue
+            if words:
+                cmds.append(words)
+    return cmds
+
+
+def check_shell_block(code: str) -> list[str]:
+    """Problems of one bash block: missing scripts, flags a script or the launcher lacks."""
+    problems = []
+    for words in _commands(code):
+        launcher = "strata_jax.launch" in words or words[0] == "strata-launch"
+        script_i = next(
+            (i for i, w in enumerate(words) if w.endswith(".py") and not w.startswith("-")), None
+        )
+        if script_i is not None:
+            path = ROOT / words[script_i]
+            if words[script_i].startswith(("benchmarks/", "docs/", "tests/")):
+                if not path.exists():
+                    problems.append(f"{words[script_i]} does not exist")
+                    continue
+                src = _defined_flags(path)
+                for w in words[script_i + 1 :]:
+                    flag = w.split("=", 1)[0]
+                    if flag.startswith("--") and f'"{flag}"' not in src:
+                        problems.append(f"{words[script_i]} has no flag {flag}")
+        if launcher:
+            end = script_i if script_i is not None else len(words)
+            for w in words[:end]:
+                flag = w.split("=", 1)[0]
+                if flag.startswith("--") and f'"{flag}"' not in LAUNCHER_SRC:
+                    problems.append(f"the launcher has no flag {flag}")
+    return problems
+
+
+SHELL_BLOCKS = [
+    (p, b) for p in doc_pages() for b in code_blocks(p) if b["lang"] in ("bash", "sh", "shell")
+]
+
+
+@pytest.mark.parametrize(
+    "page,block", SHELL_BLOCKS, ids=[f"{_rel(p)}:{b['line']}" for p, b in SHELL_BLOCKS]
+)
+def test_shell_blocks_name_what_exists(page, block):
+    if block["skip"]:
+        pytest.skip(block["skip"])
+    assert check_shell_block(block["code"]) == []
+
+
+def test_shell_check_catches_a_missing_flag_and_script():
+    """The checker above can fail: a made-up flag and a made-up script are reported."""
+    bad = "python benchmarks/train_moe.py --no-such-flag 3\npython benchmarks/nope.py\n"
+    bad += "python -m strata_jax.launch -n 4 --no-such-launch-flag benchmarks/train_moe.py\n"
+    assert check_shell_block(bad) == [
+        "benchmarks/train_moe.py has no flag --no-such-flag",
+        "benchmarks/nope.py does not exist",
+        "the launcher has no flag --no-such-launch-flag",
+    ]
+
+
+def test_skip_markers_give_a_reason():
+    for page in doc_pages():
+        text = page.read_text()
+        for m in re.finditer(r"<!--\s*skip-test\b(.*?)-->", text):
+            assert m.group(1).strip().lstrip(":").strip(), f"{_rel(page)}: skip-test without reason"
+
+
+def test_no_public_name_lacks_a_docstring():
+    """The rule the docs build enforces (docs/_ext/strata_docs.py), checked without Sphinx."""
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        from strata_docs import missing_docstrings
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    assert missing_docstrings() == []
