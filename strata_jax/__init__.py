@@ -79,7 +79,7 @@ from strata_jax._src.runtime import (  # noqa: E402
 )
 from strata_jax._src.topology import topology  # noqa: E402
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the one place the version is written (pyproject.toml reads it)
 
 __all__ = [
     "psum",
