@@ -272,3 +272,41 @@ def test_no_public_name_lacks_a_docstring():
     finally:
         sys.path.remove(str(DOCS / "_ext"))
     assert missing_docstrings() == []
+
+
+# --- settings and the README's generated parts ------------------------------------------------
+
+
+def test_every_setting_is_documented():
+    """Every STRATA_* variable the code reads and every launcher flag is in settings.md."""
+    settings = (DOCS / "guide" / "settings.md").read_text()
+    names = set()
+    for folder in ("strata_jax", "native", "benchmarks"):
+        for p in (ROOT / folder).rglob("*"):
+            if p.suffix in (".py", ".cc", ".h"):
+                names |= set(re.findall(r"[\"'](STRATA_[A-Z0-9_]+)[\"']", p.read_text()))
+    assert "STRATA_TIMEOUT_S" in names and "STRATA_ALLOC_THRESHOLD" in names  # the scan works
+    assert sorted(n for n in names if f"`{n}`" not in settings) == []
+    flags = set(re.findall(r"add_argument\(\s*\"(-[-\w]+)\"", LAUNCHER_SRC))
+    assert "--hosts" in flags and "-n" in flags
+    assert sorted(f for f in flags if f"`{f}" not in settings) == []
+
+
+def test_readme_headline_is_generated_from_the_benchmark_json():
+    """The README's headline table is what docs/_ext/strata_perf.py makes of docs/perf/*.json
+    (regenerate: python docs/_ext/strata_perf.py --readme --write)."""
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        import strata_perf
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    readme = (ROOT / "README.md").read_text()
+    assert strata_perf.readme_with_headline(readme) == readme
+    assert len(strata_perf.headline_rows()) >= 3
+    for row in strata_perf.headline_rows():  # every row names its source file, which exists
+        src = re.search(r"\]\(([^)]+)\)", row[-1]).group(1)
+        assert (ROOT / src).is_file()
+
+
+def test_readme_is_short():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
