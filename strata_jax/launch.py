@@ -51,6 +51,7 @@ __all__ = [
     "distributed_env",
     "launch",
     "main",
+    "netns_unavailable_reason",
 ]
 
 ALLOC_LIBRARY_NAME = "libstrata_alloc.so"
@@ -344,6 +345,8 @@ def launch(
     stderr: BinaryIO | None = None,
     hosts: int = 1,
     private_mounts: bool = False,
+    netns: bool = False,
+    link_gbit: float | None = None,
 ) -> int:
     """Runs ``argv`` (a full command line) as ``nproc`` ranks on this host; returns the exit code.
 
@@ -365,6 +368,16 @@ def launch(
       private_mounts: run each simulated host in its own mount namespace with private tmpfs
         on /tmp and /dev/shm (``unshare --mount``; needs root): no path of one host is visible
         from another. Raises OSError when unshare is not permitted.
+      netns: each simulated host in its own network, UTS and mount namespaces (its own
+        hostname ``host<h>``, loopback, /etc/hosts, private /tmp and /dev/shm), joined by veth
+        pairs to a bridge in a namespace of its own, host h at ``10.87.0.<h+1>``; the
+        coordinator listens on host 0's address, fabrics are found by hostname (no
+        ``STRATA_FABRIC_ID``) and gloo binds the address its hostname resolves to, the veth's.
+        Everything is freed when the job ends, however it ends. Needs root, ``unshare``,
+        ``nsenter``, ``ip`` (and ``tc`` with ``link_gbit``): OSError saying which is missing
+        (:func:`netns_unavailable_reason`).
+      link_gbit: with ``netns``, shape each host's link to this many Gbit/s in each direction
+        (``tc`` tbf on both ends of its veth pair).
 
     Returns 0 when every rank exits 0; the failed rank's exit code (128+signal when it was killed)
     when one fails; 124 on timeout; 128+signal when the launcher itself was interrupted.
@@ -375,6 +388,12 @@ def launch(
         raise ValueError(f"devices_per_proc must be >= 1, got {devices_per_proc}")
     if hosts < 1 or nproc % hosts:
         raise ValueError(f"hosts must be >= 1 and divide nproc={nproc}, got {hosts}")
+    if link_gbit is not None and (not netns or not link_gbit > 0):
+        raise ValueError(f"link_gbit needs netns=True and a rate > 0, got {link_gbit}")
+    if netns:
+        reason = netns_unavailable_reason(link_gbit)
+        if reason is not None:
+            raise OSError(reason)
     out = stdout if stdout is not None else sys.stdout.buffer
     err = stderr if stderr is not None else sys.stderr.buffer
     run = _Launch(grace, err, fail_grace)
@@ -387,11 +406,16 @@ def launch(
                 f"{ALLOC_LIBRARY_NAME} not found (set {ENV_ALLOC_LIB} or reinstall strata_jax); "
                 "running without the allocator"
             )
-    coordinator = f"127.0.0.1:{free_port()}"
+    network = _Network(hosts, link_gbit) if netns else None
+    coordinator = network.coordinator if network else f"127.0.0.1:{free_port()}"
     per_host = nproc // hosts
-    simulated = hosts > 1 or private_mounts
-    run_dirs = [tempfile.mkdtemp(prefix="strata-run-") for _ in range(hosts)]  # mode 0700
+    simulated = hosts > 1 or private_mounts or netns
+    run_dirs = (
+        [] if network else [tempfile.mkdtemp(prefix="strata-run-") for _ in range(hosts)]
+    )  # mode 0700
     base = dict(os.environ if env is None else env)
+    if network:
+        base.pop(ENV_FABRIC_ID, None)  # fabrics are found by hostname and boot id
     if simulated:
         plan = "; ".join(
             f"host{h}: ranks {h * per_host}-{(h + 1) * per_host - 1}" for h in range(hosts)
@@ -408,7 +432,11 @@ def launch(
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, run.forward)
     try:
-        if private_mounts:
+        if network:
+            network.start()
+            namespaces = network.namespaces
+            run.message(network.describe())
+        elif private_mounts:
             namespaces = [_Namespace.start() for _ in range(hosts)]
         for rank in range(nproc):
             h = rank // per_host
@@ -420,14 +448,16 @@ def launch(
                 devices_per_proc=devices_per_proc,
                 run_dir=namespaces[h].run_dir if namespaces else run_dirs[h],
                 preload=lib,
-                fabric_id=f"host{h}" if simulated else None,
+                fabric_id=f"host{h}" if simulated and not network else None,
             )
             argv_r = namespaces[h].wrap(argv) if namespaces else argv
             run.start(argv_r, env_r, rank, out)
         return run.watch(timeout)
     finally:
         run.finish()
-        for ns in namespaces:
+        if network:
+            network.stop()
+        for ns in namespaces if not network else ():
             ns.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -435,55 +465,237 @@ def launch(
             shutil.rmtree(d, ignore_errors=True)
 
 
+def _holder_argv(unshare_flags: Sequence[str], script: str) -> list[str]:
+    """The command of a namespace holder: ``unshare FLAGS sh -c SCRIPT``, killed by the kernel
+    when the launcher dies (``setpriv --pdeathsig``, where installed), so even a SIGKILLed
+    launcher leaves no holder, hence no namespace without ranks, behind."""
+    unshare = shutil.which("unshare") or "unshare"
+    head = [unshare, *unshare_flags, "sh", "-c", script]
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", *head] if setpriv else head
+
+
+def _start_holder(argv: Sequence[str], what: str) -> subprocess.Popen:
+    """Starts a holder and waits for its ``ready`` line; OSError with its stderr otherwise."""
+    proc = subprocess.Popen(
+        list(argv),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    line = proc.stdout.readline() if proc.stdout else b""
+    if line.strip() != b"ready":
+        proc.kill()
+        _, err = proc.communicate()
+        raise OSError(f"cannot make {what}: {err.decode(errors='replace').strip()}")
+    return proc
+
+
+def _stop_holder(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    for f in (proc.stdout, proc.stderr):
+        if f is not None:
+            f.close()
+
+
 class _Namespace:
     """A mount namespace standing in for one host: private tmpfs on /tmp and /dev/shm.
 
     A holder process (``unshare --mount``) mounts the two tmpfs, makes the host's run dir in
     its own /tmp and sleeps; ranks enter it with ``nsenter --mount``. Killing the holder once
-    the ranks are gone frees the namespace and everything in its tmpfs.
+    the ranks are gone frees the namespace and everything in its tmpfs. With ``hostname`` (the
+    ``--netns`` mode) the holder also gets its own network and UTS namespaces: that hostname,
+    loopback up, and ``etc_hosts`` bind-mounted over /etc/hosts (the simulated hosts' names and
+    addresses), so names resolve inside the simulated cluster and never through DNS.
     """
 
     RUN_DIR = "/tmp/strata-host"
-    _SETUP = (
+    _MOUNTS = (
         "mount -t tmpfs -o mode=1777 strata-tmp /tmp && "
         "mount -t tmpfs -o mode=1777 strata-shm /dev/shm && "
-        f"mkdir -m 700 {RUN_DIR} && echo ready && exec sleep 100000"
+        f"mkdir -m 700 {RUN_DIR}"
     )
+    _READY = "echo ready && exec sleep 100000"
 
-    def __init__(self, proc: subprocess.Popen) -> None:
+    def __init__(self, proc: subprocess.Popen, net: bool) -> None:
         self.proc = proc
         self.run_dir = self.RUN_DIR
+        self.net = net
 
     @classmethod
-    def start(cls) -> _Namespace:
-        unshare, nsenter = shutil.which("unshare"), shutil.which("nsenter")
-        if not unshare or not nsenter:
+    def start(cls, hostname: str | None = None, etc_hosts: str = "") -> _Namespace:
+        if not shutil.which("unshare") or not shutil.which("nsenter"):
             raise OSError("private_mounts needs the unshare and nsenter commands (util-linux)")
-        proc = subprocess.Popen(
-            [unshare, "--mount", "--propagation", "private", "sh", "-c", cls._SETUP],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
-        line = proc.stdout.readline() if proc.stdout else b""
-        if line.strip() != b"ready":
-            proc.kill()
-            _, err = proc.communicate()
-            raise OSError(
-                "cannot make a private mount namespace (unshare --mount needs root or "
-                f"CAP_SYS_ADMIN): {err.decode(errors='replace').strip()}"
+        if hostname is None:
+            flags = ["--mount", "--propagation", "private"]
+            script = f"{cls._MOUNTS} && {cls._READY}"
+            what = "a private mount namespace (unshare --mount needs root or CAP_SYS_ADMIN)"
+        else:
+            flags = ["--net", "--uts", "--mount", "--propagation", "private"]
+            hosts_file = "/tmp/.strata-etc-hosts"
+            script = (
+                f"hostname {hostname} && {cls._MOUNTS} && "
+                f"printf '{etc_hosts}' > {hosts_file} && "
+                f"mount --bind {hosts_file} /etc/hosts && rm {hosts_file} && "
+                "mount -t sysfs strata-sys /sys && "  # /sys/class/net: this namespace's links
+                f"ip link set lo up && {cls._READY}"
             )
-        return cls(proc)
+            what = f"the namespaces of simulated host {hostname} (unshare --net --uts --mount)"
+        return cls(_start_holder(_holder_argv(flags, script), what), hostname is not None)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
 
     def wrap(self, argv: Sequence[str]) -> list[str]:
         nsenter = shutil.which("nsenter") or "nsenter"
-        return [nsenter, f"--mount=/proc/{self.proc.pid}/ns/mnt", "--", *argv]
+        spaces = ["--net", "--uts", "--mount"] if self.net else ["--mount"]
+        # Entering a mount namespace resets the working directory to /: keep the launcher's.
+        return [nsenter, "-t", str(self.proc.pid), *spaces, f"--wd={os.getcwd()}", "--", *argv]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+        _stop_holder(self.proc)
+
+
+def netns_unavailable_reason(link_gbit: float | None = None) -> str | None:
+    """Why ``--netns`` cannot run here (not root, a command missing), or None when it can.
+
+    ``--netns`` needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN: namespaces, mounts, links) and the
+    commands ``unshare``/``nsenter`` (util-linux), ``ip`` (iproute2) and, with a link rate,
+    ``tc`` (iproute2).
+    """
+    if os.geteuid() != 0:
+        return (
+            "--netns needs root (it makes network, UTS and mount namespaces, veth links and a "
+            f"bridge); the launcher runs as uid {os.geteuid()}"
+        )
+    need = ["unshare", "nsenter", "ip"] + (["tc"] if link_gbit is not None else [])
+    missing = [c for c in need if shutil.which(c) is None]
+    if missing:
+        pkgs = sorted({"util-linux" if c in ("unshare", "nsenter") else "iproute2" for c in missing})
+        return (
+            f"--netns needs the command(s) {', '.join(missing)} on PATH "
+            f"(package {' and '.join(pkgs)})"
+        )
+    return None
+
+
+class _Network:
+    """The ``--netns`` cluster: one network/UTS/mount namespace per simulated host, joined by veth
+    pairs to a bridge that lives in a namespace of its own, every piece made by this launcher.
+
+    Host h is named ``host<h>``, has address ``10.87.0.<h+1>/24`` on its ``eth0`` (a private
+    range, inside namespaces only this job can reach: nothing is ever sent to an address outside
+    them) and reaches the others through the bridge ``strata-br`` in the switch namespace. With a
+    rate, each host's link is shaped to it in both directions with ``tc`` tbf: on ``eth0``
+    (what the host sends) and on its bridge port (what it receives), so it behaves as one
+    full-duplex link of that rate. Links carry frames of up to ``MTU`` bytes. Everything lives
+    in namespaces held by the holder processes: stopping them (and the ranks) frees all of it,
+    veth pairs and the bridge included; the root namespace's network is never touched.
+    """
+
+    SUBNET = "10.87.0"
+    PREFIX = 24
+    MTU = 65520  # veth's maximum: per-packet CPU costs would otherwise bound a 2-core machine
+    BRIDGE = "strata-br"
+    COORDINATOR_PORT = 8476
+
+    def __init__(self, hosts: int, link_gbit: float | None) -> None:
+        if hosts > 250:
+            raise ValueError(f"--netns supports at most 250 simulated hosts, got {hosts}")
+        self.hosts = hosts
+        self.link_gbit = link_gbit
+        self.switch: subprocess.Popen | None = None
+        self.namespaces: list[_Namespace] = []
+
+    @staticmethod
+    def hostname(h: int) -> str:
+        return f"host{h}"
+
+    def address(self, h: int) -> str:
+        return f"{self.SUBNET}.{h + 1}"
+
+    @property
+    def coordinator(self) -> str:
+        return f"{self.address(0)}:{self.COORDINATOR_PORT}"
+
+    def tbf(self, dev: str) -> list[str]:
+        """tc arguments shaping ``dev``'s egress to the link rate (token bucket filter)."""
+        assert self.link_gbit is not None
+        rate = int(self.link_gbit * 1e9)  # bit/s
+        # The bucket: at least two full frames (tbf drops a frame larger than it), else 100 us
+        # of the rate; a burst lets that many bytes pass at once after an idle moment.
+        burst = max(2 * self.MTU, rate // 8 // 10_000)
+        return ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate}bit",
+                "burst", str(burst), "latency", "20ms"]  # fmt: skip
+
+    def _in(self, pid: int, *cmd: str) -> None:
+        """Runs ``cmd`` in the network namespace of ``pid``; OSError naming it when it fails."""
+        nsenter = shutil.which("nsenter") or "nsenter"
+        r = subprocess.run(
+            [nsenter, "-t", str(pid), "--net", "--", *cmd],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+        )
+        if r.returncode != 0:
+            raise OSError(f"--netns: `{' '.join(cmd)}` failed: {r.stderr.strip() or r.returncode}")
+
+    def start(self) -> None:
+        reason = netns_unavailable_reason(self.link_gbit)
+        if reason is not None:
+            raise OSError(reason)
+        self.switch = _start_holder(
+            _holder_argv(
+                ["--net"],
+                f"ip link add {self.BRIDGE} mtu {self.MTU} type bridge && "
+                f"ip link set {self.BRIDGE} up && echo ready && exec sleep 100000",
+            ),
+            "the switch namespace (unshare --net)",
+        )
+        etc_hosts = "127.0.0.1 localhost\n::1 localhost\n" + "".join(
+            f"{self.address(h)} {self.hostname(h)}\n" for h in range(self.hosts)
+        )
+        sw = self.switch.pid
+        for h in range(self.hosts):
+            ns = _Namespace.start(self.hostname(h), etc_hosts)
+            self.namespaces.append(ns)
+            port = f"port{h}"
+            self._in(sw, "ip", "link", "add", port, "mtu", str(self.MTU), "type", "veth",
+                     "peer", "name", "eth0", "mtu", str(self.MTU), "netns", str(ns.pid))  # fmt: skip
+            self._in(sw, "ip", "link", "set", port, "master", self.BRIDGE, "up")
+            self._in(ns.pid, "ip", "addr", "add", f"{self.address(h)}/{self.PREFIX}", "dev", "eth0")
+            self._in(ns.pid, "ip", "link", "set", "eth0", "up")
+            if self.link_gbit is not None:
+                self._in(ns.pid, *self.tbf("eth0"))
+                self._in(sw, *self.tbf(port))
+
+    def describe(self) -> str:
+        rate = f"{self.link_gbit:g} Gbit/s" if self.link_gbit is not None else "unshaped"
+        hosts = ", ".join(
+            f"{self.hostname(h)} {self.address(h)} (net:[{_ns_inode(ns.pid)}])"
+            for h, ns in enumerate(self.namespaces)
+        )
+        return (
+            f"network: {hosts}; links {rate}, MTU {self.MTU}, bridge {self.BRIDGE} in "
+            f"net:[{_ns_inode(self.switch.pid) if self.switch else '?'}]"
+        )
+
+    def stop(self) -> None:
+        for ns in self.namespaces:
+            ns.stop()
+        if self.switch is not None:
+            _stop_holder(self.switch)
+
+
+def _ns_inode(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net").split("[")[-1].rstrip("]")
+    except OSError:
+        return "?"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -514,6 +726,19 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="each simulated host in its own mount namespace (private /tmp, /dev/shm; root)",
     )
+    p.add_argument(
+        "--netns",
+        action="store_true",
+        help="each simulated host in its own network, UTS and mount namespaces, joined by veth "
+        "links to a bridge (root; unshare, nsenter, ip)",
+    )
+    p.add_argument(
+        "--link-gbit",
+        type=float,
+        default=None,
+        metavar="G",
+        help="with --netns: shape each host's link to G Gbit/s each way (tc tbf)",
+    )
     p.add_argument("--timeout", type=float, default=None, help="stop everything after N seconds")
     p.add_argument(
         "--grace", type=float, default=5.0, help="seconds from SIGTERM to SIGKILL (default 5)"
@@ -542,6 +767,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().error("--devices-per-proc must be at least 1")
     if ns.hosts < 1 or ns.nproc % ns.hosts:
         _parser().error("--hosts must be at least 1 and divide -n")
+    if ns.link_gbit is not None and not ns.netns:
+        _parser().error("--link-gbit needs --netns")
+    if ns.link_gbit is not None and not ns.link_gbit > 0:
+        _parser().error("--link-gbit must be > 0")
+    if ns.netns:
+        reason = netns_unavailable_reason(ns.link_gbit)
+        if reason is not None:
+            print(f"strata-launch: error: {reason}", file=sys.stderr)
+            return 2
     target = ["-m", ns.script] if ns.module else [ns.script]
     return launch(
         ns.nproc,
@@ -552,6 +786,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         grace=ns.grace,
         hosts=ns.hosts,
         private_mounts=ns.private_mounts,
+        netns=ns.netns,
+        link_gbit=ns.link_gbit,
         fail_grace=ns.fail_grace,
     )
 

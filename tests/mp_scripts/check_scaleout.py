@@ -9,7 +9,11 @@ crosses fabrics and inner axis stays inside one, reduced over "host", "local", b
 in the other order. Each (mesh, axes, dtype) compiles one function with every operator, once
 with strata_jax and once with jax.lax, and compares each process's own shards. ``--private``:
 also checks that this process runs in a private mount namespace (its /tmp has none of the
-launcher's folders). Prints ``OK scaleout <checks> checks`` at the end.
+launcher's folders). ``--netns`` (under ``launch --netns``): also checks that this process runs
+on its own simulated host: hostname ``host<h>``, no ``STRATA_FABRIC_ID``, its fabric found by
+hostname, and gloo's TCP connections from its own veth address to every other host's, with at
+least this process's inter-fabric bytes sent on ``eth0``. Prints ``OK scaleout <checks> checks``
+at the end.
 """
 
 from __future__ import annotations
@@ -76,6 +80,17 @@ def ops(lib, axes, n: int, floating: bool):
             outs["grad_psum"] = jax.grad(lambda u: (lib.psum(u, axes) ** 2).sum())(v)
             outs["grad_all_gather"] = jax.grad(
                 lambda u: (lib.all_gather(u, axes, tiled=True) * w).sum()
+            )(v)
+            # The transposes: all_gather <-> psum_scatter, all_to_all and ppermute reversed.
+            ws = w[: v.shape[0] // n]
+            outs["grad_psum_scatter"] = jax.grad(
+                lambda u: (lib.psum_scatter(u, axes, tiled=True) * ws).sum()
+            )(v)
+            outs["grad_all_to_all"] = jax.grad(
+                lambda u: (lib.all_to_all(u, axes, 0, 1, tiled=True) ** 2).sum()
+            )(v)
+            outs["grad_ppermute"] = jax.grad(
+                lambda u: (lib.ppermute(u, axes, ring) * u[::-1]).sum()
             )(v)
         return {k: o[None] for k, o in outs.items()}
 
@@ -215,6 +230,34 @@ if "--private" in sys.argv:
     leaked = [e for e in os.listdir("/tmp") if e.startswith("strata-run-")]
     if leaked or not os.path.isdir("/tmp/strata-host"):
         fail(f"/tmp is not private to this host: {sorted(os.listdir('/tmp'))}")
+    checks += 1
+if "--netns" in sys.argv:
+    import socket
+
+    host = socket.gethostname()
+    if host != f"host{topo['fabric']}" or os.environ.get("STRATA_FABRIC_ID"):
+        fail(f"hostname {host}, STRATA_FABRIC_ID {os.environ.get('STRATA_FABRIC_ID')!r}")
+    if not mine["id"].startswith(host + "/"):
+        fail(f"fabric id {mine['id']} is not this host's name and boot id")
+    own = socket.gethostbyname(host)
+    others = {socket.gethostbyname(f"host{h}") for h in range(H)} - {own}
+
+    def ip_of(hex_addr: str) -> str:
+        return socket.inet_ntoa(bytes.fromhex(hex_addr.split(":")[0])[::-1])
+
+    peers: set[str] = set()
+    with open("/proc/net/tcp") as f:  # this network namespace's IPv4 sockets
+        for line in list(f)[1:]:
+            local, remote, state = line.split()[1:4]
+            if state == "01" and ip_of(local) == own:  # ESTABLISHED, from our veth address
+                peers.add(ip_of(remote))
+    if not others <= peers:
+        fail(f"no TCP connection from {own} to {sorted(others - peers)}: {sorted(peers)}")
+    with open("/proc/net/dev") as f:  # this network namespace's links
+        tx = next(int(ln.split(":")[1].split()[8]) for ln in f if ln.strip().startswith("eth0:"))
+    if tx < after["inter_fabric_bytes"]:
+        fail(f"eth0 sent {tx} B, less than this process's {after['inter_fabric_bytes']} B")
+    print(f"netns {host} {own} -> {sorted(peers)} eth0 tx {tx} B", flush=True)
     checks += 1
 print(
     f"topology fabric {topo['fabric']}/{H} peers {[p['process'] for p in ms['fabric_peers']]} "
