@@ -9,10 +9,16 @@ it (measured: a rank looping psum lived on until the SIGKILL, 5.0-5.3 s with a 5
 SIGINT/SIGTERM sent to the launcher are forwarded to the ranks, SIGKILL following after
 ``--grace`` (5 s); ``--timeout`` stops everything after a number of seconds.
 
+``--hosts H`` simulates H hosts on this machine: shared memory stays inside each; with
+``--private-mounts`` each has its own /tmp and /dev/shm; with ``--netns [--link-gbit G]`` each
+also has its own network and hostname, joined to the others by veth links (shaped to G Gbit/s)
+to a bridge, all in namespaces this launcher makes and frees (see :class:`_Network`).
+
 Environment of each rank (read back with :func:`distributed_env`, which ``strata_jax.init()`` uses):
 
 ======================== ===================================================================
 ``STRATA_COORDINATOR``   ``127.0.0.1:PORT``, a free loopback port for ``jax.distributed``
+                         (with ``--netns``: host 0's address, ``10.87.0.1:8476``)
 ``STRATA_NUM_PROCESSES`` N
 ``STRATA_PROCESS_ID``    this rank, 0..N-1
 ``STRATA_LOCAL_DEVICES`` CPU devices per process (``--devices-per-proc``; ``jax_num_cpu_devices``)
@@ -20,7 +26,8 @@ Environment of each rank (read back with :func:`distributed_env`, which ``strata
                          (one per simulated host with ``--hosts``)
 ``STRATA_FABRIC_ID``     with ``--hosts H``: ``host<h>``, the simulated host of the rank (ranks
                          ``h*N/H .. (h+1)*N/H - 1``); ``strata_jax.init()`` connects shared
-                         memory only among ranks with the same id (see ``_src/topology.py``)
+                         memory only among ranks with the same id (see ``_src/topology.py``).
+                         Not set with ``--netns``: each host has its own hostname there
 ``LD_PRELOAD``           ``libstrata_alloc.so`` prepended (unless ``--no-preload``)
 ======================== ===================================================================
 
@@ -219,6 +226,11 @@ class _Rank:
     index: int
     proc: subprocess.Popen
     pumps: list[threading.Thread] = field(default_factory=list)
+    host: str | None = None  # the simulated host, where there are several
+
+    def ended(self, code: int) -> str:
+        """'rank 3 was killed by SIGKILL on host1' (the host where there are several)."""
+        return f"rank {self.index} {_describe(code)}" + (f" on {self.host}" if self.host else "")
 
     def signal_group(self, sig: int) -> None:
         """Sends sig to the rank's whole process group (it and anything it started)."""
@@ -244,7 +256,14 @@ class _Launch:
             self.err.write(f"strata-launch: {text}\n".encode())
             self.err.flush()
 
-    def start(self, argv: Sequence[str], env: dict[str, str], rank: int, out: BinaryIO) -> None:
+    def start(
+        self,
+        argv: Sequence[str],
+        env: dict[str, str],
+        rank: int,
+        out: BinaryIO,
+        host: str | None = None,
+    ) -> None:
         proc = subprocess.Popen(
             list(argv),
             env=env,
@@ -253,7 +272,7 @@ class _Launch:
             stderr=subprocess.PIPE,
             start_new_session=True,  # our own forwarding is the only way signals reach a rank
         )
-        r = _Rank(rank, proc)
+        r = _Rank(rank, proc, host=host)
         prefix = f"[rank {rank}] ".encode()
         for src, dst in ((proc.stdout, out), (proc.stderr, self.err)):
             t = threading.Thread(target=_pump, args=(src, dst, prefix, self.lock), daemon=True)
@@ -301,15 +320,18 @@ class _Launch:
                     self.kill_all(signal.SIGKILL)
             elif failed:
                 rank, code = failed[0]
-                self.message(f"rank {rank.index} {_describe(code)}; stopping the other ranks")
+                self.message(f"{rank.ended(code)}; stopping the other ranks")
+                # Ranks already gone before the stop (a whole simulated host killed at once):
+                # whatever ended them, it was not the stop.
+                gone = {r.index for r in self.ranks if r.proc.poll() is not None}
                 self.stop_all(min(self.grace, self.fail_grace))
                 # The rank seen first is not always the cause: a peer's collective fails at
                 # once naming a dead rank, and may exit before the dead rank is reaped. Name
                 # every rank that exited by itself with an error (signals are the stop's).
                 for r in self.ranks:
                     c = r.proc.returncode
-                    if r is not rank and c is not None and c > 0:
-                        self.message(f"rank {r.index} {_describe(c)} as well")
+                    if r is not rank and c is not None and (c > 0 or c < 0 and r.index in gone):
+                        self.message(f"{r.ended(c)} as well")
                 return code if code > 0 else 128 - code
             elif all(c == 0 for c in codes):
                 return 0
@@ -451,7 +473,7 @@ def launch(
                 fabric_id=f"host{h}" if simulated and not network else None,
             )
             argv_r = namespaces[h].wrap(argv) if namespaces else argv
-            run.start(argv_r, env_r, rank, out)
+            run.start(argv_r, env_r, rank, out, host=f"host{h}" if simulated else None)
         return run.watch(timeout)
     finally:
         run.finish()
@@ -575,7 +597,8 @@ def netns_unavailable_reason(link_gbit: float | None = None) -> str | None:
     need = ["unshare", "nsenter", "ip"] + (["tc"] if link_gbit is not None else [])
     missing = [c for c in need if shutil.which(c) is None]
     if missing:
-        pkgs = sorted({"util-linux" if c in ("unshare", "nsenter") else "iproute2" for c in missing})
+        util = ("unshare", "nsenter")
+        pkgs = sorted({"util-linux" if c in util else "iproute2" for c in missing})
         return (
             f"--netns needs the command(s) {', '.join(missing)} on PATH "
             f"(package {' and '.join(pkgs)})"
@@ -664,8 +687,9 @@ class _Network:
             ns = _Namespace.start(self.hostname(h), etc_hosts)
             self.namespaces.append(ns)
             port = f"port{h}"
-            self._in(sw, "ip", "link", "add", port, "mtu", str(self.MTU), "type", "veth",
-                     "peer", "name", "eth0", "mtu", str(self.MTU), "netns", str(ns.pid))  # fmt: skip
+            mtu = str(self.MTU)
+            self._in(sw, "ip", "link", "add", port, "mtu", mtu, "type", "veth",
+                     "peer", "name", "eth0", "mtu", mtu, "netns", str(ns.pid))  # fmt: skip
             self._in(sw, "ip", "link", "set", port, "master", self.BRIDGE, "up")
             self._in(ns.pid, "ip", "addr", "add", f"{self.address(h)}/{self.PREFIX}", "dev", "eth0")
             self._in(ns.pid, "ip", "link", "set", "eth0", "up")
@@ -777,6 +801,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"strata-launch: error: {reason}", file=sys.stderr)
             return 2
     target = ["-m", ns.script] if ns.module else [ns.script]
+    try:
+        return _launch_from_args(ns, target)
+    except OSError as e:  # namespaces or links that could not be made: say why, no traceback
+        print(f"strata-launch: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _launch_from_args(ns: argparse.Namespace, target: list[str]) -> int:
     return launch(
         ns.nproc,
         [sys.executable, *target, *ns.args],

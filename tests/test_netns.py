@@ -1,0 +1,195 @@
+"""``python -m strata_jax.launch --netns``: simulated hosts with their own network, UTS and mount
+namespaces, joined by (shaped) veth links to a bridge.
+
+Every operator over 2 hosts in this mode against jax.lax over gloo runs in
+``test_scaleout.py::test_two_hosts_every_collective`` (one launch shared with the other
+simulated-host checks). Here: a whole host killed mid-run (the survivors stop fast, the dead
+ranks are named, nothing is left: no namespace, veth, bridge, run dir or /dev/shm segment), a
+Ctrl-C of the launcher, and the refusal where the launcher is not root or a command is missing.
+Tests that need namespaces skip, saying why, where they cannot be made.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+import strata_jax as sj
+from strata_jax import launch
+
+HERE = Path(__file__).resolve().parent
+PKG_PARENT = str(Path(sj.__file__).resolve().parent.parent)
+SCRIPTS = HERE / "mp_scripts"
+
+
+def _netns_reason() -> str | None:
+    """None when the launcher can make namespaces here, else why not."""
+    reason = launch.netns_unavailable_reason(1.0)
+    if reason is not None:
+        return reason
+    hidden = ("/tmp/", "/dev/shm/")  # each simulated host gets a private tmpfs on these
+    for what, path in (("the Python interpreter", sys.executable), ("strata_jax", PKG_PARENT)):
+        if os.path.abspath(path).startswith(hidden):
+            return f"{what} lives under /tmp or /dev/shm ({path}), which a private mount hides"
+    return None
+
+
+needs_netns = pytest.mark.skipif(_netns_reason() is not None, reason=str(_netns_reason()))
+
+
+def _env(tmpdir: Path) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("STRATA_", "XLA_FLAGS", "JAX_", "LD_PRELOAD"))
+    }
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PKG_PARENT, env.get("PYTHONPATH")]))
+    env["TMPDIR"] = str(tmpdir)
+    return env
+
+
+class _Leftovers:
+    """What a --netns job could leave behind, seen from the root namespaces."""
+
+    def __init__(self) -> None:
+        self.links = self._links()
+        self.shm = set(os.listdir("/dev/shm"))
+
+    @staticmethod
+    def _links() -> set[str]:
+        r = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True)
+        return {ln.split(":")[1].strip().split("@")[0] for ln in r.stdout.splitlines()}
+
+    @staticmethod
+    def _live_netns() -> set[str]:
+        live = set()
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    live.add(os.readlink(f"/proc/{pid}/ns/net").split("[")[-1].rstrip("]"))
+                except OSError:
+                    pass
+        return live
+
+    def check(self, launcher_stderr: str, tmpdir: Path) -> None:
+        inodes = re.findall(r"net:\[(\d+)\]", launcher_stderr)
+        assert len(inodes) == 3, launcher_stderr[-2000:]  # host0, host1, the switch
+        # A namespace dies with its last process: the holders are killed after the ranks.
+        deadline = time.monotonic() + 5
+        while (alive := set(inodes) & self._live_netns()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive, f"network namespaces left: {alive}"
+        new_links = self._links() - self.links
+        assert not new_links, f"links appeared in the root namespace: {new_links}"
+        new_shm = {e for e in set(os.listdir("/dev/shm")) - self.shm if "strata" in e}
+        assert not new_shm, f"left in /dev/shm: {new_shm}"
+        assert list(tmpdir.iterdir()) == [], f"left in TMPDIR: {list(tmpdir.iterdir())}"
+
+
+@pytest.fixture
+def tmpdir_short():
+    d = Path(tempfile.mkdtemp(prefix="strata-t-", dir="/tmp"))
+    yield d
+    for p in d.iterdir():
+        p.unlink() if p.is_file() else None
+    d.rmdir() if not any(d.iterdir()) else None
+
+
+@needs_netns
+def test_host_killed_survivors_stop_and_nothing_is_left(tmpdir_short):
+    """Both ranks of host1 SIGKILL themselves mid-psum (across the shaped 1 Gbit/s link); the
+    launcher names them with their host, stops host0's ranks and frees every namespace, link,
+    run dir and /dev/shm segment (the ranks made one each, in their host's private tmpfs)."""
+    before = _Leftovers()
+    cmd = [sys.executable, "-m", "strata_jax.launch", "--grace", "1", "-n", "4", "--hosts", "2"]
+    cmd += ["--netns", "--link-gbit", "1", str(SCRIPTS / "kill_host.py")]
+    t0 = time.monotonic()
+    r = subprocess.run(
+        cmd, env=_env(tmpdir_short), cwd=PKG_PARENT, capture_output=True, text=True, timeout=120
+    )
+    elapsed = time.monotonic() - t0
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    assert r.stdout.count("step 2 ok") == 4, out[-3000:]
+    killed = re.findall(r"rank (\d) was killed by SIGKILL on (host\d)", r.stderr)
+    assert killed and all(h == "host1" for _, h in killed), out[-3000:]
+    # Every rank named as ended by itself is host1's (the survivors were stopped by the launcher,
+    # or failed on the closed connection and exited with an error, which is also named).
+    assert {int(k) for k, _ in killed} <= {2, 3}, out[-3000:]
+    assert elapsed < 90, f"took {elapsed:.0f} s"
+    before.check(r.stderr, tmpdir_short)
+
+
+@needs_netns
+@pytest.mark.parametrize(
+    "sig",
+    [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)],
+    ids=["INT", "TERM"],
+)
+def test_ctrl_c_frees_everything(tmpdir_short, sig):
+    """SIGINT/SIGTERM to the launcher while ranks run in their namespaces: it exits 128+sig and
+    nothing is left (namespaces, links, run dirs)."""
+    before = _Leftovers()
+    cmd = [sys.executable, "-m", "strata_jax.launch", "--grace", "1", "-n", "2", "--hosts", "2"]
+    cmd += ["--netns", "--link-gbit", "10", str(SCRIPTS / "sleep_ready.py")]
+    p = subprocess.Popen(
+        cmd,
+        env=_env(tmpdir_short),
+        cwd=PKG_PARENT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    seen = []
+    assert p.stdout is not None
+    for line in p.stdout:
+        seen.append(line)
+        if len([s for s in seen if "ready" in s]) == 2:
+            break
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 128 + sig, (seen, out, err)
+    assert sorted(s.split()[-1] for s in seen if "ready" in s) == ["host0", "host1"], seen
+    before.check(err, tmpdir_short)
+
+
+def test_refuses_without_root(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    reason = launch.netns_unavailable_reason(None)
+    assert reason is not None and "needs root" in reason and "uid 1000" in reason
+    assert launch.main(["-n", "2", "--hosts", "2", "--netns", "script.py"]) == 2
+    assert "needs root" in capsys.readouterr().err
+    with pytest.raises(OSError, match="needs root"):
+        launch.launch(2, ["true"], hosts=2, netns=True)
+
+
+def test_refuses_without_commands(monkeypatch, tmp_path):
+    """Only unshare and nsenter on PATH: ip (and tc with a rate) are named, with the package."""
+    for name in ("unshare", "nsenter"):
+        f = tmp_path / name
+        f.write_text("#!/bin/sh\n")
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert "ip" in launch.netns_unavailable_reason(None) and "iproute2" in (
+        launch.netns_unavailable_reason(None) or ""
+    )
+    assert "ip, tc" in (launch.netns_unavailable_reason(10.0) or "")
+    monkeypatch.setenv("PATH", "")
+    assert "unshare, nsenter, ip" in (launch.netns_unavailable_reason(None) or "")
+
+
+def test_link_rate_needs_netns(capsys):
+    with pytest.raises(SystemExit):
+        launch.main(["-n", "2", "--link-gbit", "1", "script.py"])
+    assert "--link-gbit needs --netns" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="link_gbit"):
+        launch.launch(2, ["true"], link_gbit=1.0)
