@@ -33,6 +33,10 @@ Usage::
     # one process per device (re-launches itself under `python -m strata_jax.launch -n 4`);
     # xla = jax.lax over gloo; mpi4jax needs the processes started by mpirun instead
     python benchmarks/collectives.py --procs 4 --impl strata,xla
+    # 2 simulated hosts with their own network, links shaped to 1 then 10 Gbit/s (root): adds
+    # the link bound (fewest bytes a host must send across / rate) and each impl's share of it
+    python benchmarks/collectives.py --procs 4 --hosts 2 --netns --link-gbit 1,10 \\
+        --op psum,all_gather,psum_scatter,all_to_all -b 4M -e 16M
     mpirun -n 4 python benchmarks/collectives.py --procs 4 --impl strata,xla,mpi4jax
 
 In-process runs re-run themselves under ``LD_PRELOAD=libstrata_alloc.so`` (the deployment
@@ -79,6 +83,7 @@ except ImportError:  # imported as a module from elsewhere
 AXIS = "x"
 IMPLS = ("strata", "xla", "mpi4jax")
 CHILD_ENV = "STRATA_BENCH_CHILD"  # set on the processes this script re-launches under --procs
+LINK_ENV = "STRATA_BENCH_LINK_GBIT"  # the link rate of this launch (--netns --link-gbit)
 MPI_ENVS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 
 
@@ -111,6 +116,26 @@ class OpSpec:
         if self.kind == "reducescatter":
             return (n + 1) * nbytes  # n inputs of nbytes, outputs total nbytes
         return 2 * n * nbytes  # allreduce, alltoall, sendrecv: n inputs and n outputs
+
+    def link_bytes(self, nbytes: int, hosts: int, per_host: int) -> float:
+        """The fewest bytes each host must send to the others (and receive from them) for this
+        op, size = nbytes as in nccl-tests, with ``hosts`` hosts of ``per_host`` ranks each and
+        shared memory free inside a host (derivation: docs/guide/hosts.md, "The link bound").
+        all-reduce: 2(H-1)/H * size (a host's partial sums are one buffer of size; the
+        bandwidth-optimal all-reduce of H nodes); all_gather (size = output) and psum_scatter
+        (size = input): (H-1)/H * size; all_to_all: L(H-1)/H * size (every row a rank sends to
+        another host crosses, nothing combines); ppermute (ring): size (one pair leaves each
+        host); pbroadcast: size (each host but the source's must receive it)."""
+        h, s = hosts, float(nbytes)
+        if h < 2:
+            return 0.0
+        if self.kind == "allreduce":
+            return 2 * (h - 1) / h * s
+        if self.kind in ("allgather", "reducescatter"):
+            return (h - 1) / h * s
+        if self.kind == "alltoall":
+            return per_host * (h - 1) / h * s
+        return s  # sendrecv (ring: one pair leaves each host), broadcast
 
     def in_count(self, count: int, n: int) -> int:
         """Per-rank input elements for a `count`-element size buffer."""
@@ -178,6 +203,14 @@ class Context:
     n: int  # ranks on the mesh axis
     process_index: int
     process_count: int
+    hosts: int = 1  # fabrics (simulated hosts) of the job
+    link_gbit: float | None = None  # each host's link rate, --netns --link-gbit
+
+    def link_seconds(self, spec: OpSpec, nbytes: int) -> float | None:
+        """The link bound: ``spec.link_bytes`` over the link rate (None without a rate)."""
+        if not self.link_gbit or self.hosts < 2:
+            return None
+        return spec.link_bytes(nbytes, self.hosts, self.n // self.hosts) / (self.link_gbit * 1.25e8)
 
     @property
     def is_main(self) -> bool:
@@ -447,6 +480,7 @@ def run_sweep(
         # before this point's arrays exist (every process takes part, as in any jitted call).
         traffic = spec.min_traffic(pt.nbytes, ctx.n)
         stream = C.stream_add_gbs(ctx.mesh, traffic)
+        link_s = ctx.link_seconds(spec, pt.nbytes)
         x, host = runner.make_input(pt, seed + k)
         amax = float(np.sqrt(2.0)) if pt.dtype.kind == "c" else 1.0
         tol = (
@@ -523,6 +557,9 @@ def run_sweep(
                 mem_share=(traffic / t / 1e9 / stream) if stream else None,
                 cpu_us=cpu_s * 1e6,
                 cores=cpu_s / t,
+                link_gbit=ctx.link_gbit,
+                link_bound_us=None if link_s is None else link_s * 1e6,
+                link_share=None if link_s is None else link_s / t,
             )
         del firsts, last
         step()
@@ -571,14 +608,16 @@ def inter_fabric_bytes(impl: str, pt: Point, fn: Callable[[], Any], ctx: Context
 # --------------------------------------------------------------------------------------------------
 
 
-def make_table(impls: Sequence[str]) -> C.Table:
+def make_table(impls: Sequence[str], link: bool = False) -> C.Table:
     cols = [
         C.Column("size(B)", 12),
         C.Column("count", 11),
         C.Column("dtype", 9),
         C.Column("op", 12),
     ]
-    groups: list[tuple[str, int]] = [("", 4)]
+    if link:
+        cols.append(C.Column("link(us)", 10, ".1f"))
+    groups: list[tuple[str, int]] = [("", len(cols))]
     for impl in impls:
         cols += [
             C.Column("time(us)", 11, ".1f"),
@@ -589,7 +628,9 @@ def make_table(impls: Sequence[str]) -> C.Table:
             C.Column("inter(B)", 10),
             C.Column("cores", 5, ".2f"),
         ]
-        groups.append((f" {impl} ", 7))
+        if link:
+            cols.append(C.Column("%link", 5, ".0f"))
+        groups.append((f" {impl} ", 8 if link else 7))
     others = [i for i in impls if i != "strata"] if "strata" in impls else []
     for o in others:
         cols.append(C.Column(f"{o}/strata", max(12, len(o) + 7), ".2f"))
@@ -600,11 +641,14 @@ def make_table(impls: Sequence[str]) -> C.Table:
     return C.Table(cols, groups)
 
 
-def table_row(table: C.Table, pt: Point, results: dict[str, dict[str, Any]]) -> str:
-    vals: list[Any] = [pt.nbytes, pt.count, pt.dtype.name, pt.op]
+def table_row(
+    table: C.Table, pt: Point, results: dict[str, dict[str, Any]], link_us: float | None = None
+) -> str:
+    link = link_us is not None
+    vals: list[Any] = [pt.nbytes, pt.count, pt.dtype.name, pt.op] + ([link_us] if link else [])
     for r in results.values():
         if r.get("time_us") is None:
-            vals += ["error", None, None, None, None, None, None]
+            vals += ["error", None, None, None, None, None, None] + ([None] if link else [])
         else:
             inter = r.get("inter_fabric_bytes")
             share = r.get("mem_share")
@@ -618,6 +662,9 @@ def table_row(table: C.Table, pt: Point, results: dict[str, dict[str, Any]]) -> 
                 inter,
                 r["cores"],
             ]
+            if link:
+                share = r.get("link_share")
+                vals.append(None if share is None else 100 * share)
     base = results.get("strata", {}).get("time_us")
     if base is not None or "strata" in results:
         for impl, r in results.items():
@@ -721,6 +768,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=1,
         help="with --procs: simulate this many hosts (fabric domains; launch --hosts)",
     )
+    p.add_argument(
+        "--netns",
+        action="store_true",
+        help="with --procs and --hosts: each simulated host in its own network namespace, "
+        "joined by veth links (launch --netns; root)",
+    )
+    p.add_argument(
+        "--link-gbit",
+        default=None,
+        help="with --netns: each host's link rate in Gbit/s, a comma list (one launch per rate, "
+        "e.g. 1,10); adds the link bound column link(us) and each implementation's %%link",
+    )
     p.add_argument("--seed", type=int, default=0, help="base seed of the random inputs")
     p.add_argument("--platform", default="cpu", help="jax platform of the mesh devices (cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -744,6 +803,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--procs must be >= 1")
     if a.devices is None:
         a.devices = 1 if a.procs else 8
+    a.link_gbits = []
+    if a.link_gbit is not None:
+        try:
+            a.link_gbits = [float(v) for v in a.link_gbit.split(",") if v.strip()]
+        except ValueError:
+            p.error(f"--link-gbit takes rates in Gbit/s, e.g. 1,10; got {a.link_gbit!r}")
+        if not a.link_gbits or min(a.link_gbits) <= 0:
+            p.error(f"--link-gbit rates must be > 0, got {a.link_gbit!r}")
+        if not a.netns:
+            p.error("--link-gbit needs --netns (the shaped links are the namespaces' veths)")
+    if a.netns and (a.procs is None or a.hosts < 2):
+        p.error("--netns needs --procs P and --hosts H >= 2")
     return a
 
 
@@ -760,20 +831,21 @@ def relaunch(args: argparse.Namespace, argv: Sequence[str]) -> int:
             f"error: --procs needs the strata_jax launcher (python -m strata_jax.launch), which is "
             f"not importable here: {type(e).__name__}: {e}"
         )
-    cmd = [
-        sys.executable,
-        "-m",
-        "strata_jax.launch",
-        "-n",
-        str(args.procs),
-        "--hosts",
-        str(args.hosts),
-        str(Path(__file__).resolve()),
-        *argv,
-    ]
-    env = dict(os.environ, **{CHILD_ENV: "1"})
-    print("# launching:", " ".join(cmd), flush=True)
-    return subprocess.call(cmd, env=env)
+    head = [sys.executable, "-m", "strata_jax.launch", "-n", str(args.procs)]
+    head += ["--hosts", str(args.hosts)]
+    rc = 0
+    # One launch per link rate (the links are shaped when the launcher makes them); the child
+    # reads its own rate from LINK_ENV.
+    for rate in args.link_gbits or ([None] if args.netns else [None]):
+        net = ["--netns"] if args.netns else []
+        net += ["--link-gbit", f"{rate:g}"] if rate is not None else []
+        cmd = [*head, *net, str(Path(__file__).resolve()), *argv]
+        env = dict(os.environ, **{CHILD_ENV: "1"})
+        if rate is not None:
+            env[LINK_ENV] = f"{rate:g}"
+        print("# launching:", " ".join(cmd), flush=True)
+        rc = subprocess.call(cmd, env=env) or rc
+    return rc
 
 
 def setup_jax(args: argparse.Namespace, dtypes: Sequence[np.dtype], multi: bool) -> None:
@@ -830,6 +902,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     import jax
 
     ctx = make_context(args.platform)
+    if multi and _strata is not None:
+        ctx.hosts = len(_strata.topology()["fabrics"])
+    if os.environ.get(LINK_ENV):
+        ctx.link_gbit = float(os.environ[LINK_ENV])
     expected = args.devices * (args.procs or 1)
     if ctx.n != expected:
         sys.exit(
@@ -892,6 +968,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         " time_other / time_strata"
     )
 
+    if ctx.link_gbit:
+        write(
+            f"# link       : each host's link shaped to {ctx.link_gbit:g} Gbit/s each way (launch "
+            "--netns, tc tbf); link(us) = the link bound: the fewest bytes each host must send"
+            " across for the op (all-reduce 2(H-1)/H*size, all_gather/psum_scatter (H-1)/H*size,"
+            " all_to_all L(H-1)/H*size, ppermute/pbroadcast size; H hosts of L ranks) over the"
+            " link rate; %link = link(us)/time(us): the share of the bound an implementation"
+            " reaches (100 = the link is the only cost)"
+        )
     points = [
         pt
         for op in args.ops
@@ -900,7 +985,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     bar = C.progress(len(points), "collectives", enable=main_proc and not args.no_progress)
     out_write = bar.write if main_proc else (lambda s: None)
-    table = make_table(args.impls)
+    table = make_table(args.impls, link=bool(ctx.link_gbit))
     state: dict[str, Any] = {"group": None}
 
     def emit(pt: Point, results: dict[str, dict[str, Any]]) -> None:
@@ -910,7 +995,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             out_write("#")
             for line in table.header_lines():
                 out_write(line)
-        out_write(table_row(table, pt, results))
+        link_s = ctx.link_seconds(OPS[pt.op], pt.nbytes)
+        out_write(table_row(table, pt, results, None if link_s is None else link_s * 1e6))
 
     def tick(desc: str) -> None:
         bar.set_postfix_str(desc)
@@ -929,6 +1015,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         write(f"# wall time: {elapsed:.1f} s")
         dnames = "-".join(d.name for d in dtypes)
         stem = f"collectives_{dnames}_n{ctx.n}" + (f"_p{ctx.process_count}" if multi else "")
+        stem += f"_h{ctx.hosts}" if ctx.hosts > 1 else ""
+        stem += f"_link{ctx.link_gbit:g}g" if ctx.link_gbit else ""
         out: Path = args.out
         C.write_csv(out / f"{stem}.csv", rows)
         C.write_json(
