@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import strata_jax as sj
@@ -193,3 +194,46 @@ def test_link_rate_needs_netns(capsys):
     assert "--link-gbit needs --netns" in capsys.readouterr().err
     with pytest.raises(ValueError, match="link_gbit"):
         launch.launch(2, ["true"], link_gbit=1.0)
+
+
+@pytest.mark.parametrize("hosts,per_host", [(2, 2), (2, 1), (4, 2)])
+def test_link_bound_counts_the_bytes_a_host_must_receive(hosts, per_host):
+    """benchmarks/collectives.py's link bound (OpSpec.link_bytes) against a count on labelled
+    inputs: every input element gets its own id, the op runs on the ids (numpy reference), and a
+    host must receive every distinct id its ranks' outputs hold from other hosts (for the
+    reductions, with 2 hosts: one partial sum per output position of its ranks)."""
+    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    try:
+        import collectives as B
+    finally:
+        sys.path.pop(0)
+    n = hosts * per_host
+    item = 4
+    for op, spec in B.OPS.items():
+        count = n * n * 3  # size (elements) per rank, nccl-tests convention
+        ids = np.arange(n * spec.in_count(count, n), dtype=np.int64)
+        owner = ids // spec.in_count(count, n) // per_host  # host of each input element
+        want = spec.link_bytes(count * item, hosts, per_host)
+        if spec.reduces or op in ("pmax", "pmin"):
+            if hosts != 2:
+                continue
+            # positions of the reduced result each host's ranks hold: one partial each
+            out = B.numpy_reference(op, np.arange(n * count, dtype=np.int64) % count, n)
+            got = max(
+                len({int(v) for r in range(h * per_host, (h + 1) * per_host) for v in out[r]})
+                for h in range(hosts)
+            )
+        else:
+            out = B.numpy_reference(op, ids, n)
+            got = max(
+                len(
+                    {
+                        int(v)
+                        for r in range(h * per_host, (h + 1) * per_host)
+                        for v in out[r]
+                        if owner[v] != h
+                    }
+                )
+                for h in range(hosts)
+            )
+        assert got * item == pytest.approx(want), (op, got * item, want)
