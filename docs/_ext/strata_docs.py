@@ -66,9 +66,40 @@ def _check_docstrings(app: Any) -> None:
         )
 
 
+def _data_directive() -> Any:
+    """``.. strata-data:: PUBLIC_NAME DEFINING_MODULE``: a module constant re-exported by the
+    package, documented with the attribute docstring it has where it is defined (autodoc's
+    ``autodata`` only looks in the module that it is asked to document)."""
+    from docutils.statemachine import StringList
+    from sphinx.pycode import ModuleAnalyzer
+    from sphinx.util.docutils import SphinxDirective
+
+    class StrataData(SphinxDirective):
+        required_arguments = 2
+
+        def run(self) -> list[Any]:
+            public, defining = self.arguments
+            attr = public.rsplit(".", 1)[1]
+            docs = ModuleAnalyzer.for_module(defining).find_attr_docs().get(("", attr))
+            if not docs:
+                raise self.error(f"strata-data: {defining}.{attr} has no docstring")
+            lines = [f".. py:data:: {public}", ""] + ["   " + line for line in docs]
+            node_list: list[Any] = []
+            from docutils import nodes
+
+            container = nodes.container()
+            self.state.nested_parse(StringList(lines), self.content_offset, container)
+            node_list.extend(container.children)
+            return node_list
+
+    return StrataData
+
+
 def setup(app: Any) -> dict[str, Any]:
     """Register the docstring check and the ``strata-perf`` directive (Sphinx entry point)."""
     import strata_perf
+
+    app.add_directive("strata-data", _data_directive())
 
     app.connect("builder-inited", _check_docstrings)
     strata_perf.setup(app)
