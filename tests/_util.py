@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -30,6 +32,42 @@ ALL_DTYPES = [
     "complex128",
 ]
 FLOAT_DTYPES = ["float32", "float64", "bfloat16", "float16"]
+
+
+def grid(*lists) -> list[tuple]:
+    """Every combination of the lists, as tuples (itertools.product)."""
+    return list(itertools.product(*lists))
+
+
+def rotation(cover: list[tuple], rotate: list[list], slow_rest: bool = True) -> list:
+    """pytest params for the grid ``cover x product(*rotate)``, of which the default run keeps
+    a rotation: every row of ``cover`` (tuples of settings that must all run), each with the
+    next value of every ``rotate`` list in turn, and more rows while some value of a ``rotate``
+    list has not run yet. So every cover row and every value of every rotate list runs by
+    default; the rest of the grid is marked ``slow`` (``pytest -m slow`` runs it, and
+    ``slow_rest=False`` leaves it out). Each param is ``(*cover row, *one value per list)``.
+
+    Example: ``rotation([(0, 0), (1, 2)], [ALL_DTYPES])``: both axis settings, and the 15
+    dtypes spread over them (15 cases instead of 30)."""
+    cover = list(cover) or [()]
+    n = max(len(cover), max((len(v) for v in rotate), default=1))
+    chosen: list[tuple] = []
+    for i in range(n):
+        row = tuple(cover[i % len(cover)]) + tuple(v[i % len(v)] for v in rotate)
+        if row not in chosen:
+            chosen.append(row)
+    out = [pytest.param(*row, id=_param_id(row)) for row in chosen]
+    if slow_rest:
+        for c in cover:
+            for r in itertools.product(*rotate):
+                row = tuple(c) + r
+                if row not in chosen:
+                    out.append(pytest.param(*row, marks=pytest.mark.slow, id=_param_id(row)))
+    return out
+
+
+def _param_id(row: tuple) -> str:
+    return "-".join(str(v).replace(" ", "") for v in row)
 
 
 def mesh1d(n: int = 8) -> Mesh:

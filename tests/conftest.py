@@ -24,10 +24,12 @@ def rng(request):
 
 
 # Markers and hypothesis profiles --------------------------------------------------------
-# `slow` tests (the full soak, the fault campaign's heavy cases, > 2^31 elements) are skipped
-# unless the marker expression names them: `pytest -m slow` runs only them, `-m "slow or not
-# slow"` everything. Hypothesis: the default profile keeps the property tests to seconds;
-# `--hypothesis-profile=long` runs thousands of examples.
+# `slow` tests (the full soak, the fault campaign's heavy cases, > 2^31 elements, the rest of
+# the dtype x shape grids, long multi-process runs) are left out unless the marker expression
+# names them: `pytest -m slow` runs only them, `-m "slow or not slow"` everything. Left out
+# means deselected (the summary says "N deselected"), or skipped with the reason when tests were
+# named one by one (path::name). Hypothesis: the default profile keeps the property tests to
+# seconds; `--hypothesis-profile=long` runs thousands of examples.
 try:
     from hypothesis import HealthCheck, settings
 
@@ -45,7 +47,7 @@ except ImportError:  # hypothesis is a test extra; test_properties.py skips with
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "slow: long checks (soak, heavy faults, > 2^31 elements); run with -m slow"
+        "markers", "slow: long checks (soak, stress, long multi-process runs, full grids); -m slow"
     )
 
 
@@ -56,7 +58,11 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.timeout(0))
     if "slow" in (config.getoption("markexpr", "") or ""):
         return
-    skip = pytest.mark.skip(reason="slow: run with -m slow")
-    for item in items:
-        if "slow" in item.keywords:
+    slow = [item for item in items if "slow" in item.keywords]
+    if any("::" in str(arg) for arg in config.args):  # named one by one: say why not run
+        skip = pytest.mark.skip(reason="slow: run with -m slow")
+        for item in slow:
             item.add_marker(skip)
+    elif slow:
+        items[:] = [item for item in items if "slow" not in item.keywords]
+        config.hook.pytest_deselected(items=slow)

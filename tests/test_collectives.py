@@ -1,5 +1,10 @@
 """Every collective against jax.lax (or numpy where jax.lax has no CPU lowering) on the same
-fresh random inputs: dtypes x shapes x parameters, on 8 devices and on a 2x4 mesh."""
+fresh random inputs: dtypes x shapes x parameters, on 8 devices and on a 2x4 mesh.
+
+Each case compiles its own programs (XLA's compile time grows with the number of collectives in
+a program, so putting several cases in one program saves nothing), so the grids run as a
+rotation by default (``_util.rotation``: every dtype, every shape and every axis setting of each
+operator at least once); ``pytest -m slow`` runs the rest of each grid."""
 
 from __future__ import annotations
 
@@ -13,9 +18,11 @@ import pytest
 from _util import (
     ALL_DTYPES,
     assert_close,
+    grid,
     mesh1d,
     mesh2d,
     random_array,
+    rotation,
     shard_run,
     unordered_strata_calls,
 )
@@ -41,8 +48,7 @@ def compare(body_of, x, dtype, mesh=None, nranks=8, check_vma=True):
     return got
 
 
-@pytest.mark.parametrize("dtype", ALL_DTYPES)
-@pytest.mark.parametrize("shape", [(), (0,), (1000,), (3, 5, 7)])
+@pytest.mark.parametrize("dtype,shape", rotation([], [ALL_DTYPES, [(), (0,), (1000,), (3, 5, 7)]]))
 def test_psum_dtypes(rng, dtype, shape):
     x = random_array(rng, (8, *shape), dtype)
     got = compare(lambda impl: lambda v: impl.psum(v, "x"), x, dtype)
@@ -51,13 +57,16 @@ def test_psum_dtypes(rng, dtype, shape):
         np.testing.assert_array_equal(got[r], got[0])
 
 
-@pytest.mark.parametrize("n", range(2, 9))
-@pytest.mark.parametrize("count", [1000, 70001])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_psum_folds_in_rank_order(n, count, dtype):
+# (count, dtype): one-shot and two-shot sizes, float32 and bfloat16, rotated over the group sizes.
+_FOLD_CASES = [(1000, "float32"), (70001, "bfloat16"), (70001, "float32"), (1000, "bfloat16")]
+
+
+@pytest.mark.parametrize("n,case", rotation(grid(range(2, 9)), [_FOLD_CASES]))
+def test_psum_folds_in_rank_order(n, case):
     """Every element is summed rank 0, 1, ..., n-1, in a float32 accumulator for bfloat16: the
     result is bitwise numpy's left fold, for every group size (the kernel folds four sources per
     pass, then the one to three left in one pass), one-shot and two-shot sizes alike."""
+    count, dtype = case
     rng = np.random.default_rng(n * count)
     # Magnitudes over 12 decades: almost any other order rounds differently.
     x = (rng.standard_normal((n, count)) * 10.0 ** rng.integers(-6, 6, (n, count))).astype(dtype)
@@ -73,22 +82,23 @@ def test_psum_folds_in_rank_order(n, count, dtype):
         )
 
 
-@pytest.mark.parametrize("shape", SHAPES + [(2**20 + 3,)])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
+@pytest.mark.parametrize(
+    "shape,dtype", rotation(grid(SHAPES + [(2**20 + 3,)]), [["float32", "bfloat16", "int32"]])
+)
 def test_psum_sizes(rng, dtype, shape):
     x = random_array(rng, (8, *shape), dtype)
     compare(lambda impl: lambda v: impl.psum(v, "x"), x, dtype)
 
 
-@pytest.mark.parametrize("op", ["pmax", "pmin"])
-@pytest.mark.parametrize("dtype", [d for d in ALL_DTYPES if "complex" not in d])
+@pytest.mark.parametrize(
+    "op,dtype", rotation(grid(["pmax", "pmin"]), [[d for d in ALL_DTYPES if "complex" not in d]])
+)
 def test_pmax_pmin_dtypes(rng, op, dtype):
     x = random_array(rng, (8, 1000), dtype)
     compare(lambda impl: lambda v: getattr(impl, op)(v, "x"), x, dtype)
 
 
-@pytest.mark.parametrize("op", ["pmax", "pmin", "pmean"])
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("op,shape", rotation(grid(["pmax", "pmin", "pmean"]), [SHAPES]))
 def test_reductions_sizes(rng, op, shape):
     x = random_array(rng, (8, *shape), "float32")
     compare(lambda impl: lambda v: getattr(impl, op)(v, "x"), x, "float32")
@@ -117,8 +127,10 @@ def test_two_shot_threshold_paths_agree(rng):
         sj.set_two_shot_threshold(old)
 
 
-@pytest.mark.parametrize("dtype", ALL_DTYPES)
-@pytest.mark.parametrize("axis,tiled", [(0, False), (0, True), (1, True), (-1, False), (2, False)])
+@pytest.mark.parametrize(
+    "axis,tiled,dtype",
+    rotation([(0, False), (0, True), (1, True), (-1, False), (2, False)], [ALL_DTYPES]),
+)
 def test_all_gather(rng, dtype, axis, tiled):
     x = random_array(rng, (8, 3, 5), dtype)
     compare(lambda impl: lambda v: impl.all_gather(v, "x", axis=axis, tiled=tiled), x, dtype)
@@ -130,8 +142,13 @@ def test_all_gather_sizes(rng, shape):
     compare(lambda impl: lambda v: impl.all_gather(v, "x"), x, "float32")
 
 
-@pytest.mark.parametrize("dtype", [d for d in ALL_DTYPES if d != "bool"])
-@pytest.mark.parametrize("dim,tiled", [(0, True), (0, False), (1, True), (-1, True), (1, False)])
+@pytest.mark.parametrize(
+    "dim,tiled,dtype",
+    rotation(
+        [(0, True), (0, False), (1, True), (-1, True), (1, False)],
+        [[d for d in ALL_DTYPES if d != "bool"]],
+    ),
+)
 def test_psum_scatter(rng, dtype, dim, tiled):
     shape = (8, 16, 8) if tiled else (8, 8, 8)
     x = random_array(rng, (8, *shape[1:]), dtype)
@@ -153,9 +170,17 @@ def test_psum_scatter_sizes(rng, n):
     compare(lambda impl: lambda v: impl.psum_scatter(v, "x", tiled=True), x, "float32")
 
 
-@pytest.mark.parametrize("dtype", ALL_DTYPES)
-@pytest.mark.parametrize("split,concat", [(0, 0), (0, 1), (1, 0), (1, 2), (2, 0), (-1, -2)])
-@pytest.mark.parametrize("tiled", [True, False])
+@pytest.mark.parametrize(
+    "split,concat,tiled,dtype",
+    rotation(
+        [
+            (s, c, t)
+            for t in (True, False)
+            for s, c in [(0, 0), (0, 1), (1, 0), (1, 2), (2, 0), (-1, -2)]
+        ],
+        [ALL_DTYPES],
+    ),
+)
 def test_all_to_all(rng, dtype, split, concat, tiled):
     shape = [3, 5, 7]
     shape[split] = 8 if not tiled else 16
@@ -189,15 +214,13 @@ PERMS = {
 }
 
 
-@pytest.mark.parametrize("dtype", ALL_DTYPES)
-@pytest.mark.parametrize("perm", list(PERMS))
+@pytest.mark.parametrize("perm,dtype", rotation(grid(PERMS), [ALL_DTYPES]))
 def test_ppermute(rng, dtype, perm):
     x = random_array(rng, (8, 3, 7), dtype)
     compare(lambda impl: lambda v: impl.ppermute(v, "x", PERMS[perm]), x, dtype)
 
 
-@pytest.mark.parametrize("dtype", ALL_DTYPES)
-@pytest.mark.parametrize("source", [0, 5])
+@pytest.mark.parametrize("source,dtype", rotation(grid([0, 5]), [ALL_DTYPES]))
 def test_pbroadcast(rng, dtype, source):
     # jax.lax.pbroadcast has no CPU lowering: the oracle is numpy (its documented meaning).
     x = random_array(rng, (8, 3, 7), dtype)
@@ -206,8 +229,10 @@ def test_pbroadcast(rng, dtype, source):
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("dtype", ["uint8", "float32"])
-@pytest.mark.parametrize("shape", [(0,), (1,), (1001,), (65537,), (300001,)])
+@pytest.mark.parametrize(
+    "shape,dtype",
+    rotation(grid([(0,), (1,), (1001,), (65537,), (300001,)]), [["uint8", "float32"]]),
+)
 def test_pbroadcast_sizes(rng, dtype, shape):
     # Each rank copies its share of the source's input into every output (64 KiB tiles): sizes
     # below one cache line per rank, across tile edges and with a ragged last share.
@@ -231,15 +256,13 @@ def compare2d(body_of, x, dtype):
     assert_close(got, want, dtype)
 
 
-@pytest.mark.parametrize("axes", AXES_2D)
-@pytest.mark.parametrize("op", ["psum", "pmax", "pmin", "pmean"])
+@pytest.mark.parametrize("axes,op", rotation(grid(AXES_2D), [["psum", "pmax", "pmin", "pmean"]]))
 def test_2d_reductions(rng, axes, op):
     x = random_array(rng, (8, 129), "float32")
     compare2d(lambda impl: lambda v: getattr(impl, op)(v, axes), x, "float32")
 
 
-@pytest.mark.parametrize("axes", AXES_2D)
-@pytest.mark.parametrize("tiled", [True, False])
+@pytest.mark.parametrize("axes,tiled", rotation(grid(AXES_2D), [[True, False]]))
 def test_2d_all_gather(rng, axes, tiled):
     x = random_array(rng, (8, 6, 5), "int32")
     compare2d(lambda impl: lambda v: impl.all_gather(v, axes, axis=1, tiled=tiled), x, "int32")
