@@ -51,6 +51,10 @@ from strata_jax._src import runtime as _runtime  # noqa: E402
 
 _runtime.configure_launch_threads()
 
+from strata_jax._src import allocator as _allocator  # noqa: E402
+
+_allocator.install()  # the pool serves XLA's buffers under any launcher (see allocator.py)
+
 from strata_jax import moe  # noqa: E402
 from strata_jax._src.collectives import (  # noqa: E402
     all_gather,

@@ -2,9 +2,10 @@
 
 Prints versions (strata_jax, jax, jaxlib, numpy, Python), the CPU and its cores, JAX's devices,
 XLA's CPU launch pool (PJRT_NPROC and whether it was set before JAX created its backend, which
-decides whether dispatch-ahead can deadlock), the allocator (preloaded or not, its threshold),
-the registration mode, and under the launcher (``python -m strata_jax.launch -n 4 -m
-strata_jax.info``) the fabric map: every process, its host and its fabric.
+decides whether dispatch-ahead can deadlock), the allocator (preloaded, hooked into jaxlib or
+off; its threshold), the registration mode, and under the launcher
+(``python -m strata_jax.launch -n 4 -m strata_jax.info``) the fabric map: every process, its
+host and its fabric.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import socket
 import sys
 
 import strata_jax  # first: sizes XLA's launch pool before the backend exists
+from strata_jax._src import allocator  # noqa: E402
 
 
 def _cpu_model() -> str:
@@ -81,11 +83,9 @@ def collect() -> dict:
             and pool["devices"] > 1
             else ""
         ),
-        "allocator preloaded": mem["allocator"],
+        "allocator": mem["allocator_mode"] + f" ({allocator.describe()})",
         "LD_PRELOAD": preload or "unset",
-        "allocator threshold": (
-            mem["pool_threshold"] if mem["allocator"] else "n/a (not preloaded)"
-        ),
+        "allocator threshold": mem["pool_threshold"] if mem["allocator"] else "n/a (none)",
         "registration": mem["registration"],
         "fabric": mem["fabric"],
         "timeout s": strata_jax.get_timeout(),

@@ -180,3 +180,65 @@ def test_alloc_library_path_override(alloc_lib, tmp_path, monkeypatch):
     assert mod.alloc_library_path() == alloc_lib
     monkeypatch.setenv("STRATA_ALLOC_LIB", str(tmp_path / "missing.so"))
     assert mod.alloc_library_path() is None
+
+
+def test_hook_without_preload_serves_xla_only(alloc_lib):
+    """No LD_PRELOAD: ``import strata_jax`` points jaxlib's posix_memalign/free/realloc at the
+    pool (native/alloc/hook.cc). XLA's buffers come from it; numpy keeps glibc; a buffer XLA
+    made before the hook is freed through glibc; pool blocks are freed back to the pool."""
+    code = (
+        textwrap.dedent(
+            """
+            import jax, jax.numpy as jnp, numpy as np
+            early = (jnp.ones((1024, 1024), jnp.float32) + 1).block_until_ready()  # glibc
+            import strata_jax
+            from strata_jax._src import allocator
+            st = allocator.state
+            assert st["mode"] == "hook" and st["slots"] > 0, st
+            """
+        )
+        + _STATS_PY
+        + textwrap.dedent(
+            """
+            assert lib.strata_alloc_active() == 1 and lib.strata_alloc_preloaded() == 0
+            assert lib.strata_alloc_hooked() == 1
+            assert lookup(early.unsafe_buffer_pointer(), 8)[0] == 0
+            del early  # allocated by glibc before the hook, freed through the hooked free
+            x = jnp.ones((1024, 1024), jnp.float32)
+            for i in range(5):
+                y = (x @ x + i).block_until_ready()
+                assert float(y[0, 0]) == 1024.0 + i
+                assert lookup(y.unsafe_buffer_pointer(), 4 << 20)[0] == 1, i
+            a = np.ones(4 << 20)  # numpy: not hooked, glibc
+            assert lookup(a.ctypes.data, 8)[0] == 0
+            del y
+            s = stats()
+            assert s.pool_allocs >= 5 and s.pool_frees >= 4, (s.pool_allocs, s.pool_frees)
+            assert lib.strata_alloc_check() == 0
+            assert strata_jax.memory_stats()["allocator_mode"] == "hook"
+            print("hook ok")
+            """
+        )
+    )
+    r = _run([sys.executable, "-c", code], _env(None, STRATA_ALLOC_LIB=alloc_lib), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "hook ok" in r.stdout
+
+
+def test_hook_off_leaves_glibc(alloc_lib):
+    code = textwrap.dedent(
+        """
+        import strata_jax, jax.numpy as jnp
+        from strata_jax._src import allocator
+        y = (jnp.ones((1024, 1024)) + 1).block_until_ready()
+        ms = strata_jax.memory_stats()
+        st = allocator.state
+        assert st["mode"] == "off" and "STRATA_ALLOC_HOOK=0" in st["reason"], st
+        assert ms["allocator"] is False and ms["allocator_mode"] == "off" and ms["pool_allocs"] == 0
+        print("off ok")
+        """
+    )
+    env = _env(None, STRATA_ALLOC_LIB=alloc_lib, STRATA_ALLOC_HOOK="0")
+    r = _run([sys.executable, "-c", code], env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "off ok" in r.stdout

@@ -49,6 +49,14 @@ void RealFree(void* p);
 // `malloc` from here would bind to whichever malloc wins symbol lookup.
 void* ImplMalloc(size_t n);
 void ImplFree(void* p);
+int ImplPosixMemalign(void** out, size_t align, size_t n);
+// realloc for a library hooked by strata_alloc_hook: pool blocks are resized through the pool,
+// every other pointer through libc (it never moves libc memory into the pool).
+void* ImplReallocOwned(void* p, size_t n);
+// libc's functions resolved (interpose.cc); false while this thread is resolving them.
+bool Resolve();
+// true once strata_alloc_hook rewrote a library's allocation slots (hook.cc).
+bool Hooked();
 
 // ---- metadata memory straight from mmap ----
 void* MetaMap(size_t bytes);  // zeroed, page-aligned, nullptr on failure

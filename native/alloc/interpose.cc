@@ -68,6 +68,8 @@ void Sym(F* out, const char* name, bool required) {
   *out = reinterpret_cast<F>(f);
 }
 
+}  // namespace
+
 // true once libc's functions are known; false while this very thread is resolving them.
 bool Resolve() {
   if (g_resolve.load(std::memory_order_acquire) == 2) return true;
@@ -92,6 +94,8 @@ bool Resolve() {
   while (g_resolve.load(std::memory_order_acquire) != 2) sched_yield();
   return true;
 }
+
+namespace {
 
 // ---- configuration ----
 Config g_cfg;
@@ -275,6 +279,30 @@ void* AlignedPool(size_t align, size_t n) {
 bool ReadyOrBoot() { return g_resolve.load(std::memory_order_acquire) == 2 || Resolve(); }
 
 }  // namespace
+
+int ImplPosixMemalign(void** out, size_t align, size_t n) {
+  if (!IsPow2(align) || align % sizeof(void*) != 0) return EINVAL;
+  if (!ReadyOrBoot()) {
+    void* p = BootAlloc(n, align);
+    if (!p) return ENOMEM;
+    *out = p;
+    return 0;
+  }
+  if (void* p = AlignedPool(align, n)) {
+    *out = p;
+    return 0;
+  }
+  CountLibcAlloc();
+  return g_real.posix_memalign(out, align, n);
+}
+
+void* ImplReallocOwned(void* p, size_t n) {
+  if (p && (IsBoot(p) || Owned(p))) return ImplRealloc(p, n);
+  if (__builtin_expect(g_resolve.load(std::memory_order_acquire) != 2, 0) && !Resolve())
+    return nullptr;
+  return g_real.realloc(p, n);  // libc memory stays libc memory (it may be freed elsewhere)
+}
+
 }  // namespace strata::alloc
 
 using namespace strata::alloc;
@@ -296,19 +324,7 @@ STRATA_EXPORT void* reallocarray(void* p, size_t n, size_t m) noexcept {
 }
 
 STRATA_EXPORT int posix_memalign(void** out, size_t align, size_t n) noexcept {
-  if (!IsPow2(align) || align % sizeof(void*) != 0) return EINVAL;
-  if (!ReadyOrBoot()) {
-    void* p = BootAlloc(n, align);
-    if (!p) return ENOMEM;
-    *out = p;
-    return 0;
-  }
-  if (void* p = AlignedPool(align, n)) {
-    *out = p;
-    return 0;
-  }
-  CountLibcAlloc();
-  return g_real.posix_memalign(out, align, n);
+  return ImplPosixMemalign(out, align, n);
 }
 
 STRATA_EXPORT void* aligned_alloc(size_t align, size_t n) noexcept {
@@ -353,12 +369,20 @@ STRATA_EXPORT size_t malloc_usable_size(void* p) noexcept {
   return g_real.usable_size(p);
 }
 
-STRATA_EXPORT int strata_alloc_active(void) {
-  // Live when the process-wide posix_memalign is this library's (LD_PRELOAD) and the pool is on.
+STRATA_EXPORT int strata_alloc_preloaded(void) {
+  // 1 when the process-wide posix_memalign is this library's (LD_PRELOAD).
   void* global = dlsym(RTLD_DEFAULT, "posix_memalign");
   Dl_info theirs, ours;
   if (!global || !dladdr(global, &theirs) || !dladdr(reinterpret_cast<void*>(&ImplMalloc), &ours))
     return 0;
+  return theirs.dli_fbase == ours.dli_fbase;
+}
+
+STRATA_EXPORT int strata_alloc_hooked(void) { return Hooked() ? 1 : 0; }
+
+STRATA_EXPORT int strata_alloc_active(void) {
+  // Live when the pool is on and serves someone: the whole process (LD_PRELOAD) or a library
+  // whose allocation slots strata_alloc_hook rewrote.
   const Config* cfg = GetConfig();
-  return theirs.dli_fbase == ours.dli_fbase && cfg && cfg->enabled;
+  return cfg && cfg->enabled && (strata_alloc_preloaded() || Hooked());
 }

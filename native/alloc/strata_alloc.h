@@ -105,9 +105,22 @@ STRATA_ALLOC_API void strata_alloc_stats(strata_alloc_stats_t* out);
 STRATA_ALLOC_API size_t strata_alloc_set_reserve(size_t bytes);
 STRATA_ALLOC_API void strata_alloc_reserve_stats(strata_alloc_reserve_t* out);
 
-/* 1 when this library's malloc family is the one the process uses (LD_PRELOAD) and the pool is on.
- */
+/* 1 when the pool is on and serves allocations: this library's malloc family is the one the
+ * process uses (LD_PRELOAD), or strata_alloc_hook rewrote a library's allocation slots. */
 STRATA_ALLOC_API int strata_alloc_active(void);
+/* 1 when this library was preloaded (its posix_memalign is the process-wide one). */
+STRATA_ALLOC_API int strata_alloc_preloaded(void);
+/* 1 once strata_alloc_hook rewrote at least one slot. */
+STRATA_ALLOC_API int strata_alloc_hooked(void);
+
+/* Without LD_PRELOAD: in an already running process, point the posix_memalign, free and realloc
+ * relocation slots (GOT entries) of every loaded library whose path contains `library` at the
+ * pool (posix_memalign serves requests >= the threshold from fabric segments; free and realloc
+ * handle pool blocks and pass every other pointer to libc). Other libraries keep libc. Slots
+ * for free/realloc are rewritten before posix_memalign's. Returns the number of slots rewritten,
+ * -ENOENT when no loaded library matches, -EAGAIN before libc is resolved, or -errno of a failed
+ * mprotect. Idempotent (a second call rewrites the same slots to the same targets). */
+STRATA_ALLOC_API int strata_alloc_hook(const char* library);
 
 STRATA_ALLOC_API int strata_alloc_abi_version(void);
 

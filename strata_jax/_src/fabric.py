@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 
-from strata_jax._src import runtime, topology
+from strata_jax._src import allocator, runtime, topology
 
 REGISTRATION_MODES = ("on_alloc", "on_use", "staging")
 ENV_REGISTRATION = "STRATA_REGISTRATION"
@@ -183,8 +183,16 @@ def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
     only among processes with the same id (nothing of one fabric -- socket path, file,
     segment -- is looked up from another), and a process alone in its fabric connects nothing.
 
+    The allocator: ``import strata_jax`` already put libstrata_alloc in XLA's allocation
+    path (preloaded by the launcher or ``strata-run``, else hooked into jaxlib; see
+    ``allocator.py``), so mpirun, srun and a plain ``python`` get registration on allocation
+    too. Where it could not (``STRATA_ALLOC_HOOK=0``, library missing), a shared-memory
+    fabric runs in ``staging`` mode and one line on stderr says why and what to change.
+
     Returns:
-      dict with ``process_id``, ``num_processes``, ``registration``, ``fabric`` (``"shm"``
+      dict with ``process_id``, ``num_processes``, ``registration`` (the mode in effect),
+      ``registration_requested``, ``allocator`` (``"preload"``, ``"hook"`` or ``"off"``),
+      ``fabric`` (``"shm"``
       when this process shares memory with others, else ``"inproc"``), ``fabric_index``,
       ``num_fabrics`` and ``fabric_processes`` (the processes of this fabric).
 
@@ -201,7 +209,7 @@ def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
             f"(argument or ${ENV_REGISTRATION})"
         )
     if _state is not None:
-        if _state["registration"] != mode and _state["fabric"] == "shm":
+        if _state["registration_requested"] != mode and _state["fabric"] == "shm":
             raise RuntimeError(
                 f"strata_jax.init() already connected with registration={_state['registration']!r}"
                 f"; the mode cannot change in a running process (asked for {mode!r})"
@@ -239,6 +247,8 @@ def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
             "process_id": 0,
             "num_processes": 1,
             "registration": mode,
+            "registration_requested": mode,
+            "allocator": allocator.state["mode"],
             "fabric": "inproc",
         }
         return dict(_state)
@@ -252,7 +262,9 @@ def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
     ids = [client.blocking_key_value_get(f"{_KV_PREFIX}/fabric_id/{j}", ms) for j in range(n)]
     fmap = topology.set_fabric_map(ids, pid)
     members = fmap.members(fmap.own)
+    requested = mode
     if len(members) > 1:
+        mode = _mode_in_effect(native, mode)
         _connect_fabric(native, client, pid, members, mode, ms)
     # Every process is connected (or alone in its fabric) before any collective runs.
     client.wait_at_barrier(f"{_KV_PREFIX}/connected", ms)
@@ -261,12 +273,34 @@ def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
         "process_id": pid,
         "num_processes": n,
         "registration": mode,
+        "registration_requested": requested,
+        "allocator": allocator.state["mode"],
         "fabric": fabric,
         "fabric_index": fmap.own,
         "num_fabrics": len(fmap.names),
         "fabric_processes": list(members),
     }
     return dict(_state)
+
+
+def _mode_in_effect(native, mode: str) -> str:
+    """The registration mode this process can honour: ``on_alloc``/``on_use`` need the
+    allocator to serve XLA's buffers; without it every byte is staged, so the mode in effect
+    (what ``init()`` and ``memory_stats()`` report) is ``staging``, and one line says why and
+    what to change."""
+    import sys
+
+    if mode == "staging" or native.memory_stats().get("allocator"):
+        return mode
+    st = allocator.install()
+    print(
+        f"strata_jax: registration {mode!r} needs libstrata_alloc serving XLA's buffers, but "
+        f"{st['reason'] or 'it is not active'}: collectives stage every byte (registration "
+        f"'staging'). Fix: {st['fix'] or 'start each process as `strata-run python script.py`'}.",
+        file=sys.stderr,
+        flush=True,
+    )
+    return "staging"
 
 
 def _connect_fabric(native, client, pid: int, members: tuple[int, ...], mode: str, ms: int):
@@ -318,7 +352,8 @@ def memory_stats() -> dict:
       dict with (bytes are bytes, seconds are seconds, counts are per process):
 
       - ``fabric``: ``"shm"`` (connected across processes) or ``"inproc"``;
-        ``registration``: the mode (``"none"`` in-process).
+        ``registration``: the mode in effect (``"none"`` in-process; ``"staging"`` when the
+        allocator does not serve XLA's buffers, whatever mode was asked for).
       - ``registered_segments`` / ``registered_bytes``: live segments of this process exported
         to every peer (allocator segments and bounce buffers).
       - ``peer_segments_mapped`` / ``peer_bytes_mapped``: peers' segments mapped here.
@@ -330,7 +365,10 @@ def memory_stats() -> dict:
       - ``staged_bytes``: bytes copied into / out of bounce buffers; ``staged_calls``: calls
         that staged at least one buffer; ``peer_bounce_bytes``: bytes moved between peers
         through bounce buffers; ``bounce_buffer_bytes``: size of this process's bounce buffers.
-      - ``allocator``: whether libstrata_alloc serves this process; ``pool_segments``,
+      - ``allocator``: whether libstrata_alloc serves XLA's buffers in this process;
+        ``allocator_mode``: how (``"preload"``: LD_PRELOAD, by ``strata_jax.launch`` or
+        ``strata-run``; ``"hook"``: hooked into jaxlib at ``import strata_jax``, the default
+        under any other launcher; ``"off"``); ``pool_segments``,
         ``pool_segment_bytes``, ``pool_bytes_in_use``, ``pool_bytes_cached``, ``pool_allocs``,
         ``pool_threshold`` from ``strata_alloc_stats`` (zeros without the allocator).
       - ``intra_fabric_bytes``: bytes strata moved between devices of this fabric (zero-copy
@@ -345,6 +383,7 @@ def memory_stats() -> dict:
         another fabric is mapped.
     """
     d = dict(runtime.native().memory_stats())
+    d["allocator_mode"] = allocator.state["mode"] if d.get("allocator") else "off"
     fmap = topology.fabric_map()
     members = fmap.members(fmap.own)
     d["fabric_index"] = fmap.own

@@ -1,0 +1,95 @@
+"""strata_jax under Open MPI's mpirun, without strata's launcher (issue 25, section 1).
+
+``mpirun -n 2 python script.py`` with ``strata_jax.init()`` must give registration on
+allocation: ``import strata_jax`` hooks libstrata_alloc into jaxlib (no LD_PRELOAD), so a large
+psum reads the peers' own buffers (``zero_copy_bytes > 0``, ``staged_bytes == 0``). With the
+hook turned off the mode in effect is reported as ``staging`` (never ``on_alloc`` while every
+byte is staged) and init() says in one line what to change; ``strata-run`` (LD_PRELOAD) after
+mpirun gives registration on allocation too. Needs Open MPI's ``mpirun`` (Debian's
+``openmpi-bin``, installed by .ci/run); skipped without it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from _mp_util import PKG_PARENT, SCRIPTS, job_env
+
+MPIRUN = shutil.which("mpirun")
+pytestmark = pytest.mark.skipif(
+    MPIRUN is None, reason="Open MPI's mpirun not installed (apt-get install openmpi-bin)"
+)
+
+
+def mpirun_cmd(nproc: int, *cmd: str) -> list[str]:
+    """mpirun as the tests here use it: root allowed, more ranks than cores, no binding (the
+    ranks share the machine's cores with other work)."""
+    return [
+        MPIRUN,
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        "-n",
+        str(nproc),
+        *cmd,
+    ]
+
+
+def _run(cmd: list[str], timeout: float = 240, **extra: str):
+    env = job_env(**extra)
+    r = subprocess.run(
+        cmd,
+        env=env,
+        cwd=PKG_PARENT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    results = [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    return r, results
+
+
+def test_plain_mpirun_registers_on_allocation():
+    """Fails before the hook: zero_copy_bytes 0 and every byte staged, yet on_alloc reported."""
+    r, res = _run(mpirun_cmd(2, sys.executable, str(SCRIPTS / "mpirun_psum.py")))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(res) == 2, r.stdout
+    for d in res:
+        assert d["ok"]
+        assert d["allocator_mode"] == "hook" and d["init_allocator"] == "hook", d
+        assert d["registration"] == d["init_registration"] == "on_alloc", d
+        assert d["zero_copy_bytes"] > 0 and d["staged_bytes"] == 0, d
+    assert "strata_jax: registration" not in r.stderr  # nothing to tell
+
+
+def test_mpirun_without_allocator_reports_staging_and_the_fix():
+    r, res = _run(
+        mpirun_cmd(2, sys.executable, str(SCRIPTS / "mpirun_psum.py")), STRATA_ALLOC_HOOK="0"
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(res) == 2, r.stdout
+    for d in res:
+        assert d["ok"]
+        assert d["allocator_mode"] == "off", d
+        assert d["registration"] == d["init_registration"] == "staging", d
+        assert d["zero_copy_bytes"] == 0 and d["staged_bytes"] > 0, d
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("strata_jax: registration")]
+    assert len(lines) == 2, r.stderr[-3000:]  # one line per process
+    assert "STRATA_ALLOC_HOOK=0" in lines[0] and "Fix: unset STRATA_ALLOC_HOOK" in lines[0]
+
+
+def test_strata_run_after_mpirun_preloads_the_allocator():
+    strata_run = [sys.executable, "-m", "strata_jax.run"]
+    r, res = _run(mpirun_cmd(2, *strata_run, sys.executable, str(SCRIPTS / "mpirun_psum.py")))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(res) == 2, r.stdout
+    for d in res:
+        assert d["ok"]
+        assert d["allocator_mode"] == "preload", d
+        assert d["registration"] == "on_alloc", d
+        assert d["zero_copy_bytes"] > 0 and d["staged_bytes"] == 0, d
