@@ -176,6 +176,16 @@ def median(xs: Iterable[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def _plain_allocator() -> str:
+    """What serves XLA's buffers without LD_PRELOAD: the hook ``import strata_jax`` installs
+    (strata_jax/_src/allocator.py), or glibc when it is off or strata_jax is not imported."""
+    mod = sys.modules.get("strata_jax._src.allocator")
+    if mod is None or mod.state["mode"] != "hook":
+        why = mod.state["reason"] if mod is not None else "strata_jax not imported"
+        return f"glibc ({why}): large XLA buffers are fresh mmapped pages every call"
+    return "libstrata_alloc hooked into jaxlib at import strata_jax: XLA buffers from its pool"
+
+
 def reexec_with_allocator(enabled: bool = True) -> str:
     """Re-run this script under ``LD_PRELOAD=libstrata_alloc.so`` unless it already is, then
     return a line for the header saying which allocator serves XLA's buffers.
@@ -194,7 +204,7 @@ def reexec_with_allocator(enabled: bool = True) -> str:
             "from its pool"
         )
     if not enabled:
-        return "glibc (--no-preload): large XLA buffers are fresh mmapped pages every call"
+        return "no LD_PRELOAD (--no-preload, a plain `python script.py`): " + _plain_allocator()
     try:
         from strata_jax.launch import alloc_library_path  # no jax backend created yet
     except Exception as e:

@@ -41,8 +41,10 @@ Usage::
 
 In-process runs re-run themselves under ``LD_PRELOAD=libstrata_alloc.so`` (the deployment
 shape: the launcher preloads it for --procs runs), so every implementation's large buffers come
-from reused memory; ``--no-preload`` measures plain glibc, where first-touch page faults on fresh
-outputs dominate every implementation at large sizes.
+from reused memory; ``--no-preload`` measures a plain ``python script.py``, where ``import
+strata_jax`` hooks the allocator into jaxlib instead (XLA's buffers of every implementation come
+from the pool, the rest of the process keeps glibc); add ``STRATA_ALLOC_HOOK=0`` for plain glibc,
+where first-touch page faults on fresh outputs dominate every implementation at large sizes.
 
 Notes: jax.lax.pbroadcast has no CPU lowering in jaxlib 0.10, so the 'xla' pbroadcast is its
 documented equivalent ``psum(where(axis_index == source, x, 0))``.
@@ -786,9 +788,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--no-preload",
         action="store_true",
-        help="in-process: do not re-run under LD_PRELOAD=libstrata_alloc.so (plain glibc: "
-        "every large XLA buffer of every implementation is fresh mmapped pages, and page "
-        "faults dominate both at large sizes); --procs runs use the launcher's setting",
+        help="in-process: do not re-run under LD_PRELOAD=libstrata_alloc.so: a plain "
+        "`python script.py`, where `import strata_jax` hooks the allocator into jaxlib "
+        "(STRATA_ALLOC_HOOK=0 as well: plain glibc, fresh mmapped pages for every large "
+        "buffer); --procs runs use the launcher's setting",
     )
     a = p.parse_args(argv)
     try:
