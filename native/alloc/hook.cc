@@ -39,7 +39,9 @@ constexpr uint32_t kGlobDat = R_AARCH64_GLOB_DAT;
 // Set once the first slot is rewritten; read by strata_alloc_active / strata_alloc_hooked.
 std::atomic<int> g_hooked{0};
 
-int HookPosixMemalign(void** out, size_t align, size_t n) { return ImplPosixMemalign(out, align, n); }
+int HookPosixMemalign(void** out, size_t align, size_t n) {
+  return ImplPosixMemalign(out, align, n);
+}
 void HookFree(void* p) { ImplFree(p); }
 void* HookRealloc(void* p, size_t n) { return ImplReallocOwned(p, n); }
 
@@ -82,7 +84,7 @@ int OnLibrary(struct dl_phdr_info* info, size_t, void* data) {
   const ElfW(Dyn)* dyn = nullptr;
   uintptr_t relro_lo = 0, relro_hi = 0;
   for (int i = 0; i < info->dlpi_phnum; ++i) {
-    const ElfW(Phdr)& ph = info->dlpi_phdr[i];
+    const ElfW(Phdr) & ph = info->dlpi_phdr[i];
     if (ph.p_type == PT_DYNAMIC) dyn = reinterpret_cast<const ElfW(Dyn)*>(base + ph.p_vaddr);
     if (ph.p_type == PT_GNU_RELRO) {
       relro_lo = base + ph.p_vaddr;
@@ -120,12 +122,12 @@ int OnLibrary(struct dl_phdr_info* info, size_t, void* data) {
     }
   }
   if (!symtab || !strtab) return 0;
-  const ElfW(Rela)* tables[2] = {jmprel, rela};
+  const ElfW(Rela) * tables[2] = {jmprel, rela};
   size_t counts[2] = {jmprel_bytes / sizeof(ElfW(Rela)), rela_bytes / sizeof(ElfW(Rela))};
   for (int t = 0; t < 2; ++t) {
     if (!tables[t]) continue;
     for (size_t i = 0; i < counts[t]; ++i) {
-      const ElfW(Rela)& r = tables[t][i];
+      const ElfW(Rela) & r = tables[t][i];
       uint32_t type = ELF64_R_TYPE(r.r_info);
       if (type != kJumpSlot && type != kGlobDat) continue;
       const char* name = strtab + symtab[ELF64_R_SYM(r.r_info)].st_name;
