@@ -24,15 +24,19 @@ count = (16 << 20) // 4  # 16 MiB of float32 per process: well above the allocat
 f = jax.jit(
     jax.shard_map(lambda x: strata_jax.psum(x, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
 )
+# The psum's input is computed by XLA (as gradients are), not a numpy array XLA may borrow:
+# jax's device_put aliases a 64-byte-aligned numpy buffer instead of copying it, and numpy's
+# memory is glibc's under the hook (only LD_PRELOAD, e.g. strata-run, makes it pool memory).
+double = jax.jit(lambda a: a * 2)
 ok = True
 for step in range(3):
     inputs = [
         np.random.default_rng([step, p]).standard_normal(count).astype(np.float32)
         for p in range(n_proc)
     ]
-    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), inputs[me])
+    x = double(jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), inputs[me]))
     got = np.asarray(f(x).addressable_shards[0].data)
-    ok &= bool(np.allclose(got, np.sum(inputs, axis=0), rtol=1e-5, atol=1e-5))
+    ok &= bool(np.allclose(got, 2 * np.sum(inputs, axis=0), rtol=1e-5, atol=1e-5))
 ms = strata_jax.memory_stats()
 out = {
     "process": me,
