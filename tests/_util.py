@@ -39,35 +39,42 @@ def grid(*lists) -> list[tuple]:
     return list(itertools.product(*lists))
 
 
-def rotation(cover: list[tuple], rotate: list[list], slow_rest: bool = True) -> list:
+def rotation(cover: list, rotate: list[list], slow_rest: bool = True) -> list:
     """pytest params for the grid ``cover x product(*rotate)``, of which the default run keeps
-    a rotation: every row of ``cover`` (tuples of settings that must all run), each with the
-    next value of every ``rotate`` list in turn, and more rows while some value of a ``rotate``
-    list has not run yet. So every cover row and every value of every rotate list runs by
-    default; the rest of the grid is marked ``slow`` (``pytest -m slow`` runs it, and
-    ``slow_rest=False`` leaves it out). Each param is ``(*cover row, *one value per list)``.
+    a rotation: every row of ``cover`` (the settings that must all run: tuples, single values,
+    or pytest.param rows whose marks are kept), each with the next value of every ``rotate``
+    list in turn, and more rows while some value of a ``rotate`` list has not run yet. So every
+    cover row and every value of every rotate list runs by default; the rest of the grid is
+    marked ``slow`` (``pytest -m slow`` runs it, and ``slow_rest=False`` leaves it out). Each
+    param is ``(*cover row, *one value per list)``.
 
     Example: ``rotation([(0, 0), (1, 2)], [ALL_DTYPES])``: both axis settings, and the 15
     dtypes spread over them (15 cases instead of 30)."""
-    cover = list(cover) or [()]
-    n = max(len(cover), max((len(v) for v in rotate), default=1))
-    chosen: list[tuple] = []
+    rows = []
+    for c in cover or [()]:
+        if hasattr(c, "values") and hasattr(c, "marks"):  # a pytest.param
+            rows.append((tuple(c.values), list(c.marks)))
+        else:
+            rows.append((c if isinstance(c, tuple) else (c,), []))
+    n = max(len(rows), max((len(v) for v in rotate), default=1))
+    chosen: dict[tuple, list] = {}
     for i in range(n):
-        row = tuple(cover[i % len(cover)]) + tuple(v[i % len(v)] for v in rotate)
-        if row not in chosen:
-            chosen.append(row)
-    out = [pytest.param(*row, id=_param_id(row)) for row in chosen]
+        values, marks = rows[i % len(rows)]
+        chosen.setdefault(values + tuple(v[i % len(v)] for v in rotate), marks)
+    out = [pytest.param(*row, marks=marks, id=_param_id(row)) for row, marks in chosen.items()]
     if slow_rest:
-        for c in cover:
+        for values, marks in rows:
             for r in itertools.product(*rotate):
-                row = tuple(c) + r
-                if row not in chosen:
-                    out.append(pytest.param(*row, marks=pytest.mark.slow, id=_param_id(row)))
+                if values + r not in chosen:
+                    row = values + r
+                    out.append(
+                        pytest.param(*row, marks=[*marks, pytest.mark.slow], id=_param_id(row))
+                    )
     return out
 
 
 def _param_id(row: tuple) -> str:
-    return "-".join(str(v).replace(" ", "") for v in row)
+    return "-".join(str(getattr(v, "__name__", v)).replace(" ", "") for v in row)
 
 
 def mesh1d(n: int = 8) -> Mesh:

@@ -302,6 +302,7 @@ def test_2d_pbroadcast(rng):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow  # 512 MiB in, 512 MiB out: 4 MiB per device runs by default (test_psum_sizes)
 def test_large_psum_64mib(rng):
     """64 MiB per device, the size the issue names as the upper end."""
     n = 16 * 2**20
@@ -526,13 +527,15 @@ def _towers(lib, mesh):
     )
 
 
-def test_shard_map_regions_are_chained_in_program_order(rng):
+@pytest.mark.parametrize("steps", [50, pytest.param(300, marks=pytest.mark.slow)])
+def test_shard_map_regions_are_chained_in_program_order(rng, steps):
     """Independent shard_map regions in one jit (some inside a nested jit, one called twice)
     deadlocked in one process before their calls were chained across regions (the first 50 of
     3,000 steps, in 4 of 4 runs: "rank 2: waiting in psum (op 1), another call of this same
     program"). Each region now hands a token to the next (lowering.py:
     _chain_shard_map_regions): 300 steps, each equal to jax.lax's; in the lowered text every
-    strata call has an op id of its own and each region takes the previous region's token."""
+    strata call has an op id of its own and each region takes the previous region's token.
+    (50 steps by default, 300 behind -m slow.)"""
     mesh = mesh1d(8)
     a = random_array(rng, (8 * 32, 128), np.float32)
     b = random_array(rng, (8 * 32, 128), np.float32)
@@ -549,9 +552,9 @@ def test_shard_map_regions_are_chained_in_program_order(rng):
         assert operands[-1] == f"{name}#{int(count) - 1}", (prev, region)
     step, want = _towers(sj, mesh), _towers(jax.lax, mesh)(a, b, w)
     assert not unordered_strata_calls(step.lower(a, b, w).compile().as_text())
-    for i in range(300):
+    for i in range(steps):
         got = step(a, b, w)
-        if i % 50 == 0 or i == 299:
+        if i % 50 == 0 or i == steps - 1:
             for gv, wv in zip(got, want, strict=True):
                 np.testing.assert_allclose(np.asarray(gv), np.asarray(wv), rtol=1e-5, atol=1e-6)
 

@@ -6,7 +6,8 @@ runs of consecutive calls that reuse the slots (a 300-step scan alternating both
 collectives in flight at once, 200 calls chained on the device), ranks that disagree on a
 size (on the low-latency path and across the two paths: every rank fails within 2 s naming
 both sizes, and the job computes right afterwards), and a SIGKILLed peer (the others fail
-within 2 s naming it). About 25 s in all on the loaded 2-core test machine.
+within 2 s naming it). By default 2 processes x 2 devices (local and remote peers in one
+group of 4) and the kill case on 3 ranks; the 4-process run is behind ``-m slow``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def _require_allocator() -> None:
         pytest.skip("libstrata_alloc.so not built")
 
 
+@pytest.mark.slow  # 2 processes x 2 devices (below) runs the same checks on 4 ranks
 def test_low_latency_four_processes():
     _require_allocator()
     r, _ = launch(4, "check_low_latency.py", timeout=240)
@@ -38,15 +40,17 @@ def test_low_latency_two_processes_two_devices_each():
     r, _ = launch(2, "check_low_latency.py", devices=2, timeout=240)
     out = r.stdout
     assert r.returncode == 0, out[-3000:]
+    assert out.count("OK ll mismatch both low-latency") == 2, out[-3000:]
+    assert out.count("OK ll mismatch across paths") == 2, out[-3000:]
     assert out.count("checks rank") == 2, out[-3000:]
 
 
 def test_low_latency_killed_peer_fails_fast():
     _require_allocator()
-    r, _ = launch(4, "check_low_latency.py", "kill", timeout=120, grace=10)
+    r, _ = launch(3, "check_low_latency.py", "kill", timeout=120, grace=10)
     out = r.stdout
     assert "rank 2 was killed by SIGKILL" in out, out[-3000:]
-    assert out.count("OK ll killed peer") == 3, out[-3000:]
+    assert out.count("OK ll killed peer") == 2, out[-3000:]
     assert r.returncode != 0
 
 

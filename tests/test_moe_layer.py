@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import mesh1d
+from _util import grid, mesh1d, rotation
 from jax.sharding import PartitionSpec as P
 
 import strata_jax
@@ -130,8 +130,7 @@ def _close(got, want, dtype, msg=""):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("impl", LAYER_IMPLS)
-@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+@pytest.mark.parametrize("impl,dtype", rotation(LAYER_IMPLS, [["bfloat16", "float32", "float64"]]))
 def test_output_matches_dense(impl, dtype, rng):
     e, k, t, h, f = 16, 2, 13, 16, 24  # T not divisible by anything useful
     args = _params(rng, t, h, f, e, dtype)
@@ -144,8 +143,7 @@ def test_output_matches_dense(impl, dtype, rng):
     _close(got, want, dtype, f"{impl} {dtype}")
 
 
-@pytest.mark.parametrize("impl", LAYER_IMPLS)
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("impl,dtype", rotation(LAYER_IMPLS, [["float64", "float32"]]))
 def test_gradients_match_dense(impl, dtype, rng):
     e, k, t, h, f = 8, 2, 10, 8, 12
     args = _params(rng, t, h, f, e, dtype)
@@ -189,8 +187,7 @@ def _skewed_params(rng, t, h, f, e, dtype, hot=(0, 1)):
     return tuple(jnp.asarray(a, dtype) for a in (x, rw, w1, w2))
 
 
-@pytest.mark.parametrize("impl,rule", CAPACITY_RULES)
-@pytest.mark.parametrize("capacity", [0, 5, 24])
+@pytest.mark.parametrize("impl,rule,capacity", rotation(CAPACITY_RULES, [[5, 24, 0]]))
 def test_capacity_drops_skewed(impl, rule, capacity, rng):
     """Skewed routing past capacity: each impl drops exactly what its rule says."""
     e, k, t, h, f = 8, 2, 11, 8, 12
@@ -540,8 +537,7 @@ def test_train_moe_smoke(tmp_path, impls, repeat):
         ]
 
 
-@pytest.mark.parametrize("blocks", [1, 3])
-@pytest.mark.parametrize("chunk", [None, 2, 5, 64])
+@pytest.mark.parametrize("chunk,blocks", rotation(grid([None, 2, 5, 64]), [[1, 3]]))
 def test_expert_mlp_against_numpy(rng, blocks, chunk):
     """strata_jax.moe.expert_mlp: rows in use equal numpy's MLP, rows past the counts are zero
     when chunked, gradients equal the dense form's on the rows in use."""

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _util import grid, rotation
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -44,6 +45,9 @@ def two_fake_fabrics(monkeypatch):
     monkeypatch.setattr(topology, "_map", topology.FabricMap(("a", "b"), 0))
     monkeypatch.setattr(topology, "fabric_of_device", lambda d: d.id // 2)
     yield
+
+
+_ORDERS = ((0, 1, 2, 3), (3, 1, 0, 2), (0, 2, 1, 3))  # fabrics contiguous, reversed, interleaved
 
 
 def _both(mesh, body_sj, body_lax, x, out=None):
@@ -99,8 +103,10 @@ def test_hierarchical_in_process(two_fake_fabrics, rng, order):
     assert sj.comm_stats()["inter_fabric_bytes"] > before
 
 
-@pytest.mark.parametrize("layout", ["one_per_fabric", "uneven"])
-@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16])
+@pytest.mark.parametrize(
+    "layout,dtype",
+    rotation(grid(["one_per_fabric", "uneven"]), [[jnp.bfloat16, np.float16, np.float32]]),
+)
 def test_pmax_pmin_on_xla_path_propagate_nan(monkeypatch, rng, layout, dtype):
     """Groups that go to XLA's collective (one device per fabric, or fabrics holding different
     numbers of the group's devices) still propagate NaN from any rank, and order -0.0 < +0.0
@@ -135,9 +141,13 @@ def test_pmax_pmin_on_xla_path_propagate_nan(monkeypatch, rng, layout, dtype):
             assert list(np.signbit(zero)) == ([False, False] if op == "pmax" else [True, True])
 
 
-@pytest.mark.parametrize("order", [[0, 1, 2, 3], [3, 1, 0, 2], [0, 2, 1, 3]])
-@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.int8])
-@pytest.mark.parametrize("axis,tiled", [(0, True), (1, True), (0, False)])
+@pytest.mark.parametrize(
+    "order,axis,tiled,dtype",
+    rotation(
+        [(o, a, t) for o in _ORDERS for a, t in [(0, True), (1, True), (0, False)]],
+        [[np.float32, jnp.bfloat16, np.int8]],
+    ),
+)
 def test_all_gather_across_fake_fabrics_places_blocks(
     two_fake_fabrics, rng, order, dtype, axis, tiled
 ):
@@ -166,9 +176,13 @@ def test_all_gather_across_fake_fabrics_places_blocks(
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("order", [[0, 1, 2, 3], [3, 1, 0, 2], [0, 2, 1, 3]])
-@pytest.mark.parametrize("dtype", [np.float32, np.int32])
-@pytest.mark.parametrize("dim,tiled", [(0, True), (1, True), (0, False)])
+@pytest.mark.parametrize(
+    "order,dim,tiled,dtype",
+    rotation(
+        [(o, d, t) for o in _ORDERS for d, t in [(0, True), (1, True), (0, False)]],
+        [[np.float32, np.int32]],
+    ),
+)
 def test_psum_scatter_across_fake_fabrics_reads_blocks_in_place(
     two_fake_fabrics, rng, order, dtype, dim, tiled
 ):
@@ -191,9 +205,12 @@ def test_psum_scatter_across_fake_fabrics_reads_blocks_in_place(
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.int32])
-@pytest.mark.parametrize("op", ["psum", "pmax", "pmin"])
-@pytest.mark.parametrize("size", ["small", "large"])
+@pytest.mark.parametrize(
+    "op,size,dtype",
+    rotation(
+        grid(["psum", "pmax", "pmin"], ["small", "large"]), [[np.float32, jnp.bfloat16, np.int32]]
+    ),
+)
 def test_all_reduce_across_fake_fabrics_same_bits(two_fake_fabrics, rng, dtype, op, size):
     """The partner fabric's shard is combined inside strata's all_gather_reduce: pushed into
     every peer's output for a shard over 512 KiB ("large"), pulled from published [own |
@@ -333,7 +350,15 @@ def test_all_to_all_across_fake_fabrics(monkeypatch, rng, fabric_size, order):
 
 
 @pytest.mark.parametrize(
-    "dtype", [np.bool_, np.int8, jnp.bfloat16, np.float32, np.complex64, np.float64]
+    "dtype",
+    [  # 1, 2, 4 and 8 bytes by default (float32 checks the compiled program too)
+        np.bool_,
+        pytest.param(np.int8, marks=pytest.mark.slow),
+        jnp.bfloat16,
+        np.float32,
+        np.complex64,
+        pytest.param(np.float64, marks=pytest.mark.slow),
+    ],
 )
 def test_all_to_all_two_fabrics_diverts_the_partner_block(monkeypatch, rng, dtype):
     """Two fabrics of 4: strata writes the partner fabric's aggregate to a result of its own
