@@ -80,20 +80,30 @@ PY_PAGES = [
 
 # Runs in the subprocess: every page's python blocks in order, in a fresh namespace per page.
 RUNNER = r"""
-import json, sys, traceback
+import contextlib, io, json, sys, traceback
 pages = json.loads(sys.stdin.read())
 results = {}
 for page, blocks in pages.items():
     ns = {"__name__": "__docs__"}
-    results[page] = None
+    out = io.StringIO()
+    err = None
     for line, code in blocks:
         try:
-            exec(compile(code, f"{page}:{line}", "exec"), ns)
+            with contextlib.redirect_stdout(out):
+                exec(compile(code, f"{page}:{line}", "exec"), ns)
         except BaseException:
-            results[page] = f"block at line {line}:\n" + traceback.format_exc()
+            err = f"block at line {line}:\n" + traceback.format_exc()
             break
+    results[page] = {"error": err, "stdout": out.getvalue()}
 print("DOCS-RESULTS " + json.dumps(results), flush=True)
 """
+
+# What a page's blocks must print (the values their comments promise).
+EXPECTED_OUTPUT = {
+    "README.md": "[7. 8.]",
+    "docs/getting-started.md": "[7. 8.]",
+    "docs/guide/existing-code.md": "[3. 4.]",
+}
 
 
 DEVICES_RE = re.compile(r"jax_num_cpu_devices[\"']\s*,\s*(\d+)")
@@ -108,7 +118,7 @@ def _device_count(blocks: list[tuple[int, str]]) -> int:
 
 
 @pytest.fixture(scope="module")
-def python_block_results() -> dict[str, str | None]:
+def python_block_results() -> dict[str, dict]:
     pages = {
         _rel(p): [
             (b["line"], b["code"])
@@ -123,7 +133,7 @@ def python_block_results() -> dict[str, str | None]:
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the blocks set their device count themselves
     env.pop("JAX_NUM_CPU_DEVICES", None)
-    results: dict[str, str | None] = {}
+    results: dict[str, dict] = {}
     for group in groups.values():
         r = subprocess.run(
             [sys.executable, "-c", RUNNER],
@@ -143,6 +153,23 @@ def python_block_results() -> dict[str, str | None]:
     return results
 
 
+def test_runner_reports_a_failing_block_and_the_output():
+    """The runner above can fail: a block that raises is reported with its line, and what the
+    blocks print comes back (no JAX needed for this page)."""
+    page = {"page.md": [(3, "x = 1\nprint('hello', x)"), (9, "assert x == 2, 'x is 1'")]}
+    r = subprocess.run(
+        [sys.executable, "-c", RUNNER],
+        input=json.dumps(page),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    line = next(x for x in r.stdout.splitlines() if x.startswith("DOCS-RESULTS "))
+    res = json.loads(line[len("DOCS-RESULTS ") :])["page.md"]
+    assert res["stdout"] == "hello 1\n"
+    assert "block at line 9" in res["error"] and "x is 1" in res["error"]
+
+
 def test_the_docs_have_python_blocks():
     """The README and the guides keep runnable examples (a parser that finds none fails here)."""
     names = {_rel(p) for p in PY_PAGES}
@@ -152,8 +179,10 @@ def test_the_docs_have_python_blocks():
 
 @pytest.mark.parametrize("page", [_rel(p) for p in PY_PAGES])
 def test_python_blocks_run(page, python_block_results):
-    err = python_block_results[page]
-    assert err is None, f"{page}: {err}"
+    res = python_block_results[page]
+    assert res["error"] is None, f"{page}: {res['error']}"
+    if page in EXPECTED_OUTPUT:
+        assert EXPECTED_OUTPUT[page] in res["stdout"], res["stdout"]
 
 
 EXAMPLES = sorted((DOCS / "examples").glob("*.py"))

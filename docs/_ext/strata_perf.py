@@ -77,12 +77,20 @@ def provenance(d: dict[str, Any], path: Path) -> str:
     load_avg = m.get("load_avg")
     load_s = "/".join(f"{x:.1f}" for x in load_avg) if load_avg else "not recorded"
     commit = m.get("commit") or "not recorded"
+    warn = ""
+    cores = m.get("cores")
+    if load_avg and cores and load_avg[0] > cores:
+        warn = (
+            f"\n\n**Oversubscribed:** the load average was {load_avg[0]:.1f} on {cores} cores "
+            "when this run started (other jobs shared the machine), so these timings measure the "
+            "scheduler as much as the code; rerun on a quiet machine before drawing conclusions."
+        )
     return (
         f"`{m.get('command', 'command not recorded')}`\n\n"
         f"Source: `{rel(path)}`. Measured {m.get('date', '?')} on {m.get('host', '?')} "
         f"({m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('memory', '?')}; "
         f"python {m.get('python', '?')}, {vers}); commit `{commit}`; load average "
-        f"(1/5/15 min) {load_s}; {where(d)}."
+        f"(1/5/15 min) {load_s}; {where(d)}.{warn}"
     )
 
 
@@ -490,11 +498,19 @@ def headline_rows(perf: Path = PERF) -> list[list[str]]:
 
 def headline_markdown(perf: Path = PERF) -> str:
     rows = headline_rows(perf)
+    loads = [
+        load(p)["machine"]["load_avg"][0]
+        for name in ("train_moe", "serve_moe", "train_recsys")
+        for p in perf_files(name, perf)
+        if load(p).get("machine", {}).get("load_avg")
+    ]
+    load_s = f"{min(loads):.0f}-{max(loads):.0f}" if loads else "not recorded"
     t = table(["workload, measured", "where", "strata", "baseline", "strata is", "source"], rows)
     return (
         f"{HEADLINE_BEGIN}\n{t}\n\nMedians of short runs on a shared 2-core VM (strata and the "
-        "baseline alternated in the same run; timings there drift by 30% and more). Machine, "
-        "date, command and commit of each: [docs/performance.md](docs/performance.md).\n"
+        f"baseline alternated in the same run), load average {load_s} at their start: timings "
+        "there drift by 30% and more. Machine, date, command and commit of each: "
+        "[docs/performance.md](docs/performance.md).\n"
         f"{HEADLINE_END}"
     )
 
