@@ -228,8 +228,18 @@ def test_10_tiled_all_gather_under_vmap(rng):
 
 
 # 11. Reuse and races ---------------------------------------------------------------------
-@pytest.mark.parametrize("nbytes", [256, 4 << 20])
-def test_11_back_to_back_fresh_inputs(rng, nbytes):
+@pytest.mark.parametrize(
+    "nbytes,iters",
+    [
+        (256, 300),
+        (4 << 20, 4),
+        pytest.param(256, 1000, marks=pytest.mark.slow),
+        pytest.param(4 << 20, 12, marks=pytest.mark.slow),
+    ],
+)
+def test_11_back_to_back_fresh_inputs(rng, nbytes, iters):
+    """Fresh inputs call after call into one program: 300 calls of 256 B and 4 of 4 MiB by
+    default, 1000 and 12 behind -m slow."""
     mesh = mesh1d()
     n = nbytes // 4
     f = jax.jit(
@@ -240,7 +250,6 @@ def test_11_back_to_back_fresh_inputs(rng, nbytes):
             out_specs=(P("x"), P("x")),
         )
     )
-    iters = 1000 if nbytes < 65536 else 12
     sh = NamedSharding(mesh, P("x"))
     for _ in range(iters):
         x = rng.integers(-1000, 1000, size=(8 * n,)).astype(np.int32)
