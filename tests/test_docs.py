@@ -339,3 +339,34 @@ def test_readme_headline_is_generated_from_the_benchmark_json():
 
 def test_readme_is_short():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+
+
+def test_docstring_check_finds_a_missing_one(monkeypatch):
+    """The check can fail: an undocumented public function, class and method are named."""
+    import types
+
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        from strata_docs import missing_docstrings
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    mod = types.ModuleType("fake_strata_mod", "A module with a docstring.")
+
+    def documented():
+        """Has one."""
+
+    def bare():
+        pass
+
+    class Bare:
+        def method(self):
+            pass
+
+    mod.documented, mod.bare, mod.Bare = documented, bare, Bare
+    mod.__all__ = ["documented", "bare", "Bare"]
+    monkeypatch.setitem(sys.modules, "fake_strata_mod", mod)
+    assert missing_docstrings(("fake_strata_mod",)) == [
+        "fake_strata_mod.bare",
+        "fake_strata_mod.Bare",
+        "fake_strata_mod.Bare.method",
+    ]
