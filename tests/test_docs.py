@@ -102,7 +102,7 @@ print("DOCS-RESULTS " + json.dumps(results), flush=True)
 EXPECTED_OUTPUT = {
     "README.md": "[7. 8.]",
     "docs/getting-started.md": "[7. 8.]",
-    "docs/guide/existing-code.md": "[3. 4.]",
+    "docs/guide/existing-code.md": "[7. 8.]",
 }
 
 
