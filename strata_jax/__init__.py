@@ -67,6 +67,7 @@ from strata_jax._src.collectives import (  # noqa: E402
     psum,
     psum_scatter,
 )
+from strata_jax._src.coverage import ProgramCoverage, coverage  # noqa: E402
 from strata_jax._src.fabric import init, memory_stats  # noqa: E402
 from strata_jax._src.lax_compat import disable, enable, use_for_jax_lax  # noqa: E402
 from strata_jax._src.ragged import ragged_all_to_all  # noqa: E402
@@ -103,6 +104,8 @@ __all__ = [
     "set_low_latency_threshold",
     "get_low_latency_threshold",
     "comm_stats",
+    "coverage",
+    "ProgramCoverage",
     "COLLECTIVE_ERRORS",
     "reset_stats",
     "init",

@@ -44,6 +44,7 @@ __all__ = [
     "check_no_groups",
     "effects",
     "lower_strata_call",
+    "lowers_to_strata",
     "mesh_groups",
     "mesh_placement",
     "next_op_id",
@@ -83,8 +84,10 @@ def _number_branches_from_the_cond() -> None:
     """Op ids count strata calls in program order; the branches of a ``lax.cond``/``switch``
     are alternatives, so each branch restarts from the id at the cond and the cond ends at the
     largest. Ranks that take different branches (edge case 13) then meet at the same op id, and
-    equal calls in one branch still get ids of their own. Done by wrapping JAX's cond lowering,
-    which lowers each branch with ``mlir.jaxpr_subcomp``."""
+    equal calls in one branch still get ids of their own. Done by wrapping JAX's cond lowering
+    and giving each branch a mark at both ends (``_branch_mark_p``), whose lowering moves the
+    counter; the state stays in the module's cache (JAX's own functions are never swapped,
+    which was not safe with several threads lowering at once: edge case 34)."""
     from jax._src.lax.control_flow import conditionals
 
     rule = conditionals._cond_lowering
@@ -113,33 +116,55 @@ def _number_branches_from_the_cond() -> None:
             _chain_to_result(ctx, outs)
         return outs
 
-    def _numbered_cond(ctx, *args, **params):
+    def _numbered_cond(ctx, *args, branches, **params):
+        # Each branch starts with a mark that sets the counter back to the cond's and ends with
+        # one that notes how far it went: the state lives in this module's cache, and nothing
+        # of JAX is swapped, so several threads may lower at once (edge case 34).
         cache = ctx.module_context.cached_primitive_lowerings
         start = cache.get(_OP_COUNTER, 0)
-        top = [start]
-        depth = [0]
-        subcomp = mlir.jaxpr_subcomp
-
-        def branch(*a, **k):
-            if depth[0] == 0:  # a branch of this cond (not a computation nested inside one)
-                cache[_OP_COUNTER] = start
-            depth[0] += 1
-            try:
-                return subcomp(*a, **k)
-            finally:
-                depth[0] -= 1
-                if depth[0] == 0:
-                    top[0] = max(top[0], cache.get(_OP_COUNTER, 0))
-
-        mlir.jaxpr_subcomp = branch
+        cond = cache[_COND_IDS] = cache.get(_COND_IDS, 0) + 1
+        cache[(_COND_TOP, cond)] = start
+        marked = tuple(_with_branch_marks(b, start, cond) for b in branches)
         try:
-            return rule(ctx, *args, **params)
+            return rule(ctx, *args, branches=marked, **params)
         finally:
-            mlir.jaxpr_subcomp = subcomp
-            cache[_OP_COUNTER] = top[0]
+            cache[_OP_COUNTER] = cache.pop((_COND_TOP, cond))
 
     # Not cacheable: JAX would lower two equal conds once and copy the ops, op ids included.
     mlir.register_lowering(conditionals.cond_p, cond_lowering, cacheable=False)
+
+
+_COND_IDS = ("strata_jax", "conds")
+_COND_TOP = ("strata_jax", "cond_top")
+
+# The two ends of a cond branch (``_number_branches_from_the_cond``): no operands, no results.
+# Its name does not start with "strata_" (``_has_strata_call``).
+_branch_mark_p = core.Primitive("branch_mark_of_strata_cond")
+_branch_mark_p.multiple_results = True
+_branch_mark_p.def_abstract_eval(lambda *, end, start, cond: [])
+
+
+def _branch_mark_lowering(ctx, *, end, start, cond):
+    cache = ctx.module_context.cached_primitive_lowerings
+    if end == "in":
+        cache[_OP_COUNTER] = start
+    else:
+        key = (_COND_TOP, cond)
+        cache[key] = max(cache[key], cache.get(_OP_COUNTER, 0))
+    return []
+
+
+mlir.register_lowering(_branch_mark_p, _branch_mark_lowering, cacheable=False)
+
+
+def _with_branch_marks(branch: core.ClosedJaxpr, start: int, cond: int) -> core.ClosedJaxpr:
+    """``branch`` between the two marks of cond ``cond`` (op ids restart at ``start``)."""
+    j = branch.jaxpr
+    mark = lambda end: core.new_jaxpr_eqn(  # noqa: E731
+        [], [], _branch_mark_p, {"end": end, "start": start, "cond": cond}, core.no_effects
+    )
+    eqns = [mark("in"), *j.eqns, mark("out")]
+    return core.ClosedJaxpr(j.replace(eqns=eqns), branch.consts)
 
 
 def axis_tuple(axis_name: AxisName) -> tuple:
@@ -442,9 +467,23 @@ def _in_manual_region(ctx) -> bool:
     return not manual or frozenset(manual) == frozenset(axis_ctx.mesh.axis_names)
 
 
+# Primitives of JAX that lower to a strata call while their predicate holds (lax_compat.py
+# registers JAX's collectives, on while use_for_jax_lax() is): the chain counts them too.
+_STRATA_WHEN: dict[core.Primitive, Any] = {}
+
+
+def lowers_to_strata(prim: core.Primitive, when) -> None:
+    """Counts ``prim`` (a primitive of JAX) as a strata call wherever ``when()`` is true at
+    lowering, so the program-order chain and the shard_map region tokens include it."""
+    _STRATA_WHEN[prim] = when
+
+
 def _has_strata_call(jaxpr: core.Jaxpr) -> bool:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name.startswith("strata_"):
+            return True
+        when = _STRATA_WHEN.get(eqn.primitive)
+        if when is not None and when():
             return True
         if any(_has_strata_call(sub) for sub in core.jaxprs_in_params(eqn.params)):
             return True

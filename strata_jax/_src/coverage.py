@@ -1,0 +1,143 @@
+"""How much of each lowered program runs on strata: :func:`coverage`.
+
+Every collective lowered for the CPU is recorded while its program is lowered: strata's own
+operators (``strata_jax.psum`` ..., MoE dispatch/combine) as on strata, JAX's collectives
+(``lax_compat.py``) as on strata or on XLA with the reason. One record per lowered program
+(per MLIR module: ``jit_step``, ``pmap_f`` ...), kept for the last ``_KEEP`` programs of the
+process. ``STRATA_DEBUG=INFO`` also logs each collective that stays on XLA for a reason other
+than ``use_for_jax_lax()`` being off, as it is lowered.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+
+from jax._src.interpreters import mlir
+
+from strata_jax._src import collectives, debug, ragged
+
+_KEEP = 256
+_KEY = ("strata_jax", "coverage")
+_lock = threading.Lock()
+_records: collections.deque = collections.deque(maxlen=_KEEP)
+
+
+@dataclasses.dataclass
+class ProgramCoverage:
+    """Where the collectives of one lowered program went.
+
+    Attributes:
+      program: the lowered module's name (``jit_step`` for ``jax.jit(step)``).
+      strata: collective (primitive name) -> how many of its applications lower to strata.
+      xla: collective -> {reason it stayed on XLA -> how many}.
+    """
+
+    program: str
+    strata: dict[str, int] = dataclasses.field(default_factory=dict)
+    xla: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def on_strata(self) -> int:
+        """Number of collectives lowered to strata."""
+        return sum(self.strata.values())
+
+    @property
+    def on_xla(self) -> int:
+        """Number of collectives left to XLA."""
+        return sum(n for reasons in self.xla.values() for n in reasons.values())
+
+    def __str__(self) -> str:
+        total = self.on_strata + self.on_xla
+        line = f"{self.program}: {self.on_strata} of {total} collectives on strata"
+        if self.strata:
+            line += " (" + ", ".join(f"{op} {n}" for op, n in sorted(self.strata.items())) + ")"
+        if self.xla:
+            parts = [
+                f"{op} {n} ({why})"
+                for op, reasons in sorted(self.xla.items())
+                for why, n in sorted(reasons.items())
+            ]
+            line += f"; {self.on_xla} on XLA: " + ", ".join(parts)
+        return line
+
+
+def _program_name(ctx) -> str:
+    try:
+        return str(ctx.module_context.module.operation.attributes["sym_name"].value)
+    except Exception:  # noqa: BLE001 - a module without a name (lowered by hand)
+        return "<unnamed>"
+
+
+def record(ctx, op: str, reason: str | None) -> None:
+    """Records that ``op`` (a primitive name) of the program being lowered under ``ctx`` went
+    to strata (``reason`` None) or stayed on XLA because of ``reason``."""
+    cache = ctx.module_context.cached_primitive_lowerings
+    rec = cache.get(_KEY)
+    if rec is None:
+        rec = cache[_KEY] = ProgramCoverage(_program_name(ctx))
+        with _lock:
+            _records.append(rec)
+    with _lock:
+        if reason is None:
+            rec.strata[op] = rec.strata.get(op, 0) + 1
+        else:
+            reasons = rec.xla.setdefault(op, {})
+            reasons[reason] = reasons.get(reason, 0) + 1
+    if reason is not None and debug.level() and not reason.endswith("is off"):
+        debug.log(f"{rec.program}: {op} stays on XLA: {reason}")
+
+
+def coverage() -> list[ProgramCoverage]:
+    """Per lowered program (oldest first, the last 256 of the process), the collectives that
+    run on strata and those that stay on XLA with the reason.
+
+    Returns:
+      list of :class:`ProgramCoverage` (copies): ``program`` (the module name, e.g.
+      ``jit_step``), ``strata`` (primitive name -> count: JAX's ``psum``, ``psum_invariant``,
+      ``all_gather``... lowered to strata under :func:`strata_jax.use_for_jax_lax`, and strata's
+      own ``strata_all_reduce``... called directly), ``xla`` (primitive name -> {reason ->
+      count}), and ``str(record)``, one line: ``"jit_step: 17 of 17 collectives on strata
+      (psum 9, psum_invariant 8)"``. A program is recorded when it is lowered (a jitted
+      function's first call, or again when its cache key changes), and only if it holds a
+      collective. Counts are of the lowered program; XLA may later combine several all-reduces
+      into one op (strata's calls are never combined).
+    """
+    with _lock:
+        return [
+            ProgramCoverage(r.program, dict(r.strata), {op: dict(w) for op, w in r.xla.items()})
+            for r in _records
+        ]
+
+
+def _record_strata_operators() -> None:
+    """Wraps the CPU lowering of strata's own operators so they are recorded too."""
+    from strata_jax.moe import _dispatch
+
+    prims = [
+        collectives.all_reduce_p,
+        collectives.all_gather_p,
+        collectives.reduce_scatter_p,
+        collectives.all_to_all_p,
+        collectives.ppermute_p,
+        collectives.pbroadcast_p,
+        ragged.ragged_all_to_all_p,
+        _dispatch.moe_dispatch_p,
+        _dispatch.moe_combine_p,
+        _dispatch.moe_gather_p,
+        _dispatch.moe_ll_dispatch_p,
+        _dispatch.moe_ll_combine_p,
+    ]
+    for prim in prims:
+        rule = mlir._platform_specific_lowerings["cpu"][prim].rule
+
+        def recorded(ctx, *args, rule=rule, name=prim.name, **params):
+            out = rule(ctx, *args, **params)
+            record(ctx, name, None)
+            return out
+
+        mlir.register_lowering(prim, recorded, platform="cpu", cacheable=False)
+
+
+_record_strata_operators()
