@@ -21,7 +21,8 @@ One step, per device (``make_train_step``):
    the first ``capacity`` in (sample, table, position) order are kept, the rest are *dropped*
    (they contribute nothing and get no gradient) and counted: the step returns the count
    summed over devices, so a drop is never silent. The kept ids of one bag that go to one owner
-   share a *slot* (at most ``slots = min(capacity, B * T)`` per destination).
+   share a *slot* (at most ``slots = min(capacity, B * T)`` per destination). An id outside
+   its table (other than the padding id -1) goes nowhere and is counted apart (``invalid``).
 2. ``all_to_all`` of [R * capacity, 2] int32 (local row, slot) to the owners;
 3. the owner gathers its rows and sum-pools them per (source, slot);
 4. ``all_to_all`` of the pooled partial sums [R * slots, dim] back; the source adds the partials
@@ -230,11 +231,19 @@ def capacity_for(batch: int, tables: int, mean_bag: float, layout: Layout, facto
 
 
 def route(ids: Any, layout: Layout, capacity: int) -> dict[str, Any]:
-    """Per-device routing of ids [B, T, L] (int32, -1 = empty position) to their owners.
+    """Per-device routing of ids [B, T, L] (any integer dtype, -1 = empty position) to their
+    owners.
+
+    An id of table t outside ``[0, rows[t])`` other than -1 (one past the table, a negative
+    id, an int64 id past int32's range) is *dropped and counted*, never turned into a row: a
+    row-sharded id ``rows[t]`` would otherwise be another table's row (local row
+    ``offset[t] + i // R`` is table t + 1's first), a table-sharded one the next table's or a
+    padding row. Ids are compared with the table sizes in their own dtype, before any cast.
 
     Returns ``send`` [R * capacity, 2] int32 (local row, slot; -1 padding), ``slot_bag``
     [R * slots] int32 (the bag b * T + t that each (destination, slot) belongs to; B * T when
-    unused) and ``dropped`` (int32 scalar: valid ids beyond a destination's capacity).
+    unused), ``dropped`` (int32 scalar: valid ids beyond a destination's capacity) and
+    ``invalid`` (int32 scalar: ids outside their table, other than -1).
 
     Raises:
       ValueError: ids not a 3-d integer array, a table count other than the layout's, or
@@ -253,9 +262,20 @@ def route(ids: Any, layout: Layout, capacity: int) -> dict[str, Any]:
     R, C = layout.nranks, capacity
     BT = B * T
     S = min(C, BT)
-    flat = ids.reshape(BT, L).astype(jnp.int32)  # row g = b * T + t is bag g
+    # In the ids' own dtype: an int64 2**32 + 1 must not wrap to row 1 (nor uint32's
+    # 2**32 - 1 to the padding id -1).
+    info = jnp.iinfo(ids.dtype)
+    last = np.minimum(np.asarray(layout.rows, np.int64) - 1, info.max).astype(ids.dtype)
+    inside = ids <= jnp.asarray(last)[None, :, None]
+    if info.min < 0:
+        inside = inside & (ids >= 0)
+        pad = ids == -1
+    else:
+        pad = jnp.zeros(ids.shape, bool)
+    invalid = jnp.sum((~inside & ~pad).astype(jnp.int32))
+    flat = jnp.where(inside, ids, 0).reshape(BT, L).astype(jnp.int32)  # row g = b * T + t: bag g
     table = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :, None], ids.shape)
-    valid = flat >= 0
+    valid = inside.reshape(BT, L)
     owner, local = layout.place(table.reshape(BT, L), jnp.where(valid, flat, 0))
     owner = jnp.where(valid, owner, R).astype(jnp.int32)  # R: no destination
     # Position of each id among those its source sends to the same owner, in (bag, position)
@@ -282,7 +302,7 @@ def route(ids: Any, layout: Layout, capacity: int) -> dict[str, Any]:
         jnp.full((R * S,), BT, jnp.int32).at[where.reshape(-1)].set(bag.reshape(-1), mode="drop")
     )
     dropped = jnp.sum(valid.astype(jnp.int32)) - jnp.sum(kept.astype(jnp.int32))
-    return {"send": send, "slot_bag": slot_bag, "dropped": dropped}
+    return {"send": send, "slot_bag": slot_bag, "dropped": dropped, "invalid": invalid}
 
 
 @dataclass(frozen=True)
@@ -303,14 +323,15 @@ class StepConfig:
 def make_train_step(cfg: ModelConfig, layout: Layout, step_cfg: StepConfig, axis: str, coll: Any):
     """The per-device body of one training step, for ``jax.shard_map`` over ``axis``.
 
-    ``body(state, batch) -> (state, (loss, logits, dropped))`` with
+    ``body(state, batch) -> (state, (loss, logits, dropped, invalid))`` with
     ``state = (dense, dense_acc, table, table_acc)``: dense parameters and their Adagrad
     accumulators (replicated, ``P()``), the local table shard [rows_per_rank, dim] float32
     and its row-wise accumulator [rows_per_rank] float32 (both ``P(axis)``); ``batch = (x
     [B, F] float32, ids [B, T, L] int32, labels [B] float32)`` (all ``P(axis)``). ``loss`` is
     the global mean (replicated), ``logits`` [B] are this device's predictions *before* the
-    update (progressive validation), ``dropped`` the ids dropped on all devices (replicated).
-    ``coll`` is ``strata_jax`` or ``jax.lax``.
+    update (progressive validation), ``dropped`` the ids dropped for capacity and ``invalid``
+    the ids outside their tables (other than -1; dropped too, see :func:`route`), both summed
+    over all devices (replicated). ``coll`` is ``strata_jax`` or ``jax.lax``.
     """
     import jax
     import jax.numpy as jnp
@@ -375,8 +396,8 @@ def make_train_step(cfg: ModelConfig, layout: Layout, step_cfg: StepConfig, axis
         )
         table = table.at[key].set(new_rows, mode="drop")
 
-        dropped = coll.psum(rt["dropped"], axis)
-        return (dense, dense_acc, table, table_acc), (loss, logits, dropped)
+        counts = coll.psum(jnp.stack([rt["dropped"], rt["invalid"]]), axis)
+        return (dense, dense_acc, table, table_acc), (loss, logits, counts[0], counts[1])
 
     return body
 
@@ -407,7 +428,7 @@ def make_sharded_step(
             body,
             mesh=mesh,
             in_specs=(state_spec, batch_spec),
-            out_specs=(state_spec, (rep, P(axis), rep)),
+            out_specs=(state_spec, (rep, P(axis), rep, rep)),
             check_vma=check_vma,
         ),
         donate_argnums=0,

@@ -271,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             "losses": [],
             "times": [],
             "drops": [],
+            "invalid": [],
             "scores": [],
             "auc": [],
             "compile_s": time.perf_counter() - t0,
@@ -289,11 +290,12 @@ def main(argv: list[str] | None = None) -> int:
         labels_window.append(np.concatenate([labels[k] for k, _ in local_devs]))
         for r in runs.values():
             t0 = time.perf_counter()
-            r["state"], (loss, logits, dropped) = r["fn"](r["state"], batch)
-            jax.block_until_ready((r["state"], loss, logits, dropped))
+            r["state"], (loss, logits, dropped, invalid) = r["fn"](r["state"], batch)
+            jax.block_until_ready((r["state"], loss, logits, dropped, invalid))
             r["times"].append(time.perf_counter() - t0)
             r["losses"].append(float(np.asarray(loss.addressable_data(0))))
             r["drops"].append(int(np.asarray(dropped.addressable_data(0))))
+            r["invalid"].append(int(np.asarray(invalid.addressable_data(0))))
             r["scores"].append(np.concatenate([np.asarray(s.data) for s in _in_order(logits)]))
         if (i + 1) % args.eval_every == 0 or i + 1 == args.steps:
             y = multihost_utils.process_allgather(np.concatenate(labels_window)).ravel()
@@ -397,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
         f"per device per step; capacity {capacity} per destination)"
         + ("" if sum(drops) == 0 else ": raise --capacity-factor to drop none")
     )
+    invalid = runs[(compared or args.impls)[0]]["invalid"]
+    if sum(invalid):
+        say(
+            f"# invalid ids: {sum(invalid):,} ids outside their tables (other than -1) dropped "
+            f"over {args.steps} steps: the data holds ids past its tables' --rows"
+        )
     diffs = {}
     if len(compared) == 2:
         a, b = compared
@@ -443,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
                 "losses": {k: r["losses"] for k, r in runs.items()},
                 "auc": {k: r["auc"] for k, r in runs.items()},
                 "drops": {k: r["drops"] for k, r in runs.items()},
+                "invalid_ids": {k: r["invalid"] for k, r in runs.items()},
                 "step_times_s": {k: r["times"] for k, r in runs.items()},
             },
         )

@@ -608,3 +608,88 @@ def test_expert_mlp_counts_past_int32(rng):
     full = strata_jax.moe.expert_mlp(x, w1, w2)
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(full[0]), rtol=1e-6, atol=1e-6)
     assert not np.asarray(got[1]).any()
+
+
+# ------------------------------------------------------------------------------------------------
+# Round 3 (issue 26): routing weights keep their precision (case 36); one bad row poisons
+# nothing else (case 37)
+# ------------------------------------------------------------------------------------------------
+
+
+def _ident(a):
+    return a
+
+
+def _moe2(impl, e, k, *, activation=jax.nn.gelu, expert_chunk=None, n=2):
+    def body(x, rw, w1, w2):
+        return moe_mlp(
+            x, rw, w1, w2, num_experts=e, top_k=k, axis_name="x", impl=impl,
+            activation=activation, expert_chunk=expert_chunk,
+        )  # fmt: skip
+
+    spec = (P("x"), P(), P("x"), P("x"))
+    return jax.jit(jax.shard_map(body, mesh=mesh1d(n), in_specs=spec, out_specs=P("x")))
+
+
+@pytest.mark.parametrize("impl", LAYER_IMPLS)
+@pytest.mark.parametrize(
+    "dtype,router_dtype",
+    [("bfloat16", "float32"), ("bfloat16", "bfloat16"), ("float16", "float32")],
+)
+def test_case36_routing_weights_keep_their_precision(impl, dtype, router_dtype):
+    """Case 36: E = 2 (one expert per rank), top-2, one token per rank, H = F = 1, x = 1,
+    identity activation, w2 = 100 on rank 0 and 0 on rank 1: y = 100 * 0.2999247 rounded once
+    = 30.0 in bfloat16 (and float16). Rounding the float32 weight to x's dtype first gave
+    30.125 (bfloat16) / 29.984375 (float16) with strata_ragged, xla_sort and xla."""
+    x = jnp.ones((2, 1), dtype)
+    rw = jnp.asarray([[0.0, 0.8472978603872037]], router_dtype)
+    w1 = jnp.ones((2, 1, 1), dtype)
+    w2 = jnp.asarray([[[100.0]], [[0.0]]], dtype)
+    y = _moe2(impl, 2, 2, activation=_ident)(x, rw, w1, w2)
+    assert y.dtype == jnp.dtype(dtype)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.full((2, 1), 30.0, np.float32))
+
+
+def test_route_keeps_router_weights_in_float32():
+    """The router of a bfloat16 model runs in float32 on the router weights as given: the
+    weights of route(x bf16, router_w f32) are those of route(x as f32, router_w) exactly
+    (router_w was rounded to bfloat16 first: 0.29985 instead of 0.2999247)."""
+    x = jnp.asarray([[1.0, -0.5], [0.25, 2.0]], jnp.bfloat16)
+    rw = jnp.asarray([[0.0, 0.8472978603872037, 0.1], [0.3333333, 0.0, -0.7]], jnp.float32)
+    i_bf, w_bf = route(x, rw, 2)
+    i_32, w_32 = route(x.astype(jnp.float32), rw, 2)
+    assert w_bf.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(i_bf), np.asarray(i_32))
+    np.testing.assert_array_equal(np.asarray(w_bf), np.asarray(w_32))
+
+
+@pytest.mark.parametrize(
+    "impl,chunk",
+    [
+        pytest.param("strata", None, marks=needs_native),
+        ("strata_ragged", None),
+        ("xla_sort", None),
+        ("xla", None),
+        ("reference", None),
+        pytest.param("strata", 2, marks=needs_native),
+        ("xla_sort", 2),
+        ("xla", 2),
+    ],
+)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_case37_one_bad_row_poisons_nothing_else(impl, chunk, dtype, rng):
+    """Case 37: decode batch, 2 devices, E = 4, top-2, T = 4 per rank, H = 8, F = 16,
+    capacity None. Rank 1's row 3 set to NaN, then +inf, then -inf: every other row of y is
+    bitwise what it is without the bad row (GShard's one-hot einsums multiplied the bad row by
+    the zeros of every other slot: 0 x NaN = NaN on all of rank 1's rows)."""
+    e, k, t, h, f = 4, 2, 4, 8, 16
+    x, rw, w1, w2 = _params(rng, t, h, f, e, dtype, n=2)
+    moe = _moe2(impl, e, k, expert_chunk=chunk)
+    y_a = np.asarray(moe(x, rw, w1, w2), np.float32)
+    assert np.isfinite(y_a).all()
+    bad = 1 * t + 3  # rank 1, row 3
+    others = np.arange(2 * t) != bad
+    for v in (np.nan, np.inf, -np.inf):
+        y_b = np.asarray(moe(x.at[bad].set(v), rw, w1, w2), np.float32)
+        np.testing.assert_array_equal(y_b[others], y_a[others], err_msg=f"bad row = {v}")
+        assert not np.isfinite(y_b[bad]).all(), "the bad row's own output must not look valid"

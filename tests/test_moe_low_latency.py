@@ -19,6 +19,7 @@ from moe_reference import ref_plan
 from test_multiprocess import _launch, _require_allocator
 
 import strata_jax as sj
+from strata_jax.moe import _layer
 
 R = 4
 E_LOCAL = 2
@@ -260,3 +261,39 @@ def test_wide_ids_do_not_wrap():
 
     got = sanitize_ids(jnp.asarray([[5, 255]], jnp.uint8), 300)
     np.testing.assert_array_equal(np.asarray(got), [[5, 255]])
+
+
+@pytest.mark.parametrize("algo", ["pull", "push"])
+def test_one_bad_row_poisons_nothing_else(rng, algo):
+    """Issue 26 case 37's kind on serving's decode path (route, low_latency_dispatch, chunked
+    expert MLP, low_latency_combine): a NaN or infinite row leaves every other row's output
+    bitwise unchanged, and NaN written into the receive rows no token uses (past the counts)
+    is never read by the combine."""
+    n, e, k, t, f = 2, 4, 2, 4, 16
+    el = e // n
+
+    def body(x, rw, w1, w2, junk):
+        idx, w = _layer.route(x, rw, k)
+        recv, cnt, handle = sj.moe.low_latency_dispatch(
+            x, idx, num_experts=e, axis_name="x", algo=algo
+        )
+        ey = sj.moe.expert_mlp(recv, w1, w2, recv_counts=cnt, chunk=2)
+        rows = jnp.arange(ey.shape[1])[None, :, None]
+        ey = jnp.where(rows < cnt[:, None, None], ey, junk[0])  # NaN past the counts
+        return sj.moe.low_latency_combine(ey, handle, w)
+
+    spec = (P("x"), P(), P("x"), P("x"), P())
+    f_ = jax.jit(jax.shard_map(body, mesh=mesh1d(n), in_specs=spec, out_specs=P("x")))
+    x = jnp.asarray(rng.standard_normal((n * t, H)), jnp.float32)
+    rw = jnp.asarray(rng.standard_normal((H, e)), jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((e, H, f)) / 3, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((e, f, H)) / 4, jnp.float32)
+    assert el * n == e
+    zero, nan = jnp.zeros(1, jnp.float32), jnp.full(1, jnp.nan, jnp.float32)
+    y_a = np.asarray(f_(x, rw, w1, w2, zero))
+    np.testing.assert_array_equal(np.asarray(f_(x, rw, w1, w2, nan)), y_a)
+    bad = t + 3
+    others = np.arange(n * t) != bad
+    for v in (np.nan, np.inf):
+        y_b = np.asarray(f_(x.at[bad].set(v), rw, w1, w2, nan))
+        np.testing.assert_array_equal(y_b[others], y_a[others], err_msg=f"bad row = {v}")

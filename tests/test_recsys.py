@@ -150,17 +150,19 @@ def _run_sharded(coll, sharding, capacity, batches, seed=0):
     fn = rm.make_sharded_step(CFG, layout, sc, mesh, AXIS, coll)
     state = rm.initial_state(CFG, layout, seed, mesh, AXIS)
     shard = NamedSharding(mesh, P(AXIS))
-    losses, drops, logits = [], [], []
+    losses, drops, logits, invalid = [], [], [], []
     for batch in batches:
-        state, (loss, lg, dropped) = fn(state, tuple(jax.device_put(a, shard) for a in batch))
+        state, (loss, lg, dropped, bad) = fn(state, tuple(jax.device_put(a, shard) for a in batch))
         losses.append(float(loss))
         drops.append(int(dropped))
         logits.append(np.asarray(lg))
-    return losses, drops, state, layout, sc
+        invalid.append(int(bad))
+    return losses, drops, state, layout, sc, invalid
 
 
 def _check(coll, sharding, capacity, batches, expect_drops):
-    losses, drops, state, layout, sc = _run_sharded(coll, sharding, capacity, batches)
+    losses, drops, state, layout, sc, invalid = _run_sharded(coll, sharding, capacity, batches)
+    assert invalid == [0] * len(batches)
     dense0, tables0 = rm.init_params(CFG, 0)
     keeps = [_keep_mask(ids, capacity, sharding) for _, ids, _ in batches]
     want_drops = [
@@ -254,3 +256,71 @@ def test_auc():
     )
     assert rm.auc(y, s) == pytest.approx(want, abs=1e-12)
     assert np.isnan(rm.auc(np.zeros(3), np.arange(3)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Round 3 (issue 26, case 38): ids outside their table are dropped and counted
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sharding", ["row", "table"])
+@pytest.mark.parametrize("bad", [4, 5, 7, -2, -7], ids=lambda v: f"id{v}")
+def test_case38_id_outside_its_table_is_dropped_and_counted(sharding, bad):
+    """Case 38: 2 tables of 4 rows over 2 devices. Table 0's id 4 (its row count) used to land
+    on table 1's row 0 (row sharding) or the next table's / a padding row (table sharding);
+    ids below 0 other than the padding id -1 likewise. Now: not sent anywhere, counted as
+    ``invalid`` (not as a capacity drop), and the routing of the other ids is unchanged."""
+    layout = rm.Layout((4, 4), 2, sharding)
+    good = np.array([[[1, 2, -1], [3, 0, -1]], [[0, -1, -1], [2, 1, 3]]], np.int32)
+    ids = good.copy()
+    ids[0, 0, 2] = bad  # table 0, an id outside [0, 4) (and not the padding id -1)
+    run = jax.jit(lambda a: rm.route(a, layout, 16))
+    got, want = run(ids), run(good)
+    for k in ("send", "slot_bag"):
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+    assert int(got["dropped"]) == 0
+    assert int(got["invalid"]) == 1
+    assert int(want["invalid"]) == 0
+
+
+def test_ids_wider_than_int32_are_not_wrapped():
+    """An int64 id 2**32 + 1 of a 4-row table is outside it (it wrapped to row 1 by the int32
+    cast); uint32 ids work, and their 2**32 - 1 is no padding id."""
+    layout = rm.Layout((4, 4), 2, "row")
+    base = np.array([[[1, -1], [2, 3]]], np.int64)
+    want = jax.jit(lambda a: rm.route(a, layout, 8))(base)
+    wide = base.copy()
+    wide[0, 0, 1] = 2**32 + 1
+    got = jax.jit(lambda a: rm.route(a, layout, 8))(wide)
+    np.testing.assert_array_equal(np.asarray(got["send"]), np.asarray(want["send"]))
+    assert int(got["invalid"]) == 1
+    u = np.array([[[1, 4294967295], [2, 3]]], np.uint32)
+    got = jax.jit(lambda a: rm.route(a, layout, 8))(u)
+    np.testing.assert_array_equal(np.asarray(got["send"]), np.asarray(want["send"]))
+    assert int(got["invalid"]) == 1
+
+
+@pytest.mark.parametrize("sharding", ["row", "table"])
+def test_step_with_ids_outside_their_tables(rng, sharding):
+    """A training step whose batch holds ids outside their tables gives the state and loss of
+    the same batch with those ids made padding (-1), bitwise, and reports how many there were
+    (summed over devices); the other table's rows are untouched by table 0's bad ids."""
+    good_batches, bad_batches = [], []
+    for x, ids, y in _batches(rng, "uniform")[:2]:
+        bad, good = ids.copy(), ids.copy()
+        for (b, j), v in zip(
+            np.argwhere(ids[:, 0] >= 0)[:3], (ROWS[0], ROWS[0] + 7, -3), strict=True
+        ):
+            bad[b, 0, j] = v  # three ids of table 0 outside it
+            good[b, 0, j] = -1
+        bad_batches.append((x, bad, y))
+        good_batches.append((x, good, y))
+    n_bad = [3, 3]
+    cap = B * len(ROWS) * L
+    got = _run_sharded(strata_jax, sharding, cap, bad_batches)
+    want = _run_sharded(strata_jax, sharding, cap, good_batches)
+    assert got[0] == want[0]  # losses, bitwise
+    assert got[1] == want[1] == [0, 0]  # no capacity drops
+    assert got[5] == n_bad and want[5] == [0, 0]
+    for g, w in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2]), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -44,10 +44,13 @@ def route(x: jax.Array, router_w: jax.Array, top_k: int) -> tuple[jax.Array, jax
     Returns:
       ``(topk_idx [T, K] int32, topk_weights [T, K])``: the K most probable experts
       (``jax.lax.top_k`` order, distinct) and their softmax probabilities renormalized to sum
-      to one. Logits, softmax and weights are float32 (float64 for float64 x).
+      to one. Logits, softmax and weights are float32 (float64 when x or router_w is
+      float64): the router runs on x and router_w as given, neither rounded to the other's
+      dtype (a float32 router_w with bfloat16 x is not rounded to bfloat16; the weights are
+      rounded once, where the layer's output is).
     """
-    acc = jnp.promote_types(x.dtype, jnp.float32)
-    logits = jnp.dot(x, router_w.astype(x.dtype), preferred_element_type=acc)
+    acc = jnp.promote_types(jnp.promote_types(x.dtype, router_w.dtype), jnp.float32)
+    logits = jnp.dot(x.astype(acc), router_w.astype(acc), preferred_element_type=acc)
     probs = jax.nn.softmax(logits, axis=-1)
     top_p, top_i = jax.lax.top_k(probs, top_k)
     return top_i.astype(jnp.int32), top_p / top_p.sum(axis=-1, keepdims=True)
@@ -360,7 +363,7 @@ def moe_mlp(
             return _sort.counts_to_experts(sent, axis_name, nr)
 
         back = _sort.from_experts(experts(recv, block_counts), axis_name, nr)
-        return _sort.combine_rows(back, flat, topk_w).astype(x.dtype)
+        return _sort.combine_rows(back, flat, topk_w).astype(x.dtype)  # summed in float32
 
     if impl == "strata_ragged":
         return _dropless(
@@ -388,7 +391,16 @@ def moe_mlp(
 def _gshard(
     x, topk_idx, topk_w, w1, w2, *, num_experts, axis_name, capacity, activation, experts=None
 ):
-    """GShard (Lepikhin et al. 2020) with per-source capacity ``C_src = ceil(C / R)``."""
+    """GShard (Lepikhin et al. 2020) with per-source capacity ``C_src = ceil(C / R)``.
+
+    The one-hot einsums multiply every row by the zeros of the slots it does not occupy, and
+    0 x NaN = NaN: one NaN or infinite row (a padding row of a decode batch) would turn every
+    slot it shares a rank with into NaN, then every token that reads one. So the einsums run on
+    the finite values only (a non-finite input element, or expert output row, enters them as
+    0) and a token whose input is not finite, or that reads a non-finite expert row, gets NaN:
+    every other token's output is bitwise what it is without the bad row. The combine sums
+    in float32 (float64 for float64) with the float32 weights, rounded once.
+    """
     t, h = x.shape
     nranks = jax.lax.axis_size(axis_name)
     e_local = num_experts // nranks
@@ -402,7 +414,9 @@ def _gshard(
     gates = jnp.einsum("tke,tk->te", onehot.astype(topk_w.dtype), topk_w)  # [T, E]
     combine_t = dispatch_t.astype(topk_w.dtype) * gates[:, :, None]  # [T, E, C]
 
-    send = jnp.einsum("tec,th->ech", dispatch_t.astype(x.dtype), x)  # [E, C, H]
+    x_ok = jnp.isfinite(x)
+    bad = ~x_ok.all(axis=1)  # [T] rows that would poison the einsum
+    send = jnp.einsum("tec,th->ech", dispatch_t.astype(x.dtype), jnp.where(x_ok, x, 0))
     send = send.reshape(nranks, e_local, c_src, h)
     recv = jax.lax.all_to_all(send, axis_name, 0, 0)  # [R(source), E_local, C, H]
     recv = recv.transpose(1, 0, 2, 3).reshape(e_local, nranks * c_src, h)
@@ -416,7 +430,12 @@ def _gshard(
     out = out.reshape(e_local, nranks, c_src, h).transpose(1, 0, 2, 3)
     back = jax.lax.all_to_all(out, axis_name, 0, 0)  # [R(expert rank), E_local, C, H]
     back = back.reshape(num_experts, c_src, h)
-    return jnp.einsum("tec,ech->th", combine_t.astype(x.dtype), back).astype(x.dtype)
+    row_ok = jnp.isfinite(back).all(axis=2)  # [E, C]
+    back = jnp.where(row_ok[:, :, None], back, 0)
+    bad = bad | (jnp.einsum("tec,ec->t", dispatch_t, (~row_ok).astype(jnp.int32)) > 0)
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    y = jnp.einsum("tec,ech->th", combine_t.astype(acc), back.astype(acc))
+    return jnp.where(bad[:, None], jnp.nan, y).astype(x.dtype)
 
 
 def _dropless(x, topk_idx, topk_w, w1, w2, *, num_experts, axis_name, activation):
@@ -481,4 +500,5 @@ def _dropless(x, topk_idx, topk_w, w1, w2, *, num_experts, axis_name, activation
         axis_name=axis_name,
     )
     pairs = jnp.zeros_like(back).at[order].set(back).reshape(t, k, h)
-    return jnp.einsum("tk,tkh->th", topk_w.astype(x.dtype), pairs).astype(x.dtype)
+    acc = jnp.promote_types(x.dtype, jnp.float32)  # float32 weights, one rounding at the end
+    return jnp.einsum("tk,tkh->th", topk_w.astype(acc), pairs.astype(acc)).astype(x.dtype)

@@ -86,9 +86,13 @@ def from_experts(rows: jax.Array, axis_name: AxisName, nranks: int) -> jax.Array
 def combine_rows(back: jax.Array, flat: jax.Array, weights: jax.Array) -> jax.Array:
     """[E, c_src, H] expert outputs, [T, K] slots, [T, K] weights -> [T, H] weighted sums.
 
-    Dropped pairs (slot -1) read a zero row. The sum runs in the rows' dtype.
+    Dropped pairs (slot -1) read a zero row. The weights are not rounded to the rows' dtype:
+    the sum runs in float32 (float64 for float64 rows or weights) and is rounded once to the
+    rows' dtype, as :func:`strata_jax.moe.combine` does.
     """
     e, cs, h = back.shape
     rows = jnp.concatenate([back.reshape(e * cs, h), jnp.zeros((1, h), back.dtype)])
     picked = rows[jnp.where(flat >= 0, flat, e * cs)]  # [T, K, H]
-    return jnp.einsum("tk,tkh->th", weights.astype(back.dtype), picked)
+    acc = jnp.promote_types(jnp.promote_types(back.dtype, weights.dtype), jnp.float32)
+    y = jnp.einsum("tk,tkh->th", weights.astype(acc), picked.astype(acc))
+    return y.astype(back.dtype)
