@@ -15,17 +15,19 @@ void chunk_range(size_t count, int esize, int n, int j, size_t* begin, size_t* e
   *end = e < count ? e : count;
 }
 
+size_t line_up(size_t bytes) { return (bytes + 63) / 64 * 64; }
+
 bool use_two_shot(size_t bytes) {
   return bytes >= static_cast<size_t>(settings().two_shot_bytes.load());
 }
 
 namespace {
 // Reduces elements [begin, end) of the n_srcs sources tile by tile, while the tile is still in
-// cache, and stores each reduced tile into every rank's output at byte out_offset + (i - begin) *
-// esize: every source byte read once, every output byte written once (streaming stores: no read
-// for ownership).
+// cache, and stores each reduced tile into every rank's output (outs[j], one per rank) at byte
+// out_offset + (i - begin) * esize: every source byte read once, every output byte written once
+// (streaming stores: no read for ownership).
 void reduce_push(Team& t, int32_t dtype, ReduceOp op, const void* const* srcs, int n_srcs,
-                 size_t begin, size_t end, size_t out_offset) {
+                 void* const* outs, size_t begin, size_t end, size_t out_offset) {
   const int n = t.size(), r = t.rank(), es = dtype_size(dtype);
   constexpr size_t kTileBytes = 64 * 1024;
   alignas(64) static thread_local unsigned char tile[kTileBytes];
@@ -36,10 +38,16 @@ void reduce_push(Team& t, int32_t dtype, ReduceOp op, const void* const* srcs, i
     const size_t at = out_offset + (t0 - begin) * es;
     for (int k = 0; k < n; ++k) {
       const int j = (r + k) % n;  // staggered so ranks do not all write one peer at once
-      copy_bytes(static_cast<char*>(t.peer_out(j)) + at, tile, (t1 - t0) * es);
+      copy_bytes(static_cast<char*>(outs[j]) + at, tile, (t1 - t0) * es);
     }
   }
   copy_fence();
+}
+
+std::vector<void*> peer_outs(Team& t) {
+  std::vector<void*> outs(t.size());
+  for (int j = 0; j < t.size(); ++j) outs[j] = t.peer_out(j);
+  return outs;
 }
 }  // namespace
 
@@ -61,7 +69,72 @@ std::string all_reduce(Team& t, int32_t dtype, ReduceOp op, size_t count, bool t
   // traffic, and no barrier between the shots.
   size_t b, e;
   chunk_range(count, es, n, r, &b, &e);
-  reduce_push(t, dtype, op, srcs.data(), n, b, e, b * es);
+  reduce_push(t, dtype, op, srcs.data(), n, peer_outs(t).data(), b, e, b * es);
+  return {};
+}
+
+std::string all_reduce_list(Team& t, ReduceOp op, const Operand* ops, int nops, bool two_shot) {
+  const int n = t.size(), r = t.rank();
+  std::vector<const void*> srcs(n);
+  std::vector<void*> outs(n);
+  if (!two_shot) {
+    for (int k = 0; k < nops; ++k) {
+      if (!ops[k].count) continue;
+      for (int j = 0; j < n; ++j) srcs[j] = t.peer_in_at(j, k);
+      reduce_n(ops[k].dtype, op, srcs.data(), n, t.peer_out_at(r, k), 0, ops[k].count);
+    }
+    return {};
+  }
+  // Two-shot over the operands laid end to end, each from a 64-byte boundary: rank r reduces
+  // the r-th of n even, line-aligned byte ranges of that virtual buffer, whichever operands it
+  // covers, and pushes each reduced tile into every rank's output of that operand. A range
+  // boundary is a multiple of 64 bytes from an operand's start, so an element boundary of
+  // every dtype.
+  size_t total = 0;
+  for (int k = 0; k < nops; ++k) total += line_up(ops[k].count * dtype_size(ops[k].dtype));
+  size_t b, e;
+  chunk_range(total, 1, n, r, &b, &e);
+  size_t start = 0;
+  for (int k = 0; k < nops && start < e; ++k) {
+    const int es = dtype_size(ops[k].dtype);
+    const size_t bytes = ops[k].count * es;
+    const size_t lo = b > start ? b : start, hi = e < start + bytes ? e : start + bytes;
+    if (lo < hi) {
+      for (int j = 0; j < n; ++j) {
+        srcs[j] = t.peer_in_at(j, k);
+        outs[j] = t.peer_out_at(j, k);
+      }
+      reduce_push(t, ops[k].dtype, op, srcs.data(), n, outs.data(), (lo - start) / es,
+                  (hi - start) / es, lo - start);
+    }
+    start += line_up(bytes);
+  }
+  return {};
+}
+
+std::string reduce_scatter_rows(Team& t, int32_t dtype, ReduceOp op, size_t rows, size_t run) {
+  const int n = t.size(), r = t.rank(), es = dtype_size(dtype);
+  std::vector<const void*> srcs(n);
+  char* out = static_cast<char*>(t.peer_out(r));
+  // Row by row: a row's block r lies between the blocks of the other ranks in every input.
+  for (size_t a = 0; a < rows; ++a) {
+    const size_t from = (a * n + r) * run * es;
+    for (int j = 0; j < n; ++j) srcs[j] = static_cast<const char*>(t.peer_in(j)) + from;
+    reduce_n(dtype, op, srcs.data(), n, out + a * run * es, 0, run);
+  }
+  return {};
+}
+
+std::string all_gather_rows(Team& t, size_t rows, size_t run_bytes) {
+  const int n = t.size(), r = t.rank();
+  char* out = static_cast<char*>(t.peer_out(r));
+  for (int k = 0; k < n; ++k) {
+    const int j = (r + k) % n;
+    const char* in = static_cast<const char*>(t.peer_in(j));
+    for (size_t a = 0; a < rows; ++a)
+      copy_bytes(out + (a * n + j) * run_bytes, in + a * run_bytes, run_bytes);
+  }
+  copy_fence();
   return {};
 }
 
@@ -121,7 +194,8 @@ std::string all_gather(Team& t, size_t in_bytes, bool push, const int64_t* place
 std::string all_gather_reduce(Team& t, int32_t dtype, ReduceOp op, const void* a, const void* b,
                               size_t count) {
   const void* srcs[2] = {a, b};
-  reduce_push(t, dtype, op, srcs, 2, 0, count, t.rank() * count * dtype_size(dtype));
+  reduce_push(t, dtype, op, srcs, 2, peer_outs(t).data(), 0, count,
+              t.rank() * count * dtype_size(dtype));
   return {};
 }
 

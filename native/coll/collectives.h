@@ -28,6 +28,27 @@ bool use_two_shot(size_t bytes);
 
 // `two_shot` must be the same on every rank: callers take rank 0's published choice.
 std::string all_reduce(Team& t, int32_t dtype, ReduceOp op, size_t count, bool two_shot);
+// `bytes` rounded up to a whole number of 64-byte lines.
+size_t line_up(size_t bytes);
+// One operand of a multi-operand all-reduce: its element type and count (every rank alike).
+struct Operand {
+  int32_t dtype = 0;
+  size_t count = 0;
+};
+// All-reduce of `nops` operands in one call (a pytree's leaves; the team came from arrive_list),
+// each reduced like all_reduce. One-shot: every rank reduces every operand into its own output.
+// Two-shot: the operands laid end to end (each from a line boundary) are split into n even,
+// line-aligned byte ranges, whatever operands they cross; rank r reduces range r and pushes it
+// into every rank's outputs, so the work is balanced for any mix of leaf sizes and dtypes.
+std::string all_reduce_list(Team& t, ReduceOp op, const Operand* ops, int nops, bool two_shot);
+// psum_scatter over a non-leading dimension, in place: every input is `rows` rows of n blocks
+// of `run` elements (the dimensions before the scattered one, then block j of it with the
+// dimensions after it), and rank r reduces block r of each row of every input into row a of its
+// output (strided reads, no transpose before or after).
+std::string reduce_scatter_rows(Team& t, int32_t dtype, ReduceOp op, size_t rows, size_t run);
+// all_gather along a non-leading dimension, in place: every input is `rows` rows of `run_bytes`,
+// and row a of rank j's input lands at block j of row a of every output (strided writes).
+std::string all_gather_rows(Team& t, size_t rows, size_t run_bytes);
 // `placement` (n * parts entries, a permutation; null: the identity): each output is `parts`
 // equal sub-blocks, and sub-block f of rank r reduces input block placement[r * parts + f] of
 // every rank (blocks of out_count / parts elements); the hierarchical psum_scatter takes its

@@ -262,4 +262,11 @@ std::string InProcTeam::arrive_multi(const OpDesc& desc, const BufRef* bufs, int
   return arrive(desc, nullptr, nullptr);
 }
 
+std::string InProcTeam::arrive_list(const OpDesc& desc, const OperandRef* ops, int nops) {
+  (void)nops;  // the descriptors' signature (OpDesc::aux) makes every rank's count the same
+  slot_->peers[rank_].ops = ops;
+  // arrive()'s barrier (acq_rel) publishes the array pointer stored above to every peer.
+  return arrive(desc, nullptr, nullptr);
+}
+
 }  // namespace strata

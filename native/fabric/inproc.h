@@ -48,6 +48,7 @@ struct CallSlot {
     const void* in = nullptr;
     void* out = nullptr;
     const void* bufs[kMaxBufs] = {};  // arrive_multi's buffers (published like `in`)
+    const OperandRef* ops = nullptr;  // arrive_list's operands (the caller's array)
     OpDesc desc;
     // Number of barriers this rank has entered. Written by the rank (release), read by the
     // timeout path to name the missing ranks.
@@ -74,12 +75,23 @@ class InProcTeam final : public Team {
   const void* peer_in(int j) const override { return slot_->peers[j].in; }
   void* peer_out(int j) const override { return slot_->peers[j].out; }
   const void* peer_buf(int j, int i) const override { return slot_->peers[j].bufs[i]; }
+  const void* peer_in_at(int j, int k) const override {
+    const OperandRef* ops = slot_->peers[j].ops;
+    return ops ? ops[k].in : (k == 0 ? slot_->peers[j].in : nullptr);
+  }
+  void* peer_out_at(int j, int k) const override {
+    const OperandRef* ops = slot_->peers[j].ops;
+    return ops ? ops[k].out : (k == 0 ? slot_->peers[j].out : nullptr);
+  }
   const OpDesc& peer_desc(int j) const override { return slot_->peers[j].desc; }
   std::string barrier(const char* phase) override;
   // Publishes this rank's buffers and waits for every peer to arrive; checks that all agree.
   std::string arrive(const OpDesc& desc, const void* in, void* out);
   // The same with up to kMaxBufs buffers (one address space: published as they are).
   std::string arrive_multi(const OpDesc& desc, const BufRef* bufs, int nbufs);
+  // Publishes `nops` operands (the array must stay valid until depart(): it lives in the
+  // caller's frame, which waits there) and waits for every peer.
+  std::string arrive_list(const OpDesc& desc, const OperandRef* ops, int nops);
   // Final barrier: after it no peer touches this rank's buffers any more.
   std::string depart() { return barrier("depart"); }
 

@@ -530,6 +530,119 @@ std::string ShmTeam::arrive_multi(const OpDesc& desc, const BufRef* bufs, int nb
   return {};
 }
 
+namespace {
+// One entry of arrive_list's table of buffers (in the publishing rank's bounce buffer).
+struct ListEntry {
+  uint64_t seg, off, ptr;  // seg 0: an empty buffer
+};
+}  // namespace
+
+std::string ShmTeam::arrive_list(const OpDesc& desc, const OperandRef* ops, int nops) {
+  const auto deadline = Clock::now() + std::chrono::milliseconds(settings().timeout_ms.load());
+  const auto& api = ShmFabric::alloc();
+  const bool staging = f_->mode() == RegMode::kStaging;
+  // Buffer i is operand i / 2's input (i even) or output (i odd).
+  const int nb = 2 * nops;
+  auto buf_of = [&](int i) -> std::pair<const void*, uint64_t> {
+    const OperandRef& o = ops[i / 2];
+    return (i & 1) ? std::make_pair(static_cast<const void*>(o.out), o.out_bytes)
+                   : std::make_pair(o.in, o.in_bytes);
+  };
+  std::vector<ListEntry> table(nb);
+  constexpr uint64_t kShared = ~uint64_t{0};
+  std::vector<uint64_t> stage_off(nb, kShared);
+  const size_t table_bytes = static_cast<size_t>(nb) * sizeof(ListEntry);
+  size_t room = align_up(table_bytes);
+  uint64_t last_exported = 0;
+  std::string err;
+  for (int i = 0; i < nb; ++i) {
+    auto [p, bytes] = buf_of(i);
+    table[i] = ListEntry{0, 0, reinterpret_cast<uintptr_t>(p)};
+    if (!bytes) continue;
+    strata_seg_info seg{};
+    if (!staging && api.lookup && api.lookup(p, bytes, &seg)) {
+      if (seg.segment_id != last_exported && err.empty()) {
+        err = f_->export_segment(seg.segment_id, seg.fd, seg.size, true);
+        last_exported = seg.segment_id;
+      }
+      table[i].seg = seg.segment_id;
+      table[i].off = seg.offset;
+    } else {
+      stage_off[i] = room;
+      room += align_up(bytes);
+    }
+  }
+  if (!err.empty()) return fail(std::string("strata_jax ") + op_name_ + ": " + err);
+
+  publish_desc(desc);
+  ShmPeer& me = slot_->peers[rank_];
+  me.in_seg = me.out_seg = me.in_off = me.out_off = me.in_ptr = me.out_ptr = 0;
+  bounce_ = f_->acquire_bounce(room, true, &err);
+  if (!bounce_) return fail(std::string("strata_jax ") + op_name_ + ": " + err);
+  bool staged = false;
+  for (int i = 0; i < nb; ++i) {
+    if (stage_off[i] == kShared) continue;
+    auto [p, bytes] = buf_of(i);
+    char* at = bounce_->base + stage_off[i];
+    table[i] = ListEntry{bounce_->id, stage_off[i], reinterpret_cast<uintptr_t>(at)};
+    if (i & 1) {
+      copy_back_.push_back(CopyBack{const_cast<void*>(p), stage_off[i], bytes});
+    } else {
+      copy_bytes(at, p, bytes);
+    }
+    stats().staged_bytes.fetch_add(bytes, std::memory_order_relaxed);
+    staged = true;
+  }
+  if (staged) {
+    any_staged_ = true;
+    stats().staged_calls.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (table_bytes) std::memcpy(bounce_->base, table.data(), table_bytes);
+  copy_fence();  // the staged copies' non-temporal stores, before the barrier's release
+  for (int i = 0; i < kMaxBufs; ++i)
+    me.buf_seg[i] = me.buf_off[i] = me.buf_ptr[i] = me.buf_bytes[i] = 0;
+  me.buf_seg[0] = bounce_->id;
+  me.buf_ptr[0] = reinterpret_cast<uintptr_t>(bounce_->base);
+  me.buf_bytes[0] = table_bytes;
+  // The barrier's fetch_add(acq_rel) publishes the fields, the table and the staged copies.
+  err = arrival_barrier(desc);
+  if (!err.empty()) return err;
+  nops_ = nops;
+  in_list_.assign(static_cast<size_t>(size_) * nops, nullptr);
+  out_list_.assign(static_cast<size_t>(size_) * nops, nullptr);
+  for (int j = 0; j < size_; ++j) {
+    const ShmPeer& o = slot_->peers[j];
+    const bool local = o.proc == f_->proc();
+    const ListEntry* tab = nullptr;
+    if (local) {
+      tab = reinterpret_cast<const ListEntry*>(o.buf_ptr[0]);
+    } else if (table_bytes) {
+      tab = reinterpret_cast<const ListEntry*>(
+          f_->translate(o.proc, o.buf_seg[0], o.buf_off[0], table_bytes, deadline, &err));
+      if (!tab) return fail(std::string("strata_jax ") + op_name_ + ": " + err);
+    }
+    for (int i = 0; i < nb; ++i) {
+      // Every rank's operands have this rank's sizes: the descriptors' signature (aux) agrees.
+      const uint64_t bytes = buf_of(i).second;
+      if (!bytes) continue;
+      const ListEntry e = tab[i];
+      if (e.seg & kBounceIdBit) any_staged_ = true;
+      char* p = local ? reinterpret_cast<char*>(e.ptr)
+                      : f_->translate(o.proc, e.seg, e.off, bytes, deadline, &err);
+      if (!p) return fail(std::string("strata_jax ") + op_name_ + ": " + err);
+      const size_t at = static_cast<size_t>(j) * nops + i / 2;
+      if (i & 1) {
+        out_list_[at] = p;
+      } else {
+        in_list_[at] = p;
+      }
+    }
+  }
+  arrived_ = true;
+  release_bounce_ = true;
+  return {};
+}
+
 std::string ShmTeam::depart() {
   if (!arrived_) return {};
   std::string err = barrier("depart");

@@ -157,6 +157,12 @@ class ShmTeam final : public Team {
   const void* peer_in(int j) const override { return in_[j]; }
   void* peer_out(int j) const override { return out_[j]; }
   const void* peer_buf(int j, int i) const override { return bufs_[j * kMaxBufs + i]; }
+  const void* peer_in_at(int j, int k) const override {
+    return nops_ ? in_list_[static_cast<size_t>(j) * nops_ + k] : (k == 0 ? in_[j] : nullptr);
+  }
+  void* peer_out_at(int j, int k) const override {
+    return nops_ ? out_list_[static_cast<size_t>(j) * nops_ + k] : (k == 0 ? out_[j] : nullptr);
+  }
   const OpDesc& peer_desc(int j) const override { return descs_[j]; }
   std::string barrier(const char* phase) override;
   // Stages what cannot be shared, publishes this rank's buffers, waits for every peer, checks
@@ -166,6 +172,12 @@ class ShmTeam final : public Team {
   // allocator owns it, else staged through one bounce buffer (copied in at arrival, or, when
   // `written`, copied back to the caller's buffer at departure).
   std::string arrive_multi(const OpDesc& desc, const BufRef* bufs, int nbufs);
+  // `nops` operands, each an input and an output (a pytree's leaves as one call): each buffer
+  // is shared zero-copy when the allocator owns it, else staged in one bounce buffer (inputs
+  // copied in at arrival, outputs copied back at departure). Where the buffers are goes as a
+  // table of (segment, offset, address) at the start of that bounce buffer, which every peer has
+  // mapped; its place is published in buffer slot 0 of the rendezvous entry.
+  std::string arrive_list(const OpDesc& desc, const OperandRef* ops, int nops);
   // Final barrier, then copies a staged output to the caller's buffer. Always call it once
   // arrive() returned (also after an error), so no peer still touches this rank's memory.
   std::string depart();
@@ -196,7 +208,10 @@ class ShmTeam final : public Team {
   const OpDesc* arriving_ = nullptr;  // set while in the arrival barrier: checked while waiting
   std::vector<const void*> in_;
   std::vector<void*> out_;
-  std::vector<const void*> bufs_;  // [rank * kMaxBufs + i]: arrive_multi's buffers, local
+  std::vector<const void*> bufs_;     // [rank * kMaxBufs + i]: arrive_multi's buffers, local
+  int nops_ = 0;                      // arrive_list's operand count (0: not a list call)
+  std::vector<const void*> in_list_;  // [rank * nops_ + k]: arrive_list's operands, local
+  std::vector<void*> out_list_;
   struct CopyBack {
     void* dst;
     uint64_t off, bytes;

@@ -38,6 +38,15 @@ struct BufRef {
 };
 constexpr int kMaxBufs = 4;  // buffers per rank for arrive_multi
 
+// One operand of a multi-operand call (arrive_list): this rank's input and output buffers. A
+// pytree's leaves travel as one call with one rendezvous (XLA's combiner makes one all-reduce of
+// them the same way); peers reach operand k of rank j through peer_in_at / peer_out_at.
+struct OperandRef {
+  const void* in = nullptr;
+  void* out = nullptr;
+  uint64_t in_bytes = 0, out_bytes = 0;  // 0: nothing to publish (the pointer is not read)
+};
+
 class Team {
  public:
   virtual ~Team() = default;
@@ -50,6 +59,10 @@ class Team {
   // where this rank must write a `written` buffer so that peers see it (a bounce buffer when
   // the fabric staged it).
   virtual const void* peer_buf(int j, int i) const = 0;
+  // Operand k of rank j after arrive_list (nullptr for an empty one). Teams without lists
+  // answer operand 0 with the single buffers of arrive().
+  virtual const void* peer_in_at(int j, int k) const { return k == 0 ? peer_in(j) : nullptr; }
+  virtual void* peer_out_at(int j, int k) const { return k == 0 ? peer_out(j) : nullptr; }
   // The descriptor rank j published at arrival (valid after arrive()).
   virtual const OpDesc& peer_desc(int j) const = 0;
   // Barrier across the team: every write any rank made before it is visible to every rank

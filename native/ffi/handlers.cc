@@ -23,7 +23,10 @@ enum OpKind : int32_t {
   kAllToAll,
   kPermute,
   kBroadcast,
-  kAllGatherReduce
+  kAllGatherReduce,
+  kAllReduceList,
+  kReduceScatterRows,
+  kAllGatherRows
 };
 
 // `peers_write`: the algorithm writes into the peers' outputs, which the low-latency path of the
@@ -89,6 +92,142 @@ ffi::Error AllReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, A
         (two ? stats().two_shot : stats().one_shot).fetch_add(1, std::memory_order_relaxed);
         count_peer_bytes(t, x.size_bytes() * (t.size() - 1));
         return all_reduce(t, dt, op, count, two);
+      });
+}
+
+// psum/pmax/pmin of several operands (a pytree's leaves) in one call: operands
+// (x_0 .. x_{n-1}, partition id, optional After), results (y_0 .. y_{n-1}, optional Done), n =
+// `num_operands`. One rendezvous for all; each operand keeps its own dtype, reduced as
+// all_reduce does; one-shot or two-shot by the total bytes (collectives.h all_reduce_list).
+ffi::Error AllReduceListImpl(ffi::RunId run, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                             int64_t op_id, I64s groups, int64_t group_size, I64s device_ids,
+                             int32_t reduce, int64_t num_operands) {
+  const ReduceOp op = static_cast<ReduceOp>(reduce);
+  const char* name = reduce_name(reduce);
+  const int64_t n = num_operands;
+  if (n < 1 || args.size() < static_cast<size_t>(n + 1) ||
+      args.size() > static_cast<size_t>(n + 2) || rets.size() < static_cast<size_t>(n) ||
+      rets.size() > static_cast<size_t>(n + 1))
+    return to_error(std::string("strata_jax ") + name +
+                    ": internal error: operand and result counts do not match num_operands");
+  std::vector<OperandRef> ops(n);
+  std::vector<Operand> meta(n);
+  // The call's signature (every operand's dtype and size), compared across ranks at arrival.
+  uint64_t sig = 0xcbf29ce484222325ull;
+  auto mix = [&](uint64_t v) { sig = (sig ^ v) * 0x100000001b3ull; };
+  mix(static_cast<uint64_t>(n));
+  uint64_t total = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    auto x = args.get<ffi::AnyBuffer>(k);
+    auto y = rets.get<ffi::AnyBuffer>(k);
+    if (!x.has_value() || !y.has_value())
+      return to_error(std::string("strata_jax ") + name + ": internal error: bad operand");
+    if (auto e = check_dtype(name, *x, true, op); e.failure()) return e;
+    ffi::AnyBuffer out = **y;
+    if (out.element_type() != x->element_type() || out.size_bytes() != x->size_bytes())
+      return to_error(std::string("strata_jax ") + name +
+                      ": internal error: a result differs from its operand");
+    ops[k] = OperandRef{x->untyped_data(), out.untyped_data(), x->size_bytes(), x->size_bytes()};
+    meta[k] = Operand{static_cast<int32_t>(x->element_type()), x->element_count()};
+    mix(static_cast<uint64_t>(meta[k].dtype));
+    mix(x->size_bytes());
+    total += x->size_bytes();
+  }
+  auto pid = args.get<ffi::AnyBuffer>(n);
+  if (!pid.has_value())
+    return to_error(std::string("strata_jax ") + name + ": internal error: no partition id");
+  Placement pl;
+  std::string err = placement(*pid, GroupAttrs{groups, group_size, device_ids}, &pl);
+  if (!err.empty()) return to_error(std::string("strata_jax ") + name + ": " + err);
+  if (total == 0 && !ShmFabric::active()) return ffi::Error::Success();
+  OpDesc d;
+  d.name = name;
+  d.kind = kAllReduceList;
+  d.dtype = meta[0].dtype;
+  d.reduce = reduce;
+  d.aux = static_cast<int64_t>(sig >> 1);
+  d.in_bytes = d.out_bytes = total;
+  d.algo = use_two_shot(total) ? 1 : 0;
+  stats().calls.fetch_add(1, std::memory_order_relaxed);
+  OpTimer timer(name, total, d.algo);  // comm_stats()["ops"] (fabric/op_stats.h)
+  return join_and_run_list(
+      name, run.run_id, op_id, pl, d, ops.data(), static_cast<int>(n), [&](Team& t) {
+        // As AllReduceImpl: every rank follows rank 0's choice.
+        const bool two = t.size() > 2 && t.peer_desc(0).algo == 1 && peers_publish_outputs(t);
+        (two ? stats().two_shot : stats().one_shot).fetch_add(1, std::memory_order_relaxed);
+        count_peer_bytes(t, total * (t.size() - 1));
+        return all_reduce_list(t, op, meta.data(), static_cast<int>(n), two);
+      });
+}
+
+// The rows and run of an array of `dims` split at `dimension` into n blocks (collectives.h
+// reduce_scatter_rows / all_gather_rows): rows = the product of the dimensions before it, run =
+// the elements of one block of it times those of the dimensions after it. False if the
+// dimension is out of range or not divisible by n.
+bool rows_and_run(ffi::Span<const int64_t> dims, int64_t dimension, int n, size_t* rows,
+                  size_t* run) {
+  const int64_t nd = static_cast<int64_t>(dims.size());
+  if (dimension < 0 || dimension >= nd || n < 1 || dims[dimension] % n) return false;
+  size_t before = 1, after = 1;
+  for (int64_t k = 0; k < dimension; ++k) before *= dims[k];
+  for (int64_t k = dimension + 1; k < nd; ++k) after *= dims[k];
+  *rows = before;
+  *run = static_cast<size_t>(dims[dimension] / n) * after;
+  return true;
+}
+
+// psum_scatter over `dimension` in place (collectives.h reduce_scatter_rows): the output keeps
+// the input's layout with that dimension n times smaller, so the program needs no transpose.
+ffi::Error ReduceScatterRowsImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
+                                 ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
+                                 int64_t group_size, I64s device_ids, int32_t reduce,
+                                 int64_t dimension) {
+  const ReduceOp op = static_cast<ReduceOp>(reduce);
+  if (auto e = check_dtype("psum_scatter", x, true, op); e.failure()) return e;
+  const int32_t dt = static_cast<int32_t>(x.element_type());
+  OpDesc d;
+  d.kind = kReduceScatterRows;
+  d.dtype = dt;
+  d.reduce = reduce;
+  d.in_bytes = x.size_bytes();
+  d.out_bytes = y->size_bytes();
+  d.aux = dimension;
+  return run_collective(
+      "psum_scatter", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
+      x.untyped_data(), y->untyped_data(), [&](Team& t, const Placement&) -> std::string {
+        size_t rows = 0, run_elems = 0;
+        if (!rows_and_run(x.dimensions(), dimension, t.size(), &rows, &run_elems) ||
+            y->element_count() * t.size() != x.element_count())
+          return "strata_jax psum_scatter: the scattered dimension's size is not a multiple of "
+                 "the group size, or the output is not the input's block";
+        count_peer_bytes(t, y->size_bytes() * (t.size() - 1));
+        return reduce_scatter_rows(t, dt, op, rows, run_elems);
+      });
+}
+
+// all_gather along `dimension` in place (collectives.h all_gather_rows): the transpose of
+// ReduceScatterRowsImpl, with no transpose in the program either.
+ffi::Error AllGatherRowsImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
+                             ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
+                             int64_t group_size, I64s device_ids, int64_t dimension) {
+  if (auto e = check_dtype("all_gather", x, false, ReduceOp::kSum); e.failure()) return e;
+  OpDesc d;
+  d.kind = kAllGatherRows;
+  d.dtype = static_cast<int32_t>(x.element_type());
+  d.in_bytes = x.size_bytes();
+  d.out_bytes = y->size_bytes();
+  d.aux = dimension;
+  const int es = dtype_size(d.dtype);
+  return run_collective(
+      "all_gather", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
+      x.untyped_data(), y->untyped_data(), [&](Team& t, const Placement&) -> std::string {
+        size_t rows = 0, run_elems = 0;
+        // The input's blocks are whole: its `dimension` is one block of the output's.
+        if (!rows_and_run(x.dimensions(), dimension, 1, &rows, &run_elems) ||
+            x.size_bytes() * t.size() != y->size_bytes())
+          return "strata_jax all_gather: output size is not the group size times the input size";
+        count_peer_bytes(t, x.size_bytes() * (t.size() - 1));
+        return all_gather_rows(t, rows, run_elems * es);
       });
 }
 
@@ -398,6 +537,18 @@ ffi::Error BroadcastImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, A
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceHandler, AllReduceImpl,
                               STRATA_COMMON_BIND.Attr<int32_t>("reduce"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceListHandler, AllReduceListImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .STRATA_GROUP_ATTRS.Attr<int32_t>("reduce")
+                                  .Attr<int64_t>("num_operands"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    ReduceScatterRowsHandler, ReduceScatterRowsImpl,
+    STRATA_COMMON_BIND.Attr<int32_t>("reduce").Attr<int64_t>("dimension"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherRowsHandler, AllGatherRowsImpl,
+                              STRATA_COMMON_BIND.Attr<int64_t>("dimension"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceScatterHandler, ReduceScatterImpl,
                               STRATA_COMMON_BIND.Attr<int32_t>("reduce"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceScatterPlacedHandler, ReduceScatterPlacedImpl,

@@ -6,6 +6,9 @@
 
 namespace strata {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AllReduceHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AllReduceListHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(ReduceScatterRowsHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AllGatherRowsHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(ReduceScatterHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(ReduceScatterPlacedHandler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AllGatherHandler);

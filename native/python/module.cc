@@ -30,6 +30,9 @@ NB_MODULE(_strata, m) {
   m.def("handlers", [] {
     nb::dict d;
     d["strata_all_reduce"] = capsule(strata::AllReduceHandler);
+    d["strata_all_reduce_list"] = capsule(strata::AllReduceListHandler);
+    d["strata_reduce_scatter_rows"] = capsule(strata::ReduceScatterRowsHandler);
+    d["strata_all_gather_rows"] = capsule(strata::AllGatherRowsHandler);
     d["strata_reduce_scatter"] = capsule(strata::ReduceScatterHandler);
     d["strata_reduce_scatter_placed"] = capsule(strata::ReduceScatterPlacedHandler);
     d["strata_all_gather"] = capsule(strata::AllGatherHandler);

@@ -157,7 +157,11 @@ def _typed_unreduced_or_reduced(v) -> bool:
 
 _REDUCE_CODES = {"sum": 0, "max": 1, "min": 2}
 
+# One primitive for a whole pytree (or any several operands of one op over one group):
+# multiple_results, as jax.lax's psum_p. It lowers to one custom call with one rendezvous
+# (strata_all_reduce_list), as XLA's combiner makes one all-reduce of a pytree's leaves.
 all_reduce_p = core.Primitive("strata_all_reduce")
+all_reduce_p.multiple_results = True
 
 
 def _all_reduce(x, axis_name, axis_index_groups, reduce: str, api: str):
@@ -165,26 +169,33 @@ def _all_reduce(x, axis_name, axis_index_groups, reduce: str, api: str):
     lowering.check_no_groups(axis_index_groups, api)
     if not axes:
         return x
-
-    def leaf(v):
+    leaves, tree = jax.tree_util.tree_flatten(x)
+    outs = list(leaves)
+    operands = []  # (leaf index, operand, dtype to cast back to)
+    for i, v in enumerate(leaves):
         if not isinstance(v, core.Tracer):
             # A constant has no per-device values: jax.lax computes the answer from the axis
             # size alone (e.g. psum(1, 'x') is the axis size); so do we.
-            return _LAX[api](v, axis_name)
+            outs[i] = _LAX[api](v, axis_name)
+            continue
         if _typed_unreduced_or_reduced(v):
             # jax.lax's types for sums left unreduced by the partitioner: only it lowers them.
-            return _LAX[api](v, axis_name)
+            outs[i] = _LAX[api](v, axis_name)
+            continue
         if reduce == "sum" and v.dtype == np.bool_:
             v = v.astype(np.int32)
         if jnp.issubdtype(v.dtype, jnp.complexfloating) and reduce != "sum":
             raise TypeError(f"strata_jax.{api} does not order complex numbers; got {v.dtype}.")
         lowering.check_axis_names(axes, api)
         v, dt = _widen(lowering.pvary_missing(v, axes), api)
-        return _narrow(
-            all_reduce_p.bind(v, axes=axes, reduce=reduce, invariant=lowering.vma_on()), dt
+        operands.append((i, v, dt))
+    if operands:
+        ys = all_reduce_p.bind(
+            *(v for _, v, _ in operands), axes=axes, reduce=reduce, invariant=lowering.vma_on()
         )
-
-    return _tree_map(leaf, x)
+        for (i, _, dt), y in zip(operands, ys, strict=True):
+            outs[i] = _narrow(y, dt)
+    return jax.tree_util.tree_unflatten(tree, outs)
 
 
 @_profiled("psum")
@@ -254,24 +265,33 @@ def pmean(x, axis_name: AxisName, *, axis_index_groups=None):
     return _tree_map(lambda v: v / n, y)
 
 
-def _all_reduce_abstract_eval(aval, *, axes, reduce, invariant):
+def _all_reduce_abstract_eval(*avals, axes, reduce, invariant):
     lowering.check_axis_names(axes, "psum")
-    if invariant:
-        lowering.require_varying("psum", aval, axes)
-        out = lowering.varying_out(aval, (a for a in aval.mat.varying if a not in axes))
-    else:
-        out = aval
-    return out, lowering.effects(axes)
+    outs = []
+    for aval in avals:
+        if invariant:
+            lowering.require_varying("psum", aval, axes)
+            aval = lowering.varying_out(aval, (a for a in aval.mat.varying if a not in axes))
+        outs.append(aval)
+    return outs, lowering.effects(axes)
 
 
-def _all_reduce_transpose(ct, x, *, axes, reduce, invariant):
+def _all_reduce_transpose(cts, *xs, axes, reduce, invariant):
     if reduce != "sum":
         raise NotImplementedError(f"p{reduce} is not linear")
+    out = [ad.Zero(x.aval.to_ct_aval()) if ad.is_undefined_primal(x) else None for x in xs]
+    live = [k for k, ct in enumerate(cts) if type(ct) is not ad.Zero]
     if invariant:
         # psum: varying -> invariant; its transpose only casts back to varying.
-        return [jax.lax.pcast(ct, axes, to="varying")]
-    # Without vma, psum is psum + broadcast, so the transpose reduces again (as jax.lax).
-    return [all_reduce_p.bind(ct, axes=axes, reduce="sum", invariant=False)]
+        for k in live:
+            out[k] = jax.lax.pcast(cts[k], axes, to="varying")
+    elif live:
+        # Without vma, psum is psum + broadcast, so the transpose reduces again (as jax.lax),
+        # all the nonzero cotangents in one call.
+        ys = all_reduce_p.bind(*(cts[k] for k in live), axes=axes, reduce="sum", invariant=False)
+        for k, y in zip(live, ys, strict=True):
+            out[k] = y
+    return out
 
 
 def _local_reduce(v, d, reduce):
@@ -283,22 +303,44 @@ def _local_reduce(v, d, reduce):
 
 
 def _all_reduce_batcher(axis_data, vals_in, dims_in, *, axes, reduce, invariant):
-    (v,), (d,) = vals_in, dims_in
     if axis_data.name not in axes:
-        return all_reduce_p.bind(v, axes=axes, reduce=reduce, invariant=invariant), d
+        return all_reduce_p.bind(*vals_in, axes=axes, reduce=reduce, invariant=invariant), list(
+            dims_in
+        )
     rest = tuple(a for a in axes if a != axis_data.name)
-    if d is None:
-        out = v * np.asarray(axis_data.size, v.dtype) if reduce == "sum" else v
-    else:
-        out = _local_reduce(v, d, reduce)
+    outs = []
+    for v, d in zip(vals_in, dims_in, strict=True):
+        if d is None:
+            outs.append(v * np.asarray(axis_data.size, v.dtype) if reduce == "sum" else v)
+        else:
+            outs.append(_local_reduce(v, d, reduce))
     if rest:
-        out = all_reduce_p.bind(out, axes=rest, reduce=reduce, invariant=invariant)
-    return out, None
+        outs = all_reduce_p.bind(*outs, axes=rest, reduce=reduce, invariant=invariant)
+    return list(outs), [None] * len(outs)
 
 
-def _all_reduce_lowering(ctx, x, *, axes, reduce, invariant):
-    lower = _ffi_call_lowering("strata_all_reduce", "psum")
-    return lower(ctx, x, axes=axes, reduce=np.int32(_REDUCE_CODES[reduce]))
+def _all_reduce_lowering(ctx, *xs, axes, reduce, invariant):
+    code = np.int32(_REDUCE_CODES[reduce])
+    if len(xs) == 1:
+        return [_ffi_call_lowering("strata_all_reduce", "psum")(ctx, xs[0], axes=axes, reduce=code)]
+    if hierarchy.plan(ctx, axes) is not None:
+        # Across fabrics: the hierarchical all-reduce (hierarchy.py) takes one operand; each
+        # leaf is lowered as its own call there.
+        def per_leaf(*vs):
+            return [
+                all_reduce_p.bind(v, axes=axes, reduce=reduce, invariant=invariant)[0] for v in vs
+            ]
+
+        return mlir.lower_fun(per_leaf, multiple_results=True)(ctx, *xs)
+    return lowering.lower_strata_call(
+        ctx,
+        "strata_all_reduce_list",
+        "psum",
+        list(xs),
+        lowering.mesh_groups(ctx, axes, "psum"),
+        reduce=code,
+        num_operands=np.int64(len(xs)),
+    )
 
 
 def _all_reduce_jvp(primals, tangents, *, axes, reduce, invariant):
@@ -308,11 +350,18 @@ def _all_reduce_jvp(primals, tangents, *, axes, reduce, invariant):
             f"has none either); differentiate p{reduce}(stop_gradient(x)) or write the "
             "selection with psum."
         )
-    (x,), (t,) = primals, tangents
-    out = all_reduce_p.bind(x, axes=axes, reduce=reduce, invariant=invariant)
-    if type(t) is ad.Zero:
-        return out, ad.Zero(core.typeof(out).to_tangent_aval())
-    return out, all_reduce_p.bind(t, axes=axes, reduce=reduce, invariant=invariant)
+    # The primals in one call, the nonzero tangents in another (linearization must be able to
+    # tell the known primal results from the tangents).
+    outs = all_reduce_p.bind(*primals, axes=axes, reduce=reduce, invariant=invariant)
+    live = [k for k, t in enumerate(tangents) if type(t) is not ad.Zero]
+    t_out = [ad.Zero(core.typeof(y).to_tangent_aval()) for y in outs]
+    if live:
+        touts = all_reduce_p.bind(
+            *(tangents[k] for k in live), axes=axes, reduce=reduce, invariant=invariant
+        )
+        for k, t in zip(live, touts, strict=True):
+            t_out[k] = t
+    return outs, t_out
 
 
 all_reduce_p.def_effectful_abstract_eval(_all_reduce_abstract_eval)
@@ -385,12 +434,12 @@ def all_gather(
                 "or reshape x to (1,) first."
             )
         ax = _canon_axis(axis, v.ndim if tiled else v.ndim + 1, "axis")
-        if not tiled:
-            v = jnp.expand_dims(v, ax)
         v, dt = _widen(lowering.pvary_missing(v, axes), "all_gather")
         n = lowering.axis_size(axes)
-        y = all_gather_p.bind(jnp.moveaxis(v, ax, 0), axes=axes, axis_size=n)
-        return _narrow(jnp.moveaxis(y, 0, ax), dt)
+        # Gathered in place along `ax` (untiled: the new axis is made by the call itself): no
+        # transpose, reshape or copy before or after.
+        y = all_gather_p.bind(v, axes=axes, axis_size=n, dimension=ax, tiled=tiled)
+        return _narrow(y, dt)
 
     return _tree_map(leaf, x)
 
@@ -417,18 +466,34 @@ def _all_gather_invariant(v, axis_name, axes: tuple, axis: int, tiled: bool):
     return psum(placed, axis_name)
 
 
-def _all_gather_abstract_eval(aval, *, axes, axis_size):
+def _all_gather_abstract_eval(aval, *, axes, axis_size, dimension, tiled):
     lowering.check_axis_names(axes, "all_gather")
     lowering.require_varying("all_gather", aval, axes)
-    shape = (aval.shape[0] * axis_size, *aval.shape[1:])
-    return aval.update(shape=shape), lowering.effects(axes)
+    shape = list(aval.shape)
+    if tiled:
+        shape[dimension] *= axis_size
+    else:
+        shape.insert(dimension, axis_size)
+    return aval.update(shape=tuple(shape)), lowering.effects(axes)
 
 
-def _all_gather_transpose(ct, x, *, axes, axis_size):
-    return [reduce_scatter_p.bind(ct, axes=axes, axis_size=axis_size)]
+def _all_gather_transpose(ct, x, *, axes, axis_size, dimension, tiled):
+    return [
+        reduce_scatter_p.bind(ct, axes=axes, axis_size=axis_size, dimension=dimension, tiled=tiled)
+    ]
 
 
-def _all_gather_batcher(axis_data, vals_in, dims_in, *, axes, axis_size):
+def _batched_dimension(d: int, dimension: int, tiled: bool, inserts: int) -> tuple[int, int]:
+    """(the operated dimension, the result's batch dimension) when the batch dimension of the
+    operand is ``d`` and the per-example operated dimension is ``dimension``. ``inserts``: +1
+    when the untiled operation inserts that dimension (all_gather), -1 when it removes it
+    (psum_scatter), 0 when tiled (sizes change in place)."""
+    if d <= dimension:
+        return dimension + 1, d
+    return dimension, d + (0 if tiled else inserts)
+
+
+def _all_gather_batcher(axis_data, vals_in, dims_in, *, axes, axis_size, dimension, tiled):
     (v,), (d,) = vals_in, dims_in
     if axis_data.name in axes:
         if axes != (axis_data.name,):
@@ -439,25 +504,67 @@ def _all_gather_batcher(axis_data, vals_in, dims_in, *, axes, axis_size):
         if d is None:
             v = jnp.broadcast_to(v[None], (axis_size, *v.shape))
             d = 0
-        v = jnp.moveaxis(v, d, 0)
-        flat = v.reshape((v.shape[0] * v.shape[1], *v.shape[2:]))
-        return jnp.broadcast_to(flat[None], (axis_size, *flat.shape)), 0
+        parts = list(jnp.moveaxis(v, d, 0))
+        out = jnp.concatenate(parts, dimension) if tiled else jnp.stack(parts, dimension)
+        return jnp.broadcast_to(out[None], (axis_size, *out.shape)), 0
     if d is None:
-        return all_gather_p.bind(v, axes=axes, axis_size=axis_size), None
-    # The primitive gathers dimension 0 (it always has rank >= 1 per example): keep it first
-    # and put the batch dimension right after it.
-    v = jnp.moveaxis(v, d, 1)
-    return all_gather_p.bind(v, axes=axes, axis_size=axis_size), 1
+        return all_gather_p.bind(
+            v, axes=axes, axis_size=axis_size, dimension=dimension, tiled=tiled
+        ), None
+    # The batch dimension stays in place (no transpose); the gathered one shifts past it.
+    dim, out_d = _batched_dimension(d, dimension, tiled, +1)
+    return all_gather_p.bind(v, axes=axes, axis_size=axis_size, dimension=dim, tiled=tiled), out_d
 
 
-mlir.register_lowering(
-    all_gather_p,
-    lambda ctx, x, *, axes, axis_size: _ffi_call_lowering("strata_all_gather", "all_gather")(
-        ctx, x, axes=axes
-    ),
-    platform="cpu",
-    cacheable=False,
-)
+def _rows_lowering(target: str, api: str, dim0_target: str):
+    """Lowering of all_gather_p / reduce_scatter_p over ``dimension``. In one fabric, a
+    non-leading dimension goes to ``target``, which works in place with strided rows
+    (collectives.h: all_gather_rows, reduce_scatter_rows), and the leading one to
+    ``dim0_target``: no transpose, reshape or copy in the program either way (an untiled call
+    inserts or drops the axis itself). Across fabrics the hierarchical form (hierarchy.py)
+    takes the tiled form over the leading dimension, so the dimension is moved to the front
+    around it there."""
+
+    def lower(ctx, x, *, axes, axis_size, dimension, tiled, **attrs):
+        if hierarchy.plan(ctx, axes) is not None:
+            if dimension == 0 and tiled:
+                return _ffi_call_lowering(dim0_target, api)(ctx, x, axes=axes, **attrs)
+            prim = ctx.primitive
+            gather = prim is all_gather_p
+
+            def moved(v):
+                if gather and not tiled:
+                    v = jnp.expand_dims(v, dimension)
+                y = prim.bind(
+                    jnp.moveaxis(v, dimension, 0),
+                    axes=axes,
+                    axis_size=axis_size,
+                    dimension=0,
+                    tiled=True,
+                )
+                y = jnp.moveaxis(y, 0, dimension)
+                return y if gather or tiled else jnp.squeeze(y, dimension)
+
+            return mlir.lower_fun(moved, multiple_results=False)(ctx, x)
+        if dimension == 0:
+            return lowering.lower_strata_call(
+                ctx, dim0_target, api, [x], lowering.mesh_groups(ctx, axes, api), **attrs
+            )
+        return lowering.lower_strata_call(
+            ctx,
+            target,
+            api,
+            [x],
+            lowering.mesh_groups(ctx, axes, api),
+            dimension=np.int64(dimension),
+            **attrs,
+        )
+
+    return lower
+
+
+_all_gather_lowering = _rows_lowering("strata_all_gather_rows", "all_gather", "strata_all_gather")
+mlir.register_lowering(all_gather_p, _all_gather_lowering, platform="cpu", cacheable=False)
 all_gather_p.def_effectful_abstract_eval(_all_gather_abstract_eval)
 ad.deflinear2(all_gather_p, _all_gather_transpose)
 batching.fancy_primitive_batchers[all_gather_p] = _all_gather_batcher
@@ -522,26 +629,35 @@ def psum_scatter(
                 "tiled=True to scatter blocks."
             )
         v, dt = _widen(lowering.pvary_missing(v, axes), "psum_scatter")
-        y = reduce_scatter_p.bind(jnp.moveaxis(v, d, 0), axes=axes, axis_size=n)
-        y = _narrow(jnp.moveaxis(y, 0, d), dt)
-        return y if tiled else jnp.squeeze(y, d)
+        # Scattered in place along `d` (untiled: the call itself drops it): no transpose,
+        # reshape or copy before or after.
+        y = reduce_scatter_p.bind(v, axes=axes, axis_size=n, dimension=d, tiled=tiled)
+        return _narrow(y, dt)
 
     return _tree_map(leaf, x)
 
 
-def _reduce_scatter_abstract_eval(aval, *, axes, axis_size):
+def _reduce_scatter_abstract_eval(aval, *, axes, axis_size, dimension, tiled):
     lowering.check_axis_names(axes, "psum_scatter")
     lowering.require_varying("psum_scatter", aval, axes)
-    if aval.shape[0] % axis_size:
-        raise ValueError(f"psum_scatter: leading size {aval.shape[0]} not divisible by {axis_size}")
-    return aval.update(shape=(aval.shape[0] // axis_size, *aval.shape[1:])), lowering.effects(axes)
+    shape = list(aval.shape)
+    if shape[dimension] % axis_size or (not tiled and shape[dimension] != axis_size):
+        raise ValueError(
+            f"psum_scatter: dimension {dimension} of size {shape[dimension]} does not fit the "
+            f"axis size {axis_size} (tiled={tiled})"
+        )
+    if tiled:
+        shape[dimension] //= axis_size
+    else:
+        del shape[dimension]
+    return aval.update(shape=tuple(shape)), lowering.effects(axes)
 
 
-def _reduce_scatter_transpose(ct, x, *, axes, axis_size):
-    return [all_gather_p.bind(ct, axes=axes, axis_size=axis_size)]
+def _reduce_scatter_transpose(ct, x, *, axes, axis_size, dimension, tiled):
+    return [all_gather_p.bind(ct, axes=axes, axis_size=axis_size, dimension=dimension, tiled=tiled)]
 
 
-def _reduce_scatter_batcher(axis_data, vals_in, dims_in, *, axes, axis_size):
+def _reduce_scatter_batcher(axis_data, vals_in, dims_in, *, axes, axis_size, dimension, tiled):
     (v,), (d,) = vals_in, dims_in
     if axis_data.name in axes:
         raise NotImplementedError(
@@ -549,15 +665,20 @@ def _reduce_scatter_batcher(axis_data, vals_in, dims_in, *, axes, axis_size):
             "the batch dimension."
         )
     if d is None:
-        return reduce_scatter_p.bind(v, axes=axes, axis_size=axis_size), None
-    v = jnp.moveaxis(v, d, 1)
-    return reduce_scatter_p.bind(v, axes=axes, axis_size=axis_size), 1
+        return reduce_scatter_p.bind(
+            v, axes=axes, axis_size=axis_size, dimension=dimension, tiled=tiled
+        ), None
+    # The batch dimension stays in place (no transpose); the scattered one shifts past it.
+    dim, out_d = _batched_dimension(d, dimension, tiled, -1)
+    y = reduce_scatter_p.bind(v, axes=axes, axis_size=axis_size, dimension=dim, tiled=tiled)
+    return y, out_d
 
 
 mlir.register_lowering(
     reduce_scatter_p,
-    lambda ctx, x, *, axes, axis_size: _ffi_call_lowering("strata_reduce_scatter", "psum_scatter")(
-        ctx, x, axes=axes, reduce=np.int32(0)
+    functools.partial(
+        _rows_lowering("strata_reduce_scatter_rows", "psum_scatter", "strata_reduce_scatter"),
+        reduce=np.int32(0),
     ),
     platform="cpu",
     cacheable=False,
