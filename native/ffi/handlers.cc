@@ -221,11 +221,14 @@ ffi::Error AllGatherRowsImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pi
   return run_collective(
       "all_gather", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
       x.untyped_data(), y->untyped_data(), [&](Team& t, const Placement&) -> std::string {
-        size_t rows = 0, run_elems = 0;
-        // The input's blocks are whole: its `dimension` is one block of the output's.
-        if (!rows_and_run(x.dimensions(), dimension, 1, &rows, &run_elems) ||
-            x.size_bytes() * t.size() != y->size_bytes())
+        // Rows: the input's dimensions before `dimension`; run: those from it on (an untiled
+        // gather inserts its axis there, so `dimension` may be the input's rank).
+        auto dims = x.dimensions();
+        const int64_t nd = static_cast<int64_t>(dims.size());
+        if (dimension < 0 || dimension > nd || x.size_bytes() * t.size() != y->size_bytes())
           return "strata_jax all_gather: output size is not the group size times the input size";
+        size_t rows = 1, run_elems = 1;
+        for (int64_t k = 0; k < nd; ++k) (k < dimension ? rows : run_elems) *= dims[k];
         count_peer_bytes(t, x.size_bytes() * (t.size() - 1));
         return all_gather_rows(t, rows, run_elems * es);
       });

@@ -1,0 +1,252 @@
+"""A pytree's all-reduce: strata_jax.psum/pmean of many leaves against jax.lax, side by side.
+
+A gradient is a pytree: data-parallel training all-reduces every parameter's gradient each step,
+often hundreds of leaves of a few KiB to a few MiB. XLA's all-reduce combiner turns the leaves
+of one ``jax.lax.psum`` into one all-reduce; strata makes the whole pytree one custom call with
+one operand per leaf and one rendezvous (``strata_all_reduce_list``: one-shot or two-shot by the
+total bytes, the leaves laid end to end and split evenly across the ranks). This script measures
+that call for pytrees of ``--leaves`` leaves (default 1, 8, 64, 256) holding ``--total`` bytes per
+device in all (default 1 MiB: 256 leaves are 4 KiB each), with leaf shapes of rank 0 to 3 mixed
+(the sizes differ by up to 2x around the mean; the last leaf takes the rest), against
+``jax.lax`` on the same inputs.
+
+Run::
+
+    python benchmarks/pytree.py                         # 8 in-process CPU devices
+    python benchmarks/pytree.py --leaves 256 --op pmean --dtype bfloat16
+    python benchmarks/pytree.py --procs 4               # 4 processes x 1 device; jax.lax over gloo
+
+Each step is ``jax.jit(jax.shard_map(lambda t: op(t, 'x'), ...))`` on fresh random inputs. The
+implementations are called in turns (call i of each, then call i+1 of each: the machine is shared
+and drifts, and this cancels the drift out of the ratio), every call blocked until done; the table
+gives the median after ``--warmup`` calls. The outputs must be bitwise equal to jax.lax's (strata
+sums in rank order, as XLA CPU does); the script exits 1 otherwise. The header prints the load
+average before and after; ``calls`` is the number of strata custom calls (strata) or XLA
+all-reduces (jax.lax) in the compiled step. In one process the script re-runs itself under
+``LD_PRELOAD=libstrata_alloc.so`` as the launcher does for its processes (``--no-preload``: plain
+glibc).
+
+Output: a table on stdout and ``<out>/pytree.json`` (all numbers and the machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+AXIS = "x"
+CHILD_ENV = "STRATA_BENCH_CHILD"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--leaves", default="1,8,64,256", help="leaf counts (comma-separated)")
+    p.add_argument("--total", default="1M", help="bytes per device in all the leaves (1M = 1 MiB)")
+    p.add_argument("--op", default="psum", choices=("psum", "pmean"))
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--iters", type=int, default=60, help="timed calls per implementation")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--devices", type=int, default=None, help="devices per process (8; 1 w/ procs)")
+    p.add_argument("--procs", type=int, default=None, help="one process per device, P processes")
+    p.add_argument("--no-preload", action="store_true", help="in-process: plain glibc allocator")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench_out", help="folder for pytree.json")
+    a = p.parse_args(argv)
+    a.leaf_counts = [int(v) for v in C.parse_list(a.leaves)]
+    a.total_bytes = C.parse_size(a.total)
+    if a.devices is None:
+        a.devices = 1 if a.procs else 8
+    return a
+
+
+def relaunch(argv: list[str], procs: int) -> int:
+    """--procs P: run this script under ``python -m strata_jax.launch -n P``."""
+    cmd = [sys.executable, "-m", "strata_jax.launch", "-n", str(procs), __file__, *argv]
+    print("# launching:", " ".join(cmd), flush=True)
+    return subprocess.call(cmd, env=dict(os.environ, **{CHILD_ENV: "1"}))
+
+
+def leaf_shapes(n_leaves: int, total_elems: int, rng: np.random.Generator) -> list[tuple]:
+    """``n_leaves`` shapes of rank 0..3 (cycled) whose sizes add up to ``total_elems``."""
+    if n_leaves == 1:
+        return [(total_elems,)]
+    weights = rng.uniform(0.67, 1.33, n_leaves)
+    sizes = np.maximum(1, np.floor(weights / weights.sum() * total_elems)).astype(int)
+    sizes[-1] = max(1, total_elems - int(sizes[:-1].sum()))
+    shapes = []
+    for k, s in enumerate(sizes):
+        rank = k % 4
+        if rank == 0 or s == 1:
+            shapes.append(() if s == 1 else (int(s),))
+        elif rank == 1:
+            shapes.append((int(s),))
+        elif rank == 2 and s % 4 == 0:
+            shapes.append((4, int(s) // 4))
+        elif rank == 3 and s % 8 == 0:
+            shapes.append((2, 2, int(s) // 4))
+        else:
+            shapes.append((int(s),))
+    return shapes
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    multi = args.procs is not None
+    if multi and not os.environ.get(CHILD_ENV):
+        return relaunch(argv, args.procs)
+    allocator = C.reexec_with_allocator(not args.no_preload and not multi)
+    load_before = os.getloadavg()
+
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", args.devices)
+    import strata_jax
+
+    if multi:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        strata_jax.init()
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    devs = sorted(jax.devices(), key=lambda d: d.id)
+    n = len(devs)
+    mesh = Mesh(np.array(devs), (AXIS,))
+    main_proc = jax.process_index() == 0
+    write = print if main_proc else (lambda *a, **k: None)
+    dtype = np.dtype(jnp.dtype(args.dtype))
+    total_elems = max(1, args.total_bytes // dtype.itemsize)
+
+    info = C.machine_info()
+    write(f"# strata_jax pytree all-reduce: {args.op} of many leaves, strata vs jax.lax")
+    C.print_machine(info, write)
+    write(f"# allocator  : {allocator}")
+    write(
+        f"# ranks      : {n} = {jax.process_count()} process(es) x {args.devices} device(s); "
+        f"jax.lax{' over gloo' if multi else ' (XLA CPU in-process all-reduce)'}"
+    )
+    write(
+        f"# pytree     : {C.format_size(total_elems * dtype.itemsize)} of {dtype.name} per device "
+        "in all, leaves of rank 0-3 mixed, sizes within 2x of the mean"
+    )
+    write(
+        f"# time       : median of {args.iters} blocking calls after {args.warmup} warm-up, "
+        "strata and jax.lax called in turns; calls = strata custom calls / XLA all-reduces "
+        "in the compiled step"
+    )
+    write(f"# load       : {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} (before)")
+    ops = {"psum": (strata_jax.psum, jax.lax.psum), "pmean": (strata_jax.pmean, jax.lax.pmean)}
+    s_op, x_op = ops[args.op]
+    sharding = NamedSharding(mesh, P(AXIS))
+    rng = np.random.default_rng(args.seed)
+    cols = ("leaves", "leaf(avg)", "strata ms", "jax.lax ms", "calls s/x", "speedup", "bitwise")
+    write("# " + "  ".join(f"{c:>11}" for c in cols))
+    rows: list[dict[str, Any]] = []
+    failed = False
+    for n_leaves in args.leaf_counts:
+        shapes = leaf_shapes(n_leaves, total_elems, rng)
+        hosts = [
+            (rng.standard_normal((n, *s)).astype(np.float32) * 2).astype(dtype) for s in shapes
+        ]
+
+        def put(h):
+            g = h.reshape((n * h.shape[1], *h.shape[2:])) if h.ndim > 1 else h
+            return jax.make_array_from_callback(g.shape, sharding, lambda idx, g=g: g[idx])
+
+        # Rank-0 leaves travel as (n,) arrays (one element per device) and are reshaped to ()
+        # inside the body.
+        tree = [put(h) for h in hosts]
+        ranks0 = [len(s) == 0 for s in shapes]
+
+        def body(op, t, ranks0=ranks0):
+            t = [v.reshape(()) if r0 else v for v, r0 in zip(t, ranks0, strict=True)]
+            out = op(t, AXIS)
+            return [v.reshape((1,)) if r0 else v for v, r0 in zip(out, ranks0, strict=True)]
+
+        fns = {
+            name: jax.jit(
+                jax.shard_map(
+                    lambda t, op=op: body(op, t), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)
+                )
+            )
+            for name, op in (("strata", s_op), ("xla", x_op))
+        }
+        hlo = {k: f.lower(tree).compile().as_text() for k, f in fns.items()}
+        calls = (
+            hlo["strata"].count('custom_call_target="strata_all_reduce'),
+            sum(1 for line in hlo["xla"].splitlines() if " all-reduce(" in line),
+        )
+        times, outs = C.time_interleaved(
+            {k: (lambda f=f, t=tree: f(t)) for k, f in fns.items()}, args.iters, args.warmup
+        )
+        same = all(
+            np.array_equal(np.asarray(sa.data), np.asarray(sb.data))
+            for a, b in zip(outs["strata"], outs["xla"], strict=True)
+            for sa, sb in zip(a.addressable_shards, b.addressable_shards, strict=True)
+        )
+        failed |= not same
+        ts, tx = C.median(times["strata"]), C.median(times["xla"])
+        row = {
+            "leaves": n_leaves,
+            "leaf_bytes_avg": total_elems * dtype.itemsize / n_leaves,
+            "strata_ms": 1e3 * ts,
+            "xla_ms": 1e3 * tx,
+            "strata_calls": calls[0],
+            "xla_all_reduces": calls[1],
+            "speedup": tx / ts,
+            "bitwise_equal": same,
+        }
+        rows.append(row)
+        write(
+            "  "
+            + "  ".join(
+                f"{v:>11}"
+                for v in (
+                    n_leaves,
+                    C.format_size(row["leaf_bytes_avg"]),
+                    f"{row['strata_ms']:.3f}",
+                    f"{row['xla_ms']:.3f}",
+                    f"{calls[0]}/{calls[1]}",
+                    f"{row['speedup']:.2f}x",
+                    "yes" if same else "NO",
+                )
+            )
+        )
+    load_after = os.getloadavg()
+    write(f"# load       : {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} (after)")
+    for r in rows:
+        s = r["speedup"]
+        write(
+            f"# speed: {r['leaves']} leaves: strata is {max(s, 1 / s):.2f}x "
+            f"{'faster' if s >= 1 else 'slower'} than jax.lax ({r['strata_ms']:.3f} vs "
+            f"{r['xla_ms']:.3f} ms median)"
+        )
+    if main_proc:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        C.write_json(
+            out / "pytree.json",
+            {
+                "args": vars(args),
+                "machine": info,
+                "load": [load_before, load_after],
+                "rows": rows,
+            },
+        )
+    if failed:
+        write("# FAILED: strata's result differs from jax.lax's")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
