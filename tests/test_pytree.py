@@ -284,3 +284,30 @@ def test_fsdp_tp_step_is_bitwise_equal_to_jax_lax(rng):
     compiled = f_s.lower(w1, w2, x).compile().as_text()
     assert "strata_reduce_scatter_rows" in compiled and "strata_all_gather_rows" in compiled
     assert " all-reduce(" not in compiled and " reduce-scatter(" not in compiled
+
+
+def test_pytree_psum_across_fake_fabrics_falls_back_per_leaf(monkeypatch, rng):
+    """A group that spans fabric domains takes the hierarchical all-reduce (hierarchy.py), one
+    leaf at a time: values as jax.lax, with gradients."""
+    from jax.sharding import Mesh
+
+    from strata_jax._src import topology
+
+    monkeypatch.setattr(topology, "_map", topology.FabricMap(("a", "b"), 0))
+    monkeypatch.setattr(topology, "fabric_of_device", lambda d: d.id // 2)
+    mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)[:4]), ("x",))
+    tree = {"a": rng.standard_normal((8, 5)).astype(np.float32), "b": np.arange(4, dtype=np.int32)}
+
+    def f(ops, t):
+        def body(t):
+            out = ops.psum({"a": t["a"] ** 2, "b": t["b"]}, "x")
+            return jnp.sum(out["a"]) + jnp.sum(out["b"]).astype(jnp.float32)
+
+        return jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P())(t)
+
+    got = jax.jit(jax.value_and_grad(lambda a: f(sj, {"a": a, "b": tree["b"]})))(tree["a"])
+    want = jax.jit(jax.value_and_grad(lambda a: f(jax.lax, {"a": a, "b": tree["b"]})))(tree["a"])
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
+    hlo = jax.jit(lambda a: f(sj, {"a": a, "b": tree["b"]})).lower(tree["a"]).as_text()
+    assert "strata_all_reduce_list" not in hlo

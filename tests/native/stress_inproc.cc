@@ -2,7 +2,8 @@
 // ThreadSanitizer by tests/test_native_sanitizers.py. Threads play the ranks of several groups
 // that call back-to-back collectives on fresh data; every result is checked exactly (ints):
 // psum, all_gather (push and pull), all_to_all and psum_scatter (with and without a diverted
-// block).
+// block), the psum of several operands in one call (a pytree), and psum_scatter / all_gather over
+// a non-leading dimension (strided rows).
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -15,7 +16,7 @@
 using namespace strata;
 
 namespace {
-constexpr int32_t kS32 = 4;  // xla::ffi::DataType::S32
+constexpr int32_t kS8 = 2, kS32 = 4, kS64 = 5;  // xla::ffi::DataType
 
 int fail(const char* what, int rank, int iter) {
   std::fprintf(stderr, "FAILED %s rank %d iter %d\n", what, rank, iter);
@@ -168,6 +169,109 @@ int main(int argc, char** argv) {
                   return;
                 }
               }
+          }
+          // psum of three operands in one call (a pytree: S32, S8 and S64 of different sizes,
+          // the last one empty every fourth iteration), one-shot or two-shot by rank 0's
+          // proposal (differing per rank).
+          {
+            const size_t c0 = count, c1 = count % 97, c2 = it % 4 == 0 ? 0 : 1 + count % 33;
+            std::vector<int32_t> a(c0), ao(c0, -1);
+            std::vector<int8_t> b(c1), bo(c1, -1);
+            std::vector<int64_t> c(c2), co(c2, -1);
+            for (size_t i = 0; i < c0; ++i) a[i] = static_cast<int32_t>(r * 3 + i);
+            for (size_t i = 0; i < c1; ++i) b[i] = static_cast<int8_t>((r + i) % 7);
+            for (size_t i = 0; i < c2; ++i) c[i] = r * 1000000007LL + static_cast<int64_t>(i);
+            const OperandRef ops[3] = {{a.data(), ao.data(), c0 * 4, c0 * 4},
+                                       {b.data(), bo.data(), c1, c1},
+                                       {c.data(), co.data(), c2 * 8, c2 * 8}};
+            const Operand meta[3] = {{kS32, c0}, {kS8, c1}, {kS64, c2}};
+            auto team = InProcFabric::instance().join(1, 11, pl, "psum");
+            OpDesc d;
+            d.kind = 8;
+            d.dtype = kS32;
+            d.aux = static_cast<int64_t>(c0 * 1000003 + c1 * 1009 + c2);
+            d.in_bytes = d.out_bytes = c0 * 4 + c1 + c2 * 8;
+            d.algo = static_cast<int32_t>(mine() % 2);
+            std::string e = team->arrive_list(d, ops, 3);
+            if (e.empty())
+              e = all_reduce_list(*team, ReduceOp::kSum, meta, 3, team->peer_desc(0).algo == 1);
+            if (e.empty()) e = team->depart();
+            if (!e.empty()) {
+              std::fprintf(stderr, "%s\n", e.c_str());
+              errors[g * n + r] = 1;
+              return;
+            }
+            bool ok = true;
+            for (size_t i = 0; i < c0; ++i) {
+              int32_t want = 0;
+              for (int j = 0; j < n; ++j) want += static_cast<int32_t>(j * 3 + i);
+              ok &= ao[i] == want;
+            }
+            for (size_t i = 0; i < c1; ++i) {
+              int want = 0;
+              for (int j = 0; j < n; ++j) want += static_cast<int>((j + i) % 7);
+              ok &= bo[i] == static_cast<int8_t>(want);
+            }
+            for (size_t i = 0; i < c2; ++i) {
+              int64_t want = 0;
+              for (int j = 0; j < n; ++j) want += j * 1000000007LL + static_cast<int64_t>(i);
+              ok &= co[i] == want;
+            }
+            if (!ok) {
+              errors[g * n + r] = fail("psum of three operands", r, it);
+              return;
+            }
+          }
+          // psum_scatter over dimension 1 of a [rows, n * run] array, then its transpose,
+          // all_gather over dimension 1, of the result: strided rows, in place.
+          {
+            const size_t rows = 1 + count % 5, run = 1 + count % 13;
+            std::vector<int32_t> big(rows * n * run), red(rows * run, -1), gat(rows * n * run, -1);
+            for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<int32_t>(r * 11 + i);
+            auto sum_of = [&](size_t a, int blk, size_t q) {  // the reduced [a, blk*run + q]
+              int32_t want = 0;
+              for (int j = 0; j < n; ++j)
+                want += static_cast<int32_t>(j * 11 + (a * n + blk) * run + q);
+              return want;
+            };
+            std::string e;
+            {
+              auto team = InProcFabric::instance().join(1, 12, pl, "psum_scatter");
+              OpDesc d;
+              d.kind = 9;
+              d.dtype = kS32;
+              d.aux = 1;
+              d.in_bytes = big.size() * 4;
+              d.out_bytes = red.size() * 4;
+              e = team->arrive(d, big.data(), red.data());
+              if (e.empty()) e = reduce_scatter_rows(*team, kS32, ReduceOp::kSum, rows, run);
+              if (e.empty()) e = team->depart();
+            }
+            if (e.empty()) {
+              auto team = InProcFabric::instance().join(1, 13, pl, "all_gather");
+              OpDesc d;
+              d.kind = 10;
+              d.dtype = kS32;
+              d.aux = 1;
+              d.in_bytes = red.size() * 4;
+              d.out_bytes = gat.size() * 4;
+              e = team->arrive(d, red.data(), gat.data());
+              if (e.empty()) e = all_gather_rows(*team, rows, run * 4);
+              if (e.empty()) e = team->depart();
+            }
+            if (!e.empty()) {
+              std::fprintf(stderr, "%s\n", e.c_str());
+              errors[g * n + r] = 1;
+              return;
+            }
+            for (size_t a = 0; a < rows; ++a)
+              for (int blk = 0; blk < n; ++blk)
+                for (size_t q = 0; q < run; ++q)
+                  if ((blk == r && red[a * run + q] != sum_of(a, r, q)) ||
+                      gat[(a * n + blk) * run + q] != sum_of(a, blk, q)) {
+                    errors[g * n + r] = fail("psum_scatter/all_gather rows", r, it);
+                    return;
+                  }
           }
         }
       });
