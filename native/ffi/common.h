@@ -165,21 +165,4 @@ xla::ffi::Error join_and_run_multi(const char* name, int64_t run_id, int64_t op_
       body);
 }
 
-// Several operands per rank (Team::peer_in_at / peer_out_at): a pytree's leaves in one call.
-// `ops` must stay valid until the call returns. Never the low-latency path.
-template <class Body>
-xla::ffi::Error join_and_run_list(const char* name, int64_t run_id, int64_t op_id,
-                                  const Placement& pl, const OpDesc& desc, const OperandRef* ops,
-                                  int nops, Body body) {
-  return join_and_run_with(
-      name, run_id, op_id, pl, /*cross_process=*/true,
-      [&](auto& team) {
-        for (int k = 0; k < nops; ++k) prepare_output(ops[k].out, ops[k].out_bytes);
-        std::string e = team.arrive_list(desc, ops, nops);
-        OpTimer::arrived();  // wait vs move in comm_stats() (fabric/op_stats.h)
-        return e;
-      },
-      body);
-}
-
 }  // namespace strata

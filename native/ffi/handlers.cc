@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "coll/collectives.h"
@@ -150,14 +151,56 @@ ffi::Error AllReduceListImpl(ffi::RunId run, ffi::RemainingArgs args, ffi::Remai
   d.algo = use_two_shot(total) ? 1 : 0;
   stats().calls.fetch_add(1, std::memory_order_relaxed);
   OpTimer timer(name, total, d.algo);  // comm_stats()["ops"] (fabric/op_stats.h)
-  return join_and_run_list(
-      name, run.run_id, op_id, pl, d, ops.data(), static_cast<int>(n), [&](Team& t) {
+  // Across processes a small pytree takes the low-latency path (fabric/shm_ll.h) as one input:
+  // the leaves packed end to end, each from a line boundary; every rank then reduces each leaf
+  // from the peers' slots straight into its own output (one-shot). Every rank packs alike, so
+  // all choose the same path.
+  std::vector<size_t> at(n);
+  size_t packed = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    at[k] = packed;
+    packed += line_up(ops[k].in_bytes);
+  }
+  OpDesc ll = d;
+  ll.in_bytes = ll.out_bytes = packed;
+  std::vector<char> packed_in;
+  bool on_ll = false;
+  return join_and_run_with<true>(
+      name, run.run_id, op_id, pl, /*cross_process=*/true,
+      [&](auto& team) -> std::string {
+        std::string e;
+        if constexpr (std::is_same_v<std::decay_t<decltype(team)>, ShmLlTeam>) {
+          packed_in.assign(packed, 0);
+          for (int64_t k = 0; k < n; ++k)
+            if (ops[k].in_bytes) std::memcpy(packed_in.data() + at[k], ops[k].in, ops[k].in_bytes);
+          on_ll = true;
+          e = team.arrive(ll, packed_in.data(), ops[0].out);
+        } else {
+          for (int64_t k = 0; k < n; ++k) prepare_output(ops[k].out, ops[k].out_bytes);
+          e = team.arrive_list(d, ops.data(), static_cast<int>(n));
+        }
+        OpTimer::arrived();  // wait vs move in comm_stats() (fabric/op_stats.h)
+        return e;
+      },
+      [&](Team& t) -> std::string {
+        count_peer_bytes(t, total * (t.size() - 1));
+        if (on_ll) {
+          stats().one_shot.fetch_add(1, std::memory_order_relaxed);
+          std::vector<const void*> srcs(t.size());
+          for (int64_t k = 0; k < n; ++k) {
+            if (!meta[k].count) continue;
+            for (int j = 0; j < t.size(); ++j)
+              srcs[j] = static_cast<const char*>(t.peer_in(j)) + at[k];
+            reduce_n(meta[k].dtype, op, srcs.data(), t.size(), ops[k].out, 0, meta[k].count);
+          }
+          return {};
+        }
         // As AllReduceImpl: every rank follows rank 0's choice.
         const bool two = t.size() > 2 && t.peer_desc(0).algo == 1 && peers_publish_outputs(t);
         (two ? stats().two_shot : stats().one_shot).fetch_add(1, std::memory_order_relaxed);
-        count_peer_bytes(t, total * (t.size() - 1));
         return all_reduce_list(t, op, meta.data(), static_cast<int>(n), two);
-      });
+      },
+      ShmFabric::active() ? &ll : nullptr);
 }
 
 // The rows and run of an array of `dims` split at `dimension` into n blocks (collectives.h

@@ -4,7 +4,8 @@ dimension in place, against numpy on the same global data (bitwise).
 Run under the launcher: ``python -m strata_jax.launch -n P [--devices-per-proc D]
 check_pytree.py``. The leaves straddle the allocator's threshold (256 KiB), so one call mixes
 zero-copy leaves (pool memory) and staged ones (libc memory), with 0-d and zero-size leaves and
-several dtypes; one-shot and two-shot. The oracle folds the ranks in rank order as strata does
+several dtypes; one-shot and two-shot; a pytree of small leaves only takes the low-latency path
+as one packed input. The oracle folds the ranks in rank order as strata does
 (bfloat16 in float32, rounded once), so every value must match bitwise. Prints "OK pytree <n>
 checks" per process; exits non-zero on the first mismatch.
 """
@@ -76,25 +77,32 @@ hosts = []
 for shape, dt in LEAVES:
     v = rng.standard_normal((N, *shape)) * 4
     hosts.append(v.astype(np.float32).astype(dt) if dt != np.int64 else v.astype(dt))
-tree = [put(h) for h in hosts]
-ranks0 = [h.ndim == 1 for h in hosts]
 
-for op in ("psum", "pmax"):
-    for threshold in (1 << 40, 0):  # one-shot, then two-shot
-        sj.set_two_shot_threshold(threshold)
+# The whole pytree (general path: a table of its buffers), then its small leaves alone (under
+# 64 KiB in all: the low-latency path, the leaves packed into one slot).
+for small in (False, True):
+    picked = [h for h in hosts if not small or h[0].nbytes < 4096]
+    tree = [put(h) for h in picked]
+    ranks0 = [h.ndim == 1 for h in picked]
+    ll_before = sj.comm_stats()["low_latency_calls"]
+    for op in ("psum", "pmax"):
+        for threshold in (1 << 40, 0):  # one-shot, then two-shot
+            sj.set_two_shot_threshold(threshold)
 
-        def body(t, op=op):
-            t = [v.reshape(()) if r0 else v for v, r0 in zip(t, ranks0, strict=True)]
-            out = getattr(sj, op)(t, "x")
-            return [v.reshape((1,)) if r0 else v for v, r0 in zip(out, ranks0, strict=True)]
+            def body(t, op=op, ranks0=ranks0):
+                t = [v.reshape(()) if r0 else v for v, r0 in zip(t, ranks0, strict=True)]
+                out = getattr(sj, op)(t, "x")
+                return [v.reshape((1,)) if r0 else v for v, r0 in zip(out, ranks0, strict=True)]
 
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-        if op == "psum" and threshold:
-            text = f.lower(tree).as_text()
-            assert text.count("stablehlo.custom_call @strata_all_reduce_list") == 1, text
-        outs = f(tree)
-        for k, (h, out) in enumerate(zip(hosts, outs, strict=True)):
-            check(f"{op} leaf {k} threshold {threshold}", out, fold(h, op))
+            f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+            if op == "psum" and threshold:
+                text = f.lower(tree).as_text()
+                assert text.count("stablehlo.custom_call @strata_all_reduce_list") == 1, text
+            outs = f(tree)
+            for k, (h, out) in enumerate(zip(picked, outs, strict=True)):
+                check(f"{op} leaf {k} threshold {threshold} small {small}", out, fold(h, op))
+    took_ll = sj.comm_stats()["low_latency_calls"] > ll_before
+    assert took_ll == small, (small, took_ll)
 sj.set_two_shot_threshold(1024)
 
 # psum_scatter over dimension 1 (in place, strided) and its transpose (all_gather over dim 1).
