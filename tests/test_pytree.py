@@ -251,6 +251,17 @@ def test_psum_scatter_and_all_gather_in_place_over_a_non_leading_dim(rng, dtype,
     want, _ = run(jax.lax.all_gather, axis=dim, tiled=tiled)
     _assert_bitwise(got, want)
     _no_layout_change(hlo)
+    if dtype == "float32":  # JAX's own primitives under use_for_jax_lax take the same calls
+        for op, kw, target in (
+            (jax.lax.psum_scatter, {"scatter_dimension": dim}, "strata_reduce_scatter_rows"),
+            (jax.lax.all_gather, {"axis": dim}, "strata_all_gather_rows"),
+        ):
+            want, _ = run(op, tiled=tiled, **kw)
+            with sj.use_for_jax_lax():
+                got, hlo = run(op, tiled=tiled, **kw)
+            assert target in hlo
+            _no_layout_change(hlo)
+            _assert_bitwise(got, want)
 
 
 def test_fsdp_tp_step_is_bitwise_equal_to_jax_lax(rng):

@@ -525,12 +525,13 @@ def _rows_lowering(target: str, api: str, dim0_target: str):
     takes the tiled form over the leading dimension, so the dimension is moved to the front
     around it there."""
 
+    gather = target == "strata_all_gather_rows"
+
     def lower(ctx, x, *, axes, axis_size, dimension, tiled, **attrs):
         if hierarchy.plan(ctx, axes) is not None:
             if dimension == 0 and tiled:
                 return _ffi_call_lowering(dim0_target, api)(ctx, x, axes=axes, **attrs)
-            prim = ctx.primitive
-            gather = prim is all_gather_p
+            prim = all_gather_p if gather else reduce_scatter_p
 
             def moved(v):
                 if gather and not tiled:
@@ -674,15 +675,11 @@ def _reduce_scatter_batcher(axis_data, vals_in, dims_in, *, axes, axis_size, dim
     return y, out_d
 
 
-mlir.register_lowering(
-    reduce_scatter_p,
-    functools.partial(
-        _rows_lowering("strata_reduce_scatter_rows", "psum_scatter", "strata_reduce_scatter"),
-        reduce=np.int32(0),
-    ),
-    platform="cpu",
-    cacheable=False,
+_reduce_scatter_lowering = functools.partial(
+    _rows_lowering("strata_reduce_scatter_rows", "psum_scatter", "strata_reduce_scatter"),
+    reduce=np.int32(0),
 )
+mlir.register_lowering(reduce_scatter_p, _reduce_scatter_lowering, platform="cpu", cacheable=False)
 reduce_scatter_p.def_effectful_abstract_eval(_reduce_scatter_abstract_eval)
 ad.deflinear2(reduce_scatter_p, _reduce_scatter_transpose)
 batching.fancy_primitive_batchers[reduce_scatter_p] = _reduce_scatter_batcher

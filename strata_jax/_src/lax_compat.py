@@ -36,7 +36,6 @@ import numpy as np
 from jax._src import config
 from jax._src.interpreters import mlir
 from jax._src.lax import parallel as lax_parallel
-from jax._src.lib.mlir.dialects import hlo
 from jax._src.sharding_impls import SPMDAxisContext
 
 from strata_jax._src import collectives, coverage, lowering, ragged
@@ -163,16 +162,6 @@ def _call(ctx, target: str, api: str, x, aval_in, aval_out, axes: tuple, **attrs
     return y
 
 
-def _move(ctx, x, aval, src: int, dst: int):
-    """``x`` with dimension ``src`` moved to ``dst`` (an HLO transpose), and its aval."""
-    if src == dst:
-        return x, aval
-    perm = [i for i in range(aval.ndim) if i != src]
-    perm.insert(dst, src)
-    out = aval.update(shape=tuple(aval.shape[i] for i in perm))
-    return hlo.transpose(x, mlir.dense_int_array(perm)), out
-
-
 def _axes(axis_name) -> tuple:
     return lowering.axis_tuple(axis_name)
 
@@ -211,38 +200,50 @@ def _all_reduce_cause(reduce: str):
     return cause
 
 
-def _all_gather_rule(ctx, x, *, all_gather_dimension, axis_name, axis_size, tiled, **_):
-    (aval,) = ctx.avals_in
-    d = int(all_gather_dimension)
-    if not tiled:  # a unit dimension at d, gathered tiled: the untiled result's shape
-        unit = aval.update(shape=(*aval.shape[:d], 1, *aval.shape[d:]))
-        x, aval = mlir.reshape(ctx, x, unit), unit
-    x, aval = _move(ctx, x, aval, d, 0)
-    gathered = aval.update(shape=(aval.shape[0] * int(axis_size), *aval.shape[1:]))
-    y = _call(ctx, "strata_all_gather", "all_gather", x, aval, gathered, _axes(axis_name))
-    y, _ = _move(ctx, y, gathered, 0, d)
+def _rows_call(ctx, lower, x, *, axis_name, axis_size, dimension, tiled):
+    """strata's all_gather / psum_scatter lowering (``collectives._all_gather_lowering``,
+    ``_reduce_scatter_lowering``) over ``dimension``, in place: no transpose or reshape around
+    it (issue 24 section 4); narrow dtypes widened as in ``_call``."""
+    (aval,), (out,) = ctx.avals_in, ctx.avals_out
+    win, wout = _wide(aval), _wide(out)
+    if win is not aval:
+        x = mlir.convert_hlo(ctx, x, aval, win)
+    sub = ctx.replace(avals_in=[win], avals_out=[wout])
+    (y,) = lower(
+        sub,
+        x,
+        axes=_axes(axis_name),
+        axis_size=int(axis_size),
+        dimension=int(dimension),
+        tiled=bool(tiled),
+    )
+    if wout is not out:
+        y = mlir.convert_hlo(ctx, y, wout, out)
     return [y]
+
+
+def _all_gather_rule(ctx, x, *, all_gather_dimension, axis_name, axis_size, tiled, **_):
+    return _rows_call(
+        ctx,
+        collectives._all_gather_lowering,
+        x,
+        axis_name=axis_name,
+        axis_size=axis_size,
+        dimension=all_gather_dimension,
+        tiled=tiled,
+    )
 
 
 def _reduce_scatter_rule(ctx, x, *, scatter_dimension, axis_name, axis_size, tiled, **_):
-    (aval,), (out,) = ctx.avals_in, ctx.avals_out
-    d = int(scatter_dimension)
-    x, moved = _move(ctx, x, aval, d, 0)
-    block = moved.update(shape=(moved.shape[0] // int(axis_size), *moved.shape[1:]))
-    y = _call(
+    return _rows_call(
         ctx,
-        "strata_reduce_scatter",
-        "psum_scatter",
+        collectives._reduce_scatter_lowering,
         x,
-        moved,
-        block,
-        _axes(axis_name),
-        reduce=np.int32(0),
+        axis_name=axis_name,
+        axis_size=axis_size,
+        dimension=scatter_dimension,
+        tiled=tiled,
     )
-    y, _ = _move(ctx, y, block, 0, d)
-    if not tiled:  # dimension d (now of size 1) is dropped
-        y = mlir.reshape(ctx, y, out)
-    return [y]
 
 
 def _group_cause(ctx, *, axis_name, axis_index_groups=None, **_):
