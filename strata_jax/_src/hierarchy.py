@@ -341,7 +341,11 @@ def _gc_lowering(
         out = _strata_lowering(ctx, x, *z, z_first=z_first, placement=placement, **kw)
     else:
         (aval_in,) = ctx.avals_in
-        _count_inter(ctx, x, int(aval_in.size) * aval_in.dtype.itemsize)
+        nbytes = int(aval_in.size) * aval_in.dtype.itemsize
+        if kind == "permute":  # per rank on average: the share of the members that send
+            members = len({int(v) for g in groups for v in g})
+            nbytes = nbytes * len({a for a, _ in pairs}) // max(1, members)
+        _count_inter(ctx, x, nbytes)
         out = _xla_lowering(ctx, x, **kw)
     return [out]
 
@@ -451,6 +455,39 @@ def _pairs(groups) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for g in groups for a, b in ((g[0], g[1]), (g[1], g[0]))]
 
 
+# From this many bytes per rank, the two-fabric exchange runs as two one-way rounds (below).
+ONE_WAY_BYTES = 256 * 1024
+
+
+def _exchange(send, p: Plan):
+    """The partner's ``send``: the exchange of a two-fabric step over ``p.inter`` (groups of
+    two, one member per fabric), by XLA's collective-permute.
+
+    One collective-permute in both directions of every pair moves each pair's two messages
+    over one gloo connection, and there they take turns: measured between simulated hosts
+    over 1 Gbit/s links (launch --netns), 4 MiB each way took 65 ms where one way took 34 ms,
+    the link's time. From ``ONE_WAY_BYTES`` per rank, the exchange therefore runs as two
+    collective-permutes in which every pair moves one way, odd and even groups in opposite
+    directions: in each round a host sends with half its members and receives with the other
+    half, so both directions of its link are busy and each connection carries one message at a
+    time. Each rank sends its buffer once and receives the partner's once, in one of the two
+    rounds; the result is selected by the partition id (no arithmetic on the values).
+    """
+    nbytes = int(np.prod(send.shape)) * send.dtype.itemsize
+    groups = np.asarray(p.inter)
+    if nbytes < ONE_WAY_BYTES or len(groups) < 2:
+        return _gc(send, "permute", "xla", p.inter, pairs=_pairs(p.inter))
+    first = [(int(g[i % 2]), int(g[1 - i % 2])) for i, g in enumerate(groups)]
+    second = [(b, a) for a, b in first]
+    got_first = _gc(send, "permute", "xla", p.inter, pairs=first)
+    got_second = _gc(send, "permute", "xla", p.inter, pairs=second)
+    table = np.zeros(groups.size, np.bool_)
+    for _, b in first:
+        table[b] = True  # receives in the first round
+    in_first = jnp.asarray(table)[_partition_id_p.bind().astype(jnp.int32)]
+    return jax.lax.select(jnp.broadcast_to(in_first, send.shape), got_first, got_second)
+
+
 # --------------------------------------------------------------------------------------
 # The hierarchical algorithms (traced with jnp, lowered with mlir.lower_fun)
 # --------------------------------------------------------------------------------------
@@ -496,7 +533,7 @@ def _all_reduce(x, p: Plan, reduce: str):
         # ring all-reduce, one round instead of two), combined with the own shard inside the
         # intra-fabric all_gather (native all_gather_reduce: one pass, no XLA reduction). Both
         # partners put fabric slot 0's shard first (z_first), so every rank holds the same bits.
-        z = _gc(v, "permute", "xla", p.inter, pairs=_pairs(p.inter))
+        z = _exchange(v, p)
         v = _gc(
             v, "all_gather_reduce", "strata", p.intra, reduce=reduce, z=z, z_first=_slot_table(p)
         )
@@ -509,7 +546,14 @@ def _all_reduce(x, p: Plan, reduce: str):
 def _all_gather(x, p: Plan):
     if p.L == 1 or not p.uniform:
         return _gc(x, "all_gather", "xla", p.groups)
-    v = _gc(x, "all_gather", "xla", p.inter)  # [F*k]: own local index, every fabric
+    if p.F == 2 and x.size * x.dtype.itemsize >= ONE_WAY_BYTES:
+        # Two fabrics, large blocks: the partner's block by the one-way exchange (gloo's
+        # all-gather of two ranks moves both ways over one connection too), placed by slot.
+        got = _exchange(x, p)
+        slot0 = jnp.broadcast_to(_my_slot(p) == 0, x.shape)
+        v = jnp.concatenate([jax.lax.select(slot0, x, got), jax.lax.select(slot0, got, x)])
+    else:
+        v = _gc(x, "all_gather", "xla", p.inter)  # [F*k]: own local index, every fabric
     # Inside the fabric, block (l, f) goes straight to its place in group order, perm_lf()[l*F
     # + f]: no reorder pass over the whole output afterwards.
     return _gc(v, "all_gather", "strata", p.intra, placement=p.perm_lf())
@@ -535,7 +579,7 @@ def _reduce_scatter(x, p: Plan, reduce: str):
             placement=tuple(int(b) for b in p.perm_lf()),
             divert=tuple(int(o) for o in 1 - _slot_table(p)),
         )
-        got = _gc(send, "permute", "xla", p.inter, pairs=_pairs(p.inter))
+        got = _exchange(send, p)
         w = v.reshape(2, k, *x.shape[1:])
         return _REDUCERS[reduce].bind(
             jax.lax.dynamic_index_in_dim(w, _my_slot(p), keepdims=False), got
@@ -588,7 +632,7 @@ def _all_to_all(x, p: Plan, split_axis: int, concat_axis: int):
         # writes it so; no transpose). The block that comes back has F of size 1, so its bytes
         # are already in that order, and the update is the last op on v (a reshape or a
         # transpose fused with it made XLA copy the whole of v first).
-        got = _gc(send, "permute", "xla", p.inter, pairs=_pairs(p.inter))
+        got = _exchange(send, p)
         width = send.shape[c1]
         got = got.reshape(*v.shape[:k], width, *v.shape[k + 1 :])
         v = jax.lax.dynamic_update_slice_in_dim(v, got, (1 - _my_slot(p)) * width, axis=k)
