@@ -51,6 +51,7 @@ steps with ``engine="xla"``, next to a custom call that counts the bytes handed 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import jax
@@ -455,8 +456,21 @@ def _pairs(groups) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for g in groups for a, b in ((g[0], g[1]), (g[1], g[0]))]
 
 
-# From this many bytes per rank, the two-fabric exchange runs as two one-way rounds (below).
+# From this many bytes per rank, the two-fabric exchange runs as two one-way rounds (below);
+# STRATA_ONE_WAY_BYTES overrides it when a program is lowered (0: always; a huge value: never).
 ONE_WAY_BYTES = 256 * 1024
+
+
+def _one_way_bytes() -> int:
+    v = os.environ.get("STRATA_ONE_WAY_BYTES", "").strip()
+    if not v:
+        return ONE_WAY_BYTES
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(
+            f"STRATA_ONE_WAY_BYTES={v!r}: give a number of bytes (e.g. 262144; 0: always)"
+        ) from None
 
 
 def _exchange(send, p: Plan):
@@ -475,7 +489,7 @@ def _exchange(send, p: Plan):
     """
     nbytes = int(np.prod(send.shape)) * send.dtype.itemsize
     groups = np.asarray(p.inter)
-    if nbytes < ONE_WAY_BYTES or len(groups) < 2:
+    if nbytes < _one_way_bytes() or len(groups) < 2:
         return _gc(send, "permute", "xla", p.inter, pairs=_pairs(p.inter))
     first = [(int(g[i % 2]), int(g[1 - i % 2])) for i, g in enumerate(groups)]
     second = [(b, a) for a, b in first]
@@ -546,7 +560,7 @@ def _all_reduce(x, p: Plan, reduce: str):
 def _all_gather(x, p: Plan):
     if p.L == 1 or not p.uniform:
         return _gc(x, "all_gather", "xla", p.groups)
-    if p.F == 2 and x.size * x.dtype.itemsize >= ONE_WAY_BYTES:
+    if p.F == 2 and x.size * x.dtype.itemsize >= _one_way_bytes():
         # Two fabrics, large blocks: the partner's block by the one-way exchange (gloo's
         # all-gather of two ranks moves both ways over one connection too), placed by slot.
         got = _exchange(x, p)
