@@ -480,12 +480,15 @@ def _exchange(send, p: Plan):
     One collective-permute in both directions of every pair moves each pair's two messages
     over one gloo connection, and there they take turns: measured between simulated hosts
     over 1 Gbit/s links (launch --netns), 4 MiB each way took 65 ms where one way took 34 ms,
-    the link's time. From ``ONE_WAY_BYTES`` per rank, the exchange therefore runs as two
+    the link's time. From ``ONE_WAY_BYTES`` per rank, psum's and all_to_all's exchanges
+    therefore run as two
     collective-permutes in which every pair moves one way, odd and even groups in opposite
     directions: in each round a host sends with half its members and receives with the other
     half, so both directions of its link are busy and each connection carries one message at a
     time. Each rank sends its buffer once and receives the partner's once, in one of the two
     rounds; the result is selected by the partition id (no arithmetic on the values).
+    Measured at 1 Gbit/s (two A/B runs, load 23-28): psum 72-80 % of the link bound against
+    46-57 % with one collective-permute, all_to_all 61-74 % against 48-52 %.
     """
     nbytes = int(np.prod(send.shape)) * send.dtype.itemsize
     groups = np.asarray(p.inter)
@@ -560,14 +563,10 @@ def _all_reduce(x, p: Plan, reduce: str):
 def _all_gather(x, p: Plan):
     if p.L == 1 or not p.uniform:
         return _gc(x, "all_gather", "xla", p.groups)
-    if p.F == 2 and x.size * x.dtype.itemsize >= _one_way_bytes():
-        # Two fabrics, large blocks: the partner's block by the one-way exchange (gloo's
-        # all-gather of two ranks moves both ways over one connection too), placed by slot.
-        got = _exchange(x, p)
-        slot0 = jnp.broadcast_to(_my_slot(p) == 0, x.shape)
-        v = jnp.concatenate([jax.lax.select(slot0, x, got), jax.lax.select(slot0, got, x)])
-    else:
-        v = _gc(x, "all_gather", "xla", p.inter)  # [F*k]: own local index, every fabric
+    # gloo's own all-gather of the pair, not the one-way exchange: at 1 Gbit/s under launch
+    # --netns that reached 62 and 54 % of the link bound at 4 and 16 MiB, the exchange 50-57
+    # and 42-43 % (two A/B runs each).
+    v = _gc(x, "all_gather", "xla", p.inter)  # [F*k]: own local index, every fabric
     # Inside the fabric, block (l, f) goes straight to its place in group order, perm_lf()[l*F
     # + f]: no reorder pass over the whole output afterwards.
     return _gc(v, "all_gather", "strata", p.intra, placement=p.perm_lf())
@@ -593,7 +592,9 @@ def _reduce_scatter(x, p: Plan, reduce: str):
             placement=tuple(int(b) for b in p.perm_lf()),
             divert=tuple(int(o) for o in 1 - _slot_table(p)),
         )
-        got = _exchange(send, p)
+        # One collective-permute both ways: at 1 Gbit/s under launch --netns the one-way
+        # exchange gave 46/43 and 39/39 % of the link bound at 4/16 MiB, this 40/45 and 66/46.
+        got = _gc(send, "permute", "xla", p.inter, pairs=_pairs(p.inter))
         w = v.reshape(2, k, *x.shape[1:])
         return _REDUCERS[reduce].bind(
             jax.lax.dynamic_index_in_dim(w, _my_slot(p), keepdims=False), got
