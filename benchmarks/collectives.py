@@ -83,7 +83,7 @@ except ImportError:  # imported as a module from elsewhere
     import _common as C
 
 AXIS = "x"
-IMPLS = ("strata", "xla", "mpi4jax")
+IMPLS = ("strata", "xla", "mpi", "mpi4jax")
 CHILD_ENV = "STRATA_BENCH_CHILD"  # set on the processes this script re-launches under --procs
 LINK_ENV = "STRATA_BENCH_LINK_GBIT"  # the link rate of this launch (--netns --link-gbit)
 MPI_ENVS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
@@ -395,7 +395,9 @@ class Runner:
     def __init__(self, ctx: Context, impls: Sequence[str]) -> None:
         self.ctx = ctx
         self.impls = list(impls)
-        self.libs: dict[str, Any] = {"xla": _LaxForBench()}
+        # 'xla' and 'mpi' are both jax.lax; which engine moves the bytes between processes
+        # (gloo or XLA's MPI collectives) is the process's, set in setup_jax.
+        self.libs: dict[str, Any] = {"xla": _LaxForBench(), "mpi": _LaxForBench()}
         if "strata" in impls:
             self.libs["strata"] = _strata
         self._mpi: Any = None
@@ -445,7 +447,12 @@ class Runner:
         total = n * OPS[pt.op].in_count(pt.count, n)
         host = random_array(np.random.default_rng(seed), total, pt.dtype, n)
         sharding = NamedSharding(self.ctx.mesh, P(AXIS))
-        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx]), host
+        x = jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+        # XLA's own copy, as a training step's gradients are: on CPU jax may borrow a 64-byte
+        # aligned numpy buffer instead of copying it, and outside LD_PRELOAD (mpirun without
+        # strata-run: the allocator hooked into jaxlib only) numpy's memory is not fabric
+        # memory, so strata would stage such an input.
+        return jax.device_put(x, sharding, may_alias=False), host
 
     def prepare(self, impl: str, pt: Point, x: Any) -> Callable[[], Any]:
         """A no-argument callable running `impl` on `x` (compiled by its first call)."""
@@ -761,7 +768,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--warmup", type=int, default=None, help="warm-up calls (default iters/10, 3..20)"
     )
-    p.add_argument("--impl", default="strata,xla", help="comma list of strata, xla, mpi4jax")
+    p.add_argument(
+        "--impl",
+        default="strata,xla",
+        help="comma list of strata, xla (jax.lax; over gloo across processes), mpi (jax.lax over "
+        "XLA's MPI collectives: under mpirun with MPITRAMPOLINE_LIB, not with xla), mpi4jax",
+    )
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for CSV/JSON/PNG")
     p.add_argument("--procs", type=int, default=None, help="one process per device, P processes")
     p.add_argument(
@@ -859,7 +871,8 @@ def setup_jax(args: argparse.Namespace, dtypes: Sequence[np.dtype], multi: bool)
     if any(d.itemsize == 8 and d.kind != "c" or d.itemsize == 16 for d in dtypes):
         jax.config.update("jax_enable_x64", True)
     if multi:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        engine = "mpi" if "mpi" in args.impls else "gloo"
+        jax.config.update("jax_cpu_collectives_implementation", engine)
         if _strata is not None and hasattr(_strata, "init"):
             _strata.init()  # initializes jax.distributed from the launcher's (or mpirun's) env
         else:
@@ -881,6 +894,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"({type(_STRATA_ERROR).__name__}: {_STRATA_ERROR}). Build/install it (pip install .) "
             "or run with --impl xla."
         )
+    if "mpi" in args.impls:
+        if not (multi and _under_mpi()):
+            sys.exit(
+                "error: --impl mpi needs one process per rank started by mpirun "
+                "(mpirun -n P -x MPITRAMPOLINE_LIB python benchmarks/collectives.py --procs P "
+                "--impl strata,mpi); see docs/guide/hosts.md"
+            )
+        if "xla" in args.impls:
+            sys.exit(
+                "error: --impl xla (gloo) and mpi cannot share a run: XLA has one engine per "
+                "process; run them separately"
+            )
+        if args.devices != 1:
+            sys.exit("error: --impl mpi needs --devices 1 (XLA's MPI: one device per process)")
     if "mpi4jax" in args.impls:
         try:
             import mpi4jax  # noqa: F401
@@ -927,6 +954,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     write(
         f"# compared   : {', '.join(args.impls)}  ('xla' = jax.lax"
         + (" over gloo" if multi else "")
+        + ("; 'mpi' = jax.lax over XLA's MPI collectives" if "mpi" in args.impls else "")
         + "; #wrong is against numpy on the same input)"
     )
     write(
@@ -938,8 +966,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         write(
             f"# fabrics    : {len(topo['fabrics'])} ("
             + "; ".join(f"{f['id']}: processes {f['processes']}" for f in topo["fabrics"])
-            + "); strata moves bytes inside a fabric, XLA's collectives (gloo) between; "
-            "inter(B) = bytes per device per call handed to gloo (strata: measured, "
+            + "); strata moves bytes inside a fabric, XLA's collectives "
+            f"({jax.config.jax_cpu_collectives_implementation}) between; "
+            "inter(B) = bytes per device per call handed to them (strata: measured, "
             "jax.lax: its whole input)"
         )
     write(

@@ -127,3 +127,18 @@ def strata_run_dirs() -> set[str]:
         except OSError:
             pass
     return found
+
+
+def results(text: str, tag: str = "RESULT ") -> list:
+    """Every JSON object printed after ``tag`` in ``text`` (the ranks of an mpirun job share one
+    pipe, so a line of one rank may follow another's without a newline)."""
+    import json
+
+    dec = json.JSONDecoder()
+    out = []
+    i = text.find(tag)
+    while i >= 0:
+        obj, end = dec.raw_decode(text, i + len(tag))
+        out.append(obj)
+        i = text.find(tag, end)
+    return out

@@ -11,13 +11,12 @@ mpirun gives registration on allocation too. Needs Open MPI's ``mpirun`` (Debian
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
 
 import pytest
-from _mp_util import PKG_PARENT, SCRIPTS, job_env
+from _mp_util import PKG_PARENT, SCRIPTS, job_env, results
 
 MPIRUN = shutil.which("mpirun")
 pytestmark = pytest.mark.skipif(
@@ -50,8 +49,7 @@ def _run(cmd: list[str], timeout: float = 240, **extra: str):
         text=True,
         timeout=timeout,
     )
-    results = [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
-    return r, results
+    return r, results(r.stdout)
 
 
 def test_plain_mpirun_registers_on_allocation():

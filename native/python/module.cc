@@ -23,10 +23,47 @@ template <class T>
 nb::capsule capsule(T* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
+
+// MPI finalisation after the interpreter is gone (finalize_mpi_at_exit): MPIwrapper's entry
+// points, found in the copy MPItrampoline already loaded.
+using MpiIntFn = int (*)(int*);
+using MpiVoidFn = int (*)();
+MpiIntFn g_mpi_finalized = nullptr;
+MpiVoidFn g_mpi_finalize = nullptr;
+
+void FinalizeMpiAtExit() {
+  int done = 0;
+  if (g_mpi_finalized) g_mpi_finalized(&done);
+  if (!done && g_mpi_finalize) g_mpi_finalize();
+}
 }  // namespace
 
 NB_MODULE(_strata, m) {
   m.doc() = "strata_jax native core: XLA FFI handlers of the collectives";
+  // XLA's MPI collectives register MPI_Finalize with Python's atexit, which runs before the
+  // interpreter drops the CPU client: its communicators are then freed after MPI_Finalize and
+  // Open MPI aborts the process ("MPI_Comm_free() ... after MPI_FINALIZE"). Py_AtExit functions
+  // run at the very end of Py_FinalizeEx, after every object the interpreter frees is gone (as
+  // mpi4py finalises MPI). `library` is the MPITRAMPOLINE_LIB that XLA's MPItrampoline loaded:
+  // only that already-loaded copy is used (RTLD_NOLOAD). Returns false when it is not loaded
+  // or lacks MPIABI_Finalize (the caller then keeps XLA's own finalisation).
+  m.def(
+      "finalize_mpi_at_exit",
+      [](const std::string& library) {
+        if (g_mpi_finalize) return true;
+        void* h = dlopen(library.c_str(), RTLD_NOW | RTLD_NOLOAD);
+        if (!h) return false;
+        auto fin = reinterpret_cast<MpiVoidFn>(dlsym(h, "MPIABI_Finalize"));
+        auto finalized = reinterpret_cast<MpiIntFn>(dlsym(h, "MPIABI_Finalized"));
+        if (!fin || !finalized || Py_AtExit(&FinalizeMpiAtExit) != 0) {
+          dlclose(h);
+          return false;
+        }
+        g_mpi_finalized = finalized;
+        g_mpi_finalize = fin;
+        return true;  // the handle stays open for the exit
+      },
+      nb::arg("library"));
   m.def("handlers", [] {
     nb::dict d;
     d["strata_all_reduce"] = capsule(strata::AllReduceHandler);

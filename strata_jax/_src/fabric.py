@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 
-from strata_jax._src import allocator, runtime, topology
+from strata_jax._src import allocator, mpi_engine, runtime, topology
 
 REGISTRATION_MODES = ("on_alloc", "on_use", "staging")
 ENV_REGISTRATION = "STRATA_REGISTRATION"
@@ -231,6 +231,13 @@ def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
                 "strata_jax.init() before any other use of jax (right after the imports)."
             )
         jax.config.update("jax_num_cpu_devices", env["local_device_count"])
+        if mpi_engine.selected():
+            raise ValueError(
+                "jax_cpu_collectives_implementation is 'mpi', but strata_jax.launch does not "
+                "start an MPI job (each process would be an MPI world of its own): start the "
+                "processes with mpirun instead (see docs/guide/hosts.md, XLA over MPI), or "
+                "use gloo under the launcher"
+            )
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(
             coordinator_address=env["coordinator_address"],
@@ -238,9 +245,15 @@ def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
             process_id=env["process_id"],
         )
     elif not jax.distributed.is_initialized() and _cluster_size() > 1:
-        # mpirun / srun: jax.distributed detects the cluster itself.
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # mpirun / srun: jax.distributed detects the cluster itself. The engine between
+        # processes is gloo unless the user chose XLA's MPI collectives (mpi_engine.py).
+        if mpi_engine.selected():
+            mpi_engine.configure_before_backend()
+        else:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize()
+    if mpi_engine.selected() and jax.distributed.is_initialized():
+        mpi_engine.create_backend()  # now, so MPI is finalised after XLA's communicators
     native = runtime.native()
     if not jax.distributed.is_initialized() or jax.process_count() == 1:
         _state = {

@@ -48,5 +48,6 @@ out = {
     "zero_copy_bytes": ms["zero_copy_bytes"],
     "staged_bytes": ms["staged_bytes"],
 }
-print("RESULT " + json.dumps(out), flush=True)
+sys.stdout.write("RESULT " + json.dumps(out) + "\n")  # one write: lines of ranks interleave
+sys.stdout.flush()
 sys.exit(0 if ok else 1)

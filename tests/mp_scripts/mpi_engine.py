@@ -1,0 +1,95 @@
+"""strata_jax with XLA's MPI collectives as JAX's engine, under mpirun (issue 25, section 2).
+
+Run as ``mpirun -n P -x MPITRAMPOLINE_LIB -x JAX_CPU_COLLECTIVES_IMPLEMENTATION=mpi python
+mpi_engine.py [HOSTS]``. With HOSTS > 1 each rank sets ``STRATA_FABRIC_ID=host<rank*HOSTS//P>``
+before ``strata_jax.init()``, so the job plays HOSTS hosts and strata's hierarchical collectives
+hand their inter-fabric step to XLA's collectives, i.e. to MPI. Every op, strata's and jax.lax's
+over MPI, is checked against numpy on fresh random inputs (XLA-computed inputs, as gradients
+are). Prints ``RESULT <json>``; exit code 0 only if every check passed and the process ends
+cleanly (no "MPI_Comm_free() after MPI_FINALIZE" abort).
+"""
+
+import json
+import os
+import sys
+
+hosts = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+rank, size = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+if hosts > 1:
+    os.environ["STRATA_FABRIC_ID"] = f"host{rank * hosts // size}"
+
+import strata_jax  # noqa: E402
+
+info = strata_jax.init()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from strata_jax._src import mpi_engine  # noqa: E402
+
+n, me = jax.process_count(), jax.process_index()
+mesh = Mesh(np.array(jax.devices()), ("x",))
+copy = jax.jit(lambda a: a * 1)
+failures = []
+
+
+def run(lib, name, body, make, expect):
+    f = jax.jit(jax.shard_map(body(lib), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    inputs = [make(np.random.default_rng([7, p, len(failures)])) for p in range(n)]
+    x = copy(jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), inputs[me]))
+    got = np.asarray(f(x).addressable_shards[0].data)
+    want = expect(inputs)
+    if not np.allclose(got, want, rtol=1e-5, atol=1e-5):
+        failures.append(f"{name} over {lib.__name__}")
+
+
+count = 64 * 1024 * n  # 256 KiB * n of float32 per rank: above the allocator's threshold
+rnd = lambda r: r.standard_normal(count).astype(np.float32)  # noqa: E731
+for lib in (jax.lax, strata_jax):
+    run(lib, "psum", lambda L: lambda x: L.psum(x, "x"), rnd, lambda xs: np.sum(xs, axis=0))
+    run(lib, "pmax", lambda L: lambda x: L.pmax(x, "x"), rnd, lambda xs: np.max(xs, axis=0))
+    run(
+        lib,
+        "all_gather",
+        lambda L: lambda x: L.all_gather(x, "x", tiled=True),
+        rnd,
+        lambda xs: np.concatenate(xs),
+    )
+    run(
+        lib,
+        "psum_scatter",
+        lambda L: lambda x: L.psum_scatter(x, "x", tiled=True),
+        rnd,
+        lambda xs: np.split(np.sum(xs, axis=0), n)[me],
+    )
+    run(
+        lib,
+        "all_to_all",
+        lambda L: lambda x: L.all_to_all(x, "x", 0, 0, tiled=True),
+        rnd,
+        lambda xs: np.concatenate([np.split(x, n)[me] for x in xs]),
+    )
+    run(
+        lib,
+        "ppermute",
+        lambda L: lambda x: L.ppermute(x, "x", [(i, (i + 1) % n) for i in range(n)]),
+        rnd,
+        lambda xs: xs[(me - 1) % n],
+    )
+ms = strata_jax.memory_stats()
+out = {
+    "process": me,
+    "failures": failures,
+    "engine": jax.config.jax_cpu_collectives_implementation,
+    "async_dispatch": mpi_engine.async_dispatch(),
+    "finalize": mpi_engine.state["finalize"],
+    "num_fabrics": info.get("num_fabrics"),
+    "inter_fabric_bytes": ms["inter_fabric_bytes"],
+    "zero_copy_bytes": ms["zero_copy_bytes"],
+    "staged_bytes": ms["staged_bytes"],
+}
+sys.stdout.write("RESULT " + json.dumps(out) + "\n")  # one write: lines of ranks interleave
+sys.stdout.flush()
+sys.exit(1 if failures else 0)
