@@ -26,6 +26,8 @@ Usage::
 
     python benchmarks/latency.py --procs 4 --op psum -b 4K -e 64K
     python benchmarks/latency.py --procs 2 --op psum,all_gather -b 4K -e 4K --rounds 5
+    # against jax.lax over XLA's MPI collectives (docs/guide/hosts.md, XLA over MPI)
+    mpirun -n 4 -x MPITRAMPOLINE_LIB python benchmarks/latency.py --impl strata,mpi,noop
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ from collectives import make_body  # noqa: E402  (the per-shard op, one definiti
 CHILD_ENV = "STRATA_BENCH_CHILD"
 AXIS = "x"
 OPS = ("psum", "pmax", "pmin", "all_gather", "psum_scatter", "all_to_all", "ppermute")
-IMPLS = ("strata", "xla", "noop")
+IMPLS = ("strata", "xla", "mpi", "noop")
+MPI_ENVS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
 
 
 def _program(body: Any, mesh: Any, x: Any, xr: Any) -> Any:
@@ -80,6 +83,14 @@ def child(args: argparse.Namespace) -> int:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    impls = C.parse_list(args.impl, IMPLS)
+    if "mpi" in impls:
+        if "xla" in impls:
+            sys.exit("error: --impl xla (gloo) and mpi cannot share a run (one engine a process)")
+        if not any(k in os.environ for k in MPI_ENVS):
+            sys.exit("error: --impl mpi needs the processes started by mpirun (see --help)")
+        # jax.lax over XLA's MPI collectives; init() sets what they need (mpi_engine.py).
+        jax.config.update("jax_cpu_collectives_implementation", "mpi")
     sj.init()
     devs = sorted(jax.devices(), key=lambda d: d.id)
     n = len(devs)
@@ -91,7 +102,8 @@ def child(args: argparse.Namespace) -> int:
     C.print_machine(info, write)
     write(
         f"# setup      : {jax.process_count()} processes x {jax.local_device_count()} device, "
-        f"mesh axis '{AXIS}' of {n}; strata vs jax.lax over gloo vs a jitted no-op (x + 0) on "
+        f"mesh axis '{AXIS}' of {n}; {', '.join(impls)} (xla: jax.lax over gloo, mpi: jax.lax "
+        "over XLA's MPI collectives, noop: a jitted no-op x + 0) on "
         f"the same mesh; {args.rounds} rounds x {args.iters} calls, alternating "
         f"{'call by call' if args.interleave == 'call' else 'in blocks of ' + str(args.iters)}, "
         f"each blocked; times of rank 0 in us (load average {os.getloadavg()[0]:.1f}); "
@@ -106,7 +118,7 @@ def child(args: argparse.Namespace) -> int:
     # The general path for comparison: the same devices in reverse order are another
     # communicator, whose channel is made with the low-latency path turned off.
     rmesh = Mesh(np.array(devs[::-1]), (AXIS,))
-    impls = list(IMPLS) + (["general"] if args.general else [])
+    impls = impls + (["general"] if args.general else [])
     rows = []
     for op in C.parse_list(args.op, OPS):
         for nbytes in C.size_sweep(args.min_bytes, args.max_bytes, args.factor):
@@ -120,7 +132,7 @@ def child(args: argparse.Namespace) -> int:
             xr = jax.make_array_from_callback(host.shape, rsh, lambda idx, h=host: h[idx])
             fns = {}
             for impl in impls:
-                lib = jax.lax if impl in ("xla", "noop") else sj
+                lib = jax.lax if impl in ("xla", "mpi", "noop") else sj
                 body = (lambda v: v + 0) if impl == "noop" else make_body(lib, op, n)
                 fns[impl] = _program(body, rmesh if impl == "general" else mesh, x, xr)
             if "general" in impls:  # its communicator's channel is made with the path off
@@ -129,10 +141,16 @@ def child(args: argparse.Namespace) -> int:
                 jax.block_until_ready(fns["general"]())
                 sj.set_low_latency_threshold(keep)
             outs = {k: _local(f()) for k, f in fns.items()}
+            # Checked against jax.lax over the process's engine (gloo or MPI), on one mesh.
+            lax_out = outs.get("xla", outs.get("mpi"))
+            if lax_out is None:
+                lax_out = _local(_program(make_body(jax.lax, op, n), mesh, x, xr)())
             wrong = {k: 0 for k in impls}
-            wrong["strata"] = int(
-                np.count_nonzero(~np.isclose(outs["strata"], outs["xla"], rtol=1e-5, atol=1e-5))
-            )
+            for k in ("strata", "xla", "mpi"):
+                if k in outs:
+                    wrong[k] = int(
+                        np.count_nonzero(~np.isclose(outs[k], lax_out, rtol=1e-5, atol=1e-5))
+                    )
             if "general" in impls:
                 ref = _local(_program(make_body(jax.lax, op, n), rmesh, x, xr)())
                 wrong["general"] = int(
@@ -160,10 +178,11 @@ def child(args: argparse.Namespace) -> int:
                     f" {op:>11} {size:>8} {k:>7} {p10:9.1f} {p50:9.1f} {p99:9.1f} "
                     f"{p50max[i]:9.1f} {wrong[k]:>6}"
                 )
-            s, xl, no = pct["strata"], pct["xla"], pct["noop"]
+            base = "xla" if "xla" in pct else "mpi"
+            s, xl, no = pct["strata"], pct[base], pct["noop"]
             write(
                 f" {op:>11} {size:>8} {'ratio':>7} strata/noop p10 {s[0] / no[0]:.2f} "
-                f"p50 {s[1] / no[1]:.2f} p99 {s[2] / no[2]:.2f}; xla/strata p50 "
+                f"p50 {s[1] / no[1]:.2f} p99 {s[2] / no[2]:.2f}; {base}/strata p50 "
                 f"{xl[1] / s[1]:.1f}x (strata {'faster' if xl[1] > s[1] else 'slower'})"
                 + (
                     f"; general/strata p50 {pct['general'][1] / s[1]:.2f}"
@@ -180,7 +199,7 @@ def child(args: argparse.Namespace) -> int:
                 )
             sj.reset_stats()
             rows.append({"op": op, "bytes": count * 4, "pct": pct, "wrong": wrong})
-            if main and args.goal and op == "psum":
+            if main and args.goal and op == "psum" and {"strata", "xla", "noop"} <= set(impls):
                 i_s, i_x, i_n = impls.index("strata"), impls.index("xla"), impls.index("noop")
                 r0, rmax = s[1] / no[1], p50max[i_s] / p50max[i_n]
                 g0, gmax = xl[1] / s[1], p50max[i_x] / p50max[i_s]
@@ -218,11 +237,17 @@ def main() -> int:
         help="also time strata's general path (low-latency path off) on another communicator",
     )
     ap.add_argument("--goal", action="store_true", help="print issue 9's goals for psum")
+    ap.add_argument(
+        "--impl",
+        default="strata,xla,noop",
+        help="comma list of strata, xla (jax.lax over gloo), mpi (jax.lax over XLA's MPI "
+        "collectives; run under mpirun -x MPITRAMPOLINE_LIB, not with xla), noop",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="", help="write the rows as JSON here (rank 0)")
     args = ap.parse_args()
-    if os.environ.get(CHILD_ENV):
-        return child(args)
+    if os.environ.get(CHILD_ENV) or any(k in os.environ for k in MPI_ENVS):
+        return child(args)  # under strata's launcher, or started by mpirun
     env = dict(os.environ, **{CHILD_ENV: "1"})
     cmd = [
         sys.executable,
