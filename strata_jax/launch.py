@@ -576,7 +576,13 @@ class _Namespace:
         nsenter = shutil.which("nsenter") or "nsenter"
         spaces = ["--net", "--uts", "--mount"] if self.net else ["--mount"]
         # Entering a mount namespace resets the working directory to /: keep the launcher's.
-        return [nsenter, "-t", str(self.proc.pid), *spaces, f"--wd={os.getcwd()}", "--", *argv]
+        cmd = [nsenter, "-t", str(self.proc.pid), *spaces, f"--wd={os.getcwd()}", "--", *argv]
+        setpriv = shutil.which("setpriv")
+        if self.net and setpriv:
+            # Under --netns a rank also dies with the launcher: a rank left running would keep
+            # its host's namespaces, links and tmpfs alive after a SIGKILLed launcher.
+            cmd = [setpriv, "--pdeathsig", "KILL", *cmd]
+        return cmd
 
     def stop(self) -> None:
         _stop_holder(self.proc)

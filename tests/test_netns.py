@@ -237,3 +237,31 @@ def test_link_bound_counts_the_bytes_a_host_must_receive(hosts, per_host):
                 for h in range(hosts)
             )
         assert got * item == pytest.approx(want), (op, got * item, want)
+
+
+@needs_netns
+def test_launcher_killed_leaves_nothing(tmpdir_short):
+    """SIGKILL to the launcher itself (no chance to clean up): its namespace holders and ranks
+    die with it (setpriv --pdeathsig), so no namespace, link or run dir outlives it."""
+    before = _Leftovers()
+    cmd = [sys.executable, "-m", "strata_jax.launch", "-n", "2", "--hosts", "2", "--netns"]
+    cmd += [str(SCRIPTS / "sleep_ready.py")]
+    p = subprocess.Popen(
+        cmd,
+        env=_env(tmpdir_short),
+        cwd=PKG_PARENT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert p.stdout is not None and p.stderr is not None
+    ready = 0
+    for line in p.stdout:
+        ready += "ready" in line
+        if ready == 2:
+            break
+    p.kill()
+    p.wait(timeout=10)
+    err = p.stderr.read()
+    before.check(err, tmpdir_short)
+    assert ready == 2, err
