@@ -249,6 +249,9 @@ def main() -> int:
     if os.environ.get(CHILD_ENV) or any(k in os.environ for k in MPI_ENVS):
         return child(args)  # under strata's launcher, or started by mpirun
     env = dict(os.environ, **{CHILD_ENV: "1"})
+    argv = list(sys.argv[1:])
+    if args.json:  # the ranks run in TMPDIR: a relative path is the caller's, make it absolute
+        argv += ["--json", str(Path(args.json).resolve())]
     cmd = [
         sys.executable,
         "-m",
@@ -256,7 +259,7 @@ def main() -> int:
         "-n",
         str(args.procs),
         __file__,
-        *sys.argv[1:],
+        *argv,
     ]
     return subprocess.call(cmd, env=env, cwd=os.environ.get("TMPDIR", "/tmp"))
 

@@ -58,7 +58,7 @@ def rel(path: Path) -> str:
 def where(d: dict[str, Any]) -> str:
     """In-process devices or processes, from the machine record."""
     m = d.get("machine", {})
-    procs = m.get("jax_processes") or 1
+    procs = m.get("jax_processes") or (d.get("args") or {}).get("procs") or 1
     devs = m.get("jax_devices")
     cmd = m.get("command", "")
     hosts = re.search(r"--hosts[ =](\d+)", cmd)
@@ -349,14 +349,17 @@ def render_moe(d: dict[str, Any], stem: str) -> tuple[str, list[Callable[[Any], 
 def render_latency(d: dict[str, Any], stem: str) -> tuple[str, list[Callable[[Any], None]]]:
     rows = d["rows"]
     impls = list(rows[0]["pct"]) if rows else []
-    header = ["op", "size/rank", *(f"{i} p10 / p50 / p99 us" for i in impls), "#wrong"]
+    header = ["op", "size/rank", *(f"{i} p10 / p50 / p99 us" for i in impls)]
+    header += ["strata vs xla (p50)", "strata / noop (p50)", "#wrong"]
     body = []
     for r in rows:
-        cells = [
-            " / ".join(f"{v:.1f}" for v in r["pct"][i]) if r["pct"].get(i) else "-" for i in impls
-        ]
+        pct = r["pct"]
+        cells = [" / ".join(f"{v:.1f}" for v in pct[i]) if pct.get(i) else "-" for i in impls]
+        st, xl, no = pct.get("strata"), pct.get("xla"), pct.get("noop")
+        vs_xla = faster(xl[1] / st[1]) if st and xl else "-"
+        vs_noop = f"{st[1] / no[1]:.2f}x" if st and no else "-"
         wrong = sum(int(v or 0) for v in r.get("wrong", {}).values())
-        body.append([r["op"], size_str(r["bytes"]), *cells, str(wrong)])
+        body.append([r["op"], size_str(r["bytes"]), *cells, vs_xla, vs_noop, str(wrong)])
     return table(header, body), []
 
 

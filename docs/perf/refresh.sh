@@ -38,12 +38,12 @@ if want collectives; then
 fi
 if want moe; then
   run python benchmarks/moe.py --iters 10 --out $P/moe
-  run python benchmarks/moe.py --mode low_latency --ll-iters 100 --out $P/moe
+  run python benchmarks/moe.py --mode low_latency --ll-iters 50 --out $P/moe
 fi
 if want latency; then
   run python benchmarks/latency.py --procs 4 --op psum,all_gather -b 4K -e 64K --rounds 3 \
-    --iters 60 --json $P/latency/latency_procs4.json
+    --iters 40 --json $P/latency/latency_procs4.json
 fi
 if want registration; then
-  run python benchmarks/registration.py --repeats 3 --out $P/registration
+  run python benchmarks/registration.py --repeats 2 --steps 15 --out $P/registration
 fi
