@@ -29,6 +29,7 @@ from strata_jax import launch
 HERE = Path(__file__).resolve().parent
 PKG_PARENT = str(Path(sj.__file__).resolve().parent.parent)
 SCRIPTS = HERE / "mp_scripts"
+LAUNCH_PY = str(Path(launch.__file__).resolve())
 
 
 def _netns_reason() -> str | None:
@@ -139,7 +140,8 @@ def test_ctrl_c_frees_everything(tmpdir_short, sig):
     """SIGINT/SIGTERM to the launcher while ranks run in their namespaces: it exits 128+sig and
     nothing is left (namespaces, links, run dirs)."""
     before = _Leftovers()
-    cmd = [sys.executable, "-m", "strata_jax.launch", "--grace", "1", "-n", "2", "--hosts", "2"]
+    # The launcher's source file: only the standard library to import (no jax), a fast start.
+    cmd = [sys.executable, LAUNCH_PY, "--grace", "1", "-n", "2", "--hosts", "2"]
     cmd += ["--netns", "--link-gbit", "10", str(SCRIPTS / "sleep_ready.py")]
     p = subprocess.Popen(
         cmd,
@@ -244,7 +246,7 @@ def test_launcher_killed_leaves_nothing(tmpdir_short):
     """SIGKILL to the launcher itself (no chance to clean up): its namespace holders and ranks
     die with it (setpriv --pdeathsig), so no namespace, link or run dir outlives it."""
     before = _Leftovers()
-    cmd = [sys.executable, "-m", "strata_jax.launch", "-n", "2", "--hosts", "2", "--netns"]
+    cmd = [sys.executable, LAUNCH_PY, "-n", "2", "--hosts", "2", "--netns"]
     cmd += [str(SCRIPTS / "sleep_ready.py")]
     p = subprocess.Popen(
         cmd,
