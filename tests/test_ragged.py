@@ -353,3 +353,76 @@ def test_across_processes(mode):
     r = _launch(2, "check_ragged.py", mode=mode)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("OK ragged") == 2, r.stdout[-2000:]
+
+
+# ---- empty slices: moved nothing, wherever their offsets point (edge case 33) ----------------
+
+
+def _case33(idx_dtype=jnp.int32):
+    """Edge case 33's exact values: rank 0 sends 2 rows to rank 1; every other slice is empty,
+    with offsets past the operand's or output's end (as size truncation leaves them)."""
+    operand = jnp.array([[1, 2, 3, 4], [11, 12, 13, 14]], jnp.float32)[..., None]
+    output = jnp.full((2, 4, 1), -1, jnp.float32)
+    plan = (
+        [[7, 1], [4, 6]],  # input_offsets
+        [[0, 2], [0, 0]],  # send_sizes
+        [[9, 1], [4, 5]],  # output_offsets
+        [[0, 0], [2, 0]],  # recv_sizes
+    )
+    return operand, output, *(jnp.array(v, idx_dtype) for v in plan)
+
+
+@pytest.mark.parametrize("idx_dtype", ["int32", "int64", "uint32"])
+def test_33_empty_slice_offsets_past_the_end_move_nothing(idx_dtype):
+    args = _case33(jnp.dtype(idx_dtype))
+    got = np.asarray(_ragged(_mesh(2), *args, check_vma=False))
+    np.testing.assert_array_equal(got[..., 0], [[-1, -1, -1, -1], [-1, 2, 3, -1]])
+    want = ragged_reference(*(np.asarray(a) for a in args))
+    np.testing.assert_array_equal(got, np.stack(want))
+
+
+def test_33_empty_slice_far_and_negative_offsets_int64():
+    """int64 offsets under x64 (conftest enables it): an empty slice at 2**40, or at -5, is
+    skipped; a non-empty slice at 2**40 is still an error naming it."""
+    operand, output, io, ss, oo, rs = _case33(jnp.int64)
+    io = jnp.array([[2**40, 1], [-5, 2**62]], jnp.int64)
+    oo = jnp.array([[-(2**40), 1], [2**41, -1]], jnp.int64)
+    got = np.asarray(_ragged(_mesh(2), operand, output, io, ss, oo, rs, check_vma=False))
+    np.testing.assert_array_equal(got[..., 0], [[-1, -1, -1, -1], [-1, 2, 3, -1]])
+    bad = io.at[0, 1].set(2**40)
+    with pytest.raises(Exception, match=r"slice 1 of rank 0 \(to rank 1\): rows \[1099511627776"):
+        np.asarray(_ragged(_mesh(2), operand, output, bad, ss, oo, rs, check_vma=False))
+
+
+def test_33_empty_slices_grad_and_vmap():
+    """The transpose (reverse exchange) and the batching rule carry the same empty slices."""
+    operand, output, *plan = _case33()
+    mesh = _mesh(2)
+    w = jnp.arange(8.0).reshape(2, 4, 1)
+    ga, gb = jax.grad(lambda a, b: jnp.sum(_ragged(mesh, a, b, *plan) * w), argnums=(0, 1))(
+        operand, output
+    )
+    np.testing.assert_array_equal(np.asarray(ga)[..., 0], [[0, 5, 6, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(np.asarray(gb)[..., 0], [[0, 1, 2, 3], [4, 0, 0, 7]])
+
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x"))
+    def per_rank(a, b, c, d, e, g):
+        f = partial(sj.ragged_all_to_all, axis_name="x")
+        return jax.vmap(f, in_axes=(0, 0, None, None, None, None))(a, b, c[0], d[0], e[0], g[0])
+
+    tile = lambda a: jnp.stack([a, a + 100]).swapaxes(0, 1).reshape(4, *a.shape[1:])  # noqa: E731
+    got = np.asarray(jax.jit(per_rank)(tile(operand), tile(output), *plan))[..., 0]
+    np.testing.assert_array_equal(got, [[-1] * 4, [99] * 4, [-1, 2, 3, -1], [99, 102, 103, 99]])
+
+
+@pytest.mark.parametrize("rows", [(0, 4), (4, 0), (0, 0)])
+def test_33_zero_row_operand_or_output(rows):
+    """A zero-row operand leaves the output unchanged; a zero-row output receives nothing:
+    every slice is empty, whatever its offsets."""
+    n_rows, m_rows = rows
+    operand = jnp.arange(2 * n_rows * 3, dtype=jnp.float32).reshape(2, n_rows, 3)
+    output = -jnp.arange(2 * m_rows * 3, dtype=jnp.float32).reshape(2, m_rows, 3) - 1
+    zeros = jnp.zeros((2, 2), jnp.int32)
+    offs = jnp.array([[3, 0], [9, 1]], jnp.int32)
+    got = _ragged(_mesh(2), operand, output, offs, zeros, offs[::-1], zeros, check_vma=False)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(output))

@@ -1,5 +1,6 @@
 #include "coll/ragged.h"
 
+#include <cstdint>
 #include <sstream>
 
 #include "coll/kernels.h"
@@ -7,6 +8,15 @@
 namespace strata {
 
 namespace {
+
+// "rows [off, off + size) are outside the <what>'s <rows> rows", the end computed without
+// overflow (off and size are any int64 the caller passed; size > 0).
+std::string outside(int64_t off, int64_t size, const char* what, int64_t rows) {
+  const bool fits = off <= INT64_MAX - size;
+  return "rows [" + std::to_string(off) + ", " +
+         (fits ? std::to_string(off + size) : std::to_string(off) + " + " + std::to_string(size)) +
+         ") are outside the " + what + "'s " + std::to_string(rows) + " rows";
+}
 
 // The first fault of the whole exchange, searched in one fixed order over every (sender,
 // receiver) pair: every rank sees every plan after arrival, so every rank finds the same fault
@@ -28,12 +38,12 @@ std::string validate(const Team& t, const RaggedShape& s) {
                std::to_string(expect);
       else if (size < 0)
         what = "negative send size " + std::to_string(size);
+      else if (size == 0)
+        continue;  // an empty slice moves nothing: its offsets are never read (as in XLA)
       else if (in_off < 0 || in_off > s.operand_rows - size)
-        what = "rows [" + std::to_string(in_off) + ", " + std::to_string(in_off + size) +
-               ") are outside the operand's " + std::to_string(s.operand_rows) + " rows";
+        what = outside(in_off, size, "operand", s.operand_rows);
       else if (out_off < 0 || out_off > s.output_rows - size)
-        what = "rows [" + std::to_string(out_off) + ", " + std::to_string(out_off + size) +
-               ") are outside the output's " + std::to_string(s.output_rows) + " rows";
+        what = outside(out_off, size, "output", s.output_rows);
       if (!what.empty()) {
         std::ostringstream os;
         os << "strata_jax ragged_all_to_all: slice " << i << " of rank " << j << " (to rank " << d
