@@ -83,4 +83,16 @@ for dtype, per, max_rows, trailing in (
         check("grad operand", ga, want_a)
         check("grad output", gb, want_b)
 
+# Edge case 33 (on 2 ranks): empty slices whose offsets point past the end move nothing.
+if R == 2:
+    operand = np.array([[1, 2, 3, 4], [11, 12, 13, 14]], np.float32)[..., None]
+    output = np.full((2, 4, 1), -1, np.float32)
+    plan = [
+        np.array(v, np.int64)
+        for v in ([[7, 1], [4, 6]], [[0, 2], [0, 0]], [[9, 1], [4, 5]], [[0, 0], [2, 0]])
+    ]
+    want = np.array([[-1, -1, -1, -1], [-1, 2, 3, -1]], np.float32)[..., None]
+    got = jax.jit(exchange)(put(operand), put(output), *(put(a) for a in plan))
+    check("case 33 empty slices", got, want)
+
 print(f"OK ragged {checks} checks (process {info['process_id']})", flush=True)
