@@ -13,15 +13,24 @@ hierarchically (``hierarchy.py``: strata inside, XLA's own collectives between).
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
+import sys
 import tempfile
+import time
 
 from strata_jax._src import allocator, mpi_engine, runtime, topology
 
 REGISTRATION_MODES = ("on_alloc", "on_use", "staging")
 ENV_REGISTRATION = "STRATA_REGISTRATION"
 _KV_PREFIX = "strata_jax/fabric"
+
+DEFAULT_INIT_TIMEOUT_S = 300.0  # jax.distributed.initialize's own default wait
+_FAILED = f"{_KV_PREFIX}/init_failed"  # /<pid>: why process <pid> gave up in init()
+_ENDING = f"{_KV_PREFIX}/init_ending"  # /<pid>: a late process read the failure and is ending
+_POLL_S = 0.02  # start-up waits poll the key-value store (one small RPC) this often
+_LINGER_MAX_S = 30.0
 
 _state: dict | None = None
 
@@ -67,7 +76,10 @@ def _exit_on_uncaught_exception() -> None:
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(1)
+            try:
+                _before_exit()
+            finally:
+                os._exit(1)
 
     sys.excepthook = hook
 
@@ -104,6 +116,7 @@ def _skip_distributed_shutdown_if_broken() -> None:
     import sys
     import threading
 
+    _before_exit()
     why = _broken_job()
     # Leave the fabric first, whatever the exit: a peer still waiting in a collective for
     # this process (which will never arrive: it is exiting, e.g. by sys.exit() mid-job) fails
@@ -154,7 +167,166 @@ def _install_exit_hooks() -> None:
     _hooks_installed = True
 
 
-def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
+class StartupError(RuntimeError):
+    """A wait of :func:`init` failed: a process did not arrive in time, arrived after another
+    process gave up, or the ``jax.distributed`` service could not be reached."""
+
+
+def _procs(ps) -> str:
+    ps = sorted(ps)
+    return ("process " if len(ps) == 1 else "processes ") + ", ".join(map(str, ps))
+
+
+class _Startup:
+    """The waits of one :func:`init` call, on the ``jax.distributed`` key-value store.
+
+    Every wait polls the store (one ``key_value_dir_get`` of strata's prefix every
+    ``_POLL_S``) until the keys it needs are there, another process has posted that it gave
+    up, or the deadline (``timeout_s`` after ``jax.distributed`` is up) passes. A process that
+    times out names the missing processes and ``timeout_s`` and posts its message under
+    ``_FAILED``; a process arriving later reads it and fails at once with a message naming
+    the process that gave up, instead of waiting out its own timeout for a peer that is gone.
+    JAX's own waits (``blocking_key_value_get``, ``wait_at_barrier``) would say only
+    ``DEADLINE_EXCEEDED: GetKeyValue() timed out with key ...`` (edge case 35).
+    """
+
+    def __init__(self, client, pid: int, n: int, timeout_s: float):
+        self.client, self.pid, self.n, self.timeout_s = client, pid, n, timeout_s
+        self.deadline = time.monotonic() + timeout_s
+
+    def _store(self) -> dict[str, str]:
+        try:
+            return dict(self.client.key_value_dir_get(f"{_KV_PREFIX}/"))
+        except Exception as e:  # noqa: BLE001  (the service is gone: say so, with JAX's words)
+            raise StartupError(
+                f"strata_jax.init: process {self.pid} lost the jax.distributed service "
+                f"(it runs in process 0, which has probably exited or crashed; its own error "
+                f"says why): {e}"
+            ) from e
+
+    def set(self, key: str, value: str) -> None:
+        try:
+            self.client.key_value_set(key, value)
+        except Exception as e:  # noqa: BLE001
+            raise StartupError(
+                f"strata_jax.init: process {self.pid} could not write to the jax.distributed "
+                f"key-value store (process 0, which runs it, has probably exited): {e}"
+            ) from e
+
+    def wait(self, what: str, keys: dict[int, str]) -> dict[int, str]:
+        """Waits until every key of ``keys`` (process -> key) is set; returns their values."""
+        while True:
+            store = self._store()
+            failed = {k: v for k, v in store.items() if k.startswith(_FAILED + "/")}
+            if failed:
+                self._late(failed)
+            got = {p: store[k] for p, k in keys.items() if k in store}
+            if len(got) == len(keys):
+                return got
+            if time.monotonic() > self.deadline:
+                self._timed_out(what, sorted(set(keys) - set(got)))
+            time.sleep(_POLL_S)
+
+    def barrier(self, name: str, procs) -> None:
+        """Every process of ``procs`` reaches this point (a key each, so that a timeout can
+        name the processes that did not)."""
+        self.set(f"{_KV_PREFIX}/arrived/{name}/{self.pid}", "1")
+        self.wait(f"reach {name}", {p: f"{_KV_PREFIX}/arrived/{name}/{p}" for p in procs})
+
+    def _timed_out(self, what: str, missing: list[int]) -> None:
+        msg = (
+            f"strata_jax.init: process {self.pid} timed out after {self.timeout_s:g} s "
+            f"(timeout_s) waiting for {_procs(missing)} to {what}"
+            + f". {_procs(missing).capitalize()} did not reach strata_jax.init() in time: late, "
+            "stuck or dead. If they only start slowly, raise the timeout: "
+            "strata_jax.init(timeout_s=...)."
+        )
+        try:
+            self.client.key_value_set(f"{_FAILED}/{self.pid}", msg)
+        except Exception:  # noqa: BLE001  (the store is gone: the peers fail on it anyway)
+            pass
+        _gave_up.update(missing=missing, linger_s=min(self.timeout_s, _LINGER_MAX_S))
+        raise StartupError(msg)
+
+    def _late(self, failed: dict[str, str]) -> None:
+        first = min(failed, key=lambda k: int(k.rsplit("/", 1)[1]))
+        who = int(first.rsplit("/", 1)[1])
+        _ending.append(self)
+        raise StartupError(
+            f"strata_jax.init: process {self.pid} arrived after process {who} gave up waiting "
+            f"for it; process {who} said: {failed[first]}"
+        )
+
+    def announce_ending(self) -> None:
+        """Tells a process that lingers for this one that it is ending now (at exit)."""
+        try:
+            self.client.key_value_set(f"{_ENDING}/{self.pid}", "1", allow_overwrite=True)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+# A late process that read another's failure: at exit it tells the lingering service host.
+_ending: list[_Startup] = []
+# This process gave up in init(): the processes it waited for, and how long to keep the
+# jax.distributed service up for them (only if this process runs it) at exit.
+_gave_up: dict = {}
+
+
+def _before_exit() -> None:
+    """At exit after a failed init(): keeps a late peer from JAX's abort.
+
+    When the process that runs the jax.distributed service (process 0) exits, every other
+    process's JAX client terminates its process ("Terminating process because the JAX
+    distributed service detected fatal errors": a C++ abort that Python cannot catch). So a
+    process 0 that gave up waiting in init() keeps the service up, at most
+    ``min(timeout_s, _LINGER_MAX_S)`` seconds, until each process it waited for has arrived,
+    read why, and is ending with its own clear error (``_ENDING``); then it exits.
+    """
+    for st in _ending:
+        st.announce_ending()
+    if not _gave_up:
+        return
+    from jax._src import distributed
+
+    gs = distributed.global_state
+    if gs.service is None or gs.client is None:
+        return
+    missing, linger = _gave_up["missing"], _gave_up["linger_s"]
+    print(
+        f"strata_jax.init: keeping the jax.distributed service up for at most {linger:g} s "
+        f"so that {_procs(missing)} can fail with this error instead of an abort",
+        file=sys.stderr,
+        flush=True,
+    )
+    until = time.monotonic() + linger
+    while time.monotonic() < until:
+        try:
+            store = dict(gs.client.key_value_dir_get(f"{_ENDING}/"))
+        except Exception:  # noqa: BLE001
+            return
+        if all(f"{_ENDING}/{p}" in store for p in missing):
+            time.sleep(0.5)  # they exit right after saying so
+            return
+        time.sleep(_POLL_S * 5)
+
+
+def _initialize_distributed(timeout_s: float, **kwargs) -> None:
+    """``jax.distributed.initialize`` with init()'s timeout; its errors say what to change."""
+    import jax
+
+    try:
+        jax.distributed.initialize(initialization_timeout=math.ceil(timeout_s), **kwargs)
+    except Exception as e:
+        where = kwargs.get("coordinator_address") or "the address the cluster gives"
+        raise StartupError(
+            f"strata_jax.init: jax.distributed.initialize did not connect every process to "
+            f"the coordinator at {where} within {timeout_s:g} s (timeout_s): a process is "
+            "late, stuck or dead, or the coordinator (process 0) is gone. If processes only "
+            f"start slowly, raise the timeout: strata_jax.init(timeout_s=...). JAX said: {e}"
+        ) from e
+
+
+def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIMEOUT_S) -> dict:
     """Initializes ``jax.distributed`` (if needed) and connects the shared-memory fabric.
 
     Call it first, before any other use of jax: it configures the CPU backend.
@@ -176,7 +348,12 @@ def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
         ``$STRATA_REGISTRATION`` or ``"on_alloc"``. All modes give bitwise identical results.
         Buffers the allocator does not own (smaller than its threshold, or the allocator not
         preloaded) are staged in every mode.
-      timeout_s: seconds to wait for the other processes during start-up.
+      timeout_s: seconds to wait for the other processes during start-up (default 300,
+        JAX's own ``jax.distributed.initialize`` default, so strata never gives up before
+        the wait it sits behind; when init() starts ``jax.distributed`` itself it passes
+        this value as ``initialization_timeout``). A process that gives up names the
+        processes it waited for; one that arrives after another gave up fails at once naming
+        it (see docs/guide/troubleshooting.md).
 
     Fabric domains: each process's fabric id (``$STRATA_FABRIC_ID``, else hostname + boot id)
     is exchanged through the ``jax.distributed`` key-value store; shared memory is connected
@@ -198,8 +375,12 @@ def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
 
     Raises:
       ValueError: unknown registration mode, or a malformed launcher environment.
-      RuntimeError: the fabric cannot connect (a peer missing, a socket error), or ``init`` is
-        called again with a different mode.
+      StartupError (a RuntimeError): a process did not reach ``init`` within ``timeout_s``
+        (message: ``strata_jax.init: process P timed out after T s (timeout_s) waiting for
+        process Q ...``), this process arrived after another gave up, or the
+        ``jax.distributed`` coordinator could not be reached.
+      RuntimeError: the fabric cannot connect (a socket error), or ``init`` is called again
+        with a different mode.
     """
     global _state
     mode = registration or os.environ.get(ENV_REGISTRATION) or "on_alloc"
@@ -239,7 +420,8 @@ def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
                 "use gloo under the launcher"
             )
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
+        _initialize_distributed(
+            timeout_s,
             coordinator_address=env["coordinator_address"],
             num_processes=env["num_processes"],
             process_id=env["process_id"],
@@ -251,7 +433,7 @@ def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
             mpi_engine.configure_before_backend()
         else:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize()
+        _initialize_distributed(timeout_s)
     if mpi_engine.selected() and jax.distributed.is_initialized():
         mpi_engine.create_backend()  # now, so MPI is finalised after XLA's communicators
     native = runtime.native()
@@ -268,19 +450,20 @@ def init(registration: str | None = None, *, timeout_s: float = 120.0) -> dict:
 
     pid, n = jax.process_index(), jax.process_count()
     _install_exit_hooks()  # also under mpirun/srun or a hand-made jax.distributed
-    client = _distributed_client()
-    ms = int(timeout_s * 1000)
+    start = _Startup(_distributed_client(), pid, n, timeout_s)
     # Fabric domains: shared memory connects only the processes of one fabric (see topology.py).
-    client.key_value_set(f"{_KV_PREFIX}/fabric_id/{pid}", topology.local_fabric_id())
-    ids = [client.blocking_key_value_get(f"{_KV_PREFIX}/fabric_id/{j}", ms) for j in range(n)]
-    fmap = topology.set_fabric_map(ids, pid)
+    start.set(f"{_KV_PREFIX}/fabric_id/{pid}", topology.local_fabric_id())
+    ids = start.wait(
+        "reach strata_jax.init()", {j: f"{_KV_PREFIX}/fabric_id/{j}" for j in range(n)}
+    )
+    fmap = topology.set_fabric_map([ids[j] for j in range(n)], pid)
     members = fmap.members(fmap.own)
     requested = mode
     if len(members) > 1:
         mode = _mode_in_effect(native, mode)
-        _connect_fabric(native, client, pid, members, mode, ms)
+        _connect_fabric(native, start, pid, members, mode)
     # Every process is connected (or alone in its fabric) before any collective runs.
-    client.wait_at_barrier(f"{_KV_PREFIX}/connected", ms)
+    start.barrier("connected", range(n))
     fabric = "shm" if len(members) > 1 else "inproc"
     _state = {
         "process_id": pid,
@@ -316,7 +499,7 @@ def _mode_in_effect(native, mode: str) -> str:
     return "staging"
 
 
-def _connect_fabric(native, client, pid: int, members: tuple[int, ...], mode: str, ms: int):
+def _connect_fabric(native, start: _Startup, pid: int, members: tuple[int, ...], mode: str):
     """Connects the shared-memory fabric among ``members`` (process indices of one fabric).
 
     The native fabric numbers its processes 0..len(members)-1 in process order; the first
@@ -346,12 +529,14 @@ def _connect_fabric(native, client, pid: int, members: tuple[int, ...], mode: st
             [d.id for d in devices], [local[d.process_index] for d in devices]
         )
         path = native.fabric_listen(run_dir, pid)
-        client.key_value_set(f"{_KV_PREFIX}/path/{pid}", path)
-        paths = [client.blocking_key_value_get(f"{_KV_PREFIX}/path/{j}", ms) for j in members]
-        native.fabric_connect(members.index(pid), len(members), paths, mode)
+        start.set(f"{_KV_PREFIX}/path/{pid}", path)
+        paths = start.wait(
+            "publish a fabric socket path", {j: f"{_KV_PREFIX}/path/{j}" for j in members}
+        )
+        native.fabric_connect(members.index(pid), len(members), [paths[j] for j in members], mode)
         # Every member is connected: the socket files are no longer needed. Removing them now
         # leaves nothing in the file system even if a process is killed later.
-        client.wait_at_barrier(f"{_KV_PREFIX}/connected/{members[0]}", ms, list(members))
+        start.barrier(f"connected/{members[0]}", members)
     finally:
         native.fabric_unlink()
         if own_dir is not None:

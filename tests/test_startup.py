@@ -1,0 +1,146 @@
+"""strata_jax.init() with a peer that is late, never comes or dies (edge case 35, issue 26 §3).
+
+Every wait of init() gives, on the process that waits, an error naming ``strata_jax.init``, the
+missing processes and ``timeout_s``; a process that arrives after another gave up fails at once
+with a clear error naming it (not JAX's abort); the launcher exits non-zero naming the ranks.
+The jobs of one test run at the same time (each sleeps for its case; the CPU is shared).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+
+import pytest
+from _mp_util import PKG_PARENT, job_env, launch_cmd
+
+from strata_jax._src import fabric
+
+SCRIPT = "late_peer.py"
+ABORT = "Terminating process because the JAX distributed service"
+
+
+def _start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        launch_cmd(2, SCRIPT, *args),
+        env=job_env(),
+        cwd=PKG_PARENT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _finish(p: subprocess.Popen, timeout: float = 150) -> tuple[int, str]:
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+        pytest.fail("job did not end:\n" + out[-3000:])
+    return p.returncode, out
+
+
+def _init_failed_after(out: str, rank: int) -> float:
+    m = re.search(rf"\[rank {rank}\] INIT FAILED after ([0-9.]+) s", out)
+    assert m, out[-3000:]
+    return float(m.group(1))
+
+
+def _check_late(rc: int, out: str) -> None:
+    """Rank 0 gave up after ~5 s naming init, process 1 and timeout_s; rank 1 (8 s late)
+    ended with its own clear error naming process 0; no abort; the launcher named both."""
+    assert rc != 0, out[-3000:]
+    assert 4.5 <= _init_failed_after(out, 0) < 8, out[-3000:]
+    assert (
+        "[rank 0] INIT FAILED after" in out
+        and "strata_jax.init: process 0 timed out after 5 s (timeout_s) waiting for process 1"
+        in out
+    ), out[-3000:]
+    assert "[rank 1] INIT FAILED after" in out, out[-3000:]
+    assert "strata_jax.init: process 1 arrived after process 0 gave up waiting for it" in out
+    assert ABORT not in out and "Check failure" not in out, out[-3000:]
+    assert "DEADLINE_EXCEEDED" not in out, out[-3000:]
+    assert re.search(r"strata-launch: rank [01] exited with code 1", out), out[-3000:]
+    assert re.search(r"rank [01] exited with code 1 as well", out), out[-3000:]
+
+
+def test_35_late_peer_at_init():
+    """Edge case 35's values: jax.distributed started by hand and the backend created; rank 1
+    sleeps 8 s before strata_jax.init(timeout_s=5). With a 3 s sleep both connect and a psum
+    over the two processes is right. Both jobs run at once."""
+    late, ok = _start("8", "5"), _start("3", "5")
+    rc, out = _finish(late)
+    _check_late(rc, out)
+    rc, out = _finish(ok)
+    assert rc == 0, out[-3000:]
+    assert out.count("OK late_peer psum 3") == 2, out[-3000:]
+
+
+@pytest.mark.slow
+def test_peer_dying_while_others_wait_at_init():
+    """A peer that dies before init() while rank 0 waits (timeout_s=30): the launcher stops the
+    job at once, naming the rank and its exit code."""
+    t0 = time.monotonic()
+    rc, out = _finish(_start("1", "30", "die"))
+    assert rc == 7, out[-3000:]
+    assert "strata-launch: rank 1 exited with code 7; stopping the other ranks" in out
+    assert time.monotonic() - t0 < 60
+
+
+def test_default_timeout_is_not_shorter_than_jax_distributed():
+    import inspect
+
+    import jax
+
+    default = inspect.signature(fabric.init).parameters["timeout_s"].default
+    jax_default = (
+        inspect.signature(jax.distributed.initialize).parameters["initialization_timeout"].default
+    )
+    assert default == fabric.DEFAULT_INIT_TIMEOUT_S >= jax_default == 300
+
+
+class _FakeStore:
+    """The three key-value calls _Startup makes, over a dict (one process's view)."""
+
+    def __init__(self, data=None):
+        self.data = dict(data or {})
+
+    def key_value_dir_get(self, prefix):
+        return [(k, v) for k, v in self.data.items() if k.startswith(prefix)]
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.data[key] = value
+
+
+def test_startup_wait_messages(monkeypatch):
+    """In-process: a timeout names the missing processes and posts why; a later arrival reads
+    it and fails at once naming the process that gave up."""
+    monkeypatch.setattr(fabric, "_gave_up", {})
+    monkeypatch.setattr(fabric, "_ending", [])
+    store = _FakeStore({"strata_jax/fabric/fabric_id/0": "a"})
+    keys = {p: f"strata_jax/fabric/fabric_id/{p}" for p in range(4)}
+    t = time.monotonic()
+    with pytest.raises(fabric.StartupError) as e:
+        fabric._Startup(store, 0, 4, 0.2).wait("reach strata_jax.init()", keys)
+    assert 0.2 <= time.monotonic() - t < 2
+    assert str(e.value).startswith(
+        "strata_jax.init: process 0 timed out after 0.2 s (timeout_s) waiting for processes "
+        "1, 2, 3 to reach strata_jax.init()"
+    )
+    assert "strata_jax.init(timeout_s=...)" in str(e.value)
+    assert store.data["strata_jax/fabric/init_failed/0"] == str(e.value)
+    assert fabric._gave_up["missing"] == [1, 2, 3]
+    late = fabric._Startup(store, 2, 4, 60)
+    t = time.monotonic()
+    with pytest.raises(fabric.StartupError, match="process 2 arrived after process 0 gave up"):
+        late.wait("reach strata_jax.init()", keys)
+    assert time.monotonic() - t < 1
+    late.announce_ending()
+    assert "strata_jax/fabric/init_ending/2" in store.data
+    store.data.pop("strata_jax/fabric/init_failed/0")
+    for p in range(4):
+        store.data[keys[p]] = str(p)
+    assert fabric._Startup(store, 1, 4, 60).wait("x", keys) == {p: str(p) for p in range(4)}
