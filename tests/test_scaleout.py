@@ -673,3 +673,17 @@ def test_rank_of_other_fabric_killed():
 def test_launcher_hosts_must_divide():
     with pytest.raises(ValueError, match="divide"):
         launch.launch(4, ["true"], hosts=3)
+
+
+def test_shape_mismatch_across_hosts_is_an_error():
+    """Issue 26 §2: processes on different simulated hosts that disagree on a call's shape get an
+    error naming the op, both shapes and the devices/processes, within strata's timeout, for
+    psum, all_gather (same bytes, another shape), all_to_all and MoE dispatch; then a right
+    psum. Before: psum aborted every process in gloo ('Received data size doesn't match') and
+    all_gather returned values with no error."""
+    r = _launch(["-n", "4", "--hosts", "2"], "shape_mismatch_hosts.py", timeout=150)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    for op in ("psum", "all_gather", "all_to_all"):
+        assert r.stdout.count(f"MISMATCH {op} ") >= 4, out[-3000:]
+    assert r.stdout.count("OK mismatch 4") == 4, out[-3000:]

@@ -88,6 +88,7 @@ NB_MODULE(_strata, m) {
     d["strata_moe_ll_dispatch"] = capsule(strata::MoeLowLatencyDispatchHandler);
     d["strata_moe_ll_combine"] = capsule(strata::MoeLowLatencyCombineHandler);
     d["strata_count_inter_fabric"] = capsule(strata::CountInterFabricHandler);
+    d["strata_check_across_fabrics"] = capsule(strata::CheckAcrossFabricsHandler);
     d["strata_order"] = capsule(strata::OrderHandler);
     return d;
   });

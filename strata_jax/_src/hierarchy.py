@@ -50,8 +50,10 @@ steps with ``engine="xla"``, next to a custom call that counts the bytes handed 
 
 from __future__ import annotations
 
+import contextvars
 import math
 import os
+import zlib
 from dataclasses import dataclass
 
 import jax
@@ -80,6 +82,7 @@ class Plan:
     loc: np.ndarray | None = None  # [n] local index of each group rank
     intra: tuple = ()  # [G*F][L] partition ids
     inter: tuple = ()  # [G*L][F] partition ids
+    who: np.ndarray | None = None  # [num partitions, 3]: global device id, process, fabric
 
     def rank_of(self, slot: int, k: int) -> int:
         return int(np.flatnonzero((self.f == slot) & (self.loc == k))[0])
@@ -123,6 +126,13 @@ def plan(ctx, axes: tuple) -> Plan | None:
     gf = fab[groups]
     if all(len(set(row.tolist())) == 1 for row in gf):
         return None
+    who = np.array(
+        [
+            (d.id, d.process_index, f)
+            for d, f in zip(np.asarray(mesh.devices).flat, fab, strict=True)
+        ],
+        np.int64,
+    )
     layouts = [_layout(row) for row in gf]
     f0, l0 = layouts[0]
     F = int(f0.max()) + 1
@@ -133,7 +143,7 @@ def plan(ctx, axes: tuple) -> Plan | None:
         and all(int((f0 == s).sum()) == L for s in range(F))
     )
     if not uniform:
-        return Plan(groups, False)
+        return Plan(groups, False, who=who)
     intra = tuple(
         tuple(int(groups[g, np.flatnonzero((f0 == s) & (l0 == k))[0]]) for k in range(L))
         for g in range(len(groups))
@@ -144,7 +154,7 @@ def plan(ctx, axes: tuple) -> Plan | None:
         for g in range(len(groups))
         for k in range(L)
     )
-    return Plan(groups, True, F, L, f0, l0, intra, inter)
+    return Plan(groups, True, F, L, f0, l0, intra, inter, who)
 
 
 # --------------------------------------------------------------------------------------
@@ -153,6 +163,22 @@ def plan(ctx, axes: tuple) -> Plan | None:
 
 group_collective_p = core.Primitive("strata_group_collective")
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "permute", "all_gather_reduce")
+
+
+# The call being lowered hierarchically, until its first step between fabrics: that step's
+# operand goes through _check_across first (its result feeds the step, so XLA cannot start the
+# step before the check; and it is usually an intermediate, so the alias costs no copy).
+_pending_check: contextvars.ContextVar = contextvars.ContextVar(
+    "strata_pending_check", default=None
+)
+
+
+def _lower_checked(fn, ctx, args, multiple_results: bool, p: Plan, op: str, extra, aval):
+    token = _pending_check.set((p, op, extra, aval))
+    try:
+        return mlir.lower_fun(fn, multiple_results=multiple_results)(ctx, *args)
+    finally:
+        _pending_check.reset(token)
 
 
 def _gc(
@@ -178,6 +204,11 @@ def _gc(
     f]``; reduce_scatter: each output is parts equal blocks, and block f of group rank j sums
     input block ``placement[j * parts + f]`` of every member.
     """
+    pending = _pending_check.get() if engine == "xla" else None
+    if pending is not None:
+        _pending_check.set(None)
+        p, op, extra, aval = pending
+        x = _check_across(x, p, op, extra, aval, groups=groups)
     return group_collective_p.bind(
         x,
         *(() if z is None else (z,)),
@@ -340,6 +371,8 @@ def _gc_lowering(
     kw = dict(kind=kind, groups=groups, reduce=reduce, pairs=pairs, split=split, concat=concat)
     if engine == "strata":
         out = _strata_lowering(ctx, x, *z, z_first=z_first, placement=placement, **kw)
+    elif engine == "xla_check":  # the descriptors of _check_across: not counted as data
+        out = _xla_lowering(ctx, x, **kw)
     else:
         (aval_in,) = ctx.avals_in
         nbytes = int(aval_in.size) * aval_in.dtype.itemsize
@@ -436,6 +469,84 @@ mlir.register_lowering(_rs_divert_p, _rs_divert_lowering, platform="cpu", cachea
 _partition_id_p = core.Primitive("strata_partition_id")
 _partition_id_p.def_abstract_eval(lambda: core.ShapedArray((), np.uint32))
 mlir.register_lowering(_partition_id_p, lambda ctx: [hlo.partition_id()], platform="cpu")
+
+
+# --------------------------------------------------------------------------------------
+# Ranks on different fabrics that disagree on a call: an error, not wrong values or a hang
+# --------------------------------------------------------------------------------------
+# Inside a fabric, strata compares every call's descriptor at the rendezvous. Between fabrics
+# the bytes cross through XLA's collective, which compares nothing: ranks that disagree on a
+# shape would get wrong values (equal byte counts) or wait out gloo's own timeout. So every
+# hierarchical call first gathers a fixed-size descriptor of the call (op, dtype, shape and a
+# checksum of the rest: 96 bytes, whatever the call) across fabrics with XLA's all_gather over
+# the groups that cross (NCCL and gloo compare descriptors the same way, on arrival), and a
+# custom call (native/ffi/hier_handlers.cc) fails on every member alike, naming each member's
+# call, before any byte of the call moves. The descriptor is a constant of the program.
+
+_DESC_WORDS = 24
+_DESC_MAGIC = 0x53545231  # "STR1"; word layout in native/ffi/hier_handlers.cc
+
+
+def _pack(text: str, words: int) -> np.ndarray:
+    return np.frombuffer(text.encode()[: 4 * words].ljust(4 * words, b"\0"), "<i4")
+
+
+def _descriptor(op: str, aval, extra) -> np.ndarray:
+    """int32 [24]: magic, ndim, 8 dims, dtype name (8 chars), op name (16 chars), crc32 of
+    the full shape and ``extra`` (parameters, other operands' shapes)."""
+    w = np.zeros(_DESC_WORDS, np.int32)
+    w[0], w[1] = _DESC_MAGIC, aval.ndim
+    for i, d in enumerate(aval.shape[:8]):
+        w[2 + i] = min(int(d), 2**31 - 1)
+    w[10:12] = _pack(str(np.dtype(aval.dtype)), 2)
+    w[12:16] = _pack(op, 4)
+    w[16] = np.uint32(zlib.crc32(repr((tuple(aval.shape), extra)).encode())).view(np.int32)
+    return w
+
+
+_check_p = core.Primitive("strata_check_across_fabrics")
+_check_p.def_abstract_eval(lambda x, descs, pid, **_: x)
+
+
+def _check_lowering(ctx, x, descs, pid, *, op, groups, who):
+    runtime.native()  # registers the FFI targets (this may be the program's first strata call)
+    g = np.asarray(groups, np.int64)
+    rule = jax.ffi.ffi_lowering(
+        "strata_check_across_fabrics", has_side_effect=True, operand_output_aliases={0: 0}
+    )
+    w = np.asarray(who, np.int64)[g.ravel()]
+    return rule(
+        ctx,
+        x,
+        descs,
+        pid,
+        op=op,
+        groups=g.ravel(),
+        group_size=np.int64(g.shape[1]),
+        devices=w[:, 0].copy(),
+        procs=w[:, 1].copy(),
+        fabrics=w[:, 2].copy(),
+    )
+
+
+mlir.register_lowering(_check_p, _check_lowering, platform="cpu", cacheable=False)
+
+
+def _check_across(x, p: Plan, op: str, extra=(), aval=None, groups=None):
+    """x, after every member of ``groups`` (default: those that cross fabrics) agreed on the
+    call (``op`` on ``aval``, default x's, with ``extra``)."""
+    if groups is None:
+        groups = p.inter if p.uniform and p.L > 1 else p.groups
+    desc = jnp.asarray(_descriptor(op, aval or core.typeof(x), extra)[None])
+    descs = _gc(desc, "all_gather", "xla_check", groups)  # [F or n, 24]
+    return _check_p.bind(
+        x,
+        descs,
+        _partition_id_p.bind(),
+        op=op,
+        groups=tuple(map(tuple, groups)),
+        who=tuple(map(tuple, p.who.tolist())),
+    )
 
 
 def _slot_table(p: Plan) -> np.ndarray:
@@ -807,15 +918,6 @@ def _moe_partials(ey, w, slots, p: Plan):
     return rows.reshape(n, k, h).sum(1)
 
 
-def _nothing_to_move(ctx):
-    """The results of an op whose input is empty on every rank (shapes are static and equal
-    across the program): zeros of the output shapes, no exchange. XLA's all_gather rejects an
-    empty operand at verification, so the hierarchical form cannot emit one."""
-    avals = ctx.avals_out
-    zeros = lambda: [jnp.zeros(a.shape, a.dtype) for a in avals]  # noqa: E731
-    return mlir.lower_fun(zeros, multiple_results=True)(ctx.replace(avals_in=[]))
-
-
 def lower_moe_across_fabrics(ctx, target: str, args, axes: tuple, attrs: dict):
     """The hook of the MoE primitives' lowering: when the expert axis spans fabrics, dispatch,
     combine and the weight-gradient gather are lowered as hierarchical collectives (the same
@@ -834,10 +936,22 @@ def lower_moe_across_fabrics(ctx, target: str, args, axes: tuple, attrs: dict):
     p = plan(ctx, axes)
     if p is None:
         return None
+    op = _API_NAMES.get(target, target)
+    extra = (
+        tuple((a.shape, str(a.dtype)) for a in ctx.avals_in[1:]),
+        tuple(sorted((k, np.asarray(v).tolist()) for k, v in attrs.items())),
+    )
+
     if all(a.size == 0 for a in ctx.avals_out) or (
         target == "strata_moe_dispatch" and ctx.avals_in[0].size == 0
     ):
-        return _nothing_to_move(ctx)  # no tokens anywhere: every slot stays zero
+        avals = ctx.avals_out
+
+        def nothing(first, *rest):  # no tokens anywhere: every slot stays zero
+            _check_across(first, p, op, extra)  # kept: the check has a side effect
+            return [jnp.zeros(a.shape, a.dtype) for a in avals]
+
+        return mlir.lower_fun(nothing, multiple_results=True)(ctx, *args)
 
     if target == "strata_moe_dispatch":
         shape = ctx.avals_out[0].shape
@@ -846,7 +960,7 @@ def lower_moe_across_fabrics(ctx, target: str, args, axes: tuple, attrs: dict):
         def fn(x, w, slots, counts):
             return _moe_dispatch(x, w, slots, counts, p, shape, weighted)
 
-        return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
+        return _lower_checked(fn, ctx, args, False, p, op, extra, ctx.avals_in[0])
     if target == "strata_moe_combine":
         part_aval = ctx.avals_out[1]
 
@@ -854,7 +968,7 @@ def lower_moe_across_fabrics(ctx, target: str, args, axes: tuple, attrs: dict):
             y = _reduce_scatter(_moe_partials(ey, w, slots, p), p, "sum").astype(ey.dtype)
             return [y, jnp.zeros(part_aval.shape, part_aval.dtype)]
 
-        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+        return _lower_checked(fn, ctx, args, True, p, op, extra, ctx.avals_in[0])
     if target == "strata_moe_gather":
 
         def fn(values, slots, idx):
@@ -865,7 +979,7 @@ def lower_moe_across_fabrics(ctx, target: str, args, axes: tuple, attrs: dict):
                 v = jnp.where(slots >= 0, flat[jnp.where(slots >= 0, slots, 0)], 0)
             return _reduce_scatter(v.astype(values.dtype), p, "sum")
 
-        return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
+        return _lower_checked(fn, ctx, args, False, p, op, extra, ctx.avals_in[0])
     api = target.removeprefix("strata_").replace("moe_ll_", "moe.low_latency_")
     raise NotImplementedError(
         f"strata_jax: {api} over a group that spans fabric domains (hosts) is not supported "
@@ -894,8 +1008,18 @@ def lower_across_fabrics(ctx, x, target: str, axes: tuple, attrs: dict):
     p = plan(ctx, axes)
     if p is None:
         return None
+    op = _API_NAMES.get(target, target)
+    if target == "strata_all_reduce":
+        op = {0: "psum", 1: "pmax", 2: "pmin"}[int(attrs["reduce"])]
+    extra = tuple(sorted((k, np.asarray(v).tolist()) for k, v in attrs.items()))
     if ctx.avals_in[0].size == 0:
-        return _nothing_to_move(ctx)
+        (out_aval,) = ctx.avals_out
+
+        def nothing(v):
+            _check_across(v, p, op, extra)  # kept: the check has a side effect
+            return jnp.zeros(out_aval.shape, out_aval.dtype)
+
+        return mlir.lower_fun(nothing, multiple_results=False)(ctx, x)
     if target == "strata_all_reduce":
         fn = lambda v: _all_reduce(v, p, _REDUCE_NAMES[int(attrs["reduce"])])  # noqa: E731
     elif target == "strata_reduce_scatter":
@@ -916,4 +1040,16 @@ def lower_across_fabrics(ctx, x, target: str, axes: tuple, attrs: dict):
             f"strata_jax: {target} over a group that spans fabric domains is not supported yet "
             f"(groups {p.groups.tolist()} cross fabrics); keep its axis inside one host."
         )
-    return mlir.lower_fun(fn, multiple_results=False)(ctx, x)
+    return _lower_checked(fn, ctx, [x], False, p, op, extra, ctx.avals_in[0])
+
+
+_API_NAMES = {
+    "strata_reduce_scatter": "psum_scatter",
+    "strata_all_gather": "all_gather",
+    "strata_all_to_all": "all_to_all",
+    "strata_permute": "ppermute",
+    "strata_broadcast": "pbroadcast",
+    "strata_moe_dispatch": "moe.dispatch",
+    "strata_moe_combine": "moe.combine",
+    "strata_moe_gather": "moe.combine",  # the weights' gradient of combine
+}
