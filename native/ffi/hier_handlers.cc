@@ -57,12 +57,14 @@ std::string call_text(const int32_t* d) {
   return os.str();
 }
 
-// strata_check_across_fabrics(x, descs s32[F, kDescWords], partition id) -> x (aliased).
+// strata_check_across_fabrics(x, descs s32[F, kDescWords], partition id[, after]) -> x
+// (aliased)[, done]: `after`/`done` put it in the program-order chain of strata calls
+// (lowering.py), so that the next strata call of the computation starts after it.
 // descs: every member's descriptor of the call, gathered across fabrics by XLA's collective
 // (in the order of the member's row of `groups`). Fails, on every member alike (they all hold
 // the same rows), when two members describe different calls, naming each member and its call.
-ffi::Error CheckAcrossImpl(ffi::AnyBuffer x, ffi::AnyBuffer descs, ffi::AnyBuffer pid,
-                           ffi::Result<ffi::AnyBuffer> y, std::string_view op, I64s groups,
+ffi::Error CheckAcrossImpl(ffi::AnyBuffer x, ffi::AnyBuffer descs, ffi::AnyBuffer pid, After,
+                           ffi::Result<ffi::AnyBuffer> y, Done, std::string_view op, I64s groups,
                            int64_t group_size, I64s devices, I64s procs, I64s fabrics) {
   const auto dd = descs.dimensions();
   if (descs.element_type() != ffi::DataType::S32 || dd.size() != 2 || dd[1] != kDescWords ||
@@ -108,7 +110,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CheckAcrossFabricsHandler, CheckAcrossImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .OptionalArg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
+                                  .OptionalRet<ffi::AnyBuffer>()
                                   .Attr<std::string_view>("op")
                                   .Attr<I64s>("groups")
                                   .Attr<int64_t>("group_size")

@@ -8,9 +8,9 @@
 namespace strata {
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CountInterFabricHandler);
-// strata_check_across_fabrics(x, descs, partition id) -> x: compares the call descriptors of the
-// members of an inter-fabric group (gathered by XLA's collective just before) and fails naming
-// every member's call when they differ; hands x on (aliased) otherwise.
+// strata_check_across_fabrics(x, descs, partition id[, after]) -> x[, done]: compares the call
+// descriptors of the members of an inter-fabric group (gathered by XLA's collective just before)
+// and fails naming every member's call when they differ; hands x on (aliased) otherwise.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CheckAcrossFabricsHandler);
 // strata_order(x, after) -> x: hands x on (its result aliases x; copies only if XLA gave it a
 // buffer of its own) and reads nothing of `after`, the previous strata call's Done: it puts a

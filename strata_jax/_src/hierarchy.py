@@ -165,9 +165,10 @@ group_collective_p = core.Primitive("strata_group_collective")
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "permute", "all_gather_reduce")
 
 
-# The call being lowered hierarchically, until its first step between fabrics: that step's
-# operand goes through _check_across first (its result feeds the step, so XLA cannot start the
-# step before the check; and it is usually an intermediate, so the alias costs no copy).
+# The check's result while a call is lowered hierarchically, until its first step: a strata
+# step is ordered after the check by the program-order chain; an XLA step between fabrics is
+# made to read it (strata_order: its operand, handed on, aliased), so XLA cannot start it before
+# the check. (A step that consumes the program's own parameter then costs a copy of it.)
 _pending_check: contextvars.ContextVar = contextvars.ContextVar(
     "strata_pending_check", default=None
 )
@@ -184,11 +185,18 @@ def _check_on() -> bool:
 
 
 def _lower_checked(fn, ctx, args, multiple_results: bool, p: Plan, op: str, extra, aval):
-    token = _pending_check.set((p, op, extra, aval))
-    try:
+    """Lowers ``fn`` (a hierarchical algorithm) with the call checked across fabrics first."""
+    if not _check_on():
         return mlir.lower_fun(fn, multiple_results=multiple_results)(ctx, *args)
-    finally:
-        _pending_check.reset(token)
+
+    def checked(*a):
+        token = _pending_check.set(_check_across(p, op, extra, aval))
+        try:
+            return fn(*a)
+        finally:
+            _pending_check.reset(token)
+
+    return mlir.lower_fun(checked, multiple_results=multiple_results)(ctx, *args)
 
 
 def _gc(
@@ -214,11 +222,13 @@ def _gc(
     f]``; reduce_scatter: each output is parts equal blocks, and block f of group rank j sums
     input block ``placement[j * parts + f]`` of every member.
     """
-    pending = _pending_check.get() if engine == "xla" and _check_on() else None
-    if pending is not None:
+    pending = _pending_check.get()
+    if pending is not None and engine in ("xla", "strata"):
+        # The first step of the call: a strata step is chained after the check already; an
+        # XLA step (between fabrics) is made to read the check's result.
         _pending_check.set(None)
-        p, op, extra, aval = pending
-        x = _check_across(x, p, op, extra, aval, groups=groups)
+        if engine == "xla":
+            x = _after_p.bind(x, pending)
     return group_collective_p.bind(
         x,
         *(() if z is None else (z,)),
@@ -519,38 +529,64 @@ _check_p.def_abstract_eval(lambda x, descs, pid, **_: x)
 
 
 def _check_lowering(ctx, x, descs, pid, *, op, groups, who):
+    """The check as a link of the program-order chain of strata calls (lowering.py): it takes
+    the previous call's ``Done`` and gives its own, so the next strata call starts after it."""
     runtime.native()  # registers the FFI targets (this may be the program's first strata call)
     g = np.asarray(groups, np.int64)
-    rule = jax.ffi.ffi_lowering(
-        "strata_check_across_fabrics", has_side_effect=True, operand_output_aliases={0: 0}
-    )
+    rule = jax.ffi.ffi_lowering("strata_check_across_fabrics", has_side_effect=True)
     w = np.asarray(who, np.int64)[g.ravel()]
-    return rule(
-        ctx,
-        x,
-        descs,
-        pid,
-        op=op,
-        groups=g.ravel(),
-        group_size=np.int64(g.shape[1]),
-        devices=w[:, 0].copy(),
-        procs=w[:, 1].copy(),
-        fabrics=w[:, 2].copy(),
+    ordered = lowering._keep_program_order()
+    chain = lowering._program_order_chain(ctx) if ordered else {}
+    block = ir.InsertionPoint.current.block
+    after = chain.get(block)
+    extra = [after] if after is not None else []
+    done = [lowering._DONE_AVAL] if ordered else []
+    sub = ctx.replace(
+        avals_in=[*ctx.avals_in, *(a for _, a in extra)], avals_out=[*ctx.avals_out, *done]
     )
+    results = list(
+        rule(
+            sub,
+            x,
+            descs,
+            pid,
+            *(v for v, _ in extra),
+            op=op,
+            groups=g.ravel(),
+            group_size=np.int64(g.shape[1]),
+            devices=w[:, 0].copy(),
+            procs=w[:, 1].copy(),
+            fabrics=w[:, 2].copy(),
+        )
+    )
+    if done:
+        chain[block] = (results.pop(), lowering._DONE_AVAL)
+    return results
 
 
 mlir.register_lowering(_check_p, _check_lowering, platform="cpu", cacheable=False)
 
+# strata_order(x, after) -> x (native/ffi/hier_handlers.h): x handed on after ``after`` exists,
+# with no copy unless x is still read elsewhere or is a parameter of the program.
+_after_p = core.Primitive("strata_after")
+_after_p.def_abstract_eval(lambda x, after: x)
+mlir.register_lowering(
+    _after_p,
+    jax.ffi.ffi_lowering("strata_order", operand_output_aliases={0: 0}),
+    platform="cpu",
+    cacheable=False,
+)
 
-def _check_across(x, p: Plan, op: str, extra=(), aval=None, groups=None):
-    """x, after every member of ``groups`` (default: those that cross fabrics) agreed on the
-    call (``op`` on ``aval``, default x's, with ``extra``)."""
-    if groups is None:
-        groups = p.inter if p.uniform and p.L > 1 else p.groups
-    desc = jnp.asarray(_descriptor(op, aval or core.typeof(x), extra)[None])
+
+def _check_across(p: Plan, op: str, extra, aval):
+    """Compares this call (``op`` on ``aval``, with ``extra``) across the members of each group
+    that crosses fabrics; returns a small array that exists only once they agreed. Strata calls
+    after it in the program start after it (program-order chain)."""
+    groups = p.inter if p.uniform and p.L > 1 else p.groups
+    desc = jnp.asarray(_descriptor(op, aval, extra)[None])
     descs = _gc(desc, "all_gather", "xla_check", groups)  # [F or n, 24]
     return _check_p.bind(
-        x,
+        descs,
         descs,
         _partition_id_p.bind(),
         op=op,
@@ -706,6 +742,7 @@ def _reduce_scatter(x, p: Plan, reduce: str):
         # Two fabrics: send the partner's block, reduce the one received into the own (the
         # same bytes as gloo's reduce-scatter, measured 1.5x faster at 16 MiB, 7x at 64 KiB).
         # Strata writes the partner's block to a result of its own (no slice copied out).
+        _pending_check.set(None)  # a strata step: chained after the check
         v, send = _rs_divert_p.bind(
             x,
             groups=tuple(map(tuple, p.intra)),
@@ -755,6 +792,7 @@ def _all_to_all(x, p: Plan, split_axis: int, concat_axis: int):
         # back is written in place of the half strata left unwritten (v has no other reader).
         others = 1 - _slot_table(p)  # the partner fabric's slot, per partition
         k = c1 - 1 if c1 > s else c1  # where F goes: just before the concat part
+        _pending_check.set(None)  # a strata step: chained after the check
         v, send = _a2a_divert_p.bind(
             v,
             groups=tuple(map(tuple, p.intra)),
@@ -959,7 +997,7 @@ def lower_moe_across_fabrics(ctx, target: str, args, axes: tuple, attrs: dict):
 
         def nothing(first, *rest):  # no tokens anywhere: every slot stays zero
             if _check_on():  # kept although unused: the check has a side effect
-                _check_across(first, p, op, extra)
+                _check_across(p, op, extra, ctx.avals_in[0])
             return [jnp.zeros(a.shape, a.dtype) for a in avals]
 
         return mlir.lower_fun(nothing, multiple_results=True)(ctx, *args)
@@ -1028,7 +1066,7 @@ def lower_across_fabrics(ctx, x, target: str, axes: tuple, attrs: dict):
 
         def nothing(v):
             if _check_on():  # kept although unused: the check has a side effect
-                _check_across(v, p, op, extra)
+                _check_across(p, op, extra, ctx.avals_in[0])
             return jnp.zeros(out_aval.shape, out_aval.dtype)
 
         return mlir.lower_fun(nothing, multiple_results=False)(ctx, x)
