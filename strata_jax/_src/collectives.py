@@ -322,7 +322,8 @@ def _all_reduce_batcher(axis_data, vals_in, dims_in, *, axes, reduce, invariant)
 def _all_reduce_lowering(ctx, *xs, axes, reduce, invariant):
     code = np.int32(_REDUCE_CODES[reduce])
     if len(xs) == 1:
-        return [_ffi_call_lowering("strata_all_reduce", "psum")(ctx, xs[0], axes=axes, reduce=code)]
+        # One result either way (the call's, or the hierarchical lowering's).
+        return _ffi_call_lowering("strata_all_reduce", "psum")(ctx, xs[0], axes=axes, reduce=code)
     if hierarchy.plan(ctx, axes) is not None:
         # Across fabrics: the hierarchical all-reduce (hierarchy.py) takes one operand; each
         # leaf is lowered as its own call there.
