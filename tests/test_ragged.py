@@ -426,3 +426,35 @@ def test_33_zero_row_operand_or_output(rows):
     offs = jnp.array([[3, 0], [9, 1]], jnp.int32)
     got = _ragged(_mesh(2), operand, output, offs, zeros, offs[::-1], zeros, check_vma=False)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(output))
+
+
+def test_vmap_slice_stays_inside_its_batch_element():
+    """Under vmap the batch is merged into the rows: a slice past its own element's rows must
+    be an error, not rows of the next element (before: rows [3, 5) of a 4-row operand read
+    element 1's row 0 and returned it). In bounds, nested vmap still matches the loop."""
+    mesh = _mesh(2)
+
+    def per_rank(f):
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x")))
+
+    one = partial(sj.ragged_all_to_all, axis_name="x")
+    op = jnp.arange(16.0).reshape(4, 4, 1)  # per device: 2 elements of 4 rows
+    out = jnp.zeros((4, 4, 1))
+    io = jnp.array([[3, 0], [0, 0], [0, 0], [0, 0]], jnp.int32)  # element 0: rows [3, 5)
+    ss = jnp.array([[2, 0], [0, 0], [0, 0], [0, 0]], jnp.int32)
+    rs = ss
+    oo = jnp.zeros((4, 2), jnp.int32)
+    with pytest.raises(Exception, match=r"rows \[3, 5\) are outside the operand's 4 rows"):
+        np.asarray(per_rank(jax.vmap(one))(op, out, io, ss, oo, rs))
+    bad_out = jnp.array([[3, 0], [0, 0], [0, 0], [0, 0]], jnp.int32)
+    with pytest.raises(Exception, match=r"rows \[3, 5\) are outside the output's 4 rows"):
+        np.asarray(per_rank(jax.vmap(one))(op, out, jnp.zeros_like(io), ss, bad_out, rs))
+    # Nested vmap, in bounds: [2 devices x 2 x 2] elements of 2 rows, each sends its 2 rows to
+    # the own rank's output rows [0, 2).
+    a = jnp.arange(16.0).reshape(2, 2, 2, 2, 1).reshape(4, 2, 2, 1)
+    b = -jnp.ones_like(a)
+    plan = [jnp.zeros((4, 2, 2), jnp.int32)] * 4
+    sizes = jnp.repeat(jnp.array([[2, 0], [0, 2]], jnp.int32), 2, axis=0)[:, None, :]
+    sizes = jnp.broadcast_to(sizes, (4, 2, 2))
+    got = per_rank(jax.vmap(jax.vmap(one)))(a, b, plan[0], sizes, plan[2], sizes)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(a))

@@ -40,10 +40,19 @@ std::string validate(const Team& t, const RaggedShape& s) {
         what = "negative send size " + std::to_string(size);
       else if (size == 0)
         continue;  // an empty slice moves nothing: its offsets are never read (as in XLA)
-      else if (in_off < 0 || in_off > s.operand_rows - size)
-        what = outside(in_off, size, "operand", s.operand_rows);
-      else if (out_off < 0 || out_off > s.output_rows - size)
-        what = outside(out_off, size, "output", s.output_rows);
+      else {
+        // Whole arrays, or the slice's own batch element under vmap (bounds).
+        const int64_t* b = s.bounds;
+        const int64_t in_lo = b ? b[i] : 0, in_hi = b ? b[K + i] : s.operand_rows;
+        const int64_t out_lo = b ? b[2 * K + i] : 0, out_hi = b ? b[3 * K + i] : s.output_rows;
+        if (in_off < in_lo || in_off > in_hi - size)
+          what = outside(in_off - in_lo, size, "operand", in_hi - in_lo);
+        else if (out_off < out_lo || out_off > out_hi - size)
+          what = outside(out_off - out_lo, size, "output", out_hi - out_lo);
+        if (!what.empty() && b)
+          what += " (of batch element " +
+                  std::to_string(in_hi > in_lo ? in_lo / (in_hi - in_lo) : 0) + " under vmap)";
+      }
       if (!what.empty()) {
         std::ostringstream os;
         os << "strata_jax ragged_all_to_all: slice " << i << " of rank " << j << " (to rank " << d

@@ -28,6 +28,9 @@ struct RaggedShape {
   int64_t output_rows = 0;   // M
   uint64_t row_bytes = 0;    // bytes of one leading-axis row (same for operand and output)
   int64_t slices = 0;        // K, a multiple of the group size
+  // Optional [4, K] per-slice row bounds (operand lo, hi; output lo, hi), set when vmap merged
+  // a batch into the rows: each slice must stay inside its own batch element's rows.
+  const int64_t* bounds = nullptr;
 };
 
 // Pulls this rank's received slices into `result` (which already holds `output`). First checks

@@ -25,7 +25,7 @@ ffi::Error invalid(const std::string& what) {
 ffi::Error RaggedAllToAllImpl(ffi::RunId run, ffi::AnyBuffer operand, ffi::AnyBuffer output,
                               ffi::AnyBuffer plan, ffi::AnyBuffer pid, After,
                               ffi::Result<ffi::AnyBuffer> result, Done, int64_t op_id, I64s groups,
-                              int64_t group_size, I64s device_ids) {
+                              int64_t group_size, I64s device_ids, I64s bounds) {
   const int32_t dt = static_cast<int32_t>(operand.element_type());
   if (dtype_size(dt) == 0) return invalid(std::string("unsupported dtype ") + dtype_name(dt));
   auto od = operand.dimensions(), md = output.dimensions(), pd = plan.dimensions();
@@ -49,6 +49,10 @@ ffi::Error RaggedAllToAllImpl(ffi::RunId run, ffi::AnyBuffer operand, ffi::AnyBu
                               : (s.operand_rows ? operand.size_bytes() / s.operand_rows : 0);
   if (s.slices % pl.size)
     return invalid("the number of slices is not a multiple of the group size");
+  if (bounds.size() == static_cast<size_t>(4 * s.slices))
+    s.bounds = bounds.begin();
+  else if (bounds.size() != 1)
+    return invalid("internal error: bounds do not match the plan");
   char* res = static_cast<char*>(result->untyped_data());
   // The result starts as `output`: XLA aliases them, so normally there is nothing to copy.
   if (res != output.untyped_data() && output.size_bytes())
@@ -106,6 +110,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedAllToAllHandler, RaggedAllToAllImpl,
                                   .Attr<int64_t>("op_id")
                                   .Attr<I64s>("groups")
                                   .Attr<int64_t>("group_size")
-                                  .Attr<I64s>("device_ids"));
+                                  .Attr<I64s>("device_ids")
+                                  .Attr<I64s>("bounds"));
 
 }  // namespace strata

@@ -294,7 +294,11 @@ def _pbroadcast_rule(ctx, x, *, axis_name, source):
 
 def _ragged_rule(ctx, *args, axis_name, axis_index_groups):
     return ragged._lowering(
-        ctx, *args, axis_name=_axes(axis_name), axis_index_groups=axis_index_groups
+        ctx,
+        *args,
+        axis_name=_axes(axis_name),
+        axis_index_groups=axis_index_groups,
+        bounds=None,  # jax.lax's own batching rule has merged no batch into the rows
     )
 
 

@@ -115,7 +115,7 @@ def ragged_all_to_all(
             missing = tuple(a for a in vma if a not in core.typeof(args[k]).mat.varying)
             if missing:
                 args[k] = jax.lax.pcast(args[k], missing, to="varying")
-    return ragged_all_to_all_p.bind(*args, axis_name=axes, axis_index_groups=groups)
+    return ragged_all_to_all_p.bind(*args, axis_name=axes, axis_index_groups=groups, bounds=None)
 
 
 def _abstract_eval(
@@ -128,6 +128,7 @@ def _abstract_eval(
     *,
     axis_name,
     axis_index_groups,
+    bounds,
 ):
     # The first checks and their messages are jax.lax.ragged_all_to_all's, in its order.
     for name, v in (
@@ -190,6 +191,7 @@ def _lowering(
     *,
     axis_name,
     axis_index_groups,
+    bounds,
 ):
     base = lowering.mesh_groups(ctx, axis_name, "ragged_all_to_all")  # [G, n]: the axis groups
     if axis_index_groups:
@@ -219,6 +221,9 @@ def _lowering(
         [operand, output, plan],
         groups,
         operand_output_aliases={1: 0},
+        # Per-slice row bounds [4, K] set by the batching rule (each slice inside its own
+        # batch element); [-1]: the whole operand and output.
+        bounds=np.asarray(bounds if bounds is not None else (-1,), np.int64).ravel(),
     )
 
 
@@ -256,6 +261,7 @@ def _exchange(v, axis_name, groups):
         ones,
         axis_name=axis_name,
         axis_index_groups=groups,
+        bounds=None,
     )
 
 
@@ -270,6 +276,7 @@ def _transpose(
     *,
     axis_name,
     axis_index_groups,
+    bounds,
 ):
     if type(t) is ad.Zero:
         operand_t = ad.Zero(operand.aval) if ad.is_undefined_primal(operand) else None
@@ -296,6 +303,10 @@ def _transpose(
         send_sizes,
         axis_name=axis_name,
         axis_index_groups=axis_index_groups,
+        # The reverse exchange keeps each slice's batch element; operand and output swap.
+        bounds=None
+        if bounds is None
+        else (*bounds[len(bounds) // 2 :], *bounds[: len(bounds) // 2]),
     )
     # Rows of `output` that were overwritten get no cotangent. Boundary counts with adds (not
     # sets), so empty and adjacent slices are exact.
@@ -313,10 +324,10 @@ def _transpose(
     ] + [None] * 4
 
 
-def _batcher(axis_data, vals_in, dims_in, *, axis_name, axis_index_groups):
+def _batcher(axis_data, vals_in, dims_in, *, axis_name, axis_index_groups, bounds):
     if all(d is None for d in dims_in) and axis_data.name not in axis_name:
         out = ragged_all_to_all_p.bind(
-            *vals_in, axis_name=axis_name, axis_index_groups=axis_index_groups
+            *vals_in, axis_name=axis_name, axis_index_groups=axis_index_groups, bounds=bounds
         )
         return out, None
     if axis_data.name in axis_name:
@@ -340,9 +351,26 @@ def _batcher(axis_data, vals_in, dims_in, *, axis_name, axis_index_groups):
     oo = oo + (jnp.arange(size, dtype=oo.dtype) * m_rows)[None, :]
     merged = [v.reshape(-1, *v.shape[2:]) for v in (operand, output, io, ss, oo, rs)]
     out = ragged_all_to_all_p.bind(
-        *merged, axis_name=axis_name, axis_index_groups=axis_index_groups
+        *merged,
+        axis_name=axis_name,
+        axis_index_groups=axis_index_groups,
+        bounds=_batched_bounds(bounds, io.shape[0], size, n_rows, m_rows),
     )
     return out.reshape(size, -1, *out.shape[1:]), 0
+
+
+def _batched_bounds(bounds, k: int, size: int, n_rows: int, m_rows: int) -> tuple:
+    """Row bounds of the merged slices (slice k' * size + b: batch element b): a slice must
+    stay inside its own element's rows, not run into the next one's ([4 * K * size] ints:
+    operand lo, operand hi, output lo, output hi; each over the merged slices)."""
+    if bounds is None:
+        inner = np.array([[0] * k, [n_rows] * k, [0] * k, [m_rows] * k], np.int64)
+    else:
+        inner = np.asarray(bounds, np.int64).reshape(4, k)
+    b = np.arange(size, dtype=np.int64)
+    shift = np.stack([b * n_rows, b * n_rows, b * m_rows, b * m_rows])  # [4, size]
+    merged = inner[:, :, None] + shift[:, None, :]  # [4, K, size]
+    return tuple(int(v) for v in merged.ravel())
 
 
 def _impl(*args, **kwargs):
