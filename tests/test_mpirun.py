@@ -81,6 +81,16 @@ def test_mpirun_without_allocator_reports_staging_and_the_fix():
     assert "STRATA_ALLOC_HOOK=0" in lines[0] and "Fix: unset STRATA_ALLOC_HOOK" in lines[0]
 
 
+def test_strata_run_preload_env():
+    """The wrapper's environment: the library first in LD_PRELOAD, others kept, no duplicate."""
+    from strata_jax.run import preload_env
+
+    assert preload_env({}, "/x/lib.so")["LD_PRELOAD"] == "/x/lib.so"
+    env = preload_env({"LD_PRELOAD": "/a.so /x/lib.so:/b.so", "K": "v"}, "/x/lib.so")
+    assert env["LD_PRELOAD"] == "/x/lib.so:/a.so:/b.so" and env["K"] == "v"
+
+
+@pytest.mark.slow  # a third mpirun job (~20 s here): the hook test above covers the default run
 def test_strata_run_after_mpirun_preloads_the_allocator():
     strata_run = [sys.executable, "-m", "strata_jax.run"]
     r, res = _run(mpirun_cmd(2, *strata_run, sys.executable, str(SCRIPTS / "mpirun_psum.py")))
