@@ -415,6 +415,46 @@ def speed_sentence(name: str, t_this: float, base: str, t_base: float, goal: flo
     )
 
 
+def communication_share(
+    t_base: float, t_strata: float, t_nocomm: float, base: str, what: str = "step"
+) -> tuple[list[str], dict[str, Any]]:
+    """How much of the baseline's time is exchange, and how much of that strata removes.
+
+    ``share = (t_base - t_nocomm) / t_base``: the baseline's time spent exchanging, measured
+    against ``nocomm`` (the baseline's computation with every exchange free);
+    ``removed = (t_base - t_strata) / (t_base - t_nocomm)``: the part of that time strata
+    does not spend (1 = as fast as free exchanges; above 1 when strata's own computation is
+    also cheaper; undefined, None, when nocomm is not faster than the baseline). Times in
+    seconds (medians of the same turns). Returns the two ``#`` lines and the numbers for the
+    JSON (``comm_share``, ``strata_removes``, the three times).
+    """
+    exch = t_base - t_nocomm
+    share = exch / t_base if t_base > 0 else float("nan")
+    removed = (t_base - t_strata) / exch if exch > 0 else None
+    lines = [
+        f"# communication: the {base} {what} spends {100 * share:.0f}% of its time exchanging "
+        f"(against nocomm: {1e3 * t_base:.2f} vs {1e3 * t_nocomm:.2f} ms median)",
+        (
+            f"# strata removes {100 * removed:.0f}% of that time (({base} - strata) / "
+            f"({base} - nocomm) = ({1e3 * t_base:.2f} - {1e3 * t_strata:.2f}) / "
+            f"({1e3 * t_base:.2f} - {1e3 * t_nocomm:.2f}); goal >= 85%: "
+            f"{'met' if removed >= 0.85 else 'not met'})"
+            if removed is not None
+            else f"# strata removes: undefined (nocomm is not faster than {base} here)"
+        ),
+    ]
+    data = {
+        "baseline": base,
+        "what": what,
+        "baseline_s": t_base,
+        "strata_s": t_strata,
+        "nocomm_s": t_nocomm,
+        "comm_share": share,
+        "strata_removes": removed,
+    }
+    return lines, data
+
+
 def bound_sentence(t_nocomm: float, base: str, t_base: float) -> str:
     """The communication-free bound, in the words of :func:`speed_sentence`. Times in seconds."""
     return (

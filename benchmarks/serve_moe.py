@@ -72,8 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--impl",
-        default=",".join(i for i in IMPLS if i != "nocomm"),
-        help=f"comma list of {IMPLS}",
+        default=",".join(IMPLS),
+        help=f"comma list of {IMPLS}; with strata, xla_sort and nocomm the communication "
+        "share of xla_sort's decode step and TTFT and the part of it strata removes are printed",
     )
     p.add_argument(
         "--strata-prefill",
@@ -500,6 +501,16 @@ def main(argv: list[str] | None = None) -> int:
             ratios[row["impl"]] = rt
             say(table.row([f"strata faster than {row['impl']}", *(f"{rt[k]:.2f}x" for k in keys)]))
 
+    communication = {}
+    if {"strata", "xla_sort", "nocomm"} <= set(runs):
+        by = {r["impl"]: r for r in rows}
+        for key, what in (("step_p50_ms", "decode step (p50)"), ("ttft_p50_ms", "TTFT (p50)")):
+            lines, communication[key[:-3]] = C.communication_share(
+                *(1e-3 * by[i][key] for i in ("xla_sort", "strata", "nocomm")), "xla_sort", what
+            )
+            for line in lines:
+                say(line)
+
     if lead:
         args.out.mkdir(parents=True, exist_ok=True)
         png = args.out / "serve_moe.png"
@@ -513,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
                 checkpoint=str(ckpt),
                 results=rows,
                 strata_speedup=ratios,
+                communication=communication,
                 differing_bytes=same,
                 ttft_s={k: r["ttft"] for k, r in runs.items()},
                 step_s={k: r["steps"] for k, r in runs.items()},

@@ -89,9 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("run")
     g.add_argument(
         "--impl",
-        default="strata,xla_sort",
+        default="strata,xla_sort,nocomm",
         help=f"comma list of {IMPLS} (or 'all'); step-time ratios are against xla_sort "
-        "(else xla) when present",
+        "(else xla) when present; with nocomm, strata and xla_sort the communication share "
+        "and the part of it strata removes are printed",
     )
     g.add_argument(
         "--devices",
@@ -628,6 +629,14 @@ def main(argv: list[str] | None = None) -> int:
             say(C.speed_sentence(impl, runs[impl]["median_s"], base, runs[base]["median_s"]))
     if "nocomm" in runs and "xla_sort" in runs:  # nocomm is xla_sort's computation
         say(C.bound_sentence(runs["nocomm"]["median_s"], "xla_sort", runs["xla_sort"]["median_s"]))
+    communication = None
+    if {"nocomm", "xla_sort", "strata"} <= set(runs):
+        lines, communication = C.communication_share(
+            runs["xla_sort"]["median_s"], runs["strata"]["median_s"], runs["nocomm"]["median_s"],
+            "xla_sort",
+        )  # fmt: skip
+        for line in lines:
+            say(line)
 
     if args.save is not None:
         from jax.experimental import multihost_utils
@@ -653,6 +662,7 @@ def main(argv: list[str] | None = None) -> int:
                 "corpus": corpus_name,
                 "results": rows,
                 "loss_diffs": diffs,
+                "communication": communication,
                 "losses": {k: r["losses"] for k, r in runs.items()},
                 "step_times_s": {k: r["times"] for k, r in runs.items()},
             },

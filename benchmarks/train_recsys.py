@@ -72,7 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = p.add_argument_group("run")
-    g.add_argument("--impl", default="strata,xla", help=f"comma list of {IMPLS}")
+    g.add_argument(
+        "--impl",
+        default="strata,xla,nocomm",
+        help=f"comma list of {IMPLS}; with all three the communication share of xla's step and "
+        "the part of it strata removes are printed",
+    )
     g.add_argument(
         "--devices",
         type=int,
@@ -270,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             "state": state,
             "losses": [],
             "times": [],
+            "cpu": [],
             "drops": [],
             "invalid": [],
             "scores": [],
@@ -289,10 +295,11 @@ def main(argv: list[str] | None = None) -> int:
         batch, labels = put_batch(i)
         labels_window.append(np.concatenate([labels[k] for k, _ in local_devs]))
         for r in runs.values():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             r["state"], (loss, logits, dropped, invalid) = r["fn"](r["state"], batch)
             jax.block_until_ready((r["state"], loss, logits, dropped, invalid))
             r["times"].append(time.perf_counter() - t0)
+            r["cpu"].append(time.process_time() - c0)
             r["losses"].append(float(np.asarray(loss.addressable_data(0))))
             r["drops"].append(int(np.asarray(dropped.addressable_data(0))))
             r["invalid"].append(int(np.asarray(invalid.addressable_data(0))))
@@ -331,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             C.Column("median ms", 10, ".1f"),
             C.Column("p10 ms", 8, ".1f"),
             C.Column("p90 ms", 8, ".1f"),
+            C.Column("cpu ms", 8, ".1f"),
             C.Column("compile s", 9, ".1f"),
             C.Column("xla/this", 8, ".2f"),
         ]
@@ -339,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     for impl, r in runs.items():
         t = np.array(r["times"][args.warmup :])
         r["median_s"] = float(np.median(t))
+        r["cpu_s"] = float(np.median(r["cpu"][args.warmup :]))
         p10, p90 = (float(v) for v in np.percentile(t, [10, 90]))
         rows.append(
             {
@@ -352,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                 "median_step_s": r["median_s"],
                 "p10_step_s": p10,
                 "p90_step_s": p90,
+                "cpu_step_s": r["cpu_s"],
                 "compile_s": r["compile_s"],
             }
         )
@@ -362,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     say(
         f"# step time: median of steps {args.warmup}..{args.steps - 1}, each jitted whole and "
         f"blocked; implementations stepped in turns; wall {wall:.0f} s. xla/this = xla's median "
-        f"step time / this one's (above 1: faster than xla)"
+        f"step time / this one's (above 1: faster than xla); cpu ms: median CPU time of this "
+        "process (all its threads) per step, which other jobs on the machine do not inflate"
     )
     for line in table.header_lines():
         say(line)
@@ -385,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                     1e3 * row["median_step_s"],
                     1e3 * row["p10_step_s"],
                     1e3 * row["p90_step_s"],
+                    1e3 * row["cpu_step_s"],
                     row["compile_s"],
                     row["xla_over_this"],
                 ]
@@ -432,6 +444,21 @@ def main(argv: list[str] | None = None) -> int:
         say(C.speed_sentence("strata", runs["strata"]["median_s"], base, runs[base]["median_s"]))
     if "nocomm" in runs and base:
         say(C.bound_sentence(runs["nocomm"]["median_s"], base, runs[base]["median_s"]))
+    communication = None
+    if base and {"strata", "nocomm"} <= set(runs):
+        lines, communication = C.communication_share(
+            runs[base]["median_s"], runs["strata"]["median_s"], runs["nocomm"]["median_s"], base
+        )
+        for line in lines:
+            say(line)
+        # The same in CPU time: on a loaded machine the wall-clock gap is mostly waiting for the
+        # 8 device threads to be scheduled at each collective's two barriers, not work.
+        cpu_lines, communication["cpu"] = C.communication_share(
+            runs[base]["cpu_s"], runs["strata"]["cpu_s"], runs["nocomm"]["cpu_s"], base,
+            "step's CPU time",
+        )  # fmt: skip
+        for line in cpu_lines:
+            say(line)
 
     if lead:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -448,11 +475,13 @@ def main(argv: list[str] | None = None) -> int:
                 "capacity": capacity,
                 "results": rows,
                 "loss_diff": diffs,
+                "communication": communication,
                 "losses": {k: r["losses"] for k, r in runs.items()},
                 "auc": {k: r["auc"] for k, r in runs.items()},
                 "drops": {k: r["drops"] for k, r in runs.items()},
                 "invalid_ids": {k: r["invalid"] for k, r in runs.items()},
                 "step_times_s": {k: r["times"] for k, r in runs.items()},
+                "step_cpu_s": {k: r["cpu"] for k, r in runs.items()},
             },
         )
         say(f"# wrote {js}")
