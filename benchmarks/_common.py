@@ -438,7 +438,12 @@ def communication_share(
             f"# strata removes {100 * removed:.0f}% of that time (({base} - strata) / "
             f"({base} - nocomm) = ({1e3 * t_base:.2f} - {1e3 * t_strata:.2f}) / "
             f"({1e3 * t_base:.2f} - {1e3 * t_nocomm:.2f}); goal >= 85%: "
-            f"{'met' if removed >= 0.85 else 'not met'})"
+            f"{'met' if removed >= 0.85 else 'not met'}"
+            + (
+                "; above 100%: strata's step also computes less than the baseline's)"
+                if removed > 1
+                else ")"
+            )
             if removed is not None
             else f"# strata removes: undefined (nocomm is not faster than {base} here)"
         ),
