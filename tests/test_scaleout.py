@@ -304,16 +304,28 @@ def test_empty_arrays_across_fake_fabrics(two_fake_fabrics):
     assert sj.comm_stats()["inter_fabric_bytes"] == before
 
 
+_A2A_PAIRS = [(0, 0), (1, 0), (0, 1), (1, 1), (1, 2), (0, 2)]
+_A2A_LAYOUTS = [
+    (2, range(8)),  # 4 fabrics of 2, each fabric's members together
+    (4, range(8)),  # 2 fabrics of 4
+    (2, [5, 0, 3, 6, 1, 4, 7, 2]),  # 4 fabrics of 2, fabrics interleaved in the group
+    (4, [4, 0, 5, 1, 6, 2, 7, 3]),  # 2 fabrics of 4, interleaved, the second one first
+]
+
+
 @pytest.mark.parametrize(
-    "fabric_size, order",
-    [
-        (2, range(8)),  # 4 fabrics of 2, each fabric's members together
-        (4, range(8)),  # 2 fabrics of 4
-        (2, [5, 0, 3, 6, 1, 4, 7, 2]),  # 4 fabrics of 2, fabrics interleaved in the group
-        (4, [4, 0, 5, 1, 6, 2, 7, 3]),  # 2 fabrics of 4, interleaved, the second one first
+    "fabric_size, order, pairs",
+    [  # by default each layout runs 3 of the 6 (split, concat) pairs, so that every pair meets
+        # 2 and 4 fabrics, contiguous and interleaved; every pair on every layout: -m slow
+        pytest.param(f, o, _A2A_PAIRS[:3] if i in (0, 3) else _A2A_PAIRS[3:], id=f"{f}-order{i}")
+        for i, (f, o) in enumerate(_A2A_LAYOUTS)
+    ]
+    + [
+        pytest.param(f, o, _A2A_PAIRS, marks=pytest.mark.slow, id=f"{f}-order{i}-all")
+        for i, (f, o) in enumerate(_A2A_LAYOUTS)
     ],
 )
-def test_all_to_all_across_fake_fabrics(monkeypatch, rng, fabric_size, order):
+def test_all_to_all_across_fake_fabrics(monkeypatch, rng, fabric_size, order, pairs):
     """The hierarchical all_to_all (strata inside each fabric with a strided split, per-fabric
     aggregates across: one collective-permute with two fabrics, else one XLA all_to_all)
     equals jax.lax's for every (split, concat) pair of a 3-D block, tiled and untiled, with
@@ -326,7 +338,7 @@ def test_all_to_all_across_fake_fabrics(monkeypatch, rng, fabric_size, order):
     mesh = Mesh(np.array([devs[i] for i in order]), ("x",))
     x = rng.standard_normal((8 * 8, 16, 3)).astype(np.float32)  # per device [8, 16, 3]
     before = sj.comm_stats()["inter_fabric_bytes"]
-    for s, c in [(0, 0), (1, 0), (0, 1), (1, 1), (1, 2), (0, 2)]:
+    for s, c in pairs:
         got, want = _both(
             mesh,
             lambda v, s=s, c=c: sj.all_to_all(v, "x", s, c, tiled=True),
@@ -367,10 +379,10 @@ def test_all_to_all_across_fake_fabrics(monkeypatch, rng, fabric_size, order):
 
 @pytest.mark.parametrize(
     "dtype",
-    [  # 1, 2, 4 and 8 bytes by default (float32 checks the compiled program too)
+    [  # 1, 4 and 8 bytes by default (float32 checks the compiled program too)
         np.bool_,
         pytest.param(np.int8, marks=pytest.mark.slow),
-        jnp.bfloat16,
+        pytest.param(jnp.bfloat16, marks=pytest.mark.slow),
         np.float32,
         np.complex64,
         pytest.param(np.float64, marks=pytest.mark.slow),
@@ -642,17 +654,24 @@ def test_moe_across_two_hosts_two_devices_each():
 
 
 @pytest.mark.parametrize(
-    "devices", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["1dev", "2dev"]
+    "devices,runs",
+    [
+        (1, 40),
+        pytest.param(1, 100, marks=pytest.mark.slow),
+        pytest.param(2, 100, marks=pytest.mark.slow),
+    ],
+    ids=["1dev", "1dev-100", "2dev-100"],
 )
-def test_independent_calls_keep_program_order(devices):
-    """24 independent collectives per program, 100 runs, across 2 simulated hosts: every
-    value right and no hang. Before the calls were chained in program order this timed out
-    in 3 of 3 runs (each rank of a fabric waited in a different call for the other)."""
+def test_independent_calls_keep_program_order(devices, runs):
+    """24 independent collectives per program, 40 runs (100 behind -m slow), across 2
+    simulated hosts: every value right and no hang. Before the calls were chained in program
+    order 100 runs timed out in 3 of 3 tries (each rank of a fabric waited in a different call
+    for the other)."""
     args = ["-n", "4", "--hosts", "2", "--devices-per-proc", str(devices)]
-    r = _launch(args, "independent_calls.py", "100", timeout=180)
+    r = _launch(args, "independent_calls.py", str(runs), timeout=180)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
-    assert r.stdout.count("OK independent 100") == 4, out[-3000:]
+    assert r.stdout.count(f"OK independent {runs}") == 4, out[-3000:]
 
 
 def test_rank_of_other_fabric_killed():
