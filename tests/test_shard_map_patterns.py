@@ -9,7 +9,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -166,23 +165,10 @@ def _fsdp_tp_scatter_loss():
     return loss
 
 
-def test_fsdp_with_tensor_parallelism_scattered_output_close(rng):
+def test_fsdp_with_tensor_parallelism_tutorial_layout(rng):
     """The tutorial's layout: w2 gathered along dimension 1 and the second matmul's sum
-    scattered over the features (psum_scatter over dimension 1; the gradient of the gather is
-    one too): on strata, no XLA collective left, values within float32 rounding (bitwise:
-    pending, below)."""
-    want, got = _run_both(_fsdp_tp_scatter_loss(), *_fsdp_tp_args(rng))
-    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=1e-7)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="pending issue 24 section 4 (another engineer): strata's psum_scatter over a "
-    "non-leading dimension moves it to the front and XLA folds that transpose into the dot "
-    "before it, which rounds differently",
-)
-def test_fsdp_with_tensor_parallelism_scattered_output_bitwise(rng):
+    scattered over the features (psum_scatter over dimension 1, and the gather's gradient is
+    one too), both next to dots: bitwise (strata's calls work in place over any dimension)."""
     want, got = _run_both(_fsdp_tp_scatter_loss(), *_fsdp_tp_args(rng))
     _assert_bitwise(want, got)
 
