@@ -38,7 +38,11 @@ def _netns_reason() -> str | None:
     if reason is not None:
         return reason
     hidden = ("/tmp/", "/dev/shm/")  # each simulated host gets a private tmpfs on these
-    for what, path in (("the Python interpreter", sys.executable), ("strata_jax", PKG_PARENT)):
+    for what, path in (
+        ("the Python interpreter", sys.executable),
+        ("strata_jax", PKG_PARENT),
+        ("the test scripts", str(SCRIPTS)),
+    ):
         if os.path.abspath(path).startswith(hidden):
             return f"{what} lives under /tmp or /dev/shm ({path}), which a private mount hides"
     return None
