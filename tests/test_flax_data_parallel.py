@@ -37,6 +37,7 @@ def test_flax_loop_bitwise_and_every_all_reduce_on_strata(check_vma):
         step, state = example.build(
             mesh, batchnorm=True, check_vma=check_vma, image=6, features=((4, 1),), hidden=4
         )
+        n_leaves = len(jax.tree_util.tree_leaves(state[0]))
         with sj.use_for_jax_lax(on):
             lowered = step.lower(state, *data[0])
             compiled = lowered.compile()
@@ -51,6 +52,11 @@ def test_flax_loop_bitwise_and_every_all_reduce_on_strata(check_vma):
     assert [v.tobytes() for v in losses[True]] == [v.tobytes() for v in losses[False]]
     n = rec.on_strata  # 2 per parameter (the implicit pvary's transpose and the pmean) + BN's
     assert rec.on_xla == 0 and n == all_reduces == (19 if check_vma else 12), str(rec)
-    assert hlo[True].count('custom_call_target="strata_all_reduce"') == n
+    # Combined (issue 24 sec. 3): far fewer strata calls than all-reduces, each one a call.
+    calls = hlo[True].count('custom_call_target="strata_all_reduce"') + hlo[True].count(
+        'custom_call_target="strata_all_reduce_list"'
+    )
+    print(rec, "; parameter leaves:", n_leaves)
+    assert calls == rec.calls <= n_leaves // 2, str(rec)
     assert not re.search(r"all-reduce(-start)?\(", hlo[True])
     assert re.search(r"all-reduce\(", hlo[False])  # what jax.lax compiles to

@@ -136,11 +136,12 @@ def test_pytree_all_reduce_and_strided_psum_scatter_across_processes():
     remote peers in one call), its leaves mixing pool and staged buffers, 0-d and zero-size,
     one-shot and two-shot, and a pytree of small leaves on the low-latency path as one packed
     input; psum_scatter over dimension 1 in place. Bitwise against a rank-order numpy fold
-    (check_pytree.py)."""
+    (check_pytree.py). The same pytree through jax.lax.psum/pmax under use_for_jax_lax() is
+    one combined strata call too."""
     _require_allocator()
     r = _launch(2, "check_pytree.py", devices=2)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("OK pytree 114 checks") == 2, r.stdout[-2000:]
+    assert r.stdout.count("OK pytree 146 checks") == 2, r.stdout[-2000:]
 
 
 def test_timeout_then_sigkill_leaves_nothing():

@@ -32,11 +32,15 @@ class ProgramCoverage:
       program: the lowered module's name (``jit_step`` for ``jax.jit(step)``).
       strata: collective (primitive name) -> how many of its applications lower to strata.
       xla: collective -> {reason it stayed on XLA -> how many}.
+      calls: how many strata calls the collectives on strata became: fewer than
+        ``on_strata`` where several all-reduces were combined into one call (a pytree's
+        leaves, the gradient all-reduces of a training step: ``STRATA_COMBINE_BYTES``).
     """
 
     program: str
     strata: dict[str, int] = dataclasses.field(default_factory=dict)
     xla: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    calls: int = 0
 
     @property
     def on_strata(self) -> int:
@@ -51,6 +55,8 @@ class ProgramCoverage:
     def __str__(self) -> str:
         total = self.on_strata + self.on_xla
         line = f"{self.program}: {self.on_strata} of {total} collectives on strata"
+        if self.on_strata:
+            line += f" in {self.calls} call" + ("s" if self.calls != 1 else "")
         if self.strata:
             line += " (" + ", ".join(f"{op} {n}" for op, n in sorted(self.strata.items())) + ")"
         if self.xla:
@@ -70,9 +76,10 @@ def _program_name(ctx) -> str:
         return "<unnamed>"
 
 
-def record(ctx, op: str, reason: str | None) -> None:
+def record(ctx, op: str, reason: str | None, calls: int = 1) -> None:
     """Records that ``op`` (a primitive name) of the program being lowered under ``ctx`` went
-    to strata (``reason`` None) or stayed on XLA because of ``reason``."""
+    to strata (``reason`` None) as ``calls`` strata calls (0 for the members of a combined
+    call but one), or stayed on XLA because of ``reason``."""
     cache = ctx.module_context.cached_primitive_lowerings
     rec = cache.get(_KEY)
     if rec is None:
@@ -82,6 +89,7 @@ def record(ctx, op: str, reason: str | None) -> None:
     with _lock:
         if reason is None:
             rec.strata[op] = rec.strata.get(op, 0) + 1
+            rec.calls += calls
         else:
             reasons = rec.xla.setdefault(op, {})
             reasons[reason] = reasons.get(reason, 0) + 1
@@ -98,15 +106,19 @@ def coverage() -> list[ProgramCoverage]:
       ``jit_step``), ``strata`` (primitive name -> count: JAX's ``psum``, ``psum_invariant``,
       ``all_gather``... lowered to strata under :func:`strata_jax.use_for_jax_lax`, and strata's
       own ``strata_all_reduce``... called directly), ``xla`` (primitive name -> {reason ->
-      count}), and ``str(record)``, one line: ``"jit_step: 17 of 17 collectives on strata
-      (psum 9, psum_invariant 8)"``. A program is recorded when it is lowered (a jitted
-      function's first call, or again when its cache key changes), and only if it holds a
-      collective. Counts are of the lowered program; XLA may later combine several all-reduces
-      into one op (strata's calls are never combined).
+      count}), ``calls`` (how many strata calls those on strata became: several all-reduces
+      of one pytree or one training step are combined into one call under
+      :func:`strata_jax.use_for_jax_lax`, see ``STRATA_COMBINE_BYTES``), and ``str(record)``,
+      one line: ``"jit_step: 17 of 17 collectives on strata in 3 calls (psum 9,
+      psum_invariant 8)"``. A program is recorded when it is lowered (a jitted function's
+      first call, or again when its cache key changes), and only if it holds a collective.
+      Counts are of the lowered program; XLA may later combine the all-reduces left to it.
     """
     with _lock:
         return [
-            ProgramCoverage(r.program, dict(r.strata), {op: dict(w) for op, w in r.xla.items()})
+            ProgramCoverage(
+                r.program, dict(r.strata), {op: dict(w) for op, w in r.xla.items()}, r.calls
+            )
             for r in _records
         ]
 

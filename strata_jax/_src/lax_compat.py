@@ -26,6 +26,7 @@ BatchNorm), and none do here.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -33,12 +34,12 @@ from collections.abc import Callable, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import config
+from jax._src import config, core
 from jax._src.interpreters import mlir
 from jax._src.lax import parallel as lax_parallel
 from jax._src.sharding_impls import SPMDAxisContext
 
-from strata_jax._src import collectives, coverage, lowering, ragged
+from strata_jax._src import collectives, coverage, hierarchy, lowering, ragged
 
 _state = config.bool_state(
     "strata_use_for_jax_lax",
@@ -403,3 +404,309 @@ def use_for_jax_lax(enabled: bool = True) -> Iterator[None]:
     """
     with _state(bool(enabled)):
         yield
+
+
+# --------------------------------------------------------------------------------------
+# The all-reduce combiner: several of JAX's all-reduces in one strata call
+# --------------------------------------------------------------------------------------
+#
+# jax.lax.psum of a pytree binds one psum per leaf, and autodiff under check_vma inserts one
+# psum_invariant per parameter, so a training step would make one strata call (one rendezvous)
+# per leaf. XLA's all-reduce combiner merges its own; here, when an all-manual shard_map body
+# is lowered under use_for_jax_lax(), runs of all-reduces of one kind over the same axes with
+# no other collective between them become one equation of ``_combined_p``, lowered to one
+# ``strata_all_reduce_list`` call (collectives.py). The jaxpr JAX traced is not changed: the
+# rewritten copy exists only while the body is lowered.
+
+# Default size of one combined call (bytes of all its operands, per rank); STRATA_COMBINE_BYTES
+# overrides it when a program is lowered (0: no combining).
+COMBINE_BYTES = 32 * 1024 * 1024
+
+_KIND = {
+    lax_parallel.psum_p: "psum",
+    lax_parallel.psum_invariant_p: "psum",
+    lax_parallel.pmax_p: "pmax",
+    lax_parallel.pmin_p: "pmin",
+}
+# Higher-order primitives whose jaxprs (params) are rewritten too: each body is combined on its
+# own (a run never crosses into or out of a nested jaxpr).
+_NESTED = frozenset(
+    {"jit", "closed_call", "call", "custom_jvp_call", "custom_vjp_call", "remat2", "while",
+     "cond", "scan"}
+)  # fmt: skip
+_COLLECTIVES = frozenset(p for p, _, _ in _HOOKS) | frozenset(_ASYNC)
+
+
+def combine_bytes() -> int:
+    """The most bytes (per rank, all operands) one combined all-reduce call takes:
+    ``STRATA_COMBINE_BYTES`` (K/M/G suffixes) or 32 MiB; 0 turns combining off."""
+    v = os.environ.get("STRATA_COMBINE_BYTES", "").strip()
+    if not v:
+        return COMBINE_BYTES
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(v[-1:].upper(), 1)
+    try:
+        n = int(v[:-1] if scale > 1 else v) * scale
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(
+            f"STRATA_COMBINE_BYTES={v!r}: give a number of bytes (e.g. 33554432 or 32M; 0: "
+            "one strata call per all-reduce, no combining)"
+        )
+    return n
+
+
+_combined_p = core.Primitive("combined_all_reduce")
+_combined_p.multiple_results = True
+
+
+def _members(members):
+    """(primitive, params dict) of each combined all-reduce, one operand each."""
+    return [(prim, dict(params)) for prim, params in members]
+
+
+def _combined_abstract_eval(*avals, reduce, axes, members):
+    outs, effs = [], set()
+    for aval, (prim, params) in zip(avals, _members(members), strict=True):
+        out, eff = prim.abstract_eval(aval, **params)
+        outs.append(out)
+        effs |= set(eff)
+    return outs, effs
+
+
+def _combined_lowering(ctx, *xs, reduce, axes, members):
+    """One ``strata_all_reduce_list`` call for all operands (narrow dtypes widened as ``_call``
+    does); each member on its own (its hook: strata or XLA, warned and recorded as ever)
+    where that cannot be: a group across fabrics (the hierarchical all-reduce takes one
+    operand), or a cause to stay on XLA."""
+    why = fallback_cause(ctx, axes) if _state.value else OFF
+    if why is None and hierarchy.plan(ctx, axes) is None:
+        wins = [_wide(a) for a in ctx.avals_in]
+        wouts = [_wide(a) for a in ctx.avals_out]
+        ins = [
+            x if w is a else mlir.convert_hlo(ctx, x, a, w)
+            for x, a, w in zip(xs, ctx.avals_in, wins, strict=True)
+        ]
+        ys = lowering.lower_strata_call(
+            ctx.replace(avals_in=wins, avals_out=wouts),
+            "strata_all_reduce_list",
+            reduce,
+            ins,
+            lowering.mesh_groups(ctx, axes, reduce),
+            reduce=np.int32(_REDUCE[reduce]),
+            num_operands=np.int64(len(ins)),
+        )
+        outs = [
+            y if w is a else mlir.convert_hlo(ctx, y, w, a)
+            for y, a, w in zip(ys, ctx.avals_out, wouts, strict=True)
+        ]
+        for k, (prim, _) in enumerate(members):
+            coverage.record(ctx, prim.name, None, calls=int(k == 0))
+        return outs
+    outs = []
+    for k, (prim, params) in enumerate(_members(members)):
+        rule = mlir._platform_specific_lowerings["cpu"][prim].rule  # its _hook
+        sub = ctx.replace(primitive=prim, avals_in=[ctx.avals_in[k]], avals_out=[ctx.avals_out[k]])
+        outs.extend(rule(sub, xs[k], **params))
+    return outs
+
+
+_combined_p.def_effectful_abstract_eval(_combined_abstract_eval)
+mlir.register_lowering(_combined_p, _combined_lowering, platform="cpu", cacheable=False)
+lowering.lowers_to_strata(_combined_p, is_enabled)
+
+
+def _combine_key(eqn) -> tuple | None:
+    """(kind, axes) of an all-reduce that may join a combined call; None for any other
+    equation, and for those left as they are: axis_index_groups, positional (vmapped) axes,
+    several operands, pmax/pmin of complex numbers, types that are not plain numbers."""
+    kind = _KIND.get(eqn.primitive)
+    if kind is None or len(eqn.invars) != 1 or len(eqn.outvars) != 1:
+        return None
+    axes = eqn.params.get("axes")
+    if eqn.params.get("axis_index_groups") is not None or not isinstance(axes, tuple):
+        return None
+    if not axes or any(isinstance(a, int) for a in axes):
+        return None
+    aval = eqn.invars[0].aval
+    try:
+        dt = np.dtype(aval.dtype)
+    except TypeError:  # an extended dtype (PRNG keys...)
+        return None
+    if not (jnp.issubdtype(dt, np.number) or dt == np.bool_):
+        return None
+    if kind != "psum" and jnp.issubdtype(dt, jnp.complexfloating):
+        return None
+    if kind == "psum" and dt == np.bool_:
+        return None  # JAX sums bool as int32 before binding psum; not seen here
+    return kind, axes
+
+
+def _nbytes(aval) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64)) * _wide(aval).dtype.itemsize
+
+
+def _holds_collective(jaxpr: core.Jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive in _COLLECTIVES or eqn.primitive.name.startswith("strata_"):
+            return True
+        if eqn.primitive is _combined_p:
+            return True
+        if any(_holds_collective(sub) for sub in core.jaxprs_in_params(eqn.params)):
+            return True
+    return False
+
+
+def _rewrite_param(v, limit: int):
+    if isinstance(v, core.ClosedJaxpr):
+        j = _combine_jaxpr(v.jaxpr, limit)
+        return v if j is v.jaxpr else core.ClosedJaxpr(j, v.consts)
+    if isinstance(v, core.Jaxpr):
+        return _combine_jaxpr(v, limit)
+    if isinstance(v, tuple) and v and all(isinstance(b, core.ClosedJaxpr | core.Jaxpr) for b in v):
+        new = tuple(_rewrite_param(b, limit) for b in v)
+        return v if all(a is b for a, b in zip(new, v, strict=True)) else new
+    return v
+
+
+def _rewrite_nested(eqn, limit: int):
+    if eqn.primitive.name not in _NESTED:
+        return eqn
+    params = {k: _rewrite_param(v, limit) for k, v in eqn.params.items()}
+    if all(params[k] is v for k, v in eqn.params.items()):
+        return eqn
+    return eqn.replace(params=params)
+
+
+def _is_barrier(eqn) -> bool:
+    """Whether ``eqn`` is a collective, or holds one: a run never crosses it."""
+    if eqn.primitive in _COLLECTIVES or eqn.primitive.name.startswith("strata_"):
+        return True
+    if eqn.primitive is _combined_p:
+        return True
+    return any(_holds_collective(sub) for sub in core.jaxprs_in_params(eqn.params))
+
+
+def _combine_jaxpr(jaxpr: core.Jaxpr, limit: int) -> core.Jaxpr:
+    """``jaxpr`` with its runs of all-reduces combined (the same object if none is).
+
+    A run: all-reduces with one ``_combine_key`` and, between its first and its last, no
+    other collective (nor an equation holding one), no member that depends on an earlier
+    member's result (directly or through other equations: ``psum(f(psum(a)))`` stays two
+    calls), and at most ``limit`` bytes of operands (widened). It becomes one ``_combined_p``
+    equation with the members' own output variables (so their types, varying axes included,
+    stay JAX's) at the place of its last member, where every operand is computed; the
+    equations between that use an earlier member's result (a reshape of a gradient, the
+    optimizer's arithmetic) move right after it, in their order. Such an equation with an
+    effect (a callback) ends the run instead. Collectives keep their relative order (calls
+    across processes meet by their order on a communicator).
+    """
+    eqns = [_rewrite_nested(e, limit) for e in jaxpr.eqns]
+    runs: list[tuple[list[int], list[int]]] = []  # (members, dependent equations between)
+    cur: list[int] = []
+    after: list[int] = []
+    key, tainted, size, sealed = None, set(), 0, False
+
+    def close():
+        if len(cur) > 1:
+            runs.append((cur, [j for j in after if j < cur[-1]]))
+
+    for i, eqn in enumerate(eqns):
+        uses = any(isinstance(v, core.Var) and v in tainted for v in eqn.invars)
+        k = _combine_key(eqn)
+        if k is not None:
+            nb = _nbytes(eqn.invars[0].aval)
+            if cur and k == key and not sealed and not uses and size + nb <= limit:
+                cur.append(i)
+                size += nb
+            else:
+                close()
+                cur, after, key, size, sealed = [i], [], k, nb, False
+                tainted = set()
+            tainted.update(eqn.outvars)
+            continue
+        if not cur:
+            continue
+        if _is_barrier(eqn):
+            close()
+            cur, after, key, tainted = [], [], None, set()
+        elif uses:
+            if eqn.effects:
+                sealed = True  # it stays where it is: the run ends before it
+            else:
+                after.append(i)
+                tainted.update(eqn.outvars)
+    close()
+    if not runs and all(a is b for a, b in zip(eqns, jaxpr.eqns, strict=True)):
+        return jaxpr
+    skip, at = set(), {}
+    for members, moved in runs:
+        skip.update(members[:-1])
+        skip.update(moved)
+        at[members[-1]] = (members, moved)
+    new_eqns = []
+    for i, eqn in enumerate(eqns):
+        if i in skip:
+            continue
+        if i not in at:
+            new_eqns.append(eqn)
+            continue
+        members, moved = at[i]
+        group = [eqns[j] for j in members]
+        kind, axes = _combine_key(eqn)
+        effects = set()
+        for m in group:
+            effects |= set(m.effects)
+        params = {
+            "reduce": kind,
+            "axes": axes,
+            "members": tuple((m.primitive, tuple(sorted(m.params.items()))) for m in group),
+        }
+        new_eqns.append(
+            core.new_jaxpr_eqn(
+                [m.invars[0] for m in group],
+                [m.outvars[0] for m in group],
+                _combined_p,
+                params,
+                effects,
+                eqn.source_info,
+                eqn.ctx,
+            )
+        )
+        new_eqns.extend(eqns[j] for j in moved)
+    return core.Jaxpr(
+        jaxpr.constvars, jaxpr.invars, jaxpr.outvars, new_eqns, jaxpr.effects, jaxpr.debug_info
+    )
+
+
+def _combine_in_shard_map() -> None:
+    """Registers the CPU lowering of ``shard_map`` that combines the all-reduces of an
+    all-manual body (``_combine_jaxpr``) under use_for_jax_lax(), then lowers it with the rule
+    registered before (lowering.py's, which chains the regions, around JAX's)."""
+    from jax._src import shard_map as sm
+
+    entry = (
+        mlir._platform_specific_lowerings["cpu"].get(sm.shard_map_p)
+        or mlir._lowerings[sm.shard_map_p]
+    )
+    rule = entry.rule
+
+    def shard_map_lowering(ctx, *in_nodes, jaxpr, mesh, **params):
+        if _state.value:
+            mc = ctx.module_context
+            axis_ctx = mc.axis_context
+            outer = set(axis_ctx.manual_axes) if isinstance(axis_ctx, SPMDAxisContext) else set()
+            limit = combine_bytes()
+            if (
+                limit > 0
+                and tuple(mc.platforms) == ("cpu",)
+                and not mc.lowering_parameters.for_export
+                and set(params["newly_manual_axes"]) | outer == set(mesh.axis_names)
+            ):
+                jaxpr = _combine_jaxpr(jaxpr, limit)
+        return rule(ctx, *in_nodes, jaxpr=jaxpr, mesh=mesh, **params)
+
+    mlir.register_lowering(sm.shard_map_p, shard_map_lowering, platform="cpu", cacheable=False)
+
+
+_combine_in_shard_map()

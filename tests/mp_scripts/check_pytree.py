@@ -105,6 +105,26 @@ for small in (False, True):
     assert took_ll == small, (small, took_ll)
 sj.set_two_shot_threshold(1024)
 
+# The same pytree through jax.lax.psum/pmax under use_for_jax_lax(): JAX binds one all-reduce
+# per leaf; the combiner (lax_compat.py) makes them one strata call.
+tree = [put(h) for h in hosts]
+ranks0 = [h.ndim == 1 for h in hosts]
+for op in ("psum", "pmax"):
+
+    def body(t, op=op):
+        t = [v.reshape(()) if r0 else v for v, r0 in zip(t, ranks0, strict=True)]
+        out = getattr(jax.lax, op)(t, "x")
+        return [v.reshape((1,)) if r0 else v for v, r0 in zip(out, ranks0, strict=True)]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    with sj.use_for_jax_lax():
+        text = f.lower(tree).as_text()
+        assert text.count("stablehlo.custom_call @strata_") == 1, text
+        assert "@strata_all_reduce_list" in text, text
+        outs = f(tree)
+    for k, (h, out) in enumerate(zip(hosts, outs, strict=True)):
+        check(f"jax.lax.{op} leaf {k} combined", out, fold(h, op))
+
 # psum_scatter over dimension 1 (in place, strided) and its transpose (all_gather over dim 1).
 x = rng.standard_normal((N, 6, 4 * N, 5)).astype(np.float32)
 xs = put(x)
