@@ -10,14 +10,16 @@ the step to strata, the ones JAX inserts itself included (the psums that transpo
 implicit ``pvary`` of the replicated parameters under ``check_vma=True``).
 
 It prints the losses of both (bitwise equal), the coverage line of each compiled step
-(``strata_jax.coverage()``) and the step times, jax.lax and strata alternated, medians::
+(``strata_jax.coverage()``: how many collectives went to strata, in how many calls) and the
+step times, jax.lax and strata alternated, medians. ``--per-leaf`` adds strata with the
+all-reduce combiner off (``STRATA_COMBINE_BYTES=0``: one strata call per all-reduce)::
 
     python docs/examples/flax_data_parallel.py                    # 4 CPU devices, one process
     python -m strata_jax.launch -n 2 docs/examples/flax_data_parallel.py   # 2 processes
                                    # (jax.lax then runs over gloo, strata over shared memory)
 
 Options: ``--devices`` (one process), ``--batch`` (per device), ``--image``, ``--steps`` (timed
-steps per round), ``--rounds``, ``--no-batchnorm``, ``--no-check-vma``.
+steps per round), ``--rounds``, ``--no-batchnorm``, ``--no-check-vma``, ``--per-leaf``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="rounds, jax.lax and strata alternated")
     p.add_argument("--batchnorm", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--check-vma", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--per-leaf",
+        action="store_true",
+        help="also time strata with one call per all-reduce (STRATA_COMBINE_BYTES=0)",
+    )
     return p.parse_args(argv)
 
 
@@ -162,6 +169,8 @@ def main(argv=None) -> int:
     say = print if main_rank else (lambda *a, **k: None)
     data = batches(mesh, args.steps, args.batch, args.image)
     impls = {"jax.lax": False, "strata": True}
+    if args.per_leaf:
+        impls["per-leaf"] = True  # strata, compiled with STRATA_COMBINE_BYTES=0
     step, state0 = {}, {}
     for name in impls:
         step[name], state0[name] = build(
@@ -176,17 +185,25 @@ def main(argv=None) -> int:
     # Losses of the first steps from the same start, and each step's coverage line.
     losses = {}
     for name, on in impls.items():
+        combine = os.environ.get("STRATA_COMBINE_BYTES")
+        if name == "per-leaf":  # read when the step is lowered (its first call)
+            os.environ["STRATA_COMBINE_BYTES"] = "0"
         with sj.use_for_jax_lax(on):
             state, ls = state0[name], []
             for x, y in data:
                 state, loss = step[name](state, x, y)
                 ls.append(float(loss))
             state0[name] = state
+        if name == "per-leaf":
+            os.environ.pop("STRATA_COMBINE_BYTES")
+            if combine is not None:
+                os.environ["STRATA_COMBINE_BYTES"] = combine
         losses[name] = ls
         rec = [r for r in sj.coverage() if r.program.startswith("jit_step")][-1]
         say(f"{name:8s} losses {' '.join(f'{v:.6f}' for v in ls)}")
         say(f"{name:8s} coverage: {rec}")
-    say(f"losses bitwise equal: {losses['jax.lax'] == losses['strata']}")
+    same = all(ls == losses["jax.lax"] for ls in losses.values())
+    say(f"losses bitwise equal: {same}")
 
     # Step times: rounds of --steps steps, jax.lax and strata alternated; medians.
     times = {name: [] for name in impls}
@@ -209,7 +226,12 @@ def main(argv=None) -> int:
         f"{med['strata'] * 1e3:.2f} ms: strata is {med['jax.lax'] / med['strata']:.2f}x "
         "faster than jax.lax"
     )
-    return 0 if losses["jax.lax"] == losses["strata"] else 1
+    if "per-leaf" in med:
+        say(
+            f"strata with one call per all-reduce {med['per-leaf'] * 1e3:.2f} ms: combined is "
+            f"{med['per-leaf'] / med['strata']:.2f}x faster than one call per all-reduce"
+        )
+    return 0 if same else 1
 
 
 if __name__ == "__main__":
