@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 import time
 
 import pytest
-from _mp_util import PKG_PARENT, job_env, launch_cmd
+from _mp_util import PKG_PARENT, SCRIPTS, job_env, launch_cmd
 
 from strata_jax._src import fabric
 
@@ -77,6 +78,94 @@ def test_35_late_peer_at_init():
     rc, out = _finish(ok)
     assert rc == 0, out[-3000:]
     assert out.count("OK late_peer psum 3") == 2, out[-3000:]
+
+
+def _no_abort(out: str) -> None:
+    assert ABORT not in out and "Check failure" not in out and "SIGABRT" not in out, out[-3000:]
+
+
+def _connect_failed(out: str, pid: int, other: int) -> None:
+    """Process ``pid`` gave up after ~4 s (timeout_s=4) waiting for ``other`` to connect."""
+    assert 3.5 <= _init_failed_after(out, pid) < 8, out[-3000:]
+    assert (
+        f"strata_jax.init: process {pid} timed out after 4 s (timeout_s) waiting for process "
+        f"{other} to connect to jax.distributed" in out
+    ), out[-3000:]
+    assert "strata_jax.init(timeout_s=...)" in out, out[-3000:]
+
+
+def test_late_peer_when_init_starts_jax_distributed():
+    """init() starts jax.distributed itself (the launcher's usual way): rank 1 sleeps 8 s
+    before init(timeout_s=4). Rank 0 fails after ~4 s naming init, process 1 and timeout_s and
+    exits with code 1; the launcher stops rank 1. Before, rank 0 waited out JAX's connection
+    wait and was aborted by JAX's client (SIGABRT, exit 134, 'RegisterTask ...
+    DEADLINE_EXCEEDED'). A 2 s sleep connects and the psum is right. Both jobs run at once."""
+    late, ok = _start("8", "4", "arrive", "strata"), _start("2", "4", "arrive", "strata")
+    rc, out = _finish(late)
+    assert rc == 1, out[-3000:]
+    _connect_failed(out, 0, 1)
+    _no_abort(out)
+    assert "strata-launch: rank 0 exited with code 1; stopping the other ranks" in out
+    rc, out = _finish(ok)
+    assert rc == 0, out[-3000:]
+    assert out.count("OK late_peer psum 3") == 2, out[-3000:]
+
+
+def _plain(rank: int, port: int, *args: str) -> subprocess.Popen:
+    """One rank of a 2-process job started without a launcher (no one stops the others)."""
+    env = job_env(STRATA_COORDINATOR=f"127.0.0.1:{port}", STRATA_NUM_PROCESSES="2")
+    env["STRATA_PROCESS_ID"] = str(rank)
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPTS / SCRIPT), *args],
+        env=env,
+        cwd=PKG_PARENT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def test_late_peer_without_a_launcher_to_stop_it():
+    """Two processes started by hand (launcher variables, no launcher), init() starting
+    jax.distributed, timeout_s=4: the late one arrives 8 s late, after the other gave up.
+    Every process fails within timeout_s of its own arrival, naming the one it waited for,
+    with exit code 1 and no abort. Late rank 1: rank 0 names process 1; rank 1, arriving
+    when nothing listens at the coordinator's address, names process 0. Late rank 0 (the
+    coordinator): the same the other way round. Before, the waiting process 0 was aborted by
+    JAX (exit -6) and the late process waited out JAX's connection wait before its abort."""
+    from strata_jax.launch import free_port
+
+    jobs = {}
+    for late in (1, 0):
+        port = free_port()
+        jobs[late] = [_plain(r, port, "8", "4", "arrive", "strata", str(late)) for r in (0, 1)]
+    for procs in jobs.values():
+        for rank, p in enumerate(procs):
+            rc, out = _finish(p)
+            out = out.replace("INIT FAILED", f"[rank {rank}] INIT FAILED")
+            assert rc == 1, out[-3000:]
+            _connect_failed(out, rank, 1 - rank)
+            _no_abort(out)
+            if rank != 0:
+                assert "nothing listens at that address: process 0 runs the coordinator" in out
+
+
+@pytest.mark.slow
+def test_never_peer_by_hand_is_named_before_jax_aborts_it():
+    """jax.distributed started by hand; rank 1 never calls init(). Rank 0 gives up after 3 s,
+    keeps the service up 3 s more, then says, before it exits, that process 1's JAX client
+    will abort and why (JAX's abort of a connected process cannot be prevented from outside
+    it). The launcher exits with rank 0's code 1."""
+    rc, out = _finish(_start("0", "3", "never"))
+    assert rc == 1, out[-3000:]
+    line = (
+        "strata_jax.init: process 1 did not reach strata_jax.init() within 3 s (timeout_s) nor "
+        "in the 3 s since, and is still connected to jax.distributed"
+    )
+    assert line in out, out[-3000:]
+    if ABORT in out:
+        assert out.index(line) < out.index(ABORT), out[-3000:]
 
 
 @pytest.mark.slow

@@ -116,6 +116,13 @@ def _skip_distributed_shutdown_if_broken() -> None:
     import sys
     import threading
 
+    if _connect_pending:
+        # init() gave up while JAX was still connecting (in a thread, see
+        # _initialize_distributed): JAX's shutdown would wait for that connection, and its
+        # client abort the process when JAX's own wait runs out. The error is already out.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     _before_exit()
     why = _broken_job()
     # Leave the fabric first, whatever the exit: a peer still waiting in a collective for
@@ -245,7 +252,9 @@ class _Startup:
             self.client.key_value_set(f"{_FAILED}/{self.pid}", msg)
         except Exception:  # noqa: BLE001  (the store is gone: the peers fail on it anyway)
             pass
-        _gave_up.update(missing=missing, linger_s=min(self.timeout_s, _LINGER_MAX_S))
+        _gave_up.update(
+            missing=missing, linger_s=min(self.timeout_s, _LINGER_MAX_S), timeout_s=self.timeout_s
+        )
         raise StartupError(msg)
 
     def _late(self, failed: dict[str, str]) -> None:
@@ -299,24 +308,111 @@ def _before_exit() -> None:
         flush=True,
     )
     until = time.monotonic() + linger
+    waiting = list(missing)
     while time.monotonic() < until:
         try:
             store = dict(gs.client.key_value_dir_get(f"{_ENDING}/"))
         except Exception:  # noqa: BLE001
             return
-        if all(f"{_ENDING}/{p}" in store for p in missing):
+        waiting = [p for p in missing if f"{_ENDING}/{p}" not in store]
+        if not waiting:
             time.sleep(0.5)  # they exit right after saying so
             return
         time.sleep(_POLL_S * 5)
+    # Still connected to jax.distributed but not in strata_jax.init() (e.g. busy or asleep
+    # before it): their JAX clients abort when this process, which runs the service, exits.
+    # Say so first, so that the abort that follows is read as this error's consequence.
+    print(
+        f"strata_jax.init: {_procs(waiting)} did not reach strata_jax.init() within "
+        f"{_gave_up['timeout_s']:g} s (timeout_s) nor in the {linger:g} s since, and "
+        f"{'is' if len(waiting) == 1 else 'are'} "
+        "still connected to jax.distributed: when this process (which runs the jax.distributed "
+        "service) exits now, JAX's client in "
+        f"{'it' if len(waiting) == 1 else 'each'} ends that process with an abort (SIGABRT, "
+        "'the JAX distributed service detected fatal errors'): that abort is the consequence "
+        "of this error, not a separate fault",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+# jax.distributed's own connection wait is this much longer than init()'s, so that init() gives
+# up first with its own error: when JAX's wait runs out, its client ends the process with an
+# abort (a C++ LOG(FATAL): "Terminating process because the JAX distributed service detected
+# fatal errors ... RegisterTask ... DEADLINE_EXCEEDED") that Python can neither catch nor explain.
+_JAX_CONNECT_MARGIN_S = 120
+_connect_pending: list = []  # the connecting thread of a jax.distributed start that timed out
+
+
+def _coordinator_refuses(address: str) -> bool:
+    """Whether nothing listens at the coordinator's address (process 0 not started, or gone)."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+    except (OSError, ValueError):
+        return True
+    return False
+
+
+def _connect_timed_out(timeout_s: float) -> StartupError:
+    """init()'s error when ``jax.distributed`` did not connect every process in ``timeout_s``.
+
+    JAX's service, in process 0, holds every process in its registration barrier until all
+    have registered and says to no one which are missing; so process 0 names all the others,
+    and another process names process 0 when nothing listens at the coordinator's address.
+    """
+    from jax._src import distributed
+
+    gs = distributed.global_state
+    pid, n, where = gs.process_id, gs.num_processes, gs.coordinator_address or "?"
+    others = [p for p in range(n) if p != pid]
+    if pid != 0 and gs.coordinator_address and _coordinator_refuses(gs.coordinator_address):
+        who, why = [0], " (nothing listens at that address: process 0 runs the coordinator)"
+    else:
+        who = others
+        why = "" if len(others) == 1 else " (some of them: jax.distributed does not say which)"
+    return StartupError(
+        f"strata_jax.init: process {pid} timed out after {timeout_s:g} s (timeout_s) waiting for "
+        f"{_procs(who)} to connect to jax.distributed (coordinator {where}){why}. "
+        f"{_procs(who).capitalize()} did not reach strata_jax.init() in time: late, stuck or "
+        "dead. If they only start slowly, raise the timeout: strata_jax.init(timeout_s=...)."
+    )
 
 
 def _initialize_distributed(timeout_s: float, **kwargs) -> None:
-    """``jax.distributed.initialize`` with init()'s timeout; its errors say what to change."""
+    """``jax.distributed.initialize`` within init()'s timeout; its errors say what to change.
+
+    JAX's connection runs in a thread of its own, with a wait ``_JAX_CONNECT_MARGIN_S`` longer
+    than ``timeout_s``; this thread waits ``timeout_s`` for it. A process that misses the wait
+    therefore fails here with a StartupError naming the processes and ``timeout_s``, instead of
+    being aborted by JAX's client when its own wait runs out (issue 26 §3). The thread, left
+    waiting, is never joined: the process ends (the launcher's, mpirun's or srun's stop, or the
+    uncaught error's exit) before JAX's longer wait runs out.
+    """
+    import threading
+
     import jax
 
-    try:
-        jax.distributed.initialize(initialization_timeout=math.ceil(timeout_s), **kwargs)
-    except Exception as e:
+    done: dict = {}
+
+    def connect() -> None:
+        try:
+            jax.distributed.initialize(
+                initialization_timeout=math.ceil(timeout_s) + _JAX_CONNECT_MARGIN_S, **kwargs
+            )
+        except BaseException as e:  # noqa: BLE001  (handed to the waiting thread)
+            done["error"] = e
+
+    t = threading.Thread(target=connect, name="strata-jax-distributed-connect", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        _connect_pending.append(t)
+        raise _connect_timed_out(timeout_s)
+    e = done.get("error")
+    if e is not None:
         where = kwargs.get("coordinator_address") or "the address the cluster gives"
         raise StartupError(
             f"strata_jax.init: jax.distributed.initialize did not connect every process to "
@@ -350,10 +446,12 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
         preloaded) are staged in every mode.
       timeout_s: seconds to wait for the other processes during start-up (default 300,
         JAX's own ``jax.distributed.initialize`` default, so strata never gives up before
-        the wait it sits behind; when init() starts ``jax.distributed`` itself it passes
-        this value as ``initialization_timeout``). A process that gives up names the
-        processes it waited for; one that arrives after another gave up fails at once naming
-        it (see docs/guide/troubleshooting.md).
+        the wait it sits behind). When init() starts ``jax.distributed`` itself, waiting for
+        every process to connect is init()'s wait too: JAX connects in a thread, with its own
+        wait 120 s longer (when JAX's wait runs out it aborts the process), and init() gives
+        up at ``timeout_s``. A process that gives up names the processes it waited for; one
+        that arrives after another gave up fails at once naming it (see
+        docs/guide/troubleshooting.md).
 
     Fabric domains: each process's fabric id (``$STRATA_FABRIC_ID``, else hostname + boot id)
     is exchanged through the ``jax.distributed`` key-value store; shared memory is connected
@@ -377,8 +475,11 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
       ValueError: unknown registration mode, or a malformed launcher environment.
       StartupError (a RuntimeError): a process did not reach ``init`` within ``timeout_s``
         (message: ``strata_jax.init: process P timed out after T s (timeout_s) waiting for
-        process Q ...``), this process arrived after another gave up, or the
-        ``jax.distributed`` coordinator could not be reached.
+        process Q ...``, ``... to connect to jax.distributed`` when init() started it), this
+        process arrived after another gave up, or ``jax.distributed.initialize`` failed. A
+        process whose jax.distributed connection timed out ends with exit code 1 at
+        interpreter exit, even if the error was caught (JAX's connecting thread cannot be
+        stopped).
       RuntimeError: the fabric cannot connect (a socket error), or ``init`` is called again
         with a different mode.
     """
@@ -429,6 +530,7 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
     elif not jax.distributed.is_initialized() and _cluster_size() > 1:
         # mpirun / srun: jax.distributed detects the cluster itself. The engine between
         # processes is gloo unless the user chose XLA's MPI collectives (mpi_engine.py).
+        _install_exit_hooks()
         if mpi_engine.selected():
             mpi_engine.configure_before_backend()
         else:

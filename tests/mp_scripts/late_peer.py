@@ -1,4 +1,4 @@
-"""Edge case 35: a peer late at ``strata_jax.init()`` (``launch -n 2``).
+"""Edge case 35: a peer late at ``strata_jax.init()`` (``launch -n 2``, or ``mpirun -n 2``).
 
 Every rank calls ``jax.distributed.initialize`` itself and creates its JAX backend
 (``jax.devices()``); then rank 1 sleeps ``argv[1]`` seconds before ``strata_jax.init(timeout_s=
@@ -7,7 +7,8 @@ checked against numpy and ``OK late_peer`` printed. ``argv[3]`` (optional) is wh
 ``arrive`` (default: a late arrival), ``never`` (rank 1 never calls init; it sleeps),
 ``die`` (rank 1 exits with code 7 instead of calling init). With ``argv[4] == "strata"``
 nobody calls ``jax.distributed.initialize`` by hand: init() starts it (the launcher's usual
-way), so the late peer misses ``jax.distributed``'s own connection wait.
+way), so the late peer misses ``jax.distributed``'s own connection wait. ``argv[5]``
+(optional, default 1) is the late rank: 0 makes the coordinator itself the late one.
 """
 
 from __future__ import annotations
@@ -23,22 +24,26 @@ from strata_jax import launch
 late, timeout = float(sys.argv[1]), float(sys.argv[2])
 how = sys.argv[3] if len(sys.argv) > 3 else "arrive"
 by_hand = (sys.argv[4] if len(sys.argv) > 4 else "hand") == "hand"
-env = launch.distributed_env()
+late_rank = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+env = launch.distributed_env()  # None under mpirun: jax.distributed detects Open MPI itself
 if by_hand:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=env["coordinator_address"],
-        num_processes=env["num_processes"],
-        process_id=env["process_id"],
-    )
+    if env is None:
+        jax.distributed.initialize()
+    else:
+        jax.distributed.initialize(
+            coordinator_address=env["coordinator_address"],
+            num_processes=env["num_processes"],
+            process_id=env["process_id"],
+        )
     jax.devices()  # the backend exists before strata_jax.init, as in the report
 
 import numpy as np  # noqa: E402
 
 import strata_jax as sj  # noqa: E402
 
-rank = env["process_id"]
-if rank == 1:
+rank = env["process_id"] if env else int(os.environ["OMPI_COMM_WORLD_RANK"])
+if rank == late_rank:
     if how == "die":
         time.sleep(late)
         print("DYING", flush=True)
