@@ -8,7 +8,11 @@ total bytes, the leaves laid end to end and split evenly across the ranks). This
 that call for pytrees of ``--leaves`` leaves (default 1, 8, 64, 256) holding ``--total`` bytes per
 device in all (default 1 MiB: 256 leaves are 4 KiB each), with leaf shapes of rank 0 to 3 mixed
 (the sizes differ by up to 2x around the mean; the last leaf takes the rest), against
-``jax.lax`` on the same inputs.
+``jax.lax`` on the same inputs. A third column, ``lax@strata``, is unchanged ``jax.lax`` code
+compiled inside ``strata_jax.use_for_jax_lax()``: JAX binds one psum per leaf, and strata's
+all-reduce combiner makes them one call (``STRATA_COMBINE_BYTES``; the column shows what
+existing code gets); ``1/leaf`` is the same compiled with ``STRATA_COMBINE_BYTES=0`` (one strata
+call per leaf, as before the combiner).
 
 Run::
 
@@ -16,14 +20,16 @@ Run::
     python benchmarks/pytree.py --leaves 256 --op pmean --dtype bfloat16
     python benchmarks/pytree.py --procs 4               # 4 processes x 1 device; jax.lax over gloo
 
-Each step is ``jax.jit(jax.shard_map(lambda t: op(t, 'x'), ...))`` on fresh random inputs. The
+Each step is ``jax.jit(jax.shard_map(lambda t: op(t, 'x'), ...))`` on fresh random inputs,
+compiled once (``lower().compile()``; lax@strata inside ``use_for_jax_lax()``). The
 implementations are called in turns (call i of each, then call i+1 of each: the machine is shared
 and drifts, and this cancels the drift out of the ratio), every call blocked until done; the table
 gives the median after ``--warmup`` calls. Strata's outputs must be bitwise equal to the ranks'
 inputs folded in rank order by numpy (the script exits 1 otherwise); jax.lax's largest difference
 from that fold is reported (0 in one process, where XLA CPU also sums in rank order; gloo sums in
-ring order). The header prints the load average before and after; ``calls`` is the number of
-strata custom calls (strata) or XLA all-reduces (jax.lax) in the compiled step. In one process
+ring order); lax@strata must be bitwise equal to the fold too. The header prints the load
+average before and after; ``calls`` is the number of strata all-reduce calls (strata,
+lax@strata) or XLA all-reduces (jax.lax) in the compiled step. In one process
 the script re-runs itself under ``LD_PRELOAD=libstrata_alloc.so`` as the launcher does for its
 processes (``--no-preload``: plain glibc).
 
@@ -152,14 +158,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     write(
         f"# time       : median of {args.iters} blocking calls after {args.warmup} warm-up, "
-        "strata and jax.lax called in turns; calls = strata custom calls / XLA all-reduces "
-        "in the compiled step"
+        "strata, jax.lax and lax@strata (jax.lax code inside use_for_jax_lax()) called in turns; "
+        "calls = strata all-reduce calls / XLA all-reduces / lax@strata's strata calls in the "
+        "compiled step; speedup = jax.lax / strata, lax@s x = jax.lax / lax@strata"
     )
     write(
-        "# check      : s bitwise = strata's result bitwise equal to the ranks' inputs folded in "
-        "rank order by numpy (the script fails otherwise); lax |err| = jax.lax's largest "
-        "absolute difference from it (XLA CPU sums in rank order too: 0 in one process; gloo "
-        "sums in ring order)"
+        "# check      : s bitwise = strata's and lax@strata's results bitwise equal to the "
+        "ranks' inputs folded in rank order by numpy (the script fails otherwise); lax |err| = "
+        "jax.lax's largest absolute difference from it (XLA CPU sums in rank order too: 0 in "
+        "one process; gloo sums in ring order)"
     )
     write(f"# load       : {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} (before)")
     ops = {"psum": (strata_jax.psum, jax.lax.psum), "pmean": (strata_jax.pmean, jax.lax.pmean)}
@@ -171,8 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         "leaf(avg)",
         "strata ms",
         "jax.lax ms",
-        "calls s/x",
+        "lax@s ms",
+        "1/leaf ms",
+        "calls s/x/l@s/1",
         "speedup",
+        "lax@s x",
         "s bitwise",
         "lax |err|",
     )
@@ -199,18 +209,35 @@ def main(argv: list[str] | None = None) -> int:
             out = op(t, AXIS)
             return [v.reshape((1,)) if r0 else v for v, r0 in zip(out, ranks0, strict=True)]
 
-        fns = {
+        jitted = {
             name: jax.jit(
                 jax.shard_map(
                     lambda t, op=op: body(op, t), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)
                 )
             )
-            for name, op in (("strata", s_op), ("xla", x_op))
+            for name, op in (
+                ("strata", s_op),
+                ("xla", x_op),
+                ("lax_strata", x_op),
+                ("per_leaf", x_op),
+            )
         }
-        hlo = {k: f.lower(tree).compile().as_text() for k, f in fns.items()}
+        fns = {}
+        for k, f in jitted.items():
+            with strata_jax.use_for_jax_lax(k in ("lax_strata", "per_leaf")):
+                if k == "per_leaf":  # read when the program is lowered
+                    os.environ["STRATA_COMBINE_BYTES"] = "0"
+                try:
+                    fns[k] = f.lower(tree).compile()
+                finally:
+                    if k == "per_leaf":
+                        del os.environ["STRATA_COMBINE_BYTES"]
+        hlo = {k: f.as_text() for k, f in fns.items()}
         calls = (
             hlo["strata"].count('custom_call_target="strata_all_reduce'),
             sum(1 for line in hlo["xla"].splitlines() if " all-reduce(" in line),
+            hlo["lax_strata"].count('custom_call_target="strata_all_reduce'),
+            hlo["per_leaf"].count('custom_call_target="strata_all_reduce'),
         )
         times, outs = C.time_interleaved(
             {k: (lambda f=f, t=tree: f(t)) for k, f in fns.items()}, args.iters, args.warmup
@@ -220,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         wants = [fold(h, args.op) for h in hosts]
         same = all(
             np.asarray(s.data).tobytes() == np.ascontiguousarray(w).tobytes()
-            for a, w in zip(outs["strata"], wants, strict=True)
+            for impl in ("strata", "lax_strata", "per_leaf")
+            for a, w in zip(outs[impl], wants, strict=True)
             for s in a.addressable_shards
         )
         lax_err = max(
@@ -230,14 +258,20 @@ def main(argv: list[str] | None = None) -> int:
         )
         failed |= not same
         ts, tx = C.median(times["strata"]), C.median(times["xla"])
+        tl, tp = C.median(times["lax_strata"]), C.median(times["per_leaf"])
         row = {
             "leaves": n_leaves,
             "leaf_bytes_avg": total_elems * dtype.itemsize / n_leaves,
             "strata_ms": 1e3 * ts,
             "xla_ms": 1e3 * tx,
+            "lax_on_strata_ms": 1e3 * tl,
+            "lax_on_strata_per_leaf_ms": 1e3 * tp,
+            "lax_on_strata_per_leaf_calls": calls[3],
             "strata_calls": calls[0],
             "xla_all_reduces": calls[1],
+            "lax_on_strata_calls": calls[2],
             "speedup": tx / ts,
+            "lax_on_strata_speedup": tx / tl,
             "strata_bitwise_equal_to_oracle": same,
             "xla_max_abs_error": lax_err,
         }
@@ -251,8 +285,11 @@ def main(argv: list[str] | None = None) -> int:
                     C.format_size(row["leaf_bytes_avg"]),
                     f"{row['strata_ms']:.3f}",
                     f"{row['xla_ms']:.3f}",
-                    f"{calls[0]}/{calls[1]}",
+                    f"{row['lax_on_strata_ms']:.3f}",
+                    f"{row['lax_on_strata_per_leaf_ms']:.3f}",
+                    f"{calls[0]}/{calls[1]}/{calls[2]}/{calls[3]}",
                     f"{row['speedup']:.2f}x",
+                    f"{row['lax_on_strata_speedup']:.2f}x",
                     "yes" if same else "NO",
                     f"{lax_err:.1e}",
                 )
@@ -267,6 +304,20 @@ def main(argv: list[str] | None = None) -> int:
             f"{'faster' if s >= 1 else 'slower'} than jax.lax ({r['strata_ms']:.3f} vs "
             f"{r['xla_ms']:.3f} ms median)"
         )
+        s = r["lax_on_strata_speedup"]
+        write(
+            f"# speed: {r['leaves']} leaves: jax.lax code under use_for_jax_lax() is "
+            f"{max(s, 1 / s):.2f}x {'faster' if s >= 1 else 'slower'} than jax.lax "
+            f"({r['lax_on_strata_ms']:.3f} vs {r['xla_ms']:.3f} ms median, "
+            f"{r['lax_on_strata_calls']} strata call(s))"
+        )
+        c = r["lax_on_strata_per_leaf_ms"] / r["lax_on_strata_ms"]
+        write(
+            f"# speed: {r['leaves']} leaves: under use_for_jax_lax(), combined is "
+            f"{max(c, 1 / c):.2f}x {'faster' if c >= 1 else 'slower'} than one call per leaf "
+            f"({r['lax_on_strata_ms']:.3f} vs {r['lax_on_strata_per_leaf_ms']:.3f} ms median, "
+            f"{r['lax_on_strata_calls']} vs {r['lax_on_strata_per_leaf_calls']} calls)"
+        )
     if main_proc:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -280,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             },
         )
     if failed:
-        write("# FAILED: strata's result differs from the rank-order fold")
+        write("# FAILED: strata's (or lax@strata's) result differs from the rank-order fold")
     return 1 if failed else 0
 
 

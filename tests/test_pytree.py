@@ -99,11 +99,17 @@ def test_other_reductions_of_a_pytree(rng, op, two_shot):
     old = sj.get_two_shot_threshold()
     sj.set_two_shot_threshold(0 if two_shot else 1 << 40)
     try:
+        before = sj.comm_stats()
         got, _ = _run(lambda t: getattr(sj, op)(t, "x"), tree)
+        after = sj.comm_stats()
         want, _ = _run(lambda t: getattr(jax.lax, op)(t, "x"), tree)
     finally:
         sj.set_two_shot_threshold(old)
     _assert_bitwise(got, want)
+    # The list call took the algorithm asked for (it was one-shot whatever the threshold: the
+    # list's outputs are published per operand, which the two-shot test did not look at).
+    algo = "two_shot_all_reduce" if two_shot else "one_shot_all_reduce"
+    assert after.get(algo, 0) > before.get(algo, 0), (before, after)
 
 
 def _loss(ops, params, x, check_vma=True):

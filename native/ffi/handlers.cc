@@ -67,6 +67,16 @@ bool peers_publish_outputs(const Team& t) {
   return t.peer_out((t.rank() + 1) % t.size()) != nullptr;
 }
 
+// As peers_publish_outputs, for a call of several operands (arrive_list): its outputs are
+// published per operand (peer_out_at), never as the single buffer peer_out reads, so that test
+// would always say no and pin every list call to one-shot (every rank reducing every byte).
+bool peers_publish_list_outputs(const Team& t, const Operand* ops, int64_t n) {
+  for (int64_t k = 0; k < n; ++k)
+    if (ops[k].count)
+      return t.peer_out_at((t.rank() + 1) % t.size(), static_cast<int>(k)) != nullptr;
+  return false;
+}
+
 const char* reduce_name(int32_t r) { return r == 0 ? "psum" : r == 1 ? "pmax" : "pmin"; }
 
 ffi::Error AllReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
@@ -196,7 +206,8 @@ ffi::Error AllReduceListImpl(ffi::RunId run, ffi::RemainingArgs args, ffi::Remai
           return {};
         }
         // As AllReduceImpl: every rank follows rank 0's choice.
-        const bool two = t.size() > 2 && t.peer_desc(0).algo == 1 && peers_publish_outputs(t);
+        const bool two = t.size() > 2 && t.peer_desc(0).algo == 1 &&
+                         peers_publish_list_outputs(t, meta.data(), n);
         (two ? stats().two_shot : stats().one_shot).fetch_add(1, std::memory_order_relaxed);
         return all_reduce_list(t, op, meta.data(), static_cast<int>(n), two);
       },
