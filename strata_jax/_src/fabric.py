@@ -31,6 +31,7 @@ _FAILED = f"{_KV_PREFIX}/init_failed"  # /<pid>: why process <pid> gave up in in
 _ENDING = f"{_KV_PREFIX}/init_ending"  # /<pid>: a late process read the failure and is ending
 _POLL_S = 0.02  # start-up waits poll the key-value store (one small RPC) this often
 _LINGER_MAX_S = 30.0
+_LINGER_ARRIVED_S = 5.0  # more, once every awaited process has reached init() at last
 
 _state: dict | None = None
 
@@ -289,7 +290,8 @@ def _before_exit() -> None:
     distributed service detected fatal errors": a C++ abort that Python cannot catch). So a
     process 0 that gave up waiting in init() keeps the service up, at most
     ``min(timeout_s, _LINGER_MAX_S)`` seconds, until each process it waited for has arrived,
-    read why, and is ending with its own clear error (``_ENDING``); then it exits.
+    read why, and is ending with its own clear error (``_ENDING``), or ``_LINGER_ARRIVED_S``
+    more once all of them have reached init(); then it exits.
     """
     for st in _ending:
         st.announce_ending()
@@ -308,29 +310,30 @@ def _before_exit() -> None:
         flush=True,
     )
     until = time.monotonic() + linger
-    waiting = list(missing)
+    waiting, extended = list(missing), False
     while time.monotonic() < until:
         try:
-            store = dict(gs.client.key_value_dir_get(f"{_ENDING}/"))
+            store = dict(gs.client.key_value_dir_get(f"{_KV_PREFIX}/"))
         except Exception:  # noqa: BLE001
             return
         waiting = [p for p in missing if f"{_ENDING}/{p}" not in store]
         if not waiting:
             time.sleep(0.5)  # they exit right after saying so
             return
+        if not extended and all(f"{_KV_PREFIX}/fabric_id/{p}" in store for p in waiting):
+            # They have all just reached init() and are reading why: a few seconds more.
+            until, extended = max(until, time.monotonic() + _LINGER_ARRIVED_S), True
         time.sleep(_POLL_S * 5)
-    # Still connected to jax.distributed but not in strata_jax.init() (e.g. busy or asleep
-    # before it): their JAX clients abort when this process, which runs the service, exits.
-    # Say so first, so that the abort that follows is read as this error's consequence.
+    # Not in strata_jax.init() (busy or asleep before it) or dead: a live one is connected to
+    # jax.distributed, and its JAX client aborts it when this process, which runs the
+    # service, exits. Say so first, so that the abort is read as this error's consequence.
     print(
         f"strata_jax.init: {_procs(waiting)} did not reach strata_jax.init() within "
-        f"{_gave_up['timeout_s']:g} s (timeout_s) nor in the {linger:g} s since, and "
-        f"{'is' if len(waiting) == 1 else 'are'} "
-        "still connected to jax.distributed: when this process (which runs the jax.distributed "
-        "service) exits now, JAX's client in "
-        f"{'it' if len(waiting) == 1 else 'each'} ends that process with an abort (SIGABRT, "
-        "'the JAX distributed service detected fatal errors'): that abort is the consequence "
-        "of this error, not a separate fault",
+        f"{_gave_up['timeout_s']:g} s (timeout_s) nor in the {linger:g} s since: if "
+        f"{'it is' if len(waiting) == 1 else 'they are'} alive, JAX's client there ends "
+        "the process with an abort (SIGABRT, 'the JAX distributed service detected fatal "
+        "errors') when this process, which runs the jax.distributed service, exits now: that "
+        "abort is the consequence of this error, not a separate fault",
         file=sys.stderr,
         flush=True,
     )
