@@ -209,3 +209,30 @@ def test_nothing_is_rewritten_outside_the_context(rng):
     f = _smap(lambda t: jax.lax.psum(t, "x"))
     text = f.lower(tree).as_text()
     assert _calls(text) == 0 and "all_reduce" in text
+
+
+def test_checkpoint_cond_and_pmap(rng):
+    """Inside jax.checkpoint and each branch of a cond the all-reduces are combined too; under
+    jax.pmap (which JAX runs as a shard_map) as well."""
+    t = [jnp.asarray(rng.standard_normal((4 * 2, 3)), jnp.float32) for _ in range(3)]
+
+    def body(t):
+        a = jax.checkpoint(lambda u: jax.lax.psum(u, "x"))(t)
+        uniform = jnp.sum(jax.lax.pmin(t[0], "x")) > 0  # the same branch on every device
+        b = jax.lax.cond(uniform, lambda u: jax.lax.psum(u, "x"), lambda u: jax.lax.pmax(u, "x"), t)
+        return a, b
+
+    f = _smap(body, check_vma=False)
+    want, got, calls, rec = _both(f, t)
+    _bitwise(got, want)
+    # checkpoint: 1; the pmin: 1; each branch: 1
+    assert calls == 4 and rec.on_strata == 10 and rec.calls == 4, str(rec)
+
+    pm = jax.pmap(lambda u: jax.lax.psum(u, "i"), axis_name="i", devices=jax.devices()[:4])
+    x = [t[0].reshape(4, 2, 3), jnp.asarray(rng.integers(-9, 9, (4, 5)), jnp.int32)]
+    want = pm(x)
+    with sj.use_for_jax_lax():
+        got = pm(x)
+    _bitwise(got, want)
+    rec = sj.coverage()[-1]
+    assert rec.on_strata == 2 and rec.calls == 1, str(rec)
