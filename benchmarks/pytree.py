@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         }
         fns = {}
+        setting = os.environ.get("STRATA_COMBINE_BYTES")  # the user's, for lax@strata
         for k, f in jitted.items():
             with strata_jax.use_for_jax_lax(k in ("lax_strata", "per_leaf")):
                 if k == "per_leaf":  # read when the program is lowered
@@ -230,8 +231,9 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     fns[k] = f.lower(tree).compile()
                 finally:
-                    if k == "per_leaf":
-                        del os.environ["STRATA_COMBINE_BYTES"]
+                    os.environ.pop("STRATA_COMBINE_BYTES", None)
+                    if setting is not None:
+                        os.environ["STRATA_COMBINE_BYTES"] = setting
         hlo = {k: f.as_text() for k, f in fns.items()}
         calls = (
             hlo["strata"].count('custom_call_target="strata_all_reduce'),
