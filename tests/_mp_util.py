@@ -20,13 +20,19 @@ SCRIPTS = HERE / "mp_scripts"
 PKG_PARENT = str(Path(strata_jax.__file__).resolve().parent.parent)
 
 
+# What the processes a test starts get as XLA_FLAGS (conftest.py: LLVM -O0, compiles faster).
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
 def job_env(**extra: str) -> dict[str, str]:
-    """The test's environment without strata/jax/XLA settings, plus `extra`."""
+    """The test's environment without strata/jax/XLA settings (XLA_FLAGS is TEST_XLA_FLAGS),
+    plus `extra`."""
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("STRATA_", "XLA_FLAGS", "JAX_", "LD_PRELOAD"))
     }
+    env["XLA_FLAGS"] = TEST_XLA_FLAGS
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [PKG_PARENT, env.get("PYTHONPATH")]))
     env.update(extra)
     return env

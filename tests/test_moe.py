@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import mesh1d
+from _util import mesh1d, rotation
 from jax.sharding import PartitionSpec as P
 from moe_reference import ref_plan
 
@@ -117,8 +117,7 @@ def check(
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("check_vma", [True, False])
-@pytest.mark.parametrize("n", [8, 4])
+@pytest.mark.parametrize("n,check_vma", rotation([8, 4], [[True, False]]))
 def test_random_routing(rng, n, check_vma):
     check(
         rng,
@@ -162,7 +161,14 @@ def test_odd_sizes_many_experts(rng):
 
 
 @pytest.mark.parametrize(
-    "h,dtype", [(1, "float32"), (1, "bfloat16"), (3, "float16"), (5, "bfloat16"), (17, "float32")]
+    "h,dtype",
+    [
+        (1, "bfloat16"),
+        (3, "float16"),
+        (17, "float32"),
+        pytest.param(1, "float32", marks=pytest.mark.slow),
+        pytest.param(5, "bfloat16", marks=pytest.mark.slow),
+    ],
 )
 def test_rows_shorter_than_a_cache_line(rng, h, dtype):
     """Rows of 2-68 bytes at unaligned slots: dispatch writes every row with streaming stores

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import mesh1d, on_one_and_two_fabrics
+from _util import mesh1d, on_one_and_two_fabrics, rotation
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from moe_reference import ref_plan
@@ -46,8 +46,9 @@ def _ref(idx, cap):
     return lambda x, ey, w: ref_forward(x, ey, w, src, cidx)
 
 
-@pytest.mark.parametrize("capacity", [None, 2, 0])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+@pytest.mark.parametrize(
+    "capacity,dtype", rotation([None, 2, 0], [["float32", "bfloat16", "float64"]])
+)
 def test_jvp_against_reference(rng, capacity, dtype):
     if dtype == "float64" and not jax.config.jax_enable_x64:
         pytest.skip("float64 needs jax_enable_x64")
@@ -66,8 +67,7 @@ def test_jvp_against_reference(rng, capacity, dtype):
         )
 
 
-@pytest.mark.parametrize("outer", ["jacfwd", "jacrev"])
-@pytest.mark.parametrize("capacity", [None, 2])
+@pytest.mark.parametrize("capacity,outer", rotation([None, 2], [["jacfwd", "jacrev"]]))
 def test_second_order_against_reference(rng, capacity, outer):
     """jacfwd(grad): the jvps of the transposes (combine^T = weighted dispatch, dispatch^T =
     combine, the weights' gather); jacrev(grad): the transposes of those transposes (a weighted

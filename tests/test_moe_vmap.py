@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import mesh1d, on_one_and_two_fabrics
+from _util import mesh1d, on_one_and_two_fabrics, rotation
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from moe_reference import ref_plan
@@ -57,9 +57,10 @@ def _ref(x, idx, w, capacity):
     return f, counts, dropped
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("capacity", [None, 3, 0])
-@pytest.mark.parametrize("shared_routing", [False, True])
+@pytest.mark.parametrize(
+    "capacity,dtype,shared_routing",
+    rotation([None, 3, 0], [["float32", "bfloat16"], [False, True]]),
+)
 def test_vmap_dispatch_combine(dtype, capacity, shared_routing):
     x, idx, w, ct = _inputs(7 + (capacity or 1), dtype, shared_routing)
     body = _body(capacity)

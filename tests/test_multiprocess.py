@@ -40,6 +40,7 @@ def _launch(
         for k, v in os.environ.items()
         if not k.startswith(("STRATA_", "XLA_FLAGS", "JAX_", "LD_PRELOAD"))
     }
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # as tests/_mp_util.TEST_XLA_FLAGS
     env["STRATA_REGISTRATION"] = mode
     if strata_timeout is not None:
         env["STRATA_TIMEOUT_S"] = str(strata_timeout)
@@ -79,7 +80,11 @@ def digests(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("digests")
 
 
-@pytest.mark.parametrize("mode", ["on_alloc", "on_use", "staging"])
+# on_use differs from on_alloc only in when a segment is registered (tests/test_alloc.py checks
+# that in one process); its two-process run is behind -m slow.
+@pytest.mark.parametrize(
+    "mode", ["on_alloc", pytest.param("on_use", marks=pytest.mark.slow), "staging"]
+)
 def test_two_processes_every_collective(digests, mode):
     _require_allocator()
     r = _launch(2, "check_collectives.py", str(digests), mode=mode)
@@ -89,8 +94,8 @@ def test_two_processes_every_collective(digests, mode):
 
 def test_modes_give_the_same_bits(digests):
     files = sorted(digests.glob("digest-*-2-*.txt"))
-    if len(files) < 6:
-        pytest.skip("needs the three two-process runs above")
+    if len({f.stem.split("-")[1] for f in files}) < 2:
+        pytest.skip("needs two or more of the two-process runs above")
     per_mode = {}
     for f in files:
         _, mode, _, pid = f.stem.split("-")
@@ -119,7 +124,8 @@ def test_two_processes_two_devices_each(digests):
     [  # 2 x 2 on_alloc has the 2 x 1 on_alloc run's remote peers, and local ones besides
         pytest.param(2, 1, "on_alloc", marks=pytest.mark.slow),
         (2, 2, "on_alloc"),
-        (2, 1, "staging"),
+        # staging copies through bounce buffers in every operator (check_collectives above)
+        pytest.param(2, 1, "staging", marks=pytest.mark.slow),
     ],
 )
 def test_moe_dispatch_combine_across_processes(nproc, devices, mode):
@@ -281,6 +287,7 @@ def _start_by_hand(script: str, nproc: int, *args: str, strata_timeout: float = 
         for k, v in os.environ.items()
         if not k.startswith(("STRATA_", "XLA_FLAGS", "JAX_", "LD_PRELOAD"))
     }
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # as tests/_mp_util.TEST_XLA_FLAGS
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [PKG_PARENT, env.get("PYTHONPATH")]))
     env["STRATA_TIMEOUT_S"] = str(strata_timeout)
     lib = launch.alloc_library_path()

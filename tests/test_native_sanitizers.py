@@ -1,5 +1,8 @@
 """Builds the fabric and algorithms with AddressSanitizer+UBSan and with ThreadSanitizer and
-runs a multi-threaded stress test of back-to-back collectives (exact integer results)."""
+runs a multi-threaded stress test of back-to-back collectives (exact integer results).
+
+Behind ``-m slow`` (90 s of CPU, most of it the instrumented build): run it after a change to
+native/ (docs/contributing.md, Sanitizers)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ def _ffi_include() -> str:
     return jax.ffi.include_dir()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sanitizer", ["address,undefined", "thread"])
 def test_stress_under_sanitizer(tmp_path, sanitizer):
     cxx = shutil.which("g++") or shutil.which("c++")

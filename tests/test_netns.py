@@ -57,6 +57,7 @@ def _env(tmpdir: Path) -> dict[str, str]:
         for k, v in os.environ.items()
         if not k.startswith(("STRATA_", "XLA_FLAGS", "JAX_", "LD_PRELOAD"))
     }
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # as tests/_mp_util.TEST_XLA_FLAGS
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [PKG_PARENT, env.get("PYTHONPATH")]))
     env["TMPDIR"] = str(tmpdir)
     return env

@@ -343,7 +343,7 @@ def test_bad_shapes_raise_at_trace_time():
         _ragged(mesh, ops, jnp.zeros((2, 4, 2)), *plan, groups=((0,), (0,)))
 
 
-@pytest.mark.parametrize("mode", ["on_alloc", "staging"])
+@pytest.mark.parametrize("mode", ["on_alloc", pytest.param("staging", marks=pytest.mark.slow)])
 def test_across_processes(mode):
     """`launch -n 2`: random plans in three dtypes, forward and gradient, against numpy; with
     the operands shared in place (on_alloc) and through bounce buffers (staging)."""

@@ -56,8 +56,15 @@ def _both(mesh, body_sj, body_lax, x, out=None):
     return np.asarray(run(body_sj)), np.asarray(run(body_lax))
 
 
-@pytest.mark.parametrize("one_way", [False, True], ids=["one_call", "one_way"])
-@pytest.mark.parametrize("order", [[0, 1, 2, 3], [3, 1, 0, 2]])
+@pytest.mark.parametrize(
+    "order,one_way",
+    [
+        pytest.param([0, 1, 2, 3], False, id="order0-one_call"),
+        pytest.param([3, 1, 0, 2], True, id="order1-one_way"),
+        pytest.param([0, 1, 2, 3], True, id="order0-one_way", marks=pytest.mark.slow),
+        pytest.param([3, 1, 0, 2], False, id="order1-one_call", marks=pytest.mark.slow),
+    ],
+)
 def test_hierarchical_in_process(two_fake_fabrics, rng, order, one_way, monkeypatch):
     """Every operator with two fabrics of two devices against jax.lax; ``one_way``: the
     two-fabric exchanges of psum and all_to_all as two one-way collective-permutes,
@@ -315,10 +322,12 @@ _A2A_LAYOUTS = [
 
 @pytest.mark.parametrize(
     "fabric_size, order, pairs",
-    [  # by default each layout runs 3 of the 6 (split, concat) pairs, so that every pair meets
-        # 2 and 4 fabrics, contiguous and interleaved; every pair on every layout: -m slow
-        pytest.param(f, o, _A2A_PAIRS[:3] if i in (0, 3) else _A2A_PAIRS[3:], id=f"{f}-order{i}")
+    [  # by default the two interleaved layouts (4 fabrics of 2, 2 fabrics of 4) run 3 of the
+        # 6 (split, concat) pairs each, so every pair meets one; every pair on every layout
+        # (the contiguous ones too): -m slow
+        pytest.param(f, o, _A2A_PAIRS[:3] if i == 2 else _A2A_PAIRS[3:], id=f"{f}-order{i}")
         for i, (f, o) in enumerate(_A2A_LAYOUTS)
+        if i in (2, 3)
     ]
     + [
         pytest.param(f, o, _A2A_PAIRS, marks=pytest.mark.slow, id=f"{f}-order{i}-all")
@@ -560,6 +569,7 @@ def _launch(args: list[str], script: str, *sargs: str, tmpdir: Path | None = Non
         for k, v in os.environ.items()
         if not k.startswith(("STRATA_", "XLA_FLAGS", "JAX_", "LD_PRELOAD"))
     }
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # as tests/_mp_util.TEST_XLA_FLAGS
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [PKG_PARENT, env.get("PYTHONPATH")]))
     if tmpdir is not None:
         env["TMPDIR"] = str(tmpdir)
@@ -606,15 +616,26 @@ def _check_scaleout(
 
 
 def test_two_hosts_every_collective():
-    """launch -n 4 --hosts 2 --netns --link-gbit 10 where permitted (as root): every operator
-    (gradients included) against jax.lax over gloo, both over 10 Gbit/s veth links between
-    hosts with their own hostname (fabrics found by hostname, gloo over the veth addresses) and
-    private /tmp, /dev/shm. Elsewhere in private mount namespaces only, or plain --hosts 2."""
+    """launch -n 2 --hosts 2 --devices-per-proc 2 --netns --link-gbit 10 where permitted (as
+    root): every operator (gradients included) against jax.lax over gloo, both over 10 Gbit/s
+    veth links between hosts with their own hostname (fabrics found by hostname, gloo over the
+    veth addresses) and private /tmp, /dev/shm; each host's fabric has 2 devices. Elsewhere in
+    private mount namespaces only, or plain --hosts 2. Two processes per host (a shared-memory
+    fabric inside each host): test_two_hosts_shared_memory_fabrics, -m slow."""
+    reason = _private_mounts_reason()
+    netns_reason = reason or launch.netns_unavailable_reason(10.0)
+    _check_scaleout(2, private=reason is None, nproc=2, devices=2, netns=netns_reason is None)
+    if netns_reason is not None:
+        pytest.skip(f"ran without --netns: {netns_reason}")
+
+
+@pytest.mark.slow
+def test_two_hosts_shared_memory_fabrics():
+    """As test_two_hosts_every_collective with 4 processes (2 per host, one device each): the
+    intra-host step runs over the shared-memory fabric between processes."""
     reason = _private_mounts_reason()
     netns_reason = reason or launch.netns_unavailable_reason(10.0)
     _check_scaleout(2, private=reason is None, netns=netns_reason is None)
-    if netns_reason is not None:
-        pytest.skip(f"ran without --netns: {netns_reason}")
 
 
 @pytest.mark.slow
