@@ -194,7 +194,7 @@ EXAMPLE_ARGS = {"docs/examples/flax_data_parallel.py": ["--rounds", "1", "--step
 @pytest.mark.parametrize("example", [_rel(p) for p in EXAMPLES])
 def test_examples_run(example):
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # as conftest.py: compiles faster
     r = subprocess.run(
         [sys.executable, example, *EXAMPLE_ARGS.get(example, [])],
         capture_output=True,

@@ -6,8 +6,9 @@ runs of consecutive calls that reuse the slots (a 300-step scan alternating both
 collectives in flight at once, 200 calls chained on the device), ranks that disagree on a
 size (on the low-latency path and across the two paths: every rank fails within 2 s naming
 both sizes, and the job computes right afterwards), and a SIGKILLed peer (the others fail
-within 2 s naming it). By default 2 processes x 2 devices (local and remote peers in one
-group of 4) and the kill case on 3 ranks; the 4-process run is behind ``-m slow``.
+within 2 s naming it). By default the kill case on 3 ranks here, and 2 processes x 2 devices
+(local and remote peers in one group of 4) in test_multiprocess.py's shared job; the
+4-process run is behind ``-m slow``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ def test_low_latency_four_processes():
     assert out.count("checks rank") == 4, out[-3000:]
 
 
+# The default run has this check in test_multiprocess.py's shared 2 x 2 job
+# (test_low_latency_two_processes_two_devices_each there).
+@pytest.mark.slow
 def test_low_latency_two_processes_two_devices_each():
     """Local and remote peers in one group: a process's own ranks meet in the slots too."""
     _require_allocator()

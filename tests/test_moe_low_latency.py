@@ -161,7 +161,10 @@ def test_errors():
         run(bad_combine)
 
 
-@pytest.mark.parametrize("mode", ["on_alloc", pytest.param("staging", marks=pytest.mark.slow)])
+# on_alloc on 2 x 2 runs in test_multiprocess.py's shared job
+# (test_moe_low_latency_across_processes).
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["on_alloc", "staging"])
 def test_low_latency_across_processes(mode):
     """The same checks over `strata_jax.launch -n 2` (shared-memory fabric)."""
     _require_allocator()

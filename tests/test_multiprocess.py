@@ -4,7 +4,9 @@ Each case launches one script (tests/mp_scripts/) that batches many checks, beca
 with jax takes seconds to start: every collective against numpy on 2 and 4 processes and on
 2 processes x 2 devices (a 2x2 mesh mixing local and remote peers), the three registration
 modes bit for bit, MoE dispatch/combine with gradients, a peer that never arrives, and
-clean-up after SIGKILL of a rank.
+clean-up after SIGKILL of a rank. The checks that need a healthy 2 x 2 job share one
+(``job_2x2``: tests/mp_scripts/run_checks.py runs their scripts one after another in the same
+processes), and each test reads its script's part of the output.
 """
 
 from __future__ import annotations
@@ -80,22 +82,75 @@ def digests(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("digests")
 
 
+# The scripts the shared 2 processes x 2 devices job runs, in this order (call_matching.py ends
+# its process with os._exit, so it runs last), and their arguments.
+_JOB_2X2 = [
+    ("check_collectives.py", "DIGESTS"),
+    ("check_moe.py",),
+    ("check_ragged.py",),
+    ("check_moe_low_latency.py",),
+    ("check_low_latency.py",),
+    ("check_pytree.py",),
+    ("call_matching.py",),
+]
+
+
+@pytest.fixture(scope="module")
+def job_2x2(digests) -> dict[str, str]:
+    """One ``launch -n 2 --devices-per-proc 2`` job (registration on_alloc) running the scripts
+    of ``_JOB_2X2``; returns each script's output lines (both ranks, prefixed ``[rank r]``) by
+    script name, and the whole output under ``"all"``. A script that fails ends the job: its
+    own test fails on its traceback, the ones after it on ``not reached``."""
+    _require_allocator()
+    args: list[str] = []
+    for script, *sargs in _JOB_2X2:
+        args += (
+            ([] if not args else ["--"])
+            + [script]
+            + [str(digests) if a == "DIGESTS" else a for a in sargs]
+        )
+    r = _launch(2, "run_checks.py", *args, devices=2, timeout=300)
+    out = r.stdout + r.stderr
+    parts: dict[str, list[str]] = {"all": out.splitlines()}
+    current: dict[str, str] = {}
+    for line in out.splitlines():
+        rank, _, rest = line.partition("] ")
+        if rest.startswith("== run_checks: "):
+            current[rank] = rest.removeprefix("== run_checks: ").strip()
+        elif rank in current:
+            parts.setdefault(current[rank], []).append(line)
+    return {k: "\n".join(v) for k, v in parts.items()}
+
+
+def _part(job: dict[str, str], script: str) -> str:
+    """``script``'s output in the shared job; fails saying so when the job never reached it."""
+    if script not in job:
+        pytest.fail(f"the shared 2x2 job did not reach {script}:\n{job['all'][-4000:]}")
+    return job[script]
+
+
 # on_use differs from on_alloc only in when a segment is registered (tests/test_alloc.py checks
 # that in one process); its two-process run is behind -m slow.
 @pytest.mark.parametrize(
     "mode", ["on_alloc", pytest.param("on_use", marks=pytest.mark.slow), "staging"]
 )
-def test_two_processes_every_collective(digests, mode):
+def test_two_processes_every_collective(digests, job_2x2, mode):
+    """Every collective against numpy, 2 processes x 2 devices (local and remote peers in one
+    group of 4), in each registration mode (on_alloc: the shared job)."""
     _require_allocator()
-    r = _launch(2, "check_collectives.py", str(digests), mode=mode)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count(f"mode {mode}") == 2, r.stdout[-2000:]
+    if mode == "on_alloc":
+        out = _part(job_2x2, "check_collectives.py")
+    else:
+        r = _launch(2, "check_collectives.py", str(digests), devices=2, mode=mode)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, out[-6000:]
+    assert out.count(f"OK 110 checks, mode {mode}") == 2, out[-3000:]
 
 
 def test_modes_give_the_same_bits(digests):
-    files = sorted(digests.glob("digest-*-2-*.txt"))
+    files = sorted(digests.glob("digest-*-4-*.txt"))
     if len({f.stem.split("-")[1] for f in files}) < 2:
-        pytest.skip("needs two or more of the two-process runs above")
+        pytest.skip("needs two or more of the 2 x 2 runs above")
     per_mode = {}
     for f in files:
         _, mode, _, pid = f.stem.split("-")
@@ -112,42 +167,37 @@ def test_four_processes_every_collective(digests):
     assert r.stdout.count("OK ") == 4
 
 
-def test_two_processes_two_devices_each(digests):
-    _require_allocator()
-    r = _launch(2, "check_collectives.py", str(digests), devices=2)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("OK 110 checks") == 2, r.stdout[-2000:]
-
-
 @pytest.mark.parametrize(
     "nproc,devices,mode",
     [  # 2 x 2 on_alloc has the 2 x 1 on_alloc run's remote peers, and local ones besides
         pytest.param(2, 1, "on_alloc", marks=pytest.mark.slow),
-        (2, 2, "on_alloc"),
+        (2, 2, "on_alloc"),  # the shared job
         # staging copies through bounce buffers in every operator (check_collectives above)
         pytest.param(2, 1, "staging", marks=pytest.mark.slow),
     ],
 )
-def test_moe_dispatch_combine_across_processes(nproc, devices, mode):
+def test_moe_dispatch_combine_across_processes(request, nproc, devices, mode):
     """moe.dispatch/combine and their gradients (the weights cotangent goes through the
     gather op) across processes, against numpy; 2x2 mixes local and remote peers."""
     _require_allocator()
-    r = _launch(nproc, "check_moe.py", devices=devices, mode=mode)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count(f"OK moe {15 * devices} checks") == nproc, r.stdout[-2000:]
+    if (nproc, devices, mode) == (2, 2, "on_alloc"):
+        out = _part(request.getfixturevalue("job_2x2"), "check_moe.py")
+    else:
+        r = _launch(nproc, "check_moe.py", devices=devices, mode=mode)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, out[-6000:]
+    assert out.count(f"OK moe {15 * devices} checks") == nproc, out[-3000:]
 
 
-def test_pytree_all_reduce_and_strided_psum_scatter_across_processes():
+def test_pytree_all_reduce_and_strided_psum_scatter_across_processes(job_2x2):
     """A pytree's psum/pmax is one call across processes (2 processes x 2 devices: local and
     remote peers in one call), its leaves mixing pool and staged buffers, 0-d and zero-size,
     one-shot and two-shot, and a pytree of small leaves on the low-latency path as one packed
     input; psum_scatter over dimension 1 in place. Bitwise against a rank-order numpy fold
     (check_pytree.py). The same pytree through jax.lax.psum/pmax under use_for_jax_lax() is
     one combined strata call too."""
-    _require_allocator()
-    r = _launch(2, "check_pytree.py", devices=2)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("OK pytree 146 checks") == 2, r.stdout[-2000:]
+    out = _part(job_2x2, "check_pytree.py")
+    assert out.count("OK pytree 146 checks") == 2, out[-3000:]
 
 
 def test_timeout_then_sigkill_leaves_nothing():
@@ -184,12 +234,36 @@ def test_uncaught_exception_on_one_rank_stops_everyone_quickly():
     assert time.time() - t < 60, f"took {time.time() - t:.0f} s"
 
 
+def test_ragged_all_to_all_across_processes(job_2x2):
+    """ragged_all_to_all: random plans in three dtypes, forward and gradient, against numpy,
+    operands shared in place (on_alloc); staging: tests/test_ragged.py, -m slow."""
+    out = _part(job_2x2, "check_ragged.py")
+    assert out.count("OK ragged") == 2, out[-3000:]
+
+
+def test_moe_low_latency_across_processes(job_2x2):
+    """low_latency_dispatch/combine against the reference (check_moe_low_latency.py); staging:
+    tests/test_moe_low_latency.py, -m slow."""
+    out = _part(job_2x2, "check_moe_low_latency.py")
+    assert out.count("OK moe low-latency") == 2, out[-3000:]
+
+
+def test_low_latency_two_processes_two_devices_each(job_2x2):
+    """The low-latency path for small messages (tests/test_low_latency.py says what
+    check_low_latency.py checks): local and remote peers in one group, a process's own ranks
+    meet in the slots too."""
+    out = _part(job_2x2, "check_low_latency.py")
+    assert out.count("OK ll mismatch both low-latency") == 2, out[-3000:]
+    assert out.count("OK ll mismatch across paths") == 2, out[-3000:]
+    assert out.count("checks rank") == 2, out[-3000:]
+
+
 # --------------------------------------------------------------------------------------
 # How calls meet, and how a failed job ends (issue 8: edge cases 17-20)
 # --------------------------------------------------------------------------------------
 
 
-def test_calls_meet_by_communicator_not_call_site():
+def test_calls_meet_by_communicator_not_call_site(job_2x2):
     """2 processes x 2 devices (local and remote peers in one group). Case 17: the same
     function called from two source lines returns the sum on every rank. Case 18: ranks
     disagree on the size: all raise within a second naming psum and both sizes (20 s timeout).
@@ -198,10 +272,7 @@ def test_calls_meet_by_communicator_not_call_site():
     and so one op id between them) and dispatch-ahead of several programs: right values, never
     two executions in flight on one device. The exception types a failed collective raises
     (strata_jax.COLLECTIVE_ERRORS)."""
-    _require_allocator()
-    r = _launch(2, "call_matching.py", devices=2, timeout=120)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-3000:]
+    out = _part(job_2x2, "call_matching.py")
     assert out.count("OK case 17 two call sites [4.0, 4.0, 4.0, 4.0]") == 2, out[-3000:]
     assert out.count("OK case 18 mismatch raised") == 2, out[-3000:]
     assert out.count("OK case 18b empty on one rank raised") == 2, out[-3000:]

@@ -343,7 +343,10 @@ def test_bad_shapes_raise_at_trace_time():
         _ragged(mesh, ops, jnp.zeros((2, 4, 2)), *plan, groups=((0,), (0,)))
 
 
-@pytest.mark.parametrize("mode", ["on_alloc", pytest.param("staging", marks=pytest.mark.slow)])
+# on_alloc runs in test_multiprocess.py's shared 2 x 2 job
+# (test_ragged_all_to_all_across_processes).
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["on_alloc", "staging"])
 def test_across_processes(mode):
     """`launch -n 2`: random plans in three dtypes, forward and gradient, against numpy; with
     the operands shared in place (on_alloc) and through bounce buffers (staging)."""

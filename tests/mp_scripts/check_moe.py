@@ -27,6 +27,9 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sj.set_timeout(60)
+stats0 = (
+    sj.memory_stats()
+)  # counters are per process: another script may have run before (run_checks.py)
 devs = sorted(jax.devices(), key=lambda d: d.id)
 R = len(devs)
 mesh = Mesh(np.array(devs), ("x",))
@@ -158,6 +161,7 @@ case(1, t=7, h=5, k=3, experts_per_rank=2, capacity=None)  # small: staged buffe
 case(2, t=9, h=6, k=2, experts_per_rank=3, capacity=2)  # capacity drops
 case(3, t=64, h=1100, k=2, experts_per_rank=1, capacity=None)  # x past the threshold
 stats = sj.memory_stats()
+stats = {k: stats[k] - stats0[k] for k in ("zero_copy_bytes", "staged_bytes")}
 print(
     f"OK moe {checks} checks on {R} ranks, mode {info['registration']}, zero_copy_bytes "
     f"{stats['zero_copy_bytes']}, staged_bytes {stats['staged_bytes']}",
