@@ -108,7 +108,7 @@ def two_shot_64k():
     sj.set_two_shot_threshold(old)
 
 
-@pytest.mark.parametrize("steps", [30, pytest.param(200, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("steps", [12, pytest.param(200, marks=pytest.mark.slow)])
 def test_24_switch_sizes_in_process(two_shot_64k, steps):
     wrong = np.asarray(switch_scan(sj.psum, mesh1d(8), steps)(np.zeros(8, np.int32)))
     assert wrong.shape == (8 * steps,)

@@ -675,24 +675,25 @@ def test_moe_across_two_hosts_two_devices_each():
 
 
 @pytest.mark.parametrize(
-    "devices,runs",
+    "nproc,devices,runs",
     [
-        (1, 40),
-        pytest.param(1, 100, marks=pytest.mark.slow),
-        pytest.param(2, 100, marks=pytest.mark.slow),
+        (2, 2, 40),
+        pytest.param(4, 1, 100, marks=pytest.mark.slow),
+        pytest.param(4, 2, 100, marks=pytest.mark.slow),
     ],
-    ids=["1dev", "1dev-100", "2dev-100"],
+    ids=["2x2dev", "4x1dev-100", "4x2dev-100"],
 )
-def test_independent_calls_keep_program_order(devices, runs):
+def test_independent_calls_keep_program_order(nproc, devices, runs):
     """24 independent collectives per program, 40 runs (100 behind -m slow), across 2
-    simulated hosts: every value right and no hang. Before the calls were chained in program
-    order 100 runs timed out in 3 of 3 tries (each rank of a fabric waited in a different call
-    for the other)."""
-    args = ["-n", "4", "--hosts", "2", "--devices-per-proc", str(devices)]
+    simulated hosts (by default one process of 2 devices per host, the 2 ranks of a fabric in
+    one process; 2 processes per host: -m slow): every value right and no hang. Before the
+    calls were chained in program order 100 runs timed out in 3 of 3 tries (each rank of a
+    fabric waited in a different call for the other)."""
+    args = ["-n", str(nproc), "--hosts", "2", "--devices-per-proc", str(devices)]
     r = _launch(args, "independent_calls.py", str(runs), timeout=180)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
-    assert r.stdout.count(f"OK independent {runs}") == 4, out[-3000:]
+    assert r.stdout.count(f"OK independent {runs}") == nproc, out[-3000:]
 
 
 def test_rank_of_other_fabric_killed():

@@ -127,6 +127,7 @@ def _plain(rank: int, port: int, *args: str) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow  # the same wait as test_late_peer_when_init_starts_jax_distributed, no launcher
 def test_late_peer_without_a_launcher_to_stop_it():
     """Two processes started by hand (launcher variables, no launcher), init() starting
     jax.distributed, timeout_s=3: the late one arrives 6 s late, after the other gave up.
