@@ -507,12 +507,36 @@ def test_operators_without_hierarchy_refuse_groups_across_fabrics(two_fake_fabri
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(ax), out_specs=P(ax)))
 
     for ax in ("host", ("host", "local")):
-        with pytest.raises(NotImplementedError, match="ragged_all_to_all over a group that spans"):
+        with pytest.raises(
+            NotImplementedError, match="ragged_all_to_all over a group that spans"
+        ) as e:
             ragged_over(ax).lower(x)
+        # The advice is one that runs on CPU (both ways are run below), not jax.lax's
+        # ragged_all_to_all, which XLA:CPU does not implement.
+        msg = str(e.value)
+        for want_text in ("('host', 'local') mesh", "strata_jax.all_to_all", "XLA:CPU does not"):
+            assert want_text in msg, msg
+        assert "jax.lax formulation" not in msg, msg
     y = np.asarray(ragged_over("local")(x))  # inside each fabric: runs
     want = np.zeros((2, 8, 8), np.float32)
     want[:, :2] = 1.0
     np.testing.assert_array_equal(y, want.reshape(16, 8))
+
+    # Across hosts, the same exchange padded to a fixed count per peer (1 row here) by
+    # strata_jax.all_to_all: row j of each rank to rank j, placed at the sender's index.
+    ax = ("host", "local")
+    xr = np.random.default_rng(7).standard_normal((16, 8)).astype(np.float32)
+
+    def padded(v):
+        k = jax.lax.axis_size(ax)
+        got = sj.all_to_all(v[:k].reshape(k, 1, 8), ax, 0, 0, tiled=True).reshape(k, 8)
+        return jnp.zeros_like(v).at[:k].set(got)
+
+    f = jax.jit(jax.shard_map(padded, mesh=mesh, in_specs=P(ax), out_specs=P(ax)))
+    blocks = xr.reshape(4, 4, 8)  # [sender, row, H]
+    want = np.zeros((4, 4, 8), np.float32)
+    want[:, :4] = blocks.transpose(1, 0, 2)  # receiver r, row s = sender s's row r
+    np.testing.assert_array_equal(np.asarray(f(jnp.asarray(xr))), want.reshape(16, 8))
 
     def ll(v):
         idx = jnp.zeros((v.shape[0], 1), jnp.int32)
@@ -719,12 +743,14 @@ def test_launcher_hosts_must_divide():
 def test_shape_mismatch_across_hosts_is_an_error():
     """Issue 26 §2: processes on different simulated hosts that disagree on a call's shape get an
     error naming the op, both shapes and the devices/processes, within strata's timeout, for
-    psum, all_gather (same bytes, another shape), all_to_all and MoE dispatch; then a right
-    psum. Before: psum aborted every process in gloo ('Received data size doesn't match') and
-    all_gather returned values with no error."""
+    psum, all_gather (same bytes, another shape), all_to_all, psum_scatter and MoE dispatch and
+    combine; then a right psum. The error names the user's call (strata_jax.moe.dispatch with
+    both operands' shapes as passed; before: "strata_jax all_gather" of the ids inside it).
+    Before the check: psum aborted every process in gloo ('Received data size doesn't match')
+    and all_gather returned values with no error."""
     r = _launch(["-n", "4", "--hosts", "2"], "shape_mismatch_hosts.py", timeout=150)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
-    for op in ("psum", "all_gather", "all_to_all"):
+    for op in ("psum", "all_gather", "all_to_all", "psum_scatter", "moe.dispatch", "moe.combine"):
         assert r.stdout.count(f"MISMATCH {op} ") >= 4, out[-3000:]
-    assert r.stdout.count("OK mismatch 4") == 4, out[-3000:]
+    assert r.stdout.count("OK mismatch 6") == 4, out[-3000:]

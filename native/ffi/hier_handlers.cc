@@ -31,10 +31,13 @@ ffi::Error OrderImpl(ffi::AnyBuffer x, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffe
 }
 
 // The call descriptor of a hierarchical collective (strata_jax/_src/hierarchy.py:
-// _descriptor): int32 words, self-describing so that a rank can print a peer's call.
+// _descriptor): int32 words, self-describing so that a rank can print a peer's call: the
+// first operand's ndim, dims and dtype, the op name, a crc of the rest (kDescAttrs), then a
+// second operand's ndim (0: none), dims and dtype.
 constexpr int kDescWords = 24;
 constexpr int32_t kDescMagic = 0x53545231;  // "STR1"
 constexpr int kDescDims = 8, kDescDtype = 10, kDescOp = 12, kDescAttrs = 16;
+constexpr int kDesc2 = 17, kDesc2Dims = 4, kDesc2Dtype = 22;
 
 std::string chars(const int32_t* w, int words) {
   std::string s;
@@ -54,6 +57,13 @@ std::string call_text(const int32_t* d) {
   for (int i = 0; i < nd && i < kDescDims; ++i) os << (i ? "," : "") << d[2 + i];
   if (nd > kDescDims) os << ",...";
   os << "]";
+  const int nd2 = d[kDesc2];
+  if (nd2 > 0) {
+    os << ", " << chars(d + kDesc2Dtype, 2) << "[";
+    for (int i = 0; i < nd2 && i < kDesc2Dims; ++i) os << (i ? "," : "") << d[kDesc2 + 1 + i];
+    if (nd2 > kDesc2Dims) os << ",...";
+    os << "]";
+  }
   return os.str();
 }
 
@@ -84,10 +94,14 @@ ffi::Error CheckAcrossImpl(ffi::AnyBuffer x, ffi::AnyBuffer descs, ffi::AnyBuffe
     same = std::memcmp(d, d + j * kDescWords, kDescWords * sizeof(int32_t)) == 0;
   if (!same) {
     bool shapes_equal = true;
-    for (int64_t j = 1; j < group_size; ++j)
-      shapes_equal &= std::memcmp(d, d + j * kDescWords, kDescAttrs * sizeof(int32_t)) == 0;
+    for (int64_t j = 1; j < group_size; ++j) {
+      const int32_t* e = d + j * kDescWords;
+      shapes_equal &=
+          std::memcmp(d, e, kDescAttrs * sizeof(int32_t)) == 0 &&
+          std::memcmp(d + kDesc2, e + kDesc2, (kDescWords - kDesc2) * sizeof(int32_t)) == 0;
+    }
     std::ostringstream os;
-    os << "strata_jax " << op << ": ranks on different fabrics (hosts) disagree on the call: ";
+    os << "strata_jax." << op << ": ranks on different fabrics (hosts) disagree on the call: ";
     for (int64_t j = 0; j < group_size; ++j) {
       const int64_t k = row * group_size + j;
       os << (j ? "; " : "") << "device " << devices[k] << " (process " << procs[k] << ", fabric "

@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextvars
 import math
 import os
+import re
 import zlib
 from dataclasses import dataclass
 
@@ -190,7 +191,7 @@ def _lower_checked(fn, ctx, args, multiple_results: bool, p: Plan, op: str, extr
         return mlir.lower_fun(fn, multiple_results=multiple_results)(ctx, *args)
 
     def checked(*a):
-        token = _pending_check.set(_check_across(p, op, extra, aval))
+        token = _pending_check.set(_check_across(p, op, extra, aval, ctx))
         try:
             return fn(*a)
         finally:
@@ -511,17 +512,70 @@ def _pack(text: str, words: int) -> np.ndarray:
     return np.frombuffer(text.encode()[: 4 * words].ljust(4 * words, b"\0"), "<i4")
 
 
-def _descriptor(op: str, aval, extra) -> np.ndarray:
+def _descriptor(op: str, operands, extra) -> np.ndarray:
     """int32 [24]: magic, ndim, 8 dims, dtype name (8 chars), op name (16 chars), crc32 of
-    the full shape and ``extra`` (parameters, other operands' shapes)."""
+    the full shapes and ``extra`` (parameters, other operands' shapes), then a second operand:
+    ndim (0: none), 4 dims, dtype name (8 chars). ``operands``: [(dtype name, shape)], the
+    first one or two as the user passed them (see :func:`user_scope`)."""
     w = np.zeros(_DESC_WORDS, np.int32)
-    w[0], w[1] = _DESC_MAGIC, aval.ndim
-    for i, d in enumerate(aval.shape[:8]):
+    (dt, shape), *rest = operands
+    w[0], w[1] = _DESC_MAGIC, len(shape)
+    for i, d in enumerate(shape[:8]):
         w[2 + i] = min(int(d), 2**31 - 1)
-    w[10:12] = _pack(str(np.dtype(aval.dtype)), 2)
+    w[10:12] = _pack(dt, 2)
     w[12:16] = _pack(op, 4)
-    w[16] = np.uint32(zlib.crc32(repr((tuple(aval.shape), extra)).encode())).view(np.int32)
+    w[16] = np.uint32(zlib.crc32(repr((tuple(operands), extra)).encode())).view(np.int32)
+    if rest:
+        dt2, shape2 = rest[0]
+        w[17] = len(shape2)
+        for i, d in enumerate(shape2[:4]):
+            w[18 + i] = min(int(d), 2**31 - 1)
+        w[22:24] = _pack(dt2, 2)
     return w
+
+
+# The user's call, as the public functions name their ops (jax.named_scope): a hierarchical
+# lowering is built from inner collectives (moe.dispatch gathers its expert ids first, for
+# example), and an error must name the call the user made, with its shapes, not an inner step.
+_SCOPE_RE = re.compile(r"strata\.([A-Za-z_][\w.]*?)(?:\((.*)\))?")
+_OPERAND_RE = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+def user_scope(api: str, *operands) -> str:
+    """The ``jax.named_scope`` name of a call of ``strata_jax.<api>``: ``strata.<api>``, with
+    the dtypes and shapes of ``operands`` (at most two shown in errors) when given, e.g.
+    ``strata.moe.dispatch(float32[4,8];int32[4,2])``."""
+    text = ";".join(
+        f"{np.dtype(v.dtype)}[{','.join(str(int(d)) for d in v.shape)}]" for v in operands
+    )
+    return f"strata.{api}({text})" if operands else f"strata.{api}"
+
+
+def _user_call(ctx):
+    """(api, [(dtype, shape)]) of the outermost ``strata.*`` scope around the op being
+    lowered (the call the user made), or None."""
+    stack = getattr(getattr(ctx, "name_stack", None), "stack", ())
+    for elem in stack:
+        m = _SCOPE_RE.fullmatch(getattr(elem, "name", "") or "")
+        if m:
+            ops = [
+                (dt, tuple(int(d) for d in dims.split(",") if d))
+                for dt, dims in _OPERAND_RE.findall(m.group(2) or "")
+            ]
+            return m.group(1), ops
+    return None
+
+
+def _call_of(ctx, op: str, aval, extra) -> tuple[str, np.ndarray]:
+    """The name and descriptor of the call being checked: the user's call (its name and its
+    operands' shapes) when a public function's scope encloses the op, else ``op`` on ``aval``.
+    The crc covers the inner step's shape and ``extra`` too."""
+    inner = (str(np.dtype(aval.dtype)), tuple(int(d) for d in aval.shape))
+    user = _user_call(ctx)
+    if user is None:
+        return op, _descriptor(op, [inner], extra)
+    api, operands = user
+    return api, _descriptor(api, [*operands[:2]] or [inner], (inner, tuple(operands), op, extra))
 
 
 _check_p = core.Primitive("strata_check_across_fabrics")
@@ -578,18 +632,20 @@ mlir.register_lowering(
 )
 
 
-def _check_across(p: Plan, op: str, extra, aval):
-    """Compares this call (``op`` on ``aval``, with ``extra``) across the members of each group
-    that crosses fabrics; returns a small array that exists only once they agreed. Strata calls
-    after it in the program start after it (program-order chain)."""
+def _check_across(p: Plan, op: str, extra, aval, ctx):
+    """Compares this call (``op`` on ``aval``, with ``extra``; named as the user's call around
+    it, see :func:`_call_of`) across the members of each group that crosses fabrics; returns a
+    small array that exists only once they agreed. Strata calls after it in the program start
+    after it (program-order chain)."""
     groups = p.inter if p.uniform and p.L > 1 else p.groups
-    desc = jnp.asarray(_descriptor(op, aval, extra)[None])
+    name, d = _call_of(ctx, op, aval, extra)
+    desc = jnp.asarray(d[None])
     descs = _gc(desc, "all_gather", "xla_check", groups)  # [F or n, 24]
     return _check_p.bind(
         descs,
         descs,
         _partition_id_p.bind(),
-        op=op,
+        op=name,
         groups=tuple(map(tuple, groups)),
         who=tuple(map(tuple, p.who.tolist())),
     )
@@ -997,7 +1053,7 @@ def lower_moe_across_fabrics(ctx, target: str, args, axes: tuple, attrs: dict):
 
         def nothing(first, *rest):  # no tokens anywhere: every slot stays zero
             if _check_on():  # kept although unused: the check has a side effect
-                _check_across(p, op, extra, ctx.avals_in[0])
+                _check_across(p, op, extra, ctx.avals_in[0], ctx)
             return [jnp.zeros(a.shape, a.dtype) for a in avals]
 
         return mlir.lower_fun(nothing, multiple_results=True)(ctx, *args)
@@ -1066,7 +1122,7 @@ def lower_across_fabrics(ctx, x, target: str, axes: tuple, attrs: dict):
 
         def nothing(v):
             if _check_on():  # kept although unused: the check has a side effect
-                _check_across(p, op, extra, ctx.avals_in[0])
+                _check_across(p, op, extra, ctx.avals_in[0], ctx)
             return jnp.zeros(out_aval.shape, out_aval.dtype)
 
         return mlir.lower_fun(nothing, multiple_results=False)(ctx, x)

@@ -315,9 +315,21 @@ def check_groups_inside_fabrics(ctx, groups: np.ndarray, api: str) -> None:
         raise NotImplementedError(
             f"strata_jax.{api} over a group that spans fabric domains (hosts) is not supported "
             f"yet (fabric of each member: {bad[0].tolist()}). Keep this axis inside one host "
-            "(e.g. a ('host', 'local') mesh with the operator over 'local'), or use the jax.lax "
-            "formulation for this axis."
+            "(e.g. a ('host', 'local') mesh with the operator over 'local'), "
+            + _ACROSS_HOSTS_INSTEAD.get(api, "or use an operator that runs across hosts.")
         )
+
+
+# What runs across hosts instead, per operator refused there (check_groups_inside_fabrics).
+# Not jax.lax.ragged_all_to_all: XLA:CPU does not implement it (the program fails to compile).
+_ACROSS_HOSTS_INSTEAD = {
+    "ragged_all_to_all": (
+        "or across hosts pad each peer's rows to a fixed count and exchange them with "
+        "strata_jax.all_to_all, which runs across hosts (for MoE: strata_jax.moe.dispatch and "
+        "combine). jax.lax.ragged_all_to_all is no alternative on CPU: XLA:CPU does not "
+        "implement it."
+    ),
+}
 
 
 def lower_strata_call(

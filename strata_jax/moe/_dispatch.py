@@ -698,6 +698,30 @@ def _plan(idx, num_experts: int, capacity: int, axes: tuple):
     return recv_counts, recv_dropped, recv_dropped.sum(dtype=jnp.int32), slots, rows
 
 
+def _scoped(api: str, operands):
+    """Names the ops of ``strata_jax.<api>`` (jax.named_scope, with the dtypes and shapes of
+    ``operands(*args, **kwargs)`` as the user passed them): an error of a step inside (the
+    check across fabrics of hierarchy.py) then names this call, not the inner collective."""
+
+    def deco(f):
+        @functools.wraps(f)
+        def wrapped(*args, **kwargs):
+            try:
+                shown = tuple(
+                    v if hasattr(v, "shape") and hasattr(v, "dtype") else jnp.asarray(v)
+                    for v in operands(*args, **kwargs)
+                )
+            except Exception:  # bad input: the function's own check says what is wrong
+                shown = ()
+            with jax.named_scope(hierarchy.user_scope(api, *shown)):
+                return f(*args, **kwargs)
+
+        return wrapped
+
+    return deco
+
+
+@_scoped("moe.dispatch", lambda x, topk_idx, **_: (x, topk_idx))
 def dispatch(x, topk_idx, *, num_experts: int, axis_name: AxisName, capacity: int | None = None):
     """Sends every token to the ranks of its experts (DeepEP's ``dispatch``).
 
@@ -763,6 +787,7 @@ def dispatch(x, topk_idx, *, num_experts: int, axis_name: AxisName, capacity: in
     ), layout
 
 
+@_scoped("moe.combine", lambda expert_y, layout, topk_weights: (expert_y, topk_weights))
 def combine(expert_y, layout: MoELayout, topk_weights):
     """Brings expert outputs back to their tokens, weighted and summed (DeepEP's ``combine``).
 

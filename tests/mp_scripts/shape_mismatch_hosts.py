@@ -1,13 +1,15 @@
 """Ranks on different simulated hosts that disagree on a call's shape (issue 26, section 2).
 
 Run as ``python -m strata_jax.launch -n 4 --hosts 2 shape_mismatch_hosts.py``: one flat axis
-over the 4 devices (2 fabrics of 2). For psum, all_gather, all_to_all and MoE dispatch, the
-processes of fabric 1 call with another shape than those of fabric 0 (psum and all_to_all:
-other byte counts; all_gather: the same bytes in another shape, which XLA's collective would
-exchange as if nothing were wrong). Every process must get an error naming the operation, both
-shapes and the devices/processes, well within strata's timeout (STRATA_TIMEOUT_S, set to 20 s
-here); then a psum with agreeing shapes is right on every process (the job goes on). Prints
-``MISMATCH <op> <seconds>`` per error and ``OK mismatch <n>`` at the end.
+over the 4 devices (2 fabrics of 2). For psum, all_gather, all_to_all, psum_scatter and MoE
+dispatch and combine, the processes of fabric 1 call with another shape than those of fabric 0
+(psum and all_to_all: other byte counts; all_gather: the same bytes in another shape, which
+XLA's collective would exchange as if nothing were wrong). Every process must get an error
+naming the user's call (``strata_jax.moe.dispatch``, not the all_gather of the expert ids inside
+it), both shapes of its operands as passed and the devices/processes, well within strata's
+timeout (STRATA_TIMEOUT_S, set to 20 s here); then a psum with agreeing shapes is right on
+every process (the job goes on). Prints ``MISMATCH <op> <seconds>`` per error and
+``OK mismatch <n>`` at the end.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def smap(body, out_spec=spec):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=out_spec))
 
 
-def expect_error(op: str, fn, x, mine: str, theirs: str) -> None:
+def expect_error(op: str, fn, x, mine: str, theirs: str, *more: str) -> None:
     t = time.monotonic()
     try:
         out = fn(x)
@@ -53,7 +55,9 @@ def expect_error(op: str, fn, x, mine: str, theirs: str) -> None:
     except sj.COLLECTIVE_ERRORS as e:
         dt = time.monotonic() - t
         msg = str(e)
-        want = [f"strata_jax {op}", mine, theirs, "device", "process", "fabric"]
+        # The user's call by its public name (strata_jax.moe.dispatch, not the all_gather of
+        # the expert ids inside it), its shapes as passed, and the devices/processes.
+        want = [f"strata_jax.{op}: ", mine, theirs, *more, "device", "process", "fabric"]
         missing = [w for w in want if w not in msg]
         if missing or dt > TIMEOUT_S:
             print(f"FAIL {op}: missing {missing} after {dt:.1f} s in: {msg[:600]}", flush=True)
@@ -92,8 +96,18 @@ expect_error(
     "float32[8]",
     "float32[16]",
 )
+# psum_scatter: [8] per device against [16] (hierarchical: reduce-scatter inside, then across).
+k = 16 if other else 8
+expect_error(
+    "psum_scatter",
+    smap(lambda v: sj.psum_scatter(v, "x", tiled=True)),
+    put(np.ones((n * k,), np.float32)),
+    "float32[8]",
+    "float32[16]",
+)
 # MoE dispatch: T = 4 tokens per rank against 6 (E = 4, K = 2, H = 8). The first exchange
-# across fabrics is the all_gather of the expert ids inside dispatch: it names both.
+# across fabrics is the all_gather of the expert ids inside dispatch: the error names
+# dispatch and both of its operands as the user passed them.
 t = 6 if other else 4
 rng = np.random.default_rng(0)
 x = rng.standard_normal((n * t, 8)).astype(np.float32)
@@ -109,11 +123,33 @@ def dispatch(x, idx):
 
 
 expect_error(
-    "all_gather",
+    "moe.dispatch",
     lambda a: dispatch(*a),
     (put(x), put(idx)),
-    "int32[4,2]",
-    "int32[6,2]",
+    "float32[4,8], int32[4,2]",
+    "float32[6,8], int32[6,2]",
+)
+
+# MoE combine: agreeing dispatch, then expert outputs of H = 8 against 4.
+t = 4
+x, idx = x[: n * t], idx[: n * t]
+w = rng.random((n * t, 2)).astype(np.float32)
+h = 4 if other else 8
+
+
+@jax.jit
+@partial(jax.shard_map, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+def roundtrip(x, idx, w):
+    recv, layout = sj.moe.dispatch(x, idx, num_experts=4, axis_name="x")
+    return sj.moe.combine(recv[..., :h], layout, w)
+
+
+expect_error(
+    "moe.combine",
+    lambda a: roundtrip(*a),
+    (put(x), put(idx), put(w)),
+    f"float32[1,{n * t},8], float32[4,2]",
+    f"float32[1,{n * t},4], float32[4,2]",
 )
 
 # The job goes on: a psum with agreeing shapes.
@@ -122,4 +158,4 @@ want = np.arange(n * 3, dtype=np.float32).reshape(n, 3).sum(0)
 if not np.array_equal(np.asarray(got.addressable_data(0)), want):
     print(f"FAIL psum after the errors: {np.asarray(got.addressable_data(0))}", flush=True)
     sys.exit(1)
-print(f"OK mismatch 4 (process {pid}, fabric {fabric})", flush=True)
+print(f"OK mismatch 6 (process {pid}, fabric {fabric})", flush=True)
