@@ -24,7 +24,7 @@ import numpy as np
 from jax._src import core
 from jax._src.interpreters import ad, batching, mlir
 
-from strata_jax._src import debug, hierarchy, lowering
+from strata_jax._src import debug, hierarchy, lowering, topology
 
 AxisName = Any
 
@@ -77,6 +77,15 @@ def _axis_arg(args, kwargs):
     return args[1] if len(args) > 1 else kwargs.get("axis_name")
 
 
+def _scope(api: str, x) -> str:
+    """``strata.<api>``; with several fabrics (hosts) and one array x, also x's dtype and shape
+    as the user passed it (hierarchy.user_scope), which an error of the check across fabrics
+    shows (the hierarchical form may move axes or widen the dtype first)."""
+    if topology.num_fabrics() > 1 and hasattr(x, "shape") and hasattr(x, "dtype"):
+        return hierarchy.user_scope(api, x)
+    return f"strata.{api}"
+
+
 def _profiled(api: str):
     """Names the ops of a public function ``strata.<api>`` (jax.named_scope): the name shows
     in the HLO's op_name metadata and in jax.profiler traces next to the compute."""
@@ -86,7 +95,7 @@ def _profiled(api: str):
         def wrapped(*args, **kwargs):
             if debug.level():
                 debug.on_trace(api, args[0] if args else kwargs.get("x"), _axis_arg(args, kwargs))
-            with jax.named_scope(f"strata.{api}"):
+            with jax.named_scope(_scope(api, args[0] if args else kwargs.get("x"))):
                 return f(*args, **kwargs)
 
         return wrapped

@@ -64,7 +64,7 @@ import numpy as np
 from jax._src import core
 from jax._src.interpreters import ad, batching, mlir
 
-from strata_jax._src import hierarchy, lowering
+from strata_jax._src import hierarchy, lowering, topology
 from strata_jax._src.collectives import all_gather
 from strata_jax.moe._reference import sanitize_ids
 
@@ -699,17 +699,22 @@ def _plan(idx, num_experts: int, capacity: int, axes: tuple):
 
 
 def _scoped(api: str, operands):
-    """Names the ops of ``strata_jax.<api>`` (jax.named_scope, with the dtypes and shapes of
-    ``operands(*args, **kwargs)`` as the user passed them): an error of a step inside (the
-    check across fabrics of hierarchy.py) then names this call, not the inner collective."""
+    """Names the ops of ``strata_jax.<api>`` (jax.named_scope ``strata.<api>``; with several
+    fabrics, also the dtypes and shapes of ``operands(*args, **kwargs)`` as the user passed
+    them): an error of a step inside (the check across fabrics of hierarchy.py) then names this
+    call, not the inner collective."""
 
     def deco(f):
         @functools.wraps(f)
         def wrapped(*args, **kwargs):
-            try:
-                shown = tuple(
-                    v if hasattr(v, "shape") and hasattr(v, "dtype") else jnp.asarray(v)
-                    for v in operands(*args, **kwargs)
+            try:  # the shapes only matter to the check across fabrics (hosts)
+                shown = (
+                    ()
+                    if topology.num_fabrics() == 1
+                    else tuple(
+                        v if hasattr(v, "shape") and hasattr(v, "dtype") else jnp.asarray(v)
+                        for v in operands(*args, **kwargs)
+                    )
                 )
             except Exception:  # bad input: the function's own check says what is wrong
                 shown = ()

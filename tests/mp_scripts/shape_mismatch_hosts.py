@@ -96,14 +96,16 @@ expect_error(
     "float32[8]",
     "float32[16]",
 )
-# psum_scatter: [8] per device against [16] (hierarchical: reduce-scatter inside, then across).
+# psum_scatter over dimension 1: [2, 8] per device against [2, 16] (hierarchical: the
+# dimension moved to the front, reduce-scatter inside, then across). The error shows the
+# shapes as passed, not the moved [8, 2].
 k = 16 if other else 8
 expect_error(
     "psum_scatter",
-    smap(lambda v: sj.psum_scatter(v, "x", tiled=True)),
-    put(np.ones((n * k,), np.float32)),
-    "float32[8]",
-    "float32[16]",
+    smap(lambda v: sj.psum_scatter(v, "x", scatter_dimension=1, tiled=True)),
+    put(np.ones((n * 2, k), np.float32)),
+    "float32[2,8]",
+    "float32[2,16]",
 )
 # MoE dispatch: T = 4 tokens per rank against 6 (E = 4, K = 2, H = 8). The first exchange
 # across fabrics is the all_gather of the expert ids inside dispatch: the error names
