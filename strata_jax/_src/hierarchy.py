@@ -1093,20 +1093,6 @@ def lower_moe_across_fabrics(ctx, target: str, args, axes: tuple, attrs: dict):
     )
 
 
-def refuse_across_fabrics(ctx, axes: tuple, api: str) -> None:
-    """Raises NotImplementedError at lowering when a group over ``axes`` spans fabrics (for
-    operators without a hierarchical form yet, instead of waiting for peers that cannot
-    arrive)."""
-    p = plan(ctx, axes)
-    if p is not None:
-        raise NotImplementedError(
-            f"{api} over an axis whose groups span fabric domains (hosts) is not supported yet: "
-            f"groups {p.groups.tolist()} (partition ids) cross fabrics. Keep the expert axis "
-            "inside one host (e.g. a ('host', 'expert') mesh with experts on the inner axis), "
-            "or use the dense jax.lax formulation for this axis."
-        )
-
-
 def lower_across_fabrics(ctx, x, target: str, axes: tuple, attrs: dict):
     """The hook of ``collectives._ffi_call_lowering``: lowers ``target`` hierarchically when
     its groups span fabrics; returns None when every group lies inside one fabric."""
