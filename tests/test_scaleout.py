@@ -740,15 +740,25 @@ def test_launcher_hosts_must_divide():
         launch.launch(4, ["true"], hosts=3)
 
 
-def test_shape_mismatch_across_hosts_is_an_error():
+@pytest.mark.parametrize(
+    "link", ["shared", pytest.param("netns", marks=pytest.mark.slow)], ids=["hosts2", "netns"]
+)
+def test_shape_mismatch_across_hosts_is_an_error(link):
     """Issue 26 §2: processes on different simulated hosts that disagree on a call's shape get an
     error naming the op, both shapes and the devices/processes, within strata's timeout, for
     psum, all_gather (same bytes, another shape), all_to_all, psum_scatter and MoE dispatch and
     combine; then a right psum. The error names the user's call (strata_jax.moe.dispatch with
     both operands' shapes as passed; before: "strata_jax all_gather" of the ids inside it).
     Before the check: psum aborted every process in gloo ('Received data size doesn't match')
-    and all_gather returned values with no error."""
-    r = _launch(["-n", "4", "--hosts", "2"], "shape_mismatch_hosts.py", timeout=150)
+    and all_gather returned values with no error. ``netns`` (-m slow): the hosts in their own
+    network namespaces over 10 Gbit/s veth links (gloo over the link)."""
+    args = ["-n", "4", "--hosts", "2"]
+    if link == "netns":
+        reason = _private_mounts_reason() or launch.netns_unavailable_reason(10.0)
+        if reason is not None:
+            pytest.skip(f"--netns not available here: {reason}")
+        args += ["--netns", "--link-gbit", "10"]
+    r = _launch(args, "shape_mismatch_hosts.py", timeout=150)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     for op in ("psum", "all_gather", "all_to_all", "psum_scatter", "moe.dispatch", "moe.combine"):
