@@ -176,6 +176,47 @@ def median(xs: Iterable[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+_ALIGN_CALLS = 0
+
+
+def align_processes(tag: str) -> None:
+    """Under ``strata_jax.launch`` (several processes): wait until every process reaches this
+    call (the jax.distributed coordinator's barrier; names are numbered per call, so every
+    process must make the same calls in the same order). One process: returns at once.
+
+    The workloads call it before every timed step, outside the timing, so that every process
+    starts the step together: ``nocomm`` has no exchange to hold the processes together, and a
+    process that ran ahead would otherwise charge its wait to the next implementation's step.
+    """
+    global _ALIGN_CALLS
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed
+
+    _ALIGN_CALLS += 1
+    distributed.global_state.client.wait_at_barrier(f"bench/{tag}/{_ALIGN_CALLS}", 300_000)
+
+
+def slowest_process(times: Sequence[float]) -> list[float]:
+    """Per-step time of the whole job: the largest over the processes of each process's time
+    for that step (``times[i]``: this process's seconds for step ``i``; every process passes the
+    same number of steps). Collective: every process must call it. One process: ``times``.
+
+    A step is done when its slowest process is done; without an exchange (``nocomm``) the
+    first process may finish early, so its own time alone would flatter the bound."""
+    import jax
+    import numpy as np
+
+    if jax.process_count() == 1:
+        return list(times)
+    from jax.experimental import multihost_utils
+
+    allt = np.asarray(multihost_utils.process_allgather(np.asarray(times, np.float32)))
+    return [float(v) for v in allt.reshape(jax.process_count(), -1).max(axis=0)]
+
+
 def _plain_allocator() -> str:
     """What serves XLA's buffers without LD_PRELOAD: the hook ``import strata_jax`` installs
     (strata_jax/_src/allocator.py), or glibc when it is off or strata_jax is not imported."""

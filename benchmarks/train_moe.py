@@ -518,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
             data.shape[1:], tok_sharding, lambda idx, i=i: data[i][idx]
         )
         for r in runs.values():
+            C.align_processes("train_moe")  # several processes: start each step together
             t0 = time.perf_counter()
             r["state"], loss = r["fn"](r["state"], tok)
             jax.block_until_ready((r["state"], loss))
@@ -546,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
     )
     for r in runs.values():
+        r["times"] = C.slowest_process(r["times"])  # several processes: the slowest one's
         t = np.array(r["times"][args.warmup :])
         r["median_s"] = float(np.median(t))
         r["p10_s"], r["p90_s"] = (float(v) for v in np.percentile(t, [10, 90]))

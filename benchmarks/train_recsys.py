@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         batch, labels = put_batch(i)
         labels_window.append(np.concatenate([labels[k] for k, _ in local_devs]))
         for r in runs.values():
+            C.align_processes("train_recsys")  # several processes: start each step together
             t0, c0 = time.perf_counter(), time.process_time()
             r["state"], (loss, logits, dropped, invalid) = r["fn"](r["state"], batch)
             jax.block_until_ready((r["state"], loss, logits, dropped, invalid))
@@ -345,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows = []
     for impl, r in runs.items():
+        r["times"] = C.slowest_process(r["times"])  # several processes: the slowest one's
         t = np.array(r["times"][args.warmup :])
         r["median_s"] = float(np.median(t))
         r["cpu_s"] = float(np.median(r["cpu"][args.warmup :]))

@@ -91,6 +91,7 @@ _JOB_2X2 = [
     ("check_moe_low_latency.py",),
     ("check_low_latency.py",),
     ("check_pytree.py",),
+    ("check_bench_timing.py",),
     ("call_matching.py",),
 ]
 
@@ -127,6 +128,14 @@ def _part(job: dict[str, str], script: str) -> str:
     if script not in job:
         pytest.fail(f"the shared 2x2 job did not reach {script}:\n{job['all'][-4000:]}")
     return job[script]
+
+
+def test_benchmark_step_clock_across_processes(job_2x2):
+    """The workloads' step clock under the launcher (benchmarks/_common.py): every timed step
+    starts after a barrier, and a step's time is the slowest process's (``nocomm`` used to be
+    timed on rank 0 alone, which finished early with no exchange to wait for)."""
+    out = _part(job_2x2, "check_bench_timing.py")
+    assert out.count("OK bench timing") == 2, out[-3000:]
 
 
 # on_use differs from on_alloc only in when a segment is registered (tests/test_alloc.py checks
