@@ -163,6 +163,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _strata_ops(strata_jax: Any, jax: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Where strata's step spends its time in collectives: ``comm_stats()["ops"]`` over the
+    timed steps, per device per step (this process's devices): calls, milliseconds in the
+    handler, of which ``wait`` (until every peer had arrived) and ``move`` (the copy and the
+    departure barrier), and MB of input. Returns the numbers and their ``#`` lines."""
+    steps = max(1, args.steps - args.warmup) * jax.local_device_count()
+    ops = strata_jax.comm_stats()["ops"]
+    out: dict[str, Any] = {}
+    parts = []
+    for name, o in sorted(ops.items()):
+        d = {
+            "calls": o["calls"] / steps,
+            "total_ms": 1e3 * o["total_s"] / steps,
+            "wait_ms": 1e3 * o["wait_s"] / steps,
+            "move_ms": 1e3 * o["move_s"] / steps,
+            "mb": o["bytes"] / steps / 1e6,
+        }
+        out[name] = d
+        parts.append(
+            f"{name} {d['calls']:g} calls {d['total_ms']:.1f} ms (wait {d['wait_ms']:.1f}, "
+            f"move {d['move_ms']:.1f}), {d['mb']:.2f} MB in"
+        )
+    if parts:
+        out["lines"] = [
+            "# strata's collectives, per device per timed step (this process; comm_stats()"
+            "['ops']; wait: until the last peer arrived, move: the copy and the departure): "
+            + "; ".join(parts)
+        ]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     strata_jax, jax = start_runtime(args)
@@ -292,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     bar = C.progress(args.steps, desc="train", enable=args.progress and lead)
     t_start = time.perf_counter()
     for i in range(args.steps):
+        if i == args.warmup:  # strata's per-operator counters: the timed steps only
+            strata_jax.reset_stats()
         batch, labels = put_batch(i)
         labels_window.append(np.concatenate([labels[k] for k, _ in local_devs]))
         for r in runs.values():
@@ -462,6 +495,10 @@ def main(argv: list[str] | None = None) -> int:
         for line in cpu_lines:
             say(line)
 
+    strata_ops = _strata_ops(strata_jax, jax, args) if "strata" in runs else {}
+    for line in strata_ops.pop("lines", []):
+        say(line)
+
     if lead:
         args.out.mkdir(parents=True, exist_ok=True)
         png = args.out / "train_recsys.png"
@@ -478,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
                 "results": rows,
                 "loss_diff": diffs,
                 "communication": communication,
+                "strata_ops": strata_ops,
                 "losses": {k: r["losses"] for k, r in runs.items()},
                 "auc": {k: r["auc"] for k, r in runs.items()},
                 "drops": {k: r["drops"] for k, r in runs.items()},
