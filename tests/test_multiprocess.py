@@ -209,6 +209,19 @@ def test_pytree_all_reduce_and_strided_psum_scatter_across_processes(job_2x2):
     assert out.count("OK pytree 146 checks") == 2, out[-3000:]
 
 
+def test_processes_exiting_at_different_times_is_a_clean_end():
+    """A healthy job whose ranks exit 0, 0.5 and 2.5 s after their last call: the first one's
+    closed link is a clean exit (it said goodbye on the fabric first), so the others take the
+    normal jax.distributed shutdown. Before: rank 0 took it for a dead peer, cut its shutdown
+    short after 1 s ("not waiting longer than 1 s"), and its detached JAX client could abort the
+    process at exit (SIGABRT, seen once in 6 runs of serve_moe.py under launch -n 4)."""
+    r = _launch(3, "clean_exit_order.py", timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert out.count("OK clean exit") == 3, out[-3000:]
+    assert "not waiting longer" not in out and "SIGABRT" not in out, out[-3000:]
+
+
 def test_timeout_then_sigkill_leaves_nothing():
     import shutil
     import tempfile

@@ -279,7 +279,8 @@ class ShmFabric {
   // Which process owns a global device (-1: unknown). Set once from Python before connect().
   void set_device_procs(const std::vector<int64_t>& devices, const std::vector<int>& procs);
   int device_proc(int64_t device) const;
-  std::string dead_peers() const;
+  std::string dead_peers() const;  // peers whose link closed ("1, 3"), cleanly or not
+  std::string left_peers() const;  // of those, the ones that said kBye first (a normal exit)
   // For memory_stats(): the OS process id at the other end of each link (SO_PEERCRED, attested
   // by the kernel; 0 for self), and the peer segments mapped here per owner (count, bytes).
   std::vector<int> link_pids() const { return link_pids_; }
@@ -321,6 +322,8 @@ class ShmFabric {
   std::vector<int> links_;  // socket per peer process (-1 for self)
   std::vector<int> link_pids_;
   std::unique_ptr<std::atomic<bool>[]> alive_;
+  // Set by the receiver thread (release) when a peer's kBye arrives; read (acquire) at exit.
+  std::unique_ptr<std::atomic<bool>[]> left_;
   ShmControl* ctl_ = nullptr;
   std::thread receiver_;
 

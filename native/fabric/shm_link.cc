@@ -23,7 +23,9 @@
 namespace strata {
 namespace {
 
-enum MsgType : uint32_t { kHello = 1, kControl = 2, kNewSeg = 3, kFreeSeg = 4 };
+// kBye: the sender is leaving at its normal exit (fabric_leave), so its closed link that follows
+// is a clean exit, not a crash (dead_peers() vs left_peers()).
+enum MsgType : uint32_t { kHello = 1, kControl = 2, kNewSeg = 3, kFreeSeg = 4, kBye = 5 };
 
 struct LinkMsg {
   uint32_t type;
@@ -161,6 +163,11 @@ void ShmFabric::unlink_socket() {
 }
 
 void ShmFabric::leave() {
+  {
+    std::lock_guard<std::mutex> lock(export_mu_);  // export_mu_ serializes all sends
+    for (int fd : links_)
+      if (fd >= 0) send_msg(fd, LinkMsg{kBye, proc_, 0, 0}, -1);  // best effort
+  }
   for (int fd : links_)
     if (fd >= 0) ::shutdown(fd, SHUT_RDWR);
 }
@@ -262,7 +269,11 @@ std::string ShmFabric::connect(int proc, int nprocs, const std::vector<std::stri
       link_pids_[j] = cred.pid;
   }
   alive_.reset(new std::atomic<bool>[nprocs]);
-  for (int j = 0; j < nprocs; ++j) alive_[j].store(true, std::memory_order_relaxed);
+  left_.reset(new std::atomic<bool>[nprocs]);
+  for (int j = 0; j < nprocs; ++j) {
+    alive_[j].store(true, std::memory_order_relaxed);
+    left_[j].store(false, std::memory_order_relaxed);
+  }
   receiver_ = std::thread([this] { receiver_main(); });
   receiver_.detach();
   active_.store(this, std::memory_order_release);
@@ -363,6 +374,14 @@ std::string ShmFabric::dead_peers() const {
   return s;
 }
 
+std::string ShmFabric::left_peers() const {
+  std::string s;
+  for (int j = 0; j < nprocs_; ++j)
+    if (j != proc_ && left_ && left_[j].load(std::memory_order_acquire))
+      s += (s.empty() ? "" : ", ") + std::to_string(j);
+  return s;
+}
+
 char* ShmFabric::translate(int proc, uint64_t seg, uint64_t off, uint64_t bytes,
                            Clock::time_point deadline, std::string* err) {
   const auto key = std::make_pair(proc, seg);
@@ -436,6 +455,10 @@ void ShmFabric::receiver_main() {
         fds.erase(fds.begin() + i);
         who.erase(who.begin() + i);
         --i;
+        continue;
+      }
+      if (m.type == kBye) {  // read before the close that follows it on the same link
+        left_[who[i]].store(true, std::memory_order_release);
         continue;
       }
       if (m.type == kNewSeg && fd >= 0) {

@@ -195,6 +195,7 @@ NB_MODULE(_strata, m) {
     d["num_processes"] = f->nprocs();
     d["registration"] = strata::reg_mode_name(f->mode());
     d["dead_processes"] = f->dead_peers();  // "1, 3": peers whose link closed
+    d["left_processes"] = f->left_peers();  // of those, the ones that left at a normal exit
     return d;
   });
   m.def("memory_stats", [] {

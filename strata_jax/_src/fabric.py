@@ -95,7 +95,13 @@ def _broken_job() -> str:
         why.append(f"{failures} strata collective call(s) failed in this process")
     info = native.fabric_info()
     if info and info.get("dead_processes"):
-        why.append(f"process(es) {info['dead_processes']} disconnected")
+        # A peer that left at its normal exit (it said so first: fabric_leave) is not a broken
+        # job: treating it as one cut a healthy job's jax.distributed shutdown short, and the
+        # detached JAX client then aborted the process (SIGABRT) at exit.
+        left = set(info.get("left_processes", "").split(", ")) - {""}
+        dead = [p for p in info["dead_processes"].split(", ") if p and p not in left]
+        if dead:
+            why.append(f"process(es) {', '.join(dead)} disconnected")
     return "; ".join(why)
 
 
