@@ -8,6 +8,7 @@ launcher runs from the package's parent folder, never the source root, which wou
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -148,3 +149,18 @@ def results(text: str, tag: str = "RESULT ") -> list:
         out.append(obj)
         i = text.find(tag, end)
     return out
+
+
+def mpirun_cmd(nproc: int, *cmd: str) -> list[str]:
+    """mpirun as the tests here use it: root allowed, more ranks than cores, no binding (the
+    ranks share the machine's cores with other work)."""
+    return [
+        shutil.which("mpirun") or "mpirun",
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        "-n",
+        str(nproc),
+        *cmd,
+    ]

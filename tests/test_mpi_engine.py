@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 import pytest
-from _mp_util import PKG_PARENT, SCRIPTS, job_env, results
+from _mp_util import PKG_PARENT, SCRIPTS, job_env, mpirun_cmd, results
 
 MPIRUN = shutil.which("mpirun")
 WRAPPER = os.environ.get("MPITRAMPOLINE_LIB", "")
@@ -34,14 +34,8 @@ pytestmark = [
 
 
 def _mpirun(nproc: int, *args: str, timeout: float = 300):
-    cmd = [
-        MPIRUN,
-        "--allow-run-as-root",
-        "--oversubscribe",
-        "--bind-to",
-        "none",
-        "-n",
-        str(nproc),
+    cmd = mpirun_cmd(
+        nproc,
         "-x",
         "MPITRAMPOLINE_LIB",
         "-x",
@@ -49,7 +43,7 @@ def _mpirun(nproc: int, *args: str, timeout: float = 300):
         sys.executable,
         str(SCRIPTS / "mpi_engine.py"),
         *args,
-    ]
+    )
     env = job_env(MPITRAMPOLINE_LIB=WRAPPER, JAX_CPU_COLLECTIVES_IMPLEMENTATION="mpi")
     r = subprocess.run(
         cmd, env=env, cwd=PKG_PARENT, capture_output=True, text=True, timeout=timeout

@@ -16,27 +16,12 @@ import subprocess
 import sys
 
 import pytest
-from _mp_util import PKG_PARENT, SCRIPTS, job_env, results
+from _mp_util import PKG_PARENT, SCRIPTS, job_env, mpirun_cmd, results
 
 MPIRUN = shutil.which("mpirun")
 pytestmark = pytest.mark.skipif(
     MPIRUN is None, reason="Open MPI's mpirun not installed (apt-get install openmpi-bin)"
 )
-
-
-def mpirun_cmd(nproc: int, *cmd: str) -> list[str]:
-    """mpirun as the tests here use it: root allowed, more ranks than cores, no binding (the
-    ranks share the machine's cores with other work)."""
-    return [
-        MPIRUN,
-        "--allow-run-as-root",
-        "--oversubscribe",
-        "--bind-to",
-        "none",
-        "-n",
-        str(nproc),
-        *cmd,
-    ]
 
 
 def _run(cmd: list[str], timeout: float = 240, **extra: str):
