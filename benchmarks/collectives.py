@@ -14,10 +14,10 @@ over each other implementation (``time_other / time_strata``). A progress bar ru
 against size go to --out.
 
 Size convention (nccl-tests'): ``size`` is the per-rank buffer nccl-tests counts, ``count`` its
-elements -- all-reduce (psum/pmax/pmin): input = output = size; all_gather: the per-rank OUTPUT
-(each rank contributes size/N); psum_scatter: the per-rank INPUT (each rank gets size/N);
-all_to_all, ppermute, pbroadcast: input = output = size. For all_gather, psum_scatter and all_to_all
-``count`` is rounded down to a multiple of N (at least N). algbw = size / time;
+elements -- all-reduce (psum/pmean/pmax/pmin): input = output = size; all_gather: the per-rank
+OUTPUT (each rank contributes size/N); psum_scatter: the per-rank INPUT (each rank gets size/N);
+all_to_all, ppermute, pbroadcast: input = output = size. For all_gather, psum_scatter and
+all_to_all ``count`` is rounded down to a multiple of N (at least N). algbw = size / time;
 busbw = algbw * f, f = 2(N-1)/N (all-reduce), (N-1)/N (all_gather, psum_scatter, all_to_all),
 1 (ppermute, pbroadcast).
 
@@ -146,6 +146,7 @@ class OpSpec:
 
 OPS: dict[str, OpSpec] = {
     "psum": OpSpec("psum", "allreduce", False, True),
+    "pmean": OpSpec("pmean", "allreduce", False, True),
     "pmax": OpSpec("pmax", "allreduce", False, False),
     "pmin": OpSpec("pmin", "allreduce", False, False),
     "all_gather": OpSpec("all_gather", "allgather", True, False),
@@ -158,7 +159,7 @@ OPS: dict[str, OpSpec] = {
 
 def make_body(lib: Any, op: str, n: int) -> Callable[[Any], Any]:
     """The per-shard function applying `op` over AXIS with `lib` (strata_jax or jax.lax)."""
-    if op in ("psum", "pmax", "pmin"):
+    if op in ("psum", "pmean", "pmax", "pmin"):
         f = getattr(lib, op)
         return lambda x: f(x, AXIS)
     if op == "all_gather":
@@ -323,11 +324,19 @@ def count_wrong(
 def numpy_reference(op: str, host: np.ndarray, n: int) -> list[np.ndarray] | None:
     """Each rank's expected output of ``make_body(op)`` on the global input ``host`` (rank r's
     input is block r), from numpy alone; None where numpy's meaning is not the op's (max/min of
-    complex numbers, a sum of booleans). Sums are taken in float64 / complex128 / int64 and
-    rounded once: within ``float_tolerance`` of any summation order."""
+    complex numbers, a sum of booleans, a mean of complex numbers). Sums are taken in float64 /
+    complex128 / int64 and rounded once: within ``float_tolerance`` of any summation order."""
     x = host.reshape(n, -1)
     c = x.shape[1]
     kind = host.dtype.kind
+    if op == "pmean":  # psum / n, as jax.lax: an integer (bool: int32) sum wraps, then float32
+        if kind in "iub":
+            acc = np.int32 if kind == "b" else host.dtype
+            red = x.sum(axis=0, dtype=acc).astype(np.float32) / np.float32(n)
+            return [red] * n
+        if kind == "c":
+            return None
+        return [(x.astype(np.float64).sum(axis=0) / n).astype(host.dtype)] * n
     if op in ("psum", "pmax", "pmin", "psum_scatter"):
         if kind == "b" and op in ("psum", "psum_scatter"):
             return None
