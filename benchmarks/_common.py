@@ -133,6 +133,7 @@ def time_interleaved(
     block: Callable[[Any], Any] | None = None,
     on_error: Callable[[str, BaseException], None] | None = None,
     cpu: dict[str, list[float]] | None = None,
+    align: Callable[[], Any] | None = None,
 ) -> tuple[dict[str, list[float]], dict[str, Any]]:
     """Time several implementations round-robin: call 1 of each, call 2 of each, ...
 
@@ -142,6 +143,9 @@ def time_interleaved(
     Returns per-name call times (seconds) and last outputs. ``cpu``: filled with each timed
     call's CPU time of this process, all threads, user + system (seconds,
     ``time.process_time``): CPU time over wall time says how many cores a call kept busy.
+    ``align``: called before every call, outside the timing (e.g. :func:`align_processes`, so
+    that the processes start each call together and no implementation is charged the wait
+    for a process that the previous call let finish late).
     """
     if block is None:
         import jax
@@ -152,6 +156,8 @@ def time_interleaved(
     outs: dict[str, Any] = {}
     for i in range(warmup + iters):
         for name, fn in list(live.items()):
+            if align is not None:
+                align()
             try:
                 c0 = time.process_time()
                 t0 = time.perf_counter()
@@ -195,6 +201,8 @@ def align_processes(tag: str) -> None:
         return
     from jax._src import distributed
 
+    if distributed.global_state.client is None:  # processes not joined by jax.distributed
+        return
     _ALIGN_CALLS += 1
     distributed.global_state.client.wait_at_barrier(f"bench/{tag}/{_ALIGN_CALLS}", 300_000)
 

@@ -538,8 +538,13 @@ def run_sweep(
             except Exception as e:  # keep sweeping; the row says what failed
                 on_error(impl, e)
         cpu: dict[str, list[float]] = {}
+        # Several processes: every call starts on all of them together (outside the timing).
+        # Without it, a process that one call lets go early (a one-way exchange's sender) waits
+        # in the next call, which may be the other implementation's: its time is then charged
+        # to that one, and the interleaved medians compare skews, not collectives.
+        align = (lambda: C.align_processes("collectives")) if ctx.process_count > 1 else None
         times, last = C.time_interleaved(
-            fns, pt.iters, max(0, pt.warmup - 1), on_error=on_error, cpu=cpu
+            fns, pt.iters, max(0, pt.warmup - 1), on_error=on_error, cpu=cpu, align=align
         )
         for impl, r in results.items():
             if impl in errors or impl not in fns:
@@ -987,7 +992,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     write(
         "# time       : median of iters blocking calls after warm-up, impls interleaved call by"
-        " call; algbw = size/time; busbw = algbw * 2(N-1)/N all-reduce, (N-1)/N"
+        " call (several processes: the slowest process's median, every call started on all of"
+        " them together by a barrier outside the timing); algbw = size/time; busbw = algbw *"
+        " 2(N-1)/N all-reduce, (N-1)/N"
         " all_gather/psum_scatter/all_to_all, 1 ppermute/pbroadcast (GB/s = 1e9 B/s)"
     )
     write(

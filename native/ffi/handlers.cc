@@ -300,8 +300,33 @@ bool is_permutation(const int64_t* place, size_t len, int64_t nb) {
   return true;
 }
 
-// `placement`: empty, or the input block of each (rank, sub-block) (collectives.h
-// reduce_scatter).
+// The sub-blocks per rank of a placement table with one row per group (`groups` has
+// groups.size() / group_size rows; every row holds group_size * parts entries).
+int placement_parts(I64s placement, I64s groups, int64_t group_size) {
+  if (group_size <= 0 || !placement.size() || groups.size() < static_cast<size_t>(group_size))
+    return 1;
+  return static_cast<int>(placement.size() / groups.size());
+}
+
+// This group's row of a placement table (nullptr: none), or an error when the table is not one
+// row per group of permutations of [0, t.size() * parts).
+std::string placement_row(I64s placement, I64s groups, const Team& t, const Placement& pl,
+                          int parts, const char* name, const int64_t** row) {
+  *row = nullptr;
+  if (!placement.size()) return {};
+  const size_t width = static_cast<size_t>(t.size()) * parts;
+  const size_t rows = groups.size() / static_cast<size_t>(t.size());
+  if (placement.size() != rows * width || pl.group < 0 || static_cast<size_t>(pl.group) >= rows ||
+      !is_permutation(placement.begin() + pl.group * width, width, static_cast<int64_t>(width)))
+    return std::string("strata_jax ") + name +
+           ": internal error: the block placement is not one permutation of the group's "
+           "sub-blocks per group";
+  *row = placement.begin() + pl.group * width;
+  return {};
+}
+
+// `placement`: empty, or per group (one row per row of `groups`) the input block of each
+// (rank, sub-block) (collectives.h reduce_scatter).
 // `divert` (per partition; empty: none): the sub-block of this rank's output written to `y2`
 // instead (collectives.h reduce_scatter).
 ffi::Error reduce_scatter_impl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
@@ -311,8 +336,7 @@ ffi::Error reduce_scatter_impl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer 
   const ReduceOp op = static_cast<ReduceOp>(reduce);
   if (auto e = check_dtype("psum_scatter", x, true, op); e.failure()) return e;
   const int32_t dt = static_cast<int32_t>(x.element_type());
-  const int64_t* place = placement.size() ? placement.begin() : nullptr;
-  const int parts = group_size > 0 && placement.size() ? placement.size() / group_size : 1;
+  const int parts = placement_parts(placement, groups, group_size);
   OpDesc d;
   d.kind = kReduceScatter;
   d.dtype = dt;
@@ -327,10 +351,13 @@ ffi::Error reduce_scatter_impl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer 
         if (out_count * t.size() != x.element_count())
           return "strata_jax psum_scatter: input size is not the group size times the output "
                  "size";
-        if (place && (out_count % parts ||
-                      !is_permutation(place, placement.size(), int64_t{t.size()} * parts)))
-          return "strata_jax psum_scatter: internal error: the block placement is not a "
-                 "permutation of the group's sub-blocks";
+        const int64_t* place = nullptr;
+        if (auto err = placement_row(placement, groups, t, pl, parts, "psum_scatter", &place);
+            !err.empty())
+          return err;
+        if (place && out_count % parts)
+          return "strata_jax psum_scatter: internal error: the output is not a whole number of "
+                 "sub-blocks";
         int part = -1;
         if (divert.size()) {
           if (pl.partition < 0 || static_cast<size_t>(pl.partition) >= divert.size() ||
@@ -371,13 +398,13 @@ ffi::Error ReduceScatterPlacedImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuf
                              placement);
 }
 
-// `placement`: empty, or the output block of each (rank, sub-block) (collectives.h all_gather).
+// `placement`: empty, or per group (one row per row of `groups`) the output block of each
+// (rank, sub-block) (collectives.h all_gather).
 ffi::Error all_gather_impl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
                            ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
                            int64_t group_size, I64s device_ids, I64s placement) {
   if (auto e = check_dtype("all_gather", x, false, ReduceOp::kSum); e.failure()) return e;
-  const int64_t* place = placement.size() ? placement.begin() : nullptr;
-  const int parts = group_size > 0 && placement.size() ? placement.size() / group_size : 1;
+  const int parts = placement_parts(placement, groups, group_size);
   OpDesc d;
   d.kind = kAllGather;
   d.dtype = static_cast<int32_t>(x.element_type());
@@ -386,13 +413,16 @@ ffi::Error all_gather_impl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
   d.aux = parts;
   return run_collective(
       "all_gather", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
-      x.untyped_data(), y->untyped_data(), [&](Team& t, const Placement&) -> std::string {
+      x.untyped_data(), y->untyped_data(), [&](Team& t, const Placement& pl) -> std::string {
         if (x.size_bytes() * t.size() != y->size_bytes())
           return "strata_jax all_gather: output size is not the group size times the input size";
-        if (place && (x.size_bytes() % parts ||
-                      !is_permutation(place, placement.size(), int64_t{t.size()} * parts)))
-          return "strata_jax all_gather: internal error: the block placement is not a "
-                 "permutation of the group's sub-blocks";
+        const int64_t* place = nullptr;
+        if (auto err = placement_row(placement, groups, t, pl, parts, "all_gather", &place);
+            !err.empty())
+          return err;
+        if (place && x.size_bytes() % parts)
+          return "strata_jax all_gather: internal error: the input is not a whole number of "
+                 "sub-blocks";
         count_peer_bytes(t, x.size_bytes() * (t.size() - 1));
         return all_gather(t, x.size_bytes(), peers_publish_outputs(t), place, parts);
       });

@@ -218,10 +218,11 @@ def _gc(
 
     ``all_gather_reduce`` (strata only): the all_gather of ``x reduce z``, combined in the order
     ``z_first[partition]`` gives (1: z first). ``placement`` (strata all_gather and
-    reduce_scatter only; parts = ``len(placement) // n``): all_gather: each input is parts
-    equal blocks, and block f of group rank j lands at output block ``placement[j * parts +
+    reduce_scatter only): one row per group of ``groups`` (:func:`_per_intra_group`), each of
+    n * parts entries (parts = ``len(placement) // (len(groups) * n)``): all_gather: each input
+    is parts equal blocks, and block f of group rank j lands at output block ``row[j * parts +
     f]``; reduce_scatter: each output is parts equal blocks, and block f of group rank j sums
-    input block ``placement[j * parts + f]`` of every member.
+    input block ``row[j * parts + f]`` of every member.
     """
     pending = _pending_check.get()
     if pending is not None and engine in ("xla", "strata"):
@@ -686,6 +687,39 @@ def _one_way_bytes() -> int:
         ) from None
 
 
+def _nbytes(x) -> int:
+    return int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+
+
+def _ring(p: Plan):
+    """The two-fabric ring: member l of fabric slot 0 sends to member l of slot 1, which sends
+    to member l + 1 (mod L) of slot 0. Every rank sends once and receives once, all in one
+    collective-permute, and every gloo connection carries one direction only: one connection
+    carrying both directions of an exchange moves them by turns (see :func:`_exchange`),
+    while here each host sends with all its members and receives with all of them at once.
+    Needs L >= 2. Returns (pairs over every group, dst, src): ``dst[s][l]``/``src[s][l]`` the
+    local index, in the other slot, that member l of slot s sends to / receives from."""
+    dst = [[lo for lo in range(p.L)], [(lo + 1) % p.L for lo in range(p.L)]]
+    src = [[(lo - 1) % p.L for lo in range(p.L)], [lo for lo in range(p.L)]]
+    pairs = [
+        (int(g[p.rank_of(s, lo)]), int(g[p.rank_of(1 - s, dst[s][lo])]))
+        for g in p.groups
+        for s in range(2)
+        for lo in range(p.L)
+    ]
+    return pairs, dst, src
+
+
+def _per_intra_group(p: Plan, rows) -> tuple[int, ...]:
+    """A strata placement table, one row per intra-fabric group (native: the row of the group
+    a member runs in): ``rows[s]`` for the groups of fabric slot s (one row: all alike)."""
+    return tuple(
+        int(b)
+        for i in range(len(p.intra))
+        for b in np.asarray(rows[i % p.F if len(rows) > 1 else 0]).ravel()
+    )
+
+
 def _exchange(send, p: Plan):
     """The partner's ``send``: the exchange of a two-fabric step over ``p.inter`` (groups of
     two, one member per fabric), by XLA's collective-permute.
@@ -776,13 +810,14 @@ def _all_reduce(x, p: Plan, reduce: str):
 def _all_gather(x, p: Plan):
     if p.L == 1 or not p.uniform:
         return _gc(x, "all_gather", "xla", p.groups)
-    # gloo's own all-gather of the pair, not the one-way exchange: at 1 Gbit/s under launch
-    # --netns that reached 62 and 54 % of the link bound at 4 and 16 MiB, the exchange 50-57
-    # and 42-43 % (two A/B runs each).
+    # gloo's own all-gather of the pair: the ring (_ring) needs [own, received] concatenated
+    # for the gather inside (one more pass over the output's 2/n), and measured no faster at
+    # 1 and 10 Gbit/s under launch --netns (two A/B runs: 64-66/74-81 % of the link bound at
+    # 4/16 MiB against 72-74/51-80 %).
     v = _gc(x, "all_gather", "xla", p.inter)  # [F*k]: own local index, every fabric
     # Inside the fabric, block (l, f) goes straight to its place in group order, perm_lf()[l*F
     # + f]: no reorder pass over the whole output afterwards.
-    return _gc(v, "all_gather", "strata", p.intra, placement=p.perm_lf())
+    return _gc(v, "all_gather", "strata", p.intra, placement=_per_intra_group(p, [p.perm_lf()]))
 
 
 def _reduce_scatter(x, p: Plan, reduce: str):
@@ -798,22 +833,48 @@ def _reduce_scatter(x, p: Plan, reduce: str):
         # Two fabrics: send the partner's block, reduce the one received into the own (the
         # same bytes as gloo's reduce-scatter, measured 1.5x faster at 16 MiB, 7x at 64 KiB).
         # Strata writes the partner's block to a result of its own (no slice copied out).
+        # From ONE_WAY_BYTES per rank the block crosses along the ring (_ring): each member
+        # sends the block of the member it sends to, and receives its own from another, so the
+        # intra-fabric step's rows differ per fabric. Under launch --netns (two A/B runs against
+        # the pairs' exchange, load 9-16): 83-88/87-89 % of the link bound at 4/16 MiB and
+        # 1 Gbit/s against 60-81/52-84 %, 27-32/34-44 % at 10 Gbit/s against 28-29/32-33 %.
+        ring = _nbytes(x) // n >= _one_way_bytes()
+        if ring:
+            pairs, dst, _ = _ring(p)
+            rows = [
+                [
+                    p.rank_of(s, lo) if f == s else p.rank_of(1 - s, dst[s][lo])
+                    for lo in range(p.L)
+                    for f in range(2)
+                ]
+                for s in range(2)
+            ]
+        else:
+            rows = [p.perm_lf()]
         _pending_check.set(None)  # a strata step: chained after the check
         v, send = _rs_divert_p.bind(
             x,
             groups=tuple(map(tuple, p.intra)),
             reduce=reduce,
-            placement=tuple(int(b) for b in p.perm_lf()),
+            placement=_per_intra_group(p, rows),
             divert=tuple(int(o) for o in 1 - _slot_table(p)),
         )
-        # One collective-permute both ways: at 1 Gbit/s under launch --netns the one-way
-        # exchange gave 46/43 and 39/39 % of the link bound at 4/16 MiB, this 40/45 and 66/46.
-        got = _gc(send, "permute", "xla", p.inter, pairs=_pairs(p.inter))
+        if ring:
+            got = _gc(send, "permute", "xla", p.groups, pairs=pairs)
+        else:
+            got = _gc(send, "permute", "xla", p.inter, pairs=_pairs(p.inter))
         w = v.reshape(2, k, *x.shape[1:])
         return _REDUCERS[reduce].bind(
             jax.lax.dynamic_index_in_dim(w, _my_slot(p), keepdims=False), got
         )
-    v = _gc(x, "reduce_scatter", "strata", p.intra, reduce=reduce, placement=p.perm_lf())
+    v = _gc(
+        x,
+        "reduce_scatter",
+        "strata",
+        p.intra,
+        reduce=reduce,
+        placement=_per_intra_group(p, [p.perm_lf()]),
+    )
     return _gc(v, "reduce_scatter", "xla", p.inter, reduce=reduce)
 
 
