@@ -319,6 +319,29 @@ def test_benchmark_timer_reports_cpu_per_call():
     assert min(times["sleep"]) >= 0.05 and max(cpu["sleep"]) < 0.025
 
 
+def test_benchmark_timer_aligns_before_every_call_outside_the_timing():
+    """time_interleaved's ``align`` (collectives.py under several processes: the processes'
+    barrier) runs before every call of every implementation, warm-up included, and its time is
+    not charged to the call after it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import _common as C
+    finally:
+        sys.path.pop(0)
+    import time
+
+    order: list[str] = []
+
+    def align():
+        order.append("align")
+        time.sleep(0.02)
+
+    fns = {name: (lambda name=name: order.append(name)) for name in ("a", "b")}
+    times, _ = C.time_interleaved(fns, 3, 1, block=lambda v: v, align=align)
+    assert order == ["align", "a", "align", "b"] * 4
+    assert max(times["a"] + times["b"]) < 0.01
+
+
 @pytest.mark.parametrize("dtype", ["float32", "int32", "bfloat16"])
 def test_collectives_benchmark_numpy_oracle_matches_jax_lax(dtype):
     """benchmarks/collectives.py checks every implementation (jax.lax too) against numpy: its
