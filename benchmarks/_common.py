@@ -12,6 +12,7 @@ Contents:
   * machine description: :func:`machine_info`, :func:`print_machine`
   * the allocator: :func:`reexec_with_allocator`
   * the communication-free bound of a workload: :func:`no_exchange`
+  * configurations: :func:`add_preset` (``--preset paper``)
 """
 
 from __future__ import annotations
@@ -86,6 +87,77 @@ def size_sweep(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
         sizes.append(s)
         s *= factor
     return sizes
+
+
+PRESET_PLACES = ("one_process", "launch")
+
+
+def preset_place() -> str:
+    """Where this run is, for :func:`add_preset`: ``"launch"`` under ``strata_jax.launch``
+    (several processes), else ``"one_process"`` (in-process devices). Reads the launcher's
+    environment only: safe before jax is imported."""
+    from strata_jax.launch import distributed_env  # noqa: PLC0415 (no jax backend yet)
+
+    return "one_process" if distributed_env() is None else "launch"
+
+
+def preset_flags(values: dict[str, Any]) -> str:
+    """A preset's values as the command-line flags they stand for: ``--d-model 256 --batch 1``."""
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items())
+
+
+def add_preset(
+    parser: Any,
+    presets: dict[str, dict[str, dict[str, Any]]],
+    argv: Sequence[str] | None,
+    why: str = "",
+) -> None:
+    """Add ``--preset NAME`` to ``parser`` and, when ``argv`` names one, make its values the
+    parser's defaults (``parser.set_defaults``): flags given on the command line still win,
+    wherever they stand. Call before ``parser.parse_args(argv)``.
+
+    ``presets[name][place]`` maps argparse destinations to values, for each place of
+    :data:`PRESET_PLACES` (``"one_process"``: in-process devices; ``"launch"``: under
+    ``strata_jax.launch``): a preset may pick its configuration by how the run is placed.
+    ``--help`` lists every preset's flags per place (after ``--preset NAME``, the defaults shown
+    are the preset's). After parsing, ``args.preset`` is the name (or None) and
+    ``args.preset_place`` the place it was picked for and ``args.preset_flags`` its values as
+    flags, so the JSON written from ``vars(args)`` records all three.
+    """
+    import argparse  # noqa: PLC0415
+
+    lines = []
+    for name, places in presets.items():
+        for place in PRESET_PLACES:
+            where = "one process" if place == "one_process" else "under strata_jax.launch"
+            lines.append(f"{name} ({where}): {preset_flags(places[place])}")
+    parser.add_argument(
+        "--preset",
+        choices=sorted(presets),
+        default=None,
+        help=f"a named configuration; its values become the defaults, so flags given "
+        f"explicitly still override them. {why} " + "; ".join(lines),
+    )
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", choices=sorted(presets), default=None)
+    known, _ = pre.parse_known_args(argv)
+    place = preset_place()
+    parser.set_defaults(preset_place=place if known.preset else None, preset_flags=None)
+    if known.preset:
+        values = presets[known.preset][place]
+        parser.set_defaults(preset_flags=preset_flags(values), **values)
+
+
+def preset_line(args: Any, presets: dict[str, dict[str, dict[str, Any]]]) -> str | None:
+    """The header line of a run made with ``--preset`` (None without): its name, the place it
+    was picked for and its flags (explicit flags on the command line override them)."""
+    if not getattr(args, "preset", None):
+        return None
+    where = "one process" if args.preset_place == "one_process" else "strata_jax.launch"
+    values = presets[args.preset][args.preset_place]
+    mine = {k: getattr(args, k) for k in values if getattr(args, k) != values[k]}
+    over = f"; overridden on the command line: {preset_flags(mine)}" if mine else ""
+    return f"# preset     : {args.preset} ({where}): {preset_flags(values)}{over}"
 
 
 def auto_iters(nbytes: int, budget: float = 5e8, lo: int = 5, hi: int = 200) -> int:

@@ -63,6 +63,32 @@ import train_moe  # noqa: E402
 from moe_model import attention_cached, load_params, rms  # noqa: E402
 
 IMPLS = ("strata", "xla_sort", "xla", "nocomm")
+# The model flags of train_moe.py that shape a checkpoint (None: train_moe.py's default).
+MODEL_FLAGS = ("d_model", "layers", "heads", "experts", "top_k", "d_ff")
+
+# Configurations by name (--preset): the values become argparse defaults. "paper": the paper's
+# regime, where the xla_sort decode step spends 30-45% of its time exchanging (against nocomm),
+# measured on the 2-core machine of docs/performance.md; picked by that share alone.
+PRESETS = {
+    "paper": {
+        # in one process xla_sort's exchange grows with the experts (its blocks are padded
+        # to every token for every expert) and d_model; over gloo its latency needs a larger batch
+        "one_process": {
+            "d_model": 256,
+            "experts": 32,
+            "batch": 32,
+            "train_steps": 20,
+            "requests": 3,
+        },
+        "launch": {"d_model": 256, "experts": 8, "batch": 64, "train_steps": 20, "requests": 3},
+    }
+}
+PRESET_WHY = (
+    "paper: the paper's regime, where the xla_sort decode step spends 30-45%% of its time "
+    "exchanging (against nocomm) on the 2-core machine of docs/performance.md, in one process "
+    "and under strata_jax.launch -n 4 (each picks its own configuration); the model flags train "
+    "a checkpoint of that size first (or --load one of that size)."
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -94,6 +120,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--load", type=Path, default=None, help="train_moe.py --save checkpoint")
     p.add_argument(
+        "--ckpt-dir",
+        type=Path,
+        default=None,
+        help="where the checkpoint trained when there is no --load is kept, one file per model "
+        "size, and found again by later runs (default: --out)",
+    )
+    p.add_argument(
         "--train-steps",
         type=int,
         default=150,
@@ -108,6 +141,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench_out"))
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    g = p.add_argument_group(
+        "model (of the checkpoint trained when there is none; with --load: checked against it)"
+    )
+    g.add_argument("--d-model", type=int, default=None, help="default: train_moe.py's")
+    g.add_argument("--layers", type=int, default=None, help="default: train_moe.py's")
+    g.add_argument("--heads", type=int, default=None, help="default: train_moe.py's")
+    g.add_argument("--experts", type=int, default=None, help="default: train_moe.py's")
+    g.add_argument("--top-k", type=int, default=None, help="default: train_moe.py's")
+    g.add_argument("--d-ff", type=int, default=None, help="default: train_moe.py's")
+    C.add_preset(p, PRESETS, argv, PRESET_WHY)
     args = p.parse_args(argv)
     try:
         args.impls = C.parse_list(args.impl, IMPLS)
@@ -123,7 +166,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--temperature must be 0 (greedy) or a positive number, got {args.temperature}")
     if args.load is not None and not args.load.is_file():
         p.error(f"--load {args.load}: no such file (write one with train_moe.py --save PATH)")
+    for name in MODEL_FLAGS:
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     return args
+
+
+def model_flags(args: argparse.Namespace) -> dict[str, int]:
+    """The model flags given (by hand or by --preset): train_moe.py destination -> value."""
+    return {k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None}
 
 
 # -------------------------------------------------------------------------------------------------
@@ -141,7 +193,9 @@ def ensure_checkpoint(args: argparse.Namespace) -> tuple[Path, str]:
 
     if args.load is not None:
         return args.load, f"{args.load} (--load)"
-    path = args.out / "serve_moe_params.npz"
+    model = model_flags(args)
+    tag = "".join(f"_{k.replace('_', '')}{v}" for k, v in model.items())
+    path = (args.ckpt_dir or args.out) / f"serve_moe_params{tag}.npz"
     if path.exists():
         return path, f"{path} (trained earlier by this script)"
     denv = distributed_env()
@@ -166,13 +220,15 @@ def ensure_checkpoint(args: argparse.Namespace) -> tuple[Path, str]:
             "--seed",
             str(args.seed),
             "--out",
-            str(args.out),
+            str(path.parent),
             "--save",
             str(tmp),
             "--no-progress",
         ]
         if args.data is not None:
             cmd += ["--data", str(args.data)]
+        for k, v in model.items():
+            cmd += [f"--{k.replace('_', '-')}", str(v)]
         print(f"# no checkpoint: training one ({' '.join(cmd[1:])})", flush=True)
         subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
         os.replace(tmp, path)
@@ -293,6 +349,15 @@ def main(argv: list[str] | None = None) -> int:
             f"--load {ckpt}: not a checkpoint of this model ({type(e).__name__}: {e}); write "
             "one with train_moe.py --save PATH, or leave --load out to train one"
         ) from None
+    differ = {k: (v, cfg[k]) for k, v in model_flags(args).items() if cfg[k] != v}
+    if differ:
+        raise SystemExit(
+            f"--load {ckpt}: the checkpoint's model differs from the model flags ("
+            + ", ".join(
+                f"--{k.replace('_', '-')} {a} but {b} in the file" for k, (a, b) in differ.items()
+            )
+            + "): leave --load out to train one of that size, or drop those flags (or --preset)"
+        )
     if cfg["experts"] % R:
         raise SystemExit(f"the model's {cfg['experts']} experts do not split over {R} devices")
     corpus, corpus_name = train_moe.load_corpus(args.data)
@@ -324,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     n_dense = sum(a.size for a in jax.tree.leaves(dense_np))
     n_exp = sum(a.size for a in jax.tree.leaves(experts_np))
     say(f"# allocator  : {allocator}")
+    if C.preset_line(args, PRESETS):
+        say(C.preset_line(args, PRESETS))
     say(f"# data       : {corpus_name}, {corpus.size:,} bytes; prompts cut at random offsets")
     say(
         f"# experts    : MLPs in chunks of {args.expert_chunk} rows (baselines: "

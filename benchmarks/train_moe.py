@@ -78,6 +78,25 @@ MOE_DESC = {
 }
 
 
+# Configurations by name (--preset): the values become argparse defaults. "paper": the paper's
+# regime, where the xla_sort step spends 30-45% of its time exchanging (against nocomm),
+# measured on the 2-core machine of docs/performance.md; picked by that share alone.
+PRESETS = {
+    "paper": {
+        # 64 tokens per device (the in-process exchange's share rose as tokens per device fell;
+        # 20-27% in exploration runs at load 10-20, the most of the sizes tried)
+        "one_process": {"d_model": 128, "batch": 1, "seq": 64, "steps": 60, "warmup": 10},
+        # over gloo the default model's exchange is already 35% of the step
+        "launch": {"d_model": 128, "batch": 2, "seq": 128, "steps": 40, "warmup": 8},
+    }
+}
+PRESET_WHY = (
+    "paper: the paper's regime, where xla_sort spends 30-45%% of its step exchanging (against "
+    "nocomm) on the 2-core machine of docs/performance.md, in one process and under "
+    "strata_jax.launch -n 4 (each picks its own configuration)."
+)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import _common as C
@@ -163,6 +182,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--lr-warmup", type=int, default=20, help="linear learning-rate warm-up steps")
     g.add_argument("--b1", type=float, default=0.9)
     g.add_argument("--b2", type=float, default=0.99)
+    C.add_preset(p, PRESETS, argv, PRESET_WHY)
     args = p.parse_args(argv)
     args.impls = (
         list(IMPLS)
@@ -441,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     n_dense = sum(a.size for a in jax.tree.leaves(dense_np))
     n_exp = sum(a.size for a in jax.tree.leaves(experts_np))
     say(f"# allocator  : {allocator}")
+    if C.preset_line(args, PRESETS):
+        say(C.preset_line(args, PRESETS))
     say(f"# data       : {corpus_name}, {corpus.size:,} bytes")
     say(
         f"# model      : byte-level decoder, {args.layers} layers, d_model {args.d_model}, "

@@ -56,7 +56,16 @@ def rel(path: Path) -> str:
 
 
 def where(d: dict[str, Any]) -> str:
-    """In-process devices or processes, from the machine record."""
+    """In-process devices or processes, from the machine record; the preset when one was
+    used (``--preset paper``)."""
+    a = d.get("args") or {}
+    if not a.get("preset"):
+        return _where(d)
+    flags = f" (`{a['preset_flags']}`)" if a.get("preset_flags") else ""
+    return f"{_where(d)}, `--preset {a['preset']}`{flags}"
+
+
+def _where(d: dict[str, Any]) -> str:
     m = d.get("machine", {})
     procs = m.get("jax_processes") or (d.get("args") or {}).get("procs") or 1
     devs = m.get("jax_devices")
@@ -160,7 +169,20 @@ def _train(d: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     for k, v in diffs.items():
         if isinstance(v, dict) and "max_abs" in v:
             notes.append(f"Loss curves {k}: max abs difference {v['max_abs']:.3g}.")
-    return t + "\n\n" + " ".join(notes), rows
+    notes.append(communication_note(d.get("communication"), "step"))
+    return t + "\n\n" + " ".join(n for n in notes if n), rows
+
+
+def communication_note(c: dict[str, Any] | None, what: str) -> str:
+    """The communication share and what strata removes (``_common.communication_share``)."""
+    if not c or c.get("comm_share") is None:
+        return ""
+    removes = c.get("strata_removes")
+    rm = f"strata removes {100 * removes:.0f}% of that time" if removes is not None else ""
+    return (
+        f"The {c['baseline']} {what} spends {100 * c['comm_share']:.0f}% of its time "
+        f"exchanging (against nocomm)" + (f"; {rm}." if rm else ".")
+    )
 
 
 def baseline_of(rows: list[dict[str, Any]]) -> str | None:
@@ -225,6 +247,13 @@ def render_serve(d: dict[str, Any], stem: str) -> tuple[str, list[Callable[[Any]
         if same
         else ""
     )
+    comm = d.get("communication") or {}
+    notes = [
+        communication_note(comm.get(k), w)
+        for k, w in (("step_p50", "decode step (p50)"), ("ttft_p50", "TTFT (p50)"))
+    ]
+    if any(notes):
+        note += "\n\n" + " ".join(n for n in notes if n)
 
     def dist(ax: Any) -> None:
         for impl, ys in d.get("step_s", {}).items():
@@ -391,6 +420,44 @@ def render_registration(d: dict[str, Any], stem: str) -> tuple[str, list[Callabl
     return t, []
 
 
+def render_regime(d: dict[str, Any], stem: str) -> tuple[str, list[Callable[[Any], None]]]:
+    """benchmarks/regime_sweep.py's summary: one row per point and timed quantity (its PNGs,
+    written by the sweep itself, are included by the page)."""
+    body = []
+    for p in d["points"]:
+        if "failed" in p:
+            body.append([p["workload"], p["label"], "failed", *["-"] * 5])
+            continue
+        for name, q in p["panels"].items():
+            removes = q.get("strata_removes")
+            body.append(
+                [
+                    p["workload"],
+                    f"{p['label']} (`{' '.join(p['flags']) or 'defaults'}`)",
+                    name,
+                    f"{100 * q['comm_share']:.0f}%",
+                    faster(q["strata_speedup"]),
+                    faster(q["nocomm_speedup"]),
+                    f"{100 * removes:.0f}%" if removes is not None else "-",
+                    fmt((p.get("load_avg") or [None])[0], ".1f"),
+                ]
+            )
+    t = table(
+        [
+            "workload",
+            "point (flags)",
+            "timed",
+            "baseline's share",
+            "strata is",
+            "nocomm is",
+            "strata removes",
+            "load",
+        ],
+        body,
+    )
+    return t, []
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any], str], tuple[str, list[Callable[[Any], None]]]]] = {
     "train_moe": render_train,
     "train_recsys": render_train,
@@ -399,6 +466,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any], str], tuple[str, list[Callable[[A
     "moe": render_moe,
     "latency": render_latency,
     "registration": render_registration,
+    "regime_sweep": render_regime,
 }
 
 
@@ -457,6 +525,8 @@ def headline_rows(perf: Path = PERF) -> list[list[str]]:
     for name in ("train_moe", "serve_moe", "train_recsys"):
         for path in perf_files(name, perf):
             d = load(path)
+            if (d.get("args") or {}).get("preset"):
+                continue  # the headline is the default configurations'
             src = f"[`{rel(path)}`]({rel(path)})"
             if name == "serve_moe":
                 s = _row(d["results"], "strata")
@@ -506,6 +576,7 @@ def headline_markdown(perf: Path = PERF) -> str:
         for name in ("train_moe", "serve_moe", "train_recsys")
         for p in perf_files(name, perf)
         if load(p).get("machine", {}).get("load_avg")
+        and not (load(p).get("args") or {}).get("preset")
     ]
     load_s = f"{min(loads):.0f}-{max(loads):.0f}" if loads else "not recorded"
     t = table(["workload, measured", "where", "strata", "baseline", "strata is", "source"], rows)

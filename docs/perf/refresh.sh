@@ -3,7 +3,8 @@
 # built from (short runs: a few minutes in all on a quiet 2-core machine). Run from the
 # repository root after `pip install ".[bench]"`; then rebuild the docs, update the README's
 # table with `python docs/_ext/strata_perf.py --readme --write`, and commit docs/perf/.
-# One benchmark only: bash docs/perf/refresh.sh train_moe
+# One benchmark only: bash docs/perf/refresh.sh train_moe (paper: the --preset paper runs;
+# regime_sweep: benchmarks/regime_sweep.py's points and PNGs)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 P=docs/perf
@@ -28,6 +29,17 @@ if want train_recsys; then
   run python benchmarks/train_recsys.py --steps 40 --out $P/train_recsys
   run python -m strata_jax.launch -n 4 benchmarks/train_recsys.py --steps 40 \
     --out $P/train_recsys_launch4
+fi
+if want paper; then  # --preset paper (the paper's regime): docs/perf/<workload>_paper*/
+  for w in train_moe serve_moe train_recsys; do
+    CK=""; [[ $w == serve_moe ]] && CK="--ckpt-dir ${TMPDIR:-/tmp}/strata_docs_ckpt"
+    run python benchmarks/$w.py --preset paper --out $P/${w}_paper $CK
+    run python -m strata_jax.launch -n 4 benchmarks/$w.py --preset paper \
+      --out $P/${w}_paper_launch4 $CK
+  done
+fi
+if want regime_sweep; then
+  run python benchmarks/regime_sweep.py --out $P/regime_sweep
 fi
 if want collectives; then
   run python benchmarks/collectives.py --op all -b 4K -e 16M -f 4 --out $P/collectives

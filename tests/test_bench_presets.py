@@ -1,0 +1,142 @@
+"""The workloads' ``--preset`` (benchmarks/_common.add_preset) and regime_sweep.py's plotting.
+
+Argument parsing and plotting only (no jax program runs): a preset's values become the
+defaults, flags given on the command line win wherever they stand, the preset is picked by
+placement (one process / under strata_jax.launch) and recorded in the parsed arguments; the
+sweep turns run JSONs into points and PNGs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import _common  # noqa: E402
+import regime_sweep  # noqa: E402
+import serve_moe  # noqa: E402
+import train_moe  # noqa: E402
+import train_recsys  # noqa: E402
+
+from strata_jax import launch  # noqa: E402
+
+SCRIPTS = {"train_moe": train_moe, "serve_moe": serve_moe, "train_recsys": train_recsys}
+LAUNCH_ENV = {
+    launch.ENV_COORDINATOR: "127.0.0.1:1",
+    launch.ENV_NUM_PROCESSES: "4",
+    launch.ENV_PROCESS_ID: "0",
+    launch.ENV_LOCAL_DEVICES: "1",
+}
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    for k in LAUNCH_ENV:
+        monkeypatch.delenv(k, raising=False)
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_preset_paper_sets_the_defaults_and_flags_win(name, one_process):
+    mod = SCRIPTS[name]
+    values = mod.PRESETS["paper"]["one_process"]
+    plain = mod.parse_args([])
+    assert plain.preset is None and plain.preset_place is None and plain.preset_flags is None
+    # the preset must change something, or it is not a configuration of its own
+    assert any(getattr(plain, k) != v for k, v in values.items())
+
+    args = mod.parse_args(["--preset", "paper"])
+    assert args.preset == "paper" and args.preset_place == "one_process"
+    assert args.preset_flags == _common.preset_flags(values)
+    assert {k: getattr(args, k) for k in values} == values
+    key = next(iter(values))
+    other = values[key] * 2
+    for argv in (
+        ["--preset", "paper", f"--{key.replace('_', '-')}", str(other)],
+        [f"--{key.replace('_', '-')}", str(other), "--preset", "paper"],
+    ):
+        args = mod.parse_args(argv)
+        assert getattr(args, key) == other, argv
+        rest = {k: getattr(args, k) for k in values if k != key}
+        assert rest == {k: v for k, v in values.items() if k != key}
+    line = _common.preset_line(args, mod.PRESETS)
+    assert line.startswith("# preset     : paper (one process)")
+    assert f"overridden on the command line: --{key.replace('_', '-')} {other}" in line
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_preset_paper_under_the_launcher_takes_its_launch_values(name, monkeypatch):
+    for k, v in LAUNCH_ENV.items():
+        monkeypatch.setenv(k, v)
+    mod = SCRIPTS[name]
+    values = mod.PRESETS["paper"]["launch"]
+    args = mod.parse_args(["--preset", "paper"])
+    assert args.preset_place == "launch"
+    assert {k: getattr(args, k) for k in values} == values
+
+
+def test_preset_is_in_help_and_a_bad_name_is_refused(one_process, capsys):
+    with pytest.raises(SystemExit):
+        train_moe.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "--preset" in out and "paper (one process): --" in out
+    assert "paper (under strata_jax.launch): --" in out
+    with pytest.raises(SystemExit):
+        train_moe.parse_args(["--preset", "nope"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_serve_checkpoint_is_per_model_size(tmp_path, one_process):
+    """A preset's model gets its own checkpoint file: the default model's is not reused."""
+    args = serve_moe.parse_args(["--preset", "paper", "--out", str(tmp_path)])
+    model = serve_moe.model_flags(args)
+    assert model and all(args.__dict__[k] == v for k, v in model.items())
+    tag = "".join(f"_{k.replace('_', '')}{v}" for k, v in model.items())
+    (tmp_path / "serve_moe_params.npz").write_bytes(b"default model")
+    mine = tmp_path / f"serve_moe_params{tag}.npz"
+    mine.write_bytes(b"preset model")
+    path, note = serve_moe.ensure_checkpoint(args)
+    assert path == mine and "trained earlier" in note
+    plain = serve_moe.parse_args(["--out", str(tmp_path)])
+    assert serve_moe.ensure_checkpoint(plain)[0] == tmp_path / "serve_moe_params.npz"
+
+
+def _fake_run(workload: str, share: float, strata_s: float) -> dict:
+    base = 0.2
+    comm = {
+        "baseline_s": base,
+        "strata_s": strata_s,
+        "nocomm_s": base * (1 - share),
+        "comm_share": share,
+        "strata_removes": (base - strata_s) / (base * share),
+    }
+    data = {"machine": {"load_avg": [1.0, 1.0, 1.0], "command": "x", "commit": "c"}}
+    if workload == "serve_moe":
+        data["communication"] = {"step_p50": comm, "ttft_p50": comm}
+    else:
+        data["communication"] = comm
+    return data
+
+
+def test_sweep_points_and_plots_from_fake_runs(tmp_path):
+    points = []
+    for workload in regime_sweep.WORKLOADS:
+        for i, share in enumerate((0.2, 0.35, 0.5)):
+            data = json.loads(json.dumps(_fake_run(workload, share, 0.2 - 0.01 * (i + 1))))
+            rec = regime_sweep.point_record(workload, f"p{i}", ["--x", str(i)], data)
+            for pnl in rec["panels"].values():
+                assert pnl["comm_share"] == pytest.approx(share)
+                assert pnl["nocomm_speedup"] == pytest.approx(1 / (1 - share))
+                assert pnl["strata_speedup"] == pytest.approx(0.2 / (0.2 - 0.01 * (i + 1)))
+            assert len(rec["panels"]) == len(regime_sweep.PANELS[workload])
+            points.append(rec)
+    summary = {"machine": {"date": "d", "commit": "c"}, "procs": 1, "points": points}
+    (tmp_path / "regime_sweep.json").write_text(json.dumps(summary))
+    assert regime_sweep.main(["--plot-only", "--out", str(tmp_path)]) == 0
+    for workload in regime_sweep.WORKLOADS:
+        png = tmp_path / f"regime_{workload}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
