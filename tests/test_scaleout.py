@@ -67,9 +67,10 @@ def _both(mesh, body_sj, body_lax, x, out=None):
     ],
 )
 def test_hierarchical_in_process(two_fake_fabrics, rng, order, one_way, monkeypatch):
-    """Every operator with two fabrics of two devices against jax.lax; ``one_way``: the
-    two-fabric exchanges of psum and all_to_all as two one-way collective-permutes,
-    which large buffers take (hierarchy.ONE_WAY_BYTES), forced for these small ones."""
+    """Every operator with two fabrics of two devices against jax.lax; ``one_way``: psum's
+    two-fabric exchange as two one-way collective-permutes and psum_scatter's and all_to_all's
+    along the ring, which large buffers take (hierarchy.ONE_WAY_BYTES), forced for these small
+    ones."""
     devs4 = sorted(jax.devices(), key=lambda d: d.id)[:4]
     if one_way:
         monkeypatch.setattr(hierarchy, "ONE_WAY_BYTES", 0)
@@ -83,26 +84,30 @@ def test_hierarchical_in_process(two_fake_fabrics, rng, order, one_way, monkeypa
         )
         hlo_text = f.lower(np.zeros((16, 5), np.float32)).as_text()
         assert hlo_text.count("collective_permute") == 2, hlo_text
-        # psum_scatter's block crosses along the ring: one collective-permute in which every
-        # rank sends and receives once and no pair of ranks exchanges both ways (one gloo
-        # connection carries both directions by turns).
-        g = jax.jit(
-            jax.shard_map(
-                lambda v: sj.psum_scatter(v, "x", tiled=True),
-                mesh=Mesh(np.array([devs4[i] for i in order]), ("x",)),
-                in_specs=P("x"),
-                out_specs=P("x"),
+        # psum_scatter's block and all_to_all's aggregate cross along the ring: one
+        # collective-permute in which every rank sends and receives once and no pair of ranks
+        # exchanges both ways (one gloo connection carries both directions by turns).
+        for op in (
+            lambda v: sj.psum_scatter(v, "x", tiled=True),
+            lambda v: sj.all_to_all(v, "x", 0, 1, tiled=True),
+        ):
+            g = jax.jit(
+                jax.shard_map(
+                    op,
+                    mesh=Mesh(np.array([devs4[i] for i in order]), ("x",)),
+                    in_specs=P("x"),
+                    out_specs=P("x"),
+                )
             )
-        )
-        hlo_text = g.lower(np.zeros((64, 5), np.float32)).as_text()
-        pairs = [
-            tuple(map(int, pr))
-            for m in re.findall(r"source_target_pairs = dense<(\[\[.*?\]\])>", hlo_text)
-            for pr in re.findall(r"\[(\d+), (\d+)\]", m)
-        ]
-        assert hlo_text.count("collective_permute") == 1, hlo_text
-        assert sorted(s for s, _ in pairs) == sorted(d for _, d in pairs) == [0, 1, 2, 3], pairs
-        assert not any((d, s) in pairs for s, d in pairs), pairs
+            hlo_text = g.lower(np.zeros((64, 8), np.float32)).as_text()
+            pairs = [
+                tuple(map(int, pr))
+                for m in re.findall(r"source_target_pairs = dense<(\[\[.*?\]\])>", hlo_text)
+                for pr in re.findall(r"\[(\d+), (\d+)\]", m)
+            ]
+            assert hlo_text.count("collective_permute") == 1, hlo_text
+            assert sorted(s for s, _ in pairs) == sorted(d for _, d in pairs) == [0, 1, 2, 3]
+            assert not any((d, s) in pairs for s, d in pairs), pairs
     devs = sorted(jax.devices(), key=lambda d: d.id)[:4]
     mesh = Mesh(np.array([devs[i] for i in order]), ("x",))
     x = rng.standard_normal((16, 5)).astype(np.float32)

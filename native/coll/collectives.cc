@@ -250,8 +250,9 @@ std::string all_to_all(Team& t, int esize, const std::vector<int64_t>& shape, in
   // destinations per source, the kept indices to `out`, the diverted one to divert->out.
   const int dax = divert ? divert->axis : -1;
   if (divert && (dax < 0 || dax >= nd || dax == split || dax == concat || divert->index < 0 ||
-                 divert->index >= shape[dax]))
-    return "internal error: all_to_all divert axis or index out of range";
+                 divert->index >= shape[dax] || divert->dest >= n))
+    return "internal error: all_to_all divert axis, index or destination out of range";
+  const int64_t gather_for = divert && divert->dest >= 0 ? divert->dest : r;
   std::vector<int64_t> ds2(nd);  // strides of divert->out: the output's shape, dax of size 1
   if (divert) {
     if (divert->move_to >= nd) return "internal error: all_to_all divert move_to out of range";
@@ -288,8 +289,9 @@ std::string all_to_all(Team& t, int esize, const std::vector<int64_t>& shape, in
     for (int64_t i = 0; i < shape[dax]; ++i) {
       const char* s = src + i * ss[dax] * esize;
       if (i == divert->index)
-        copy_strided(divert->out + j * b[concat] * ds2[concat] * esize, ds2.data(), s, ss.data(),
-                     one.data(), nd, esize);
+        copy_strided(divert->out + j * b[concat] * ds2[concat] * esize, ds2.data(),
+                     s + (gather_for - r) * b[split] * ss[split] * esize, ss.data(), one.data(), nd,
+                     esize);
       else
         copy_strided(dst + i * ds[dax] * esize, ds.data(), s, ss.data(), one.data(), nd, esize);
     }

@@ -105,12 +105,15 @@ std::string all_gather_reduce_packed(Team& t, int32_t dtype, ReduceOp op, size_t
 // one buffer with no copy taken out of the output. `move_to`: the output is written with `axis`
 // moved to that position (row-major in that order, as jnp.moveaxis(output, axis, move_to)
 // would lay it out), so that the caller needs no transpose; divert->out is the same either way
-// (the axis has size 1 there).
+// (the axis has size 1 there). `dest` >= 0: the diverted part gathers, from every rank, the block
+// for destination rank `dest` instead of this rank's (the two-fabric ring: a member sends on the
+// aggregate of the member it sends to); the kept indices stay this rank's.
 struct Divert {
   int axis = -1;
   int64_t index = 0;
   char* out = nullptr;
-  int move_to = -1;  // -1: axis stays where it is
+  int move_to = -1;   // -1: axis stays where it is
+  int64_t dest = -1;  // -1: this rank
 };
 std::string all_to_all(Team& t, int esize, const std::vector<int64_t>& shape, int split, int concat,
                        const Divert* divert = nullptr);

@@ -511,7 +511,8 @@ ffi::Error all_to_all_impl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
                            ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
                            int64_t group_size, I64s device_ids, int64_t split_axis,
                            int64_t concat_axis, int64_t divert_axis = -1, int64_t move_to = -1,
-                           I64s divert = I64s(), void* y2 = nullptr, size_t y2_bytes = 0) {
+                           I64s divert = I64s(), void* y2 = nullptr, size_t y2_bytes = 0,
+                           I64s divert_dest = I64s()) {
   if (auto e = check_dtype("all_to_all", x, false, ReduceOp::kSum); e.failure()) return e;
   const bool diverted = divert.size() != 0;
   OpDesc d;
@@ -534,11 +535,13 @@ ffi::Error all_to_all_impl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
         if (diverted &&
             (pl.partition < 0 || static_cast<size_t>(pl.partition) >= divert.size() ||
              divert_axis < 0 || divert_axis >= nd || shape[divert_axis] == 0 || move_to < -1 ||
-             move_to >= nd || y2_bytes != y->size_bytes() / shape[divert_axis]))
+             move_to >= nd || y2_bytes != y->size_bytes() / shape[divert_axis] ||
+             (divert_dest.size() && divert_dest.size() != divert.size())))
           return "strata_jax all_to_all: internal error: bad divert table or second output";
         count_peer_bytes(t, x.size_bytes() / t.size() * (t.size() - 1));
         const Divert dv{static_cast<int>(divert_axis), diverted ? divert[pl.partition] : 0,
-                        static_cast<char*>(y2), static_cast<int>(move_to)};
+                        static_cast<char*>(y2), static_cast<int>(move_to),
+                        divert_dest.size() ? divert_dest[pl.partition] : -1};
         return all_to_all(t, es, shape, static_cast<int>(split_axis), static_cast<int>(concat_axis),
                           diverted ? &dv : nullptr);
       });
@@ -556,12 +559,12 @@ ffi::Error AllToAllDivertImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer p
                               ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> y2, Done,
                               int64_t op_id, I64s groups, int64_t group_size, I64s device_ids,
                               int64_t split_axis, int64_t concat_axis, int64_t divert_axis,
-                              int64_t move_to, I64s divert) {
+                              int64_t move_to, I64s divert, I64s divert_dest) {
   if (!divert.size())
     return to_error("strata_jax all_to_all: internal error: an empty divert table");
   return all_to_all_impl(run, x, pid, y, op_id, groups, group_size, device_ids, split_axis,
                          concat_axis, divert_axis, move_to, divert, y2->untyped_data(),
-                         y2->size_bytes());
+                         y2->size_bytes(), divert_dest);
 }
 
 ffi::Error PermuteImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
@@ -665,7 +668,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllToAllDivertHandler, AllToAllDivertImpl,
                                   .Attr<int64_t>("concat_axis")
                                   .Attr<int64_t>("divert_axis")
                                   .Attr<int64_t>("move_to")
-                                  .Attr<I64s>("divert"));
+                                  .Attr<I64s>("divert")
+                                  .Attr<I64s>("divert_dest"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PermuteHandler, PermuteImpl,
                               STRATA_COMMON_BIND.Attr<I64s>("sources"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BroadcastHandler, BroadcastImpl,

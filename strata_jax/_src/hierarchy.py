@@ -416,7 +416,9 @@ _a2a_divert_p = core.Primitive("strata_all_to_all_divert")
 _a2a_divert_p.multiple_results = True
 
 
-def _a2a_divert_abstract_eval(aval, *, groups, split, concat, divert_axis, divert, move_to):
+def _a2a_divert_abstract_eval(
+    aval, *, groups, split, concat, divert_axis, divert, move_to, divert_dest
+):
     """The first result is laid out with divert_axis moved to ``move_to`` and merged with the
     axis after it there (the two-fabric all_to_all's final layout; the same bytes as strata
     writes them); the second has divert_axis of size 1."""
@@ -440,7 +442,9 @@ def _a2a_divert_abstract_eval(aval, *, groups, split, concat, divert_axis, diver
     return [out.update(shape=first), out.update(shape=tuple(shape2))]
 
 
-def _a2a_divert_lowering(ctx, x, *, groups, split, concat, divert_axis, divert, move_to):
+def _a2a_divert_lowering(
+    ctx, x, *, groups, split, concat, divert_axis, divert, move_to, divert_dest
+):
     return lowering.lower_strata_call(
         ctx,
         "strata_all_to_all_divert",
@@ -452,6 +456,7 @@ def _a2a_divert_lowering(ctx, x, *, groups, split, concat, divert_axis, divert, 
         divert_axis=np.int64(divert_axis),
         move_to=np.int64(move_to),
         divert=np.asarray(divert, np.int64),
+        divert_dest=np.asarray(divert_dest, np.int64),
     )
 
 
@@ -727,15 +732,16 @@ def _exchange(send, p: Plan):
     One collective-permute in both directions of every pair moves each pair's two messages
     over one gloo connection, and there they take turns: measured between simulated hosts
     over 1 Gbit/s links (launch --netns), 4 MiB each way took 65 ms where one way took 34 ms,
-    the link's time. From ``ONE_WAY_BYTES`` per rank, psum's and all_to_all's exchanges
-    therefore run as two
+    the link's time. From ``ONE_WAY_BYTES`` per rank, psum's exchange therefore runs as two
     collective-permutes in which every pair moves one way, odd and even groups in opposite
     directions: in each round a host sends with half its members and receives with the other
     half, so both directions of its link are busy and each connection carries one message at a
     time. Each rank sends its buffer once and receives the partner's once, in one of the two
     rounds; the result is selected by the partition id (no arithmetic on the values).
     Measured at 1 Gbit/s (two A/B runs, load 23-28): psum 72-80 % of the link bound against
-    46-57 % with one collective-permute, all_to_all 61-74 % against 48-52 %.
+    46-57 % with one collective-permute, all_to_all 61-74 % against 48-52 %. (psum_scatter's
+    and all_to_all's blocks cross along :func:`_ring` instead: one round; psum's shards cannot,
+    since each member needs the partial sums of its own shard from the member that holds it.)
     """
     nbytes = int(np.prod(send.shape)) * send.dtype.itemsize
     groups = np.asarray(p.inter)
@@ -909,6 +915,18 @@ def _all_to_all(x, p: Plan, split_axis: int, concat_axis: int):
         # back is written in place of the half strata left unwritten (v has no other reader).
         others = 1 - _slot_table(p)  # the partner fabric's slot, per partition
         k = c1 - 1 if c1 > s else c1  # where F goes: just before the concat part
+        # From ONE_WAY_BYTES per rank (the half that crosses) the aggregates cross along the
+        # ring (_ring, one collective-permute, every connection one way): each member gathers
+        # the aggregate of the member it sends to (dest: its local index, per partition).
+        # Under launch --netns against the two one-way rounds (two A/B runs, load 11-16), %
+        # of the link bound at 4/16 MiB: 1 Gbit/s 82-92/89-91 against 90/58-84, 10 Gbit/s
+        # 35-42/45-47 against 27-34/29-49.
+        ring = _nbytes(x) // 2 >= _one_way_bytes()
+        dest = np.zeros(p.groups.size, np.int64)
+        pairs, dst, _ = _ring(p)
+        for g in p.groups:
+            for j in range(n):
+                dest[g[j]] = dst[p.f[j]][p.loc[j]] if ring else p.loc[j]
         _pending_check.set(None)  # a strata step: chained after the check
         v, send = _a2a_divert_p.bind(
             v,
@@ -918,12 +936,16 @@ def _all_to_all(x, p: Plan, split_axis: int, concat_axis: int):
             divert_axis=s,
             divert=tuple(int(o) for o in others),
             move_to=k,
+            divert_dest=tuple(int(d) for d in dest),
         )
         # v comes in the final layout: F moved to k and merged with the concat part (strata
         # writes it so; no transpose). The block that comes back has F of size 1, so its bytes
         # are already in that order, and the update is the last op on v (a reshape or a
         # transpose fused with it made XLA copy the whole of v first).
-        got = _exchange(send, p)
+        if ring:
+            got = _gc(send, "permute", "xla", p.groups, pairs=pairs)
+        else:
+            got = _exchange(send, p)
         width = send.shape[c1]
         got = got.reshape(*v.shape[:k], width, *v.shape[k + 1 :])
         v = jax.lax.dynamic_update_slice_in_dim(v, got, (1 - _my_slot(p)) * width, axis=k)
