@@ -4,6 +4,9 @@
 #include <cstdlib>
 #include <sstream>
 
+#include "coll/kernels.h"
+#include "fabric/op_stats.h"
+
 namespace strata {
 
 Settings& settings() {
@@ -187,6 +190,10 @@ std::string InProcTeam::barrier(const char* phase) {
     futex_wake_all(&slot_->arrivals, false);
     return {};
   }
+  return wait_arrivals(target, phase);
+}
+
+std::string InProcTeam::wait_arrivals(uint32_t target, const char* phase) {
   auto deadline = Clock::now() + std::chrono::milliseconds(settings().timeout_ms.load());
   // A short spin, then sleep: no sched_yield. Under EEVDF (Linux 6.6+) every sched_yield pushes
   // the caller's deadline one slice later, and the push lasts until the thread has run that long
@@ -245,6 +252,10 @@ std::string InProcTeam::arrive(const OpDesc& desc, const void* in, void* out) {
   me.desc = desc;
   std::string err = barrier("arrive");
   if (!err.empty()) return err;
+  return check_descs(desc);
+}
+
+std::string InProcTeam::check_descs(const OpDesc& desc) const {
   for (int j = 0; j < size_; ++j) {
     const OpDesc& o = slot_->peers[j].desc;
     if (!o.same_as(desc)) {
@@ -261,6 +272,52 @@ std::string InProcTeam::arrive(const OpDesc& desc, const void* in, void* out) {
     }
   }
   return {};
+}
+
+std::string InProcTeam::arrive_lead(const OpDesc& desc, const void* in, void* out, LeadFn fn) {
+  auto& me = slot_->peers[rank_];
+  me.in = in;
+  me.out = out;
+  me.desc = desc;
+  me.lead = fn;
+  ++barriers_;
+  me.reached.store(barriers_, std::memory_order_release);
+  const uint32_t target = barriers_ * static_cast<uint32_t>(size_);
+  // acq_rel: publishes the stores above to the last arriver, and (for the last arriver) makes
+  // every peer's stores visible.
+  const uint32_t now = slot_->arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
+  if (now == target) {
+    // Last to arrive: every peer waits below for target + 1. Run every rank's part unless the
+    // ranks disagree (each then reports it itself) or a peer already gave up (timed out): its
+    // buffers may be gone.
+    bool agree = !slot_->failed.load(std::memory_order_acquire);
+    for (int j = 0; j < size_ && agree; ++j)
+      agree = slot_->peers[j].lead.call != nullptr && slot_->peers[j].desc.same_as(desc);
+    if (agree) {
+      OpTimer::arrived();  // comm_stats(): the leader moves every rank's bytes; the others wait
+      for (int j = 0; j < size_; ++j) {
+        CallSlot::Peer& p = slot_->peers[j];
+        p.lead_err = p.lead.call(p.lead.ctx);
+      }
+      copy_fence();  // the parts' non-temporal stores, before the release below
+      slot_->led.store(true, std::memory_order_relaxed);
+    }
+    // release: the outputs, lead_err and led above are visible to every waiter's acquire.
+    slot_->arrivals.fetch_add(1, std::memory_order_release);
+    futex_wake_all(&slot_->arrivals, false);
+  } else {
+    std::string err = wait_arrivals(target + 1, "arrive");
+    if (!err.empty()) return err;
+  }
+  if (slot_->led.load(std::memory_order_relaxed)) return me.lead_err;
+  std::string err = check_descs(desc);
+  if (!err.empty()) return err;
+  if (slot_->failed.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lock(slot_->fail_mu);
+    return slot_->failure;
+  }
+  return fail(std::string("strata_jax ") + op_name_ +
+              ": internal error: the ranks of a call disagree on its path (arrive_lead)");
 }
 
 std::string InProcTeam::arrive_multi(const OpDesc& desc, const BufRef* bufs, int nbufs) {

@@ -40,6 +40,14 @@ struct CallKeyHash {
   }
 };
 
+// One rank's part of a call, handed to the rank that arrives last (InProcTeam::arrive_lead):
+// `call(ctx)` runs the rank's algorithm against its own team and returns its error string. The
+// context lives in the rank's frame, which waits in arrive_lead until the leader has run it.
+struct LeadFn {
+  std::string (*call)(void* ctx) = nullptr;
+  void* ctx = nullptr;
+};
+
 // Shared state of one collective call. Created by the first rank to arrive, dropped from the
 // table by the last one to leave.
 struct CallSlot {
@@ -50,6 +58,8 @@ struct CallSlot {
     const void* bufs[kMaxBufs] = {};  // arrive_multi's buffers (published like `in`)
     const OperandRef* ops = nullptr;  // arrive_list's operands (the caller's array)
     OpDesc desc;
+    LeadFn lead;           // arrive_lead: this rank's part, for the leader to run
+    std::string lead_err;  // arrive_lead: what the leader's run of `lead` returned
     // Number of barriers this rank has entered. Written by the rank (release), read by the
     // timeout path to name the missing ranks.
     std::atomic<uint32_t> reached{0};
@@ -60,6 +70,9 @@ struct CallSlot {
   // before the barrier; the waiters' acquire loads make them visible after it.
   std::atomic<uint32_t> arrivals{0};
   std::atomic<uint32_t> leaving{0};
+  // arrive_lead: the last rank to arrive ran every rank's part (written before its release
+  // increment of `arrivals`, read after the waiters' acquire of it).
+  std::atomic<bool> led{false};
   std::atomic<bool> failed{false};
   std::string failure;  // written once by the rank that sets `failed` (under fail_mu)
   std::mutex fail_mu;
@@ -94,9 +107,19 @@ class InProcTeam final : public Team {
   std::string arrive_list(const OpDesc& desc, const OperandRef* ops, int nops);
   // Final barrier: after it no peer touches this rank's buffers any more.
   std::string depart() { return barrier("depart"); }
+  // The whole call in one rendezvous, for small calls (common.h: lead_in_process): publishes
+  // this rank's buffers and its part `fn`; the rank that arrives last runs every rank's part in
+  // rank order, then releases the others. Returns this rank's part's error, or the arrival's
+  // (timeout, disagreeing ranks). No depart() follows: once released, no rank touches another's
+  // buffers. Every rank of the call must take this path (it is chosen from the OpDesc alone).
+  std::string arrive_lead(const OpDesc& desc, const void* in, void* out, LeadFn fn);
 
  private:
   std::string fail(const std::string& msg);
+  // Waits until `arrivals` reaches `target` (see barrier()); the timeout error names `phase`.
+  std::string wait_arrivals(uint32_t target, const char* phase);
+  // The arrival's agreement check: an error if some rank published another OpDesc.
+  std::string check_descs(const OpDesc& desc) const;
   // What the missing rank `j` is doing, for the timeout message (see Doing in inproc.cc):
   // "in no strata call", "waiting in <op> (...)" or "gave up waiting in <op> (...)".
   std::string whereabouts(int j) const;

@@ -68,6 +68,24 @@ inline std::string placement(xla::ffi::AnyBuffer pid, const GroupAttrs& g, Place
                          g.device_ids.size(), pl);
 }
 
+// In one process, calls of at most this many bytes per rank (input or output) run in one
+// rendezvous: the rank that arrives last runs every rank's part while the others sleep
+// (InProcTeam::arrive_lead), as XLA's in-process collectives do; larger calls run each rank's
+// part on its own thread between an arrival and a departure barrier. With 8 devices on 2 cores
+// the second barrier's round of sleeps and wake-ups cost more than the parts of a small call
+// (measured in docs/design.md, "Small calls in one process").
+constexpr uint64_t kLeadBytes = 256 * 1024;
+inline bool lead_in_process(const OpDesc& d, int n) {
+  return n > 1 && d.in_bytes <= kLeadBytes && d.out_bytes <= kLeadBytes;
+}
+
+// A call's own buffers, for the one-rendezvous path of small in-process calls.
+struct LeadIo {
+  const OpDesc* desc;
+  const void* in;
+  void* out;
+};
+
 // Joins call (run, op_id, occurrence, group) on the fabric, publishes this rank's buffers with
 // arrive(Team&) -> error string (a generic lambda: called with the InProcTeam or the ShmTeam),
 // runs body(Team&) -> error string, and always departs (peers may still read this rank's
@@ -80,7 +98,7 @@ inline std::string placement(xla::ffi::AnyBuffer pid, const GroupAttrs& g, Place
 template <bool kMayLl = false, class Arrive, class Body>
 xla::ffi::Error join_and_run_with(const char* name, int64_t run_id, int64_t op_id,
                                   const Placement& pl, bool cross_process, Arrive arrive, Body body,
-                                  const OpDesc* ll_desc = nullptr) {
+                                  const OpDesc* ll_desc = nullptr, const LeadIo* lead = nullptr) {
   std::string err;
   // Measures, and guards, the ordering rule (inflight.h). Only groups of more than one rank:
   // XLA orders single-device programs by their own per-device queue, which may overlap a
@@ -125,6 +143,16 @@ xla::ffi::Error join_and_run_with(const char* name, int64_t run_id, int64_t op_i
     return xla::ffi::Error::Success();
   }
   auto team = InProcFabric::instance().join(run_id, op_id, pl, name);
+  if (lead && lead_in_process(*lead->desc, pl.size)) {
+    auto mine = [&]() -> std::string { return body(*team); };
+    LeadFn fn;
+    fn.call = [](void* c) { return (*static_cast<decltype(mine)*>(c))(); };
+    fn.ctx = &mine;
+    err = team->arrive_lead(*lead->desc, lead->in, lead->out, fn);
+    OpTimer::arrived();  // the others' (the leader marked its own before the parts)
+    if (!err.empty()) return to_error(err);
+    return xla::ffi::Error::Success();
+  }
   err = arrive(*team);
   if (err.empty()) err = body(*team);
   if (err.empty()) err = team->depart();
@@ -138,6 +166,7 @@ template <class Body>
 xla::ffi::Error join_and_run(const char* name, int64_t run_id, int64_t op_id, const Placement& pl,
                              const OpDesc& desc, const void* in, void* out, bool cross_process,
                              Body body, bool may_ll = true) {
+  const LeadIo lead{&desc, in, out};
   return join_and_run_with<true>(
       name, run_id, op_id, pl, cross_process,
       [&](auto& team) {
@@ -147,7 +176,7 @@ xla::ffi::Error join_and_run(const char* name, int64_t run_id, int64_t op_id, co
         OpTimer::arrived();  // wait vs move in comm_stats() (fabric/op_stats.h)
         return e;
       },
-      body, cross_process && may_ll ? &desc : nullptr);
+      body, cross_process && may_ll ? &desc : nullptr, &lead);
 }
 
 // Several buffers per rank (Team::peer_buf); the output is this rank's alone, not published.
