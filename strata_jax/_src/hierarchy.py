@@ -817,9 +817,9 @@ def _all_gather(x, p: Plan):
     if p.L == 1 or not p.uniform:
         return _gc(x, "all_gather", "xla", p.groups)
     # gloo's own all-gather of the pair: the ring (_ring) needs [own, received] concatenated
-    # for the gather inside (one more pass over the output's 2/n), and measured no faster at
-    # 1 and 10 Gbit/s under launch --netns (two A/B runs: 64-66/74-81 % of the link bound at
-    # 4/16 MiB against 72-74/51-80 %).
+    # for the gather inside (one more pass over the output's 2/n), and gave no clear gain at
+    # 1 Gbit/s under launch --netns (four A/B runs, load 4-16: 64-89/74-91 % of the link
+    # bound at 4/16 MiB against 72-74/51-82 %).
     v = _gc(x, "all_gather", "xla", p.inter)  # [F*k]: own local index, every fabric
     # Inside the fabric, block (l, f) goes straight to its place in group order, perm_lf()[l*F
     # + f]: no reorder pass over the whole output afterwards.
