@@ -53,7 +53,7 @@ SHORT = {
 POINTS: dict[str, dict[str, list[str]]] = {
     "train_moe": {
         "d128 T256": [],
-        "d256 T128": ["--d-model", "256", "--batch", "1"],
+        "d128 T64": ["--batch", "1", "--seq", "64"],
         "d512 T64": ["--d-model", "512", "--heads", "8", "--batch", "1", "--seq", "64"],
     },
     "serve_moe": {
@@ -199,9 +199,29 @@ def run_point(workload: str, label: str, flags: list[str], args: argparse.Namesp
     return rec
 
 
+def draw_panel(ax: Any, workload: str, name: str, points: list[dict[str, Any]]) -> None:
+    """One panel on a matplotlib Axes: for the timed quantity ``name`` of ``workload``, the
+    speed-up over the baseline (y) of strata and of nocomm against the baseline's communication
+    share in % (x), each point labelled by its configuration; the paper's regime shaded. Also
+    used by the docs (docs/_ext/strata_perf.py) to draw a sweep's JSON."""
+    pts = [p for p in points if p["workload"] == workload and name in p.get("panels", {})]
+    for series, marker in (("strata", "o"), ("nocomm", "s")):
+        xs = [100 * p["panels"][name]["comm_share"] for p in pts]
+        ys = [p["panels"][name][f"{series}_speedup"] for p in pts]
+        ax.scatter(xs, ys, marker=marker, label=series, zorder=3)
+        for p, x, y in zip(pts, xs, ys, strict=True):
+            ax.annotate(p["label"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.axvspan(30, 45, color="tab:green", alpha=0.08, label="paper's regime (30-45%)")
+    ax.set_xlabel(f"{BASELINE[workload]}'s communication share (% of its time, vs nocomm)")
+    ax.set_ylabel(f"speed-up over {BASELINE[workload]} (x)")
+    ax.set_title(f"{workload}: {name}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+
+
 def plot(path: Path, workload: str, points: list[dict[str, Any]], title: str) -> bool:
-    """One PNG for one workload: a panel per timed quantity, speed-up over the baseline (y)
-    against the baseline's communication share (x), strata and nocomm, labelled points."""
+    """One PNG for one workload: a panel per timed quantity (:func:`draw_panel`)."""
     try:
         import matplotlib
 
@@ -212,21 +232,7 @@ def plot(path: Path, workload: str, points: list[dict[str, Any]], title: str) ->
     names = [n for n, _ in PANELS[workload]]
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.4), squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
-        pts = [p for p in points if name in p.get("panels", {})]
-        for series, marker in (("strata", "o"), ("nocomm", "s")):
-            xs = [100 * p["panels"][name]["comm_share"] for p in pts]
-            ys = [p["panels"][name][f"{series}_speedup"] for p in pts]
-            ax.scatter(xs, ys, marker=marker, label=series, zorder=3)
-            for p, x, y in zip(pts, xs, ys, strict=True):
-                ax.annotate(p["label"], (x, y), textcoords="offset points", xytext=(4, 4),
-                            fontsize=7)  # fmt: skip
-        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-        ax.axvspan(30, 45, color="tab:green", alpha=0.08, label="paper's regime (30-45%)")
-        ax.set_xlabel(f"{BASELINE[workload]}'s communication share (% of its time, vs nocomm)")
-        ax.set_ylabel(f"speed-up over {BASELINE[workload]} (x)")
-        ax.set_title(f"{workload}: {name}")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        draw_panel(ax, workload, name, points)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -421,8 +421,8 @@ def render_registration(d: dict[str, Any], stem: str) -> tuple[str, list[Callabl
 
 
 def render_regime(d: dict[str, Any], stem: str) -> tuple[str, list[Callable[[Any], None]]]:
-    """benchmarks/regime_sweep.py's summary: one row per point and timed quantity (its PNGs,
-    written by the sweep itself, are included by the page)."""
+    """benchmarks/regime_sweep.py's summary: one row per point and timed quantity, and a
+    panel per workload and timed quantity drawn by the sweep's own ``draw_panel``."""
     body = []
     for p in d["points"]:
         if "failed" in p:
@@ -455,7 +455,20 @@ def render_regime(d: dict[str, Any], stem: str) -> tuple[str, list[Callable[[Any
         ],
         body,
     )
-    return t, []
+    import sys  # noqa: PLC0415
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import regime_sweep  # noqa: PLC0415  (its drawing, so the docs and the script agree)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    panels = [
+        (lambda ax, w=w, n=n: regime_sweep.draw_panel(ax, w, n, d["points"]))
+        for w in regime_sweep.WORKLOADS
+        for n, _ in regime_sweep.PANELS[w]
+        if any(w == p["workload"] and n in p.get("panels", {}) for p in d["points"])
+    ]
+    return t, panels
 
 
 RENDERERS: dict[str, Callable[[dict[str, Any], str], tuple[str, list[Callable[[Any], None]]]]] = {
