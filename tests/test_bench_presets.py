@@ -140,3 +140,17 @@ def test_sweep_points_and_plots_from_fake_runs(tmp_path):
     for workload in regime_sweep.WORKLOADS:
         png = tmp_path / f"regime_{workload}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the docs draw the same JSON: a table row per point and timed quantity, a panel per
+    # workload and timed quantity
+    sys.path.insert(0, str(BENCH.parent / "docs" / "_ext"))
+    try:
+        import strata_perf
+    finally:
+        sys.path.remove(str(BENCH.parent / "docs" / "_ext"))
+    text, panels = strata_perf.render_regime(summary, "regime_sweep")
+    assert len(panels) == 4
+    assert text.count("\n| serve_moe | p1 (`--x 1`) |") == 2
+    assert (
+        "| train_moe | p1 (`--x 1`) | training step (median) | 35% | 1.11x faster | 1.54x faster |"
+        in text
+    )
