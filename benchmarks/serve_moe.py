@@ -72,15 +72,25 @@ MODEL_FLAGS = ("d_model", "layers", "heads", "experts", "top_k", "d_ff")
 PRESETS = {
     "paper": {
         # in one process xla_sort's exchange grows with the experts (its blocks are padded
-        # to every token for every expert) and d_model; over gloo its latency needs a larger batch
+        # to every token for every expert) and d_model; over gloo its latency needs a larger batch.
+        # GShard (xla) left out: its one-hot prefill tensors [T, E, T] at these sizes (2048-4096
+        # prompt tokens per device) took 30 s per request batch
         "one_process": {
             "d_model": 256,
             "experts": 32,
             "batch": 32,
             "train_steps": 20,
             "requests": 3,
+            "impl": "strata,xla_sort,nocomm",
         },
-        "launch": {"d_model": 256, "experts": 8, "batch": 64, "train_steps": 20, "requests": 3},
+        "launch": {
+            "d_model": 256,
+            "experts": 8,
+            "batch": 64,
+            "train_steps": 20,
+            "requests": 3,
+            "impl": "strata,xla_sort,nocomm",
+        },
     }
 }
 PRESET_WHY = (
