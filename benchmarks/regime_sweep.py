@@ -21,7 +21,9 @@ Run::
 
 Output (``--out``): ``regime_sweep.json`` (every point: its flags, the three times, share,
 speed-ups, the part of the exchange strata removes, the load at its start; the machine) and
-``regime_<workload>.png``; each run's own output and JSON under ``--runs``. A sweep of the
+``regime_<workload>.png``; each run's own output and JSON under ``--runs``. A sweep of some
+workloads keeps the other workloads' points of an earlier ``regime_sweep.json`` at the same
+``--procs`` (run them one by one). A sweep of the
 default points takes about 10 minutes in one process on the 2-core machine of
 docs/performance.md.
 """
@@ -44,9 +46,9 @@ WORKLOADS = ("train_moe", "serve_moe", "train_recsys")
 BASELINE = {"train_moe": "xla_sort", "serve_moe": "xla_sort", "train_recsys": "xla"}
 # Flags of every run of a workload: short runs, strata, the baseline and nocomm in turns.
 SHORT = {
-    "train_moe": ["--steps", "16", "--warmup", "4"],
+    "train_moe": ["--steps", "14", "--warmup", "4"],
     "serve_moe": ["--requests", "2", "--train-steps", "10", "--impl", "strata,xla_sort,nocomm"],
-    "train_recsys": ["--steps", "16", "--warmup", "4", "--eval-every", "8"],
+    "train_recsys": ["--steps", "14", "--warmup", "4", "--eval-every", "7"],
 }
 # The model sizes, per workload: label -> flags (no flags: the script's defaults); T: tokens per
 # device (MoE training: --batch x --seq; serving: --batch, one decode step), E: experts.
@@ -270,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         info = C.machine_info()
         C.print_machine(info)
         points = []
+        if js.exists():  # a sweep of other workloads at the same placement: keep its points
+            old = json.loads(js.read_text())
+            if old.get("procs") == args.procs:
+                points = [p for p in old["points"] if p["workload"] not in args.workloads]
         for workload in args.workloads:
             for label, flags in POINTS[workload].items():
                 points.append(run_point(workload, label, flags, args))
