@@ -66,9 +66,10 @@ IMPLS = ("strata", "xla", "nocomm")
 # measured on the 2-core machine of docs/performance.md; picked by that share alone.
 PRESETS = {
     "paper": {
-        # in one process the default model's exchange is 33-36% of the step; over gloo the share
-        # falls with the bag size (pooling work per exchanged row) and the batch
-        "one_process": {"dim": 64, "max_bag": 20, "batch": 256, "steps": 40},
+        # the share falls with the bag size (pooling work per exchanged row) and, over gloo,
+        # the batch; in one process the default model's share read 33-36% in two runs at load
+        # ~15 but 10-12% in two at load ~12, dim 128 with bags of 1..10 36%
+        "one_process": {"dim": 128, "max_bag": 10, "batch": 256, "steps": 40},
         "launch": {"dim": 256, "max_bag": 10, "batch": 256, "steps": 40},
     }
 }
