@@ -35,6 +35,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -243,11 +244,14 @@ def plot(path: Path, workload: str, points: list[dict[str, Any]], title: str) ->
     return True
 
 
-def write_plots(summary: dict[str, Any], out: Path) -> list[Path]:
-    """The PNGs of a ``regime_sweep.json`` summary, one per workload it holds."""
+def write_plots(
+    summary: dict[str, Any], out: Path, workloads: Sequence[str] = WORKLOADS
+) -> list[Path]:
+    """The PNGs of a ``regime_sweep.json`` summary, one per workload it holds (of
+    ``workloads``)."""
     where = "one process" if summary["procs"] == 1 else f"launch -n {summary['procs']}"
     written = []
-    for workload in WORKLOADS:
+    for workload in workloads:
         pts = [p for p in summary["points"] if p["workload"] == workload and "panels" in p]
         if not pts:
             continue
@@ -261,13 +265,35 @@ def write_plots(summary: dict[str, Any], out: Path) -> list[Path]:
     return written
 
 
+def _read_summary(js: Path) -> dict[str, Any]:
+    """The ``regime_sweep.json`` at ``js``; SystemExit naming the file if it is not one this
+    script wrote (not JSON, or without ``procs``, ``machine`` and a list of ``points``)."""
+    try:
+        summary = json.loads(js.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--plot-only: {js} is not readable JSON ({e}); rerun the sweep") from e
+    ok = (
+        isinstance(summary, dict)
+        and isinstance(summary.get("points"), list)
+        and all(isinstance(p, dict) and "workload" in p for p in summary["points"])
+        and "procs" in summary
+        and isinstance(summary.get("machine"), dict)
+    )
+    if not ok:
+        raise SystemExit(
+            f"--plot-only: {js} is not a regime_sweep.json written by this script (it needs "
+            "'procs', 'machine' and a list of 'points'); rerun the sweep"
+        )
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     js = args.out / "regime_sweep.json"
     if args.plot_only:
         if not js.exists():
             raise SystemExit(f"--plot-only: {js} does not exist (run the sweep first)")
-        summary = json.loads(js.read_text())
+        summary = _read_summary(js)
     else:
         info = C.machine_info()
         C.print_machine(info)
@@ -282,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = {"machine": info, "procs": args.procs, "short": SHORT, "points": points}
         C.write_json(js, summary)
         print(f"# wrote {js}")
-    for png in write_plots(summary, args.out):
+    for png in write_plots(summary, args.out, args.workloads):
         print(f"# wrote {png}")
     failed = [p for p in summary["points"] if "failed" in p]
     return 1 if failed else 0

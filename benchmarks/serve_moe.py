@@ -66,9 +66,10 @@ IMPLS = ("strata", "xla_sort", "xla", "nocomm")
 # The model flags of train_moe.py that shape a checkpoint (None: train_moe.py's default).
 MODEL_FLAGS = ("d_model", "layers", "heads", "experts", "top_k", "d_ff")
 
-# Configurations by name (--preset): the values become argparse defaults. "paper": the paper's
-# regime, where the xla_sort decode step spends 30-45% of its time exchanging (against nocomm),
-# measured on the 2-core machine of docs/performance.md; picked by that share alone.
+# Configurations by name (--preset): the values become argparse defaults. "paper": towards the
+# paper's regime, where the xla_sort step spends 30-45% of its time exchanging (against nocomm),
+# measured on the 2-core machine of docs/performance.md; picked by that share alone (the
+# decode step stays below it in one process: see PRESET_WHY).
 PRESETS = {
     "paper": {
         # in one process xla_sort's exchange grows with the experts (its blocks are padded
@@ -94,10 +95,12 @@ PRESETS = {
     }
 }
 PRESET_WHY = (
-    "paper: the paper's regime, where the xla_sort decode step spends 30-45%% of its time "
-    "exchanging (against nocomm) on the 2-core machine of docs/performance.md, in one process "
-    "and under strata_jax.launch -n 4 (each picks its own configuration); the model flags train "
-    "a checkpoint of that size first (or --load one of that size)."
+    "paper: towards the paper's regime, where the baseline spends 30-45%% of its time "
+    "exchanging (against nocomm). Measured on the 2-core machine of docs/performance.md: the "
+    "xla_sort TTFT 42-43%% in one process and 28-42%% under strata_jax.launch -n 4; its decode "
+    "step only 17-18%% in one process and 24-35%% under the launcher. Each placement has its own "
+    "configuration; the model flags train a checkpoint of that size first (or --load one of that "
+    "size)."
 )
 
 

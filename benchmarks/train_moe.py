@@ -78,9 +78,10 @@ MOE_DESC = {
 }
 
 
-# Configurations by name (--preset): the values become argparse defaults. "paper": the paper's
-# regime, where the xla_sort step spends 30-45% of its time exchanging (against nocomm),
-# measured on the 2-core machine of docs/performance.md; picked by that share alone.
+# Configurations by name (--preset): the values become argparse defaults. "paper": towards the
+# paper's regime, where the xla_sort step spends 30-45% of its time exchanging (against nocomm),
+# measured on the 2-core machine of docs/performance.md; picked by that share alone (in one
+# process no size tried reached 30%: see PRESET_WHY).
 PRESETS = {
     "paper": {
         # 64 tokens per device (the in-process exchange's share rose as tokens per device fell;
@@ -91,9 +92,11 @@ PRESETS = {
     }
 }
 PRESET_WHY = (
-    "paper: the paper's regime, where xla_sort spends 30-45%% of its step exchanging (against "
-    "nocomm) on the 2-core machine of docs/performance.md, in one process and under "
-    "strata_jax.launch -n 4 (each picks its own configuration)."
+    "paper: towards the paper's regime, where the baseline spends 30-45%% of its step "
+    "exchanging (against nocomm). Measured on the 2-core machine of docs/performance.md: under "
+    "strata_jax.launch -n 4 xla_sort spent 36-39%% of its step exchanging; in one process no "
+    "size tried reached 30%% and this one read 26-31%%. Each placement has its own "
+    "configuration."
 )
 
 

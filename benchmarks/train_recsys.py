@@ -75,8 +75,9 @@ PRESETS = {
 }
 PRESET_WHY = (
     "paper: the paper's regime, where the jax.lax (xla) step spends 30-45%% of its time "
-    "exchanging (against nocomm) on the 2-core machine of docs/performance.md, in one process "
-    "and under strata_jax.launch -n 4 (each picks its own configuration)."
+    "exchanging (against nocomm). Measured on the 2-core machine of docs/performance.md: "
+    "30-31%% in one process, 34-39%% under strata_jax.launch -n 4 (the share moves with the "
+    "machine's load by 10 points and more). Each placement has its own configuration."
 )
 
 

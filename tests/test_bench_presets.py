@@ -136,6 +136,11 @@ def test_sweep_points_and_plots_from_fake_runs(tmp_path):
             points.append(rec)
     summary = {"machine": {"date": "d", "commit": "c"}, "procs": 1, "points": points}
     (tmp_path / "regime_sweep.json").write_text(json.dumps(summary))
+    only = tmp_path / "only"
+    only.mkdir()
+    (only / "regime_sweep.json").write_text(json.dumps(summary))
+    assert regime_sweep.main(["--plot-only", "--workload", "train_moe", "--out", str(only)]) == 0
+    assert sorted(p.name for p in only.glob("*.png")) == ["regime_train_moe.png"]
     assert regime_sweep.main(["--plot-only", "--out", str(tmp_path)]) == 0
     for workload in regime_sweep.WORKLOADS:
         png = tmp_path / f"regime_{workload}.png"
@@ -154,3 +159,10 @@ def test_sweep_points_and_plots_from_fake_runs(tmp_path):
         "| train_moe | p1 (`--x 1`) | training step (median) | 35% | 1.11x faster | 1.54x faster |"
         in text
     )
+
+
+@pytest.mark.parametrize("text", ["{garbage", '{"points": 5}', "[]", '{"procs": 1, "points": [3]}'])
+def test_plot_only_refuses_a_file_it_did_not_write(tmp_path, text):
+    (tmp_path / "regime_sweep.json").write_text(text)
+    with pytest.raises(SystemExit, match="regime_sweep.json .*rerun the sweep"):
+        regime_sweep.main(["--plot-only", "--out", str(tmp_path)])
