@@ -176,8 +176,9 @@ std::string InProcTeam::whereabouts(int j) const {
   }
   const int64_t run = d.run.load(std::memory_order_relaxed);
   const int64_t op = d.op.load(std::memory_order_relaxed);
+  // XLA's run ids are 64-bit values that print negative as signed: shown as unsigned.
   os << (state == 1 ? "waiting in " : "gave up waiting in ") << name << " (op " << op << ", run "
-     << run << ")";
+     << static_cast<uint64_t>(run) << ")";
   if (run == key_.run_id && op != key_.op_id) os << ", another call of this same program";
   return os.str();
 }
@@ -227,7 +228,8 @@ std::string InProcTeam::wait_arrivals(uint32_t target, const char* phase) {
      << " s in phase '" << phase << "' waiting for rank(s) [";
   for (size_t i = 0; i < missing.size(); ++i) os << (i ? ", " : "") << missing[i];
   os << "] of a group of " << size_ << " (group " << key_.group << ", op " << key_.op_id << ", run "
-     << key_.run_id << "); reported by rank " << rank_ << " (partition " << partition_ << "). ";
+     << static_cast<uint64_t>(key_.run_id) << "); reported by rank " << rank_ << " (partition "
+     << partition_ << "). ";
   // What the missing ranks do, ranks doing the same thing named together.
   std::vector<std::pair<std::string, std::vector<int>>> doing_what;
   for (int j : missing) {
@@ -267,9 +269,9 @@ std::string InProcTeam::check_descs(const OpDesc& desc) const {
     if (!o.same_as(desc)) {
       std::ostringstream os;
       os << "strata_jax " << op_name_ << ": ranks disagree on the collective (rank " << rank_
-         << ": " << desc.name << ", dtype " << desc.dtype << ", " << desc.in_bytes << " B in, "
-         << desc.out_bytes << " B out; rank " << j << ": " << o.name << ", dtype " << o.dtype
-         << ", " << o.in_bytes << " B in, " << o.out_bytes
+         << ": " << desc.name << ", dtype " << dtype_name(desc.dtype) << ", " << desc.in_bytes
+         << " B in, " << desc.out_bytes << " B out; rank " << j << ": " << o.name << ", dtype "
+         << dtype_name(o.dtype) << ", " << o.in_bytes << " B in, " << o.out_bytes
          << " B out). Every rank of a group must call the same collective with the same "
             "shape and dtype.";
       // Every rank sees the same descriptors, so every rank fails here: nobody touches a
