@@ -378,6 +378,24 @@ def test_mismatched_dtypes_are_named(short_timeout):
         np.asarray(f(jnp.ones(2, jnp.float32)))
 
 
+def test_mismatched_permutations_fail(short_timeout):
+    """Ranks reaching a ppermute with different permutations (a rank-dependent branch) fail
+    naming the differing parameters; before, each rank followed its own permutation and the
+    call returned a value no single permutation gives."""
+    right = [(i, (i + 1) % 4) for i in range(4)]
+    left = [(i, (i - 1) % 4) for i in range(4)]
+
+    def local(v):
+        idx = jax.lax.axis_index("x")
+        return jax.lax.cond(
+            idx < 2, lambda u: sj.ppermute(u, "x", right), lambda u: sj.ppermute(u, "x", left), v
+        )
+
+    f = smap(local, mesh1d(4), P("x"), P("x"), check_vma=False)
+    with pytest.raises(Exception, match=r"ppermute.*disagree.*parameters differ"):
+        np.asarray(f(jnp.arange(4, dtype=jnp.float32)))
+
+
 @functools.lru_cache
 def _unused():  # pragma: no cover - keeps random_array/assert_close imports meaningful
     return random_array, assert_close

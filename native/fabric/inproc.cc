@@ -271,9 +271,12 @@ std::string InProcTeam::check_descs(const OpDesc& desc) const {
       os << "strata_jax " << op_name_ << ": ranks disagree on the collective (rank " << rank_
          << ": " << desc.name << ", dtype " << dtype_name(desc.dtype) << ", " << desc.in_bytes
          << " B in, " << desc.out_bytes << " B out; rank " << j << ": " << o.name << ", dtype "
-         << dtype_name(o.dtype) << ", " << o.in_bytes << " B in, " << o.out_bytes
-         << " B out). Every rank of a group must call the same collective with the same "
-            "shape and dtype.";
+         << dtype_name(o.dtype) << ", " << o.in_bytes << " B in, " << o.out_bytes << " B out";
+      if (o.aux != desc.aux)
+        os << "; their parameters differ (" << desc.aux << " vs " << o.aux
+           << "): e.g. ppermute's permutation (hashed) or pbroadcast's root";
+      os << "). Every rank of a group must call the same collective with the same shape, dtype "
+            "and parameters.";
       // Every rank sees the same descriptors, so every rank fails here: nobody touches a
       // peer's buffers.
       return os.str();

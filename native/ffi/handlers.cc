@@ -575,6 +575,15 @@ ffi::Error PermuteImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, Aft
   d.kind = kPermute;
   d.dtype = static_cast<int32_t>(x.element_type());
   d.in_bytes = d.out_bytes = x.size_bytes();
+  // The permutation is compared across the group like the shape: ranks that reach a ppermute
+  // with different permutations (a rank-dependent branch) fail instead of each following its
+  // own. FNV-1a of the source table, kept positive and non-zero.
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    h ^= static_cast<uint64_t>(sources[i]) + 2;
+    h *= 0x100000001b3ull;
+  }
+  d.aux = static_cast<int64_t>((h >> 2) | 1);
   return run_collective("ppermute", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
                         x.untyped_data(), y->untyped_data(),
                         [&](Team& t, const Placement& pl) -> std::string {
