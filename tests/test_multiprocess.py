@@ -292,12 +292,14 @@ def test_calls_meet_by_communicator_not_call_site(job_2x2):
     Independent collectives inside one program (XLA runs them at once on a device; equal ones,
     psum(v) and psum(sin v), once paired wrongly across processes when JAX shared one lowering
     and so one op id between them) and dispatch-ahead of several programs: right values, never
-    two executions in flight on one device. The exception types a failed collective raises
+    two executions in flight on one device. Processes giving a ppermute different
+    permutations: all fail at once. The exception types a failed collective raises
     (strata_jax.COLLECTIVE_ERRORS)."""
     out = _part(job_2x2, "call_matching.py")
     assert out.count("OK case 17 two call sites [4.0, 4.0, 4.0, 4.0]") == 2, out[-3000:]
     assert out.count("OK case 18 mismatch raised") == 2, out[-3000:]
     assert out.count("OK case 18b empty on one rank raised") == 2, out[-3000:]
+    assert out.count("OK ppermute permutations differ raised") == 2, out[-3000:]
     assert out.count("OK errors") == 1, out[-3000:]
     assert out.count("OK all") == 2, out[-3000:]
 

@@ -416,12 +416,13 @@ std::string ShmLlTeam::mismatch(const OpDesc& desc) const {
     os << "rank " << j << " (device " << o->device << "): " << o->name << " "
        << dtype_name(o->dtype) << "[" << (es ? o->in_bytes / es : 0) << "] (" << o->in_bytes
        << " B in, " << o->out_bytes << " B out";
-    if (o->aux) os << ", aux " << o->aux;
+    if (o->aux) os << ", parameters " << o->aux;
     os << ")";
   }
   (void)desc;
   os << ". Every rank of a group must make the same sequence of collective calls with the same "
-        "op, shape and dtype.";
+        "op, shape, dtype and parameters (e.g. ppermute's permutation, hashed, or pbroadcast's "
+        "root).";
   return os.str();
 }
 

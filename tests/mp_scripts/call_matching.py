@@ -11,6 +11,8 @@ Run under the launcher with -n 2 --devices-per-proc 2 (or 1):
   every rank raises well under a second, naming psum and both sizes;
 - case 18b: rank 0's array is empty, rank 1's is not: both fail at once naming both sizes
   (the empty call runs too: its program-order token keeps XLA from removing it);
+- processes whose programs give a ppermute different permutations: every rank fails at once,
+  saying the parameters differ;
 - the exception types a failed collective raises (strata_jax.COLLECTIVE_ERRORS).
 Prints ``OK <what> ...`` lines; exits non-zero on the first failure.
 """
@@ -152,6 +154,24 @@ except sj.COLLECTIVE_ERRORS as e:
     if "[0]" not in msg or "[5]" not in msg or dt > 2.0:
         fail(f"case 18b after {dt:.2f} s: {msg[:600]}")
     print(f"OK case 18b empty on one rank raised after {dt:.3f} s", flush=True)
+
+# ---- ranks (processes running different programs) disagree on a ppermute's permutation ----
+# Process 0 sends right, process 1 left (N >= 3: with 2 devices both are the same swap). Each
+# used to follow its own permutation and return a value; the permutation is part of the
+# descriptor now: every rank fails at once saying the parameters differ.
+if N >= 3:
+    perm = [(i, (i + 1) % N) if rank == 0 else (i, (i - 1) % N) for i in range(N)]
+    pp = sm(lambda v: sj.ppermute(v, "x", perm))
+    t = time.monotonic()
+    try:
+        pp(global_array(np.arange(N * 8, dtype=np.float32))).block_until_ready()
+        fail("ppermute with different permutations returned a value")
+    except sj.COLLECTIVE_ERRORS as e:
+        dt = time.monotonic() - t
+        msg = str(e)
+        if "ppermute" not in msg or "parameters" not in msg or dt > 2.0:
+            fail(f"ppermute permutations after {dt:.2f} s: {msg[:600]}")
+        print(f"OK ppermute permutations differ raised after {dt:.3f} s", flush=True)
 
 # ---- which exception a failed collective raises (JAX decides: runtime.COLLECTIVE_ERRORS) ----
 # Last: rank 0 times out alone in these calls, leaving its executions ahead of rank 1's.
