@@ -631,7 +631,10 @@ class _Network:
     MTU = 65520  # veth's maximum: per-packet CPU costs would otherwise bound a 2-core machine
     BRIDGE = "strata-br"
     COORDINATOR_PORT = 8476
-    QUEUE = "1ms"  # tbf's queue, in time at the link rate
+    # tbf's queue, in time at the link rate. 1 ms dropped frames: this machine's TCP (BBR, which
+    # over veth estimates 30-55 Gbit/s and sends bursts at that rate) then waited for 200 ms
+    # retransmission timeouts (strata's all_gather at 1 Gbit/s: 8-28 % of the link bound).
+    QUEUE = "20ms"
 
     def __init__(self, hosts: int, link_gbit: float | None) -> None:
         if hosts > 250:
@@ -660,7 +663,7 @@ class _Network:
         # of the rate; a burst lets that many bytes pass at once after an idle moment.
         burst = max(2 * self.MTU, rate // 8 // 10_000)
         return ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate}bit",
-                "burst", str(burst), "latency", os.environ.get("XLAT", "20ms")]  # fmt: skip
+                "burst", str(burst), "latency", self.QUEUE]  # fmt: skip
 
     def _in(self, pid: int, *cmd: str) -> None:
         """Runs ``cmd`` in the network namespace of ``pid``; OSError naming it when it fails."""

@@ -68,9 +68,10 @@ def _both(mesh, body_sj, body_lax, x, out=None):
 )
 def test_hierarchical_in_process(two_fake_fabrics, rng, order, one_way, monkeypatch):
     """Every operator with two fabrics of two devices against jax.lax; ``one_way``: psum's
-    two-fabric exchange as two one-way collective-permutes and psum_scatter's and all_to_all's
-    along the ring, which large buffers take (hierarchy.ONE_WAY_BYTES), forced for these small
-    ones."""
+    two-fabric exchange as two one-way collective-permutes and psum_scatter's, all_to_all's and
+    all_gather's along the ring (all_gather: the own fabric's blocks gathered before the
+    crossing, the blocks that crossed into the same output after it), which large buffers take
+    (hierarchy.ONE_WAY_BYTES), forced for these small ones."""
     devs4 = sorted(jax.devices(), key=lambda d: d.id)[:4]
     if one_way:
         monkeypatch.setattr(hierarchy, "ONE_WAY_BYTES", 0)
@@ -84,12 +85,14 @@ def test_hierarchical_in_process(two_fake_fabrics, rng, order, one_way, monkeypa
         )
         hlo_text = f.lower(np.zeros((16, 5), np.float32)).as_text()
         assert hlo_text.count("collective_permute") == 2, hlo_text
-        # psum_scatter's block and all_to_all's aggregate cross along the ring: one
-        # collective-permute in which every rank sends and receives once and no pair of ranks
-        # exchanges both ways (one gloo connection carries both directions by turns).
+        # psum_scatter's block, all_to_all's aggregate and all_gather's own block cross along
+        # the ring: one collective-permute in which every rank sends and receives once and no
+        # pair of ranks exchanges both ways (one gloo connection carries both directions by
+        # turns).
         for op in (
             lambda v: sj.psum_scatter(v, "x", tiled=True),
             lambda v: sj.all_to_all(v, "x", 0, 1, tiled=True),
+            lambda v: sj.all_gather(v, "x", tiled=True),
         ):
             g = jax.jit(
                 jax.shard_map(
@@ -614,12 +617,20 @@ def test_fabric_id_override(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
-def _launch(args: list[str], script: str, *sargs: str, tmpdir: Path | None = None, timeout=240):
+def _launch(
+    args: list[str],
+    script: str,
+    *sargs: str,
+    tmpdir: Path | None = None,
+    timeout=240,
+    extra_env: dict[str, str] | None = None,
+):
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("STRATA_", "XLA_FLAGS", "JAX_", "LD_PRELOAD"))
     }
+    env.update(extra_env or {})
     env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # as tests/_mp_util.TEST_XLA_FLAGS
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [PKG_PARENT, env.get("PYTHONPATH")]))
     if tmpdir is not None:
@@ -654,12 +665,20 @@ def _private_mounts_reason() -> str | None:
 
 
 def _check_scaleout(
-    hosts: int, private: bool, nproc: int = 4, devices: int = 1, netns: bool = False
+    hosts: int,
+    private: bool,
+    nproc: int = 4,
+    devices: int = 1,
+    netns: bool = False,
+    one_way: bool = False,
 ) -> None:
+    """``one_way``: STRATA_ONE_WAY_BYTES=0, the forms large buffers take (psum's two one-way
+    rounds; psum_scatter, all_to_all and all_gather along the ring) for these small ones."""
     args = ["-n", str(nproc), "--hosts", str(hosts), "--devices-per-proc", str(devices)]
     args += ["--netns", "--link-gbit", "10"] if netns else ["--private-mounts"] if private else []
     sargs = (["--private"] if private or netns else []) + (["--netns"] if netns else [])
-    r = _launch(args, "check_scaleout.py", *sargs)
+    env = {"STRATA_ONE_WAY_BYTES": "0"} if one_way else None
+    r = _launch(args, "check_scaleout.py", *sargs, extra_env=env)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert f"{nproc} processes as {hosts} simulated host(s)" in r.stderr, r.stderr[-2000:]
@@ -681,12 +700,14 @@ def test_two_hosts_every_collective():
 
 
 @pytest.mark.slow
-def test_two_hosts_shared_memory_fabrics():
+@pytest.mark.parametrize("one_way", [False, True], ids=["one_call", "one_way"])
+def test_two_hosts_shared_memory_fabrics(one_way):
     """As test_two_hosts_every_collective with 4 processes (2 per host, one device each): the
-    intra-host step runs over the shared-memory fabric between processes."""
+    intra-host step runs over the shared-memory fabric between processes; ``one_way``: in the
+    forms large buffers take (all_gather's two-part gather around its ring crossing, ...)."""
     reason = _private_mounts_reason()
     netns_reason = reason or launch.netns_unavailable_reason(10.0)
-    _check_scaleout(2, private=reason is None, netns=netns_reason is None)
+    _check_scaleout(2, private=reason is None, netns=netns_reason is None, one_way=one_way)
 
 
 @pytest.mark.slow

@@ -27,7 +27,8 @@ enum OpKind : int32_t {
   kAllGatherReduce,
   kAllReduceList,
   kReduceScatterRows,
-  kAllGatherRows
+  kAllGatherRows,
+  kAllGatherPart
 };
 
 // `peers_write`: the algorithm writes into the peers' outputs, which the low-latency path of the
@@ -440,6 +441,64 @@ ffi::Error AllGatherPlacedImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer 
   return all_gather_impl(run, x, pid, y, op_id, groups, group_size, device_ids, placement);
 }
 
+// One sub-block of an all_gather whose output is `parts` sub-blocks per member: member j's input
+// x lands at output block placement[j * parts + part] (blocks of x's size) of every member's
+// output, and the other blocks are left as they are: unwritten (`base` null), or `base`'s, which
+// the output aliases. The two-fabric all_gather (strata_jax/_src/hierarchy.py) writes the own
+// fabric's blocks (part 0) before its ring crossing and the blocks that crossed (part 1, into
+// the same output) after it, so the first half overlaps the crossing and nothing is copied twice.
+ffi::Error all_gather_part_impl(ffi::RunId run, ffi::AnyBuffer x, const ffi::AnyBuffer* base,
+                                ffi::AnyBuffer pid, ffi::Result<ffi::AnyBuffer> y, int64_t op_id,
+                                I64s groups, int64_t group_size, I64s device_ids, I64s placement,
+                                int64_t part) {
+  if (auto e = check_dtype("all_gather", x, false, ReduceOp::kSum); e.failure()) return e;
+  const int parts = placement_parts(placement, groups, group_size);
+  if (!placement.size() || part < 0 || part >= parts)
+    return to_error("strata_jax all_gather: internal error: no placement for a sub-block");
+  if (base) {
+    if (base->size_bytes() != y->size_bytes())
+      return to_error("strata_jax all_gather: internal error: the base differs from the output");
+    if (base->untyped_data() != y->untyped_data() && y->size_bytes() > 0)
+      std::memcpy(y->untyped_data(), base->untyped_data(), y->size_bytes());
+  }
+  OpDesc d;
+  d.kind = kAllGatherPart;
+  d.dtype = static_cast<int32_t>(x.element_type());
+  d.in_bytes = x.size_bytes();
+  d.out_bytes = y->size_bytes();
+  d.aux = parts * 1024 + part;
+  return run_collective(
+      "all_gather", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
+      x.untyped_data(), y->untyped_data(), [&](Team& t, const Placement& pl) -> std::string {
+        if (x.size_bytes() * t.size() * parts != y->size_bytes())
+          return "strata_jax all_gather: output size is not the group size times the parts "
+                 "times the input size";
+        const int64_t* place = nullptr;
+        if (auto err = placement_row(placement, groups, t, pl, parts, "all_gather", &place);
+            !err.empty())
+          return err;
+        std::vector<int64_t> mine(t.size());  // this sub-block's output block, per member
+        for (int j = 0; j < t.size(); ++j) mine[j] = place[j * parts + part];
+        count_peer_bytes(t, x.size_bytes() * (t.size() - 1));
+        return all_gather(t, x.size_bytes(), peers_publish_outputs(t), mine.data(), 1);
+      });
+}
+
+ffi::Error AllGatherPartImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
+                             ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
+                             int64_t group_size, I64s device_ids, I64s placement, int64_t part) {
+  return all_gather_part_impl(run, x, nullptr, pid, y, op_id, groups, group_size, device_ids,
+                              placement, part);
+}
+
+ffi::Error AllGatherPartIntoImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer base,
+                                 ffi::AnyBuffer pid, After, ffi::Result<ffi::AnyBuffer> y, Done,
+                                 int64_t op_id, I64s groups, int64_t group_size, I64s device_ids,
+                                 I64s placement, int64_t part) {
+  return all_gather_part_impl(run, x, &base, pid, y, op_id, groups, group_size, device_ids,
+                              placement, part);
+}
+
 // Shards up to this size take the packed, pull form of all_gather_reduce (the input published
 // is [x | z]), which the low-latency path can run; larger ones the push form. A constant, so
 // that every rank picks the same form whatever its settings.
@@ -669,6 +728,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherReduceHandler, AllGatherReduceImpl,
                                   .OptionalRet<ffi::AnyBuffer>()
                                   .STRATA_GROUP_ATTRS.Attr<int32_t>("reduce")
                                   .Attr<I64s>("z_first"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherPartHandler, AllGatherPartImpl,
+                              STRATA_COMMON_BIND.Attr<I64s>("placement").Attr<int64_t>("part"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherPartIntoHandler, AllGatherPartIntoImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .OptionalArg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .OptionalRet<ffi::AnyBuffer>()
+                                  .STRATA_GROUP_ATTRS.Attr<I64s>("placement")
+                                  .Attr<int64_t>("part"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AllToAllHandler, AllToAllImpl,
     STRATA_COMMON_BIND.Attr<int64_t>("split_axis").Attr<int64_t>("concat_axis"));

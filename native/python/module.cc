@@ -75,6 +75,8 @@ NB_MODULE(_strata, m) {
     d["strata_all_gather"] = capsule(strata::AllGatherHandler);
     d["strata_all_gather_placed"] = capsule(strata::AllGatherPlacedHandler);
     d["strata_all_gather_reduce"] = capsule(strata::AllGatherReduceHandler);
+    d["strata_all_gather_part"] = capsule(strata::AllGatherPartHandler);
+    d["strata_all_gather_part_into"] = capsule(strata::AllGatherPartIntoHandler);
     d["strata_all_to_all"] = capsule(strata::AllToAllHandler);
     d["strata_all_to_all_divert"] = capsule(strata::AllToAllDivertHandler);
     d["strata_reduce_scatter_placed_divert"] = capsule(strata::ReduceScatterPlacedDivertHandler);

@@ -26,7 +26,9 @@ StrataCL's supernode/scale-out, Hu et al. 2026). Inter-fabric bytes are per devi
   every member's published pair into its own output, which the low-latency path can run).
 - all_gather: all-gather across fabrics of the own block first (F-1 blocks cross, not
   (F-1)*L), then inside the fabric, where each block is written straight to its place in
-  group order (strata_all_gather_placed; no reorder pass).
+  group order (strata_all_gather_placed; no reorder pass). F = 2 from ONE_WAY_BYTES: the own
+  fabric's blocks are gathered first, the own block crosses along the ring, and the blocks
+  that crossed are gathered into the same output (strata_all_gather_part[_into]).
 - psum_scatter: reduce-scatter inside, each member summing the F blocks of its local index
   where they lie (strata_reduce_scatter_placed; no reorder pass), then reduce-scatter across
   fabrics (F = 2: the partner's block, which strata writes to a result of its own, by one
@@ -163,7 +165,15 @@ def plan(ctx, axes: tuple) -> Plan | None:
 # --------------------------------------------------------------------------------------
 
 group_collective_p = core.Primitive("strata_group_collective")
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "permute", "all_gather_reduce")
+KINDS = (
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "all_to_all",
+    "permute",
+    "all_gather_reduce",
+    "all_gather_part",
+)
 
 
 # The check's result while a call is lowered hierarchically, until its first step: a strata
@@ -213,11 +223,15 @@ def _gc(
     z=None,
     z_first=(),
     placement=(),
+    part=-1,
 ):
     """One collective over explicit groups; ``split``/``concat``: all_to_all's (tiled) axes.
 
     ``all_gather_reduce`` (strata only): the all_gather of ``x reduce z``, combined in the order
-    ``z_first[partition]`` gives (1: z first). ``placement`` (strata all_gather and
+    ``z_first[partition]`` gives (1: z first). ``all_gather_part`` (strata only): sub-block
+    ``part`` of an all_gather with ``placement`` (x is that sub-block of every member; the
+    output has all of them, the other sub-blocks left unwritten, or ``z``'s, which it
+    aliases). ``placement`` (strata all_gather and
     reduce_scatter only): one row per group of ``groups`` (:func:`_per_intra_group`), each of
     n * parts entries (parts = ``len(placement) // (len(groups) * n)``): all_gather: each input
     is parts equal blocks, and block f of group rank j lands at output block ``row[j * parts +
@@ -243,13 +257,17 @@ def _gc(
         concat=int(concat),
         z_first=tuple(int(v) for v in z_first),
         placement=tuple(int(v) for v in placement),
+        part=int(part),
     )
 
 
 def _gc_abstract_eval(
-    aval, *z, kind, engine, groups, reduce, pairs, split, concat, z_first, placement
+    aval, *z, kind, engine, groups, reduce, pairs, split, concat, z_first, placement, part=-1
 ):
     n = len(groups[0])
+    if kind == "all_gather_part":
+        parts = len(placement) // (len(groups) * n)
+        return aval.update(shape=(aval.shape[0] * n * parts, *aval.shape[1:]))
     if kind == "reduce_scatter":
         return aval.update(shape=(aval.shape[0] // n, *aval.shape[1:]))
     if kind in ("all_gather", "all_gather_reduce"):
@@ -340,6 +358,7 @@ _STRATA_TARGETS = {
     "reduce_scatter": "strata_reduce_scatter",
     "all_gather": "strata_all_gather",
     "all_gather_reduce": "strata_all_gather_reduce",
+    "all_gather_part": "strata_all_gather_part",
     "all_to_all": "strata_all_to_all",
     "permute": "strata_permute",
 }
@@ -347,7 +366,7 @@ _REDUCE_CODES = {"sum": 0, "max": 1, "min": 2}
 
 
 def _strata_lowering(
-    ctx, x, *z, kind, groups, reduce, pairs, split=0, concat=0, z_first=(), placement=()
+    ctx, x, *z, kind, groups, reduce, pairs, split=0, concat=0, z_first=(), placement=(), part=-1
 ):
     """One strata call over explicit intra-fabric groups (``lowering.lower_strata_call``)."""
     if kind not in _STRATA_TARGETS:
@@ -368,11 +387,23 @@ def _strata_lowering(
                 sources[first[d]] = first[s]
         attrs["sources"] = sources
     target = _STRATA_TARGETS[kind]
-    if placement:
+    aliases = None
+    if kind == "all_gather_part":
+        attrs.update(placement=np.asarray(placement, np.int64), part=np.int64(part))
+        if z:  # the output is z's buffer, with this sub-block written into it
+            target += "_into"
+            aliases = {1: 0}
+    elif placement:
         attrs["placement"] = np.asarray(placement, np.int64)
         target += "_placed"  # strata_all_gather_placed, strata_reduce_scatter_placed
     (out,) = lowering.lower_strata_call(
-        ctx, target, kind, [x, *z], np.asarray(groups, np.int64), **attrs
+        ctx,
+        target,
+        kind,
+        [x, *z],
+        np.asarray(groups, np.int64),
+        operand_output_aliases=aliases,
+        **attrs,
     )
     return out
 
@@ -388,11 +419,11 @@ def _count_inter(ctx, x, nbytes: int) -> None:
 
 
 def _gc_lowering(
-    ctx, x, *z, kind, engine, groups, reduce, pairs, split, concat, z_first, placement
+    ctx, x, *z, kind, engine, groups, reduce, pairs, split, concat, z_first, placement, part
 ):
     kw = dict(kind=kind, groups=groups, reduce=reduce, pairs=pairs, split=split, concat=concat)
     if engine == "strata":
-        out = _strata_lowering(ctx, x, *z, z_first=z_first, placement=placement, **kw)
+        out = _strata_lowering(ctx, x, *z, z_first=z_first, placement=placement, part=part, **kw)
     elif engine == "xla_check":  # the descriptors of _check_across: not counted as data
         out = _xla_lowering(ctx, x, **kw)
     else:
@@ -816,10 +847,35 @@ def _all_reduce(x, p: Plan, reduce: str):
 def _all_gather(x, p: Plan):
     if p.L == 1 or not p.uniform:
         return _gc(x, "all_gather", "xla", p.groups)
-    # gloo's own all-gather of the pair: the ring (_ring) needs [own, received] concatenated
-    # for the gather inside (one more pass over the output's 2/n), and gave no clear gain at
-    # 1 Gbit/s under launch --netns (four A/B runs, load 4-16: 64-89/74-91 % of the link
-    # bound at 4/16 MiB against 72-74/51-82 %).
+    if p.F == 2 and 0 < _nbytes(x) >= _one_way_bytes():
+        # Two fabrics, from ONE_WAY_BYTES per rank: the own block crosses along the ring
+        # (_ring: one collective-permute, every connection one way; member l of slot s receives
+        # the block of member src[s][l] of the other slot), and the gather inside runs in two
+        # parts into one output: the own fabric's blocks between the check and the crossing,
+        # the blocks that crossed after it, written into the same buffer (aliased; no
+        # concatenation of own and received blocks, none copied twice). Under launch --netns at
+        # 1 Gbit/s (two A/B runs, load 6-7): 83-85/86-90 % of the link bound at 4/16 MiB
+        # against 76-79/76-79 % with gloo's all-gather of the pairs (below); the crossing
+        # started at once after the check instead of after the own blocks: 84-89/89 %, the same
+        # within the noise, but two independent calls on a device are what the program-order
+        # chain exists to avoid (docs/design.md), so the crossing reads the first part.
+        # (A ring whose two blocks were concatenated for one gather inside gave no clear gain
+        # over the pairs: 64-89/74-91 % against 72-74/51-82 % in four A/B runs, load 4-16; with
+        # the check right before the crossing it was 62-72 % at 4 MiB in three.)
+        pairs, _, src = _ring(p)
+        rows = [
+            [
+                p.rank_of(s, lo) if f == 0 else p.rank_of(1 - s, src[s][lo])
+                for lo in range(p.L)
+                for f in range(2)
+            ]
+            for s in range(2)
+        ]
+        place = _per_intra_group(p, rows)
+        own = _gc(x, "all_gather_part", "strata", p.intra, placement=place, part=0)
+        # The crossing after the first part (which comes after the check: program-order chain)
+        got = _gc(_after_p.bind(x, own), "permute", "xla", p.groups, pairs=pairs)
+        return _gc(got, "all_gather_part", "strata", p.intra, z=own, placement=place, part=1)
     v = _gc(x, "all_gather", "xla", p.inter)  # [F*k]: own local index, every fabric
     # Inside the fabric, block (l, f) goes straight to its place in group order, perm_lf()[l*F
     # + f]: no reorder pass over the whole output afterwards.
