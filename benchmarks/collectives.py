@@ -86,6 +86,7 @@ AXIS = "x"
 IMPLS = ("strata", "xla", "mpi", "mpi4jax")
 CHILD_ENV = "STRATA_BENCH_CHILD"  # set on the processes this script re-launches under --procs
 LINK_ENV = "STRATA_BENCH_LINK_GBIT"  # the link rate of this launch (--netns --link-gbit)
+WIRE = "_wire"  # the wire floor's program among the timed ones (Runner.wire_fn)
 MPI_ENVS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 
 
@@ -398,6 +399,20 @@ def sweep_points(
     return pts
 
 
+def wire_ring(n: int, hosts: int) -> list[tuple[int, int]]:
+    """The wire floor's (source, destination) pairs over n ranks in hosts hosts of n/hosts
+    consecutive ranks: rank l of host h sends to rank l of host h + 1, and the last host's rank
+    l to rank l + 1 of the first, so each rank sends once and receives once, to and from other
+    hosts, and (with more than two ranks) no two ranks exchange both ways."""
+    per = n // hosts
+
+    def dst(r: int) -> int:
+        host, lo = divmod(r, per)
+        return ((host + 1) % hosts) * per + (lo + (host == hosts - 1)) % per
+
+    return [(r, dst(r)) for r in range(n)]
+
+
 class Runner:
     """Builds, caches and times the jitted programs of each implementation for one context."""
 
@@ -412,6 +427,32 @@ class Runner:
         self._mpi: Any = None
 
     # ---- programs
+    def wire_fn(self, per_rank_bytes: float) -> Callable[[], Any]:
+        """The wire floor of a point (``--netns --link-gbit``): jax.lax.ppermute over gloo of
+        ``per_rank_bytes`` (rounded up to whole float32) from every rank to a rank of the next
+        host, along the ring strata crosses on (rank l of host h sends to rank l of host h + 1,
+        the last host to rank l + 1 of the first), so every gloo connection carries one
+        direction and every rank sends and receives at once. Its time is what gloo itself
+        takes to move the link bound's bytes over these links on this machine, the same run."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        n = self.ctx.n
+        perm = wire_ring(n, self.ctx.hosts)
+        m = max(1, -(-int(per_rank_bytes) // 4))
+        f = jax.jit(
+            jax.shard_map(
+                lambda v: jax.lax.ppermute(v, AXIS, perm),
+                mesh=self.ctx.mesh,
+                in_specs=P(AXIS),
+                out_specs=P(AXIS),
+            )
+        )
+        x = jax.device_put(jnp.zeros((n * m,), jnp.float32), NamedSharding(self.ctx.mesh, P(AXIS)))
+        return lambda: f(x)
+
     def shard_map_fn(self, impl: str, op: str) -> Callable[[Any], Any]:
         import jax
         from jax.sharding import PartitionSpec as P
@@ -537,6 +578,13 @@ def run_sweep(
                 inter[impl] = inter_fabric_bytes(impl, pt, fn, ctx)
             except Exception as e:  # keep sweeping; the row says what failed
                 on_error(impl, e)
+        # The wire floor (--netns --link-gbit, several hosts): gloo moving the link bound's
+        # bytes along the ring, timed with the others (see Runner.wire_fn).
+        if link_s is not None and ctx.process_count > 1 and fns:
+            per_rank = spec.link_bytes(pt.nbytes, ctx.hosts, ctx.n // ctx.hosts) * ctx.hosts
+            wire = runner.wire_fn(per_rank / ctx.n)
+            jax.block_until_ready(wire())
+            fns[WIRE] = wire
         cpu: dict[str, list[float]] = {}
         # Several processes: every call starts on all of them together (outside the timing).
         # Without it, a process that one call lets go early (a one-way exchange's sender) waits
@@ -546,6 +594,7 @@ def run_sweep(
         times, last = C.time_interleaved(
             fns, pt.iters, max(0, pt.warmup - 1), on_error=on_error, cpu=cpu, align=align
         )
+        wire_s = ctx.max_across(C.median(times[WIRE])) if WIRE in times else None
         for impl, r in results.items():
             if impl in errors or impl not in fns:
                 r.update(time_us=None, algbw_gbs=None, busbw_gbs=None, wrong=None)
@@ -583,6 +632,8 @@ def run_sweep(
                 link_gbit=ctx.link_gbit,
                 link_bound_us=None if link_s is None else link_s * 1e6,
                 link_share=None if link_s is None else link_s / t,
+                wire_us=None if wire_s is None else wire_s * 1e6,
+                wire_share=None if wire_s is None else wire_s / t,
             )
         del firsts, last
         step()
@@ -640,6 +691,7 @@ def make_table(impls: Sequence[str], link: bool = False) -> C.Table:
     ]
     if link:
         cols.append(C.Column("link(us)", 10, ".1f"))
+        cols.append(C.Column("wire(us)", 10, ".1f"))
     groups: list[tuple[str, int]] = [("", len(cols))]
     for impl in impls:
         cols += [
@@ -653,7 +705,8 @@ def make_table(impls: Sequence[str], link: bool = False) -> C.Table:
         ]
         if link:
             cols.append(C.Column("%link", 5, ".0f"))
-        groups.append((f" {impl} ", 8 if link else 7))
+            cols.append(C.Column("%wire", 5, ".0f"))
+        groups.append((f" {impl} ", 9 if link else 7))
     others = [i for i in impls if i != "strata"] if "strata" in impls else []
     for o in others:
         cols.append(C.Column(f"{o}/strata", max(12, len(o) + 7), ".2f"))
@@ -668,10 +721,12 @@ def table_row(
     table: C.Table, pt: Point, results: dict[str, dict[str, Any]], link_us: float | None = None
 ) -> str:
     link = link_us is not None
-    vals: list[Any] = [pt.nbytes, pt.count, pt.dtype.name, pt.op] + ([link_us] if link else [])
+    wires = [r.get("wire_us") for r in results.values() if r.get("wire_us")]
+    vals: list[Any] = [pt.nbytes, pt.count, pt.dtype.name, pt.op]
+    vals += [link_us, wires[0] if wires else None] if link else []
     for r in results.values():
         if r.get("time_us") is None:
-            vals += ["error", None, None, None, None, None, None] + ([None] if link else [])
+            vals += ["error", None, None, None, None, None, None] + ([None, None] if link else [])
         else:
             inter = r.get("inter_fabric_bytes")
             share = r.get("mem_share")
@@ -686,8 +741,9 @@ def table_row(
                 r["cores"],
             ]
             if link:
-                share = r.get("link_share")
-                vals.append(None if share is None else 100 * share)
+                for key in ("link_share", "wire_share"):
+                    share = r.get(key)
+                    vals.append(None if share is None else 100 * share)
     base = results.get("strata", {}).get("time_us")
     if base is not None or "strata" in results:
         for impl, r in results.items():
@@ -1023,7 +1079,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             " across for the op (all-reduce 2(H-1)/H*size, all_gather/psum_scatter (H-1)/H*size,"
             " all_to_all L(H-1)/H*size, ppermute/pbroadcast size; H hosts of L ranks) over the"
             " link rate; %link = link(us)/time(us): the share of the bound an implementation"
-            " reaches (100 = the link is the only cost)"
+            " reaches (100 = the link is the only cost); wire(us) = the wire floor: jax.lax"
+            " ppermute over gloo moving the same bytes per host along a ring of the hosts (every"
+            " rank sends link bytes/L to a rank of the next host), timed in the same run with the"
+            " others; %wire = wire(us)/time(us): the share of what gloo itself reaches on these"
+            " links on this machine (where the CPU, not the link, is the limit, this is the bound"
+            " the machine can judge)"
         )
     points = [
         pt

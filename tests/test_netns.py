@@ -272,3 +272,20 @@ def test_launcher_killed_leaves_nothing(tmpdir_short):
     err = p.stderr.read()
     before.check(err, tmpdir_short)
     assert ready == 2, err
+
+
+@pytest.mark.parametrize("hosts,per_host", [(2, 2), (2, 4), (4, 2), (3, 1)])
+def test_wire_floor_ring_crosses_one_way(hosts, per_host):
+    """benchmarks/collectives.py's wire floor (the same bytes through gloo alone) runs along a
+    ring in which every rank sends once and receives once, always to another host, and no two
+    ranks exchange both ways (a gloo connection carrying both directions takes turns)."""
+    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    try:
+        import collectives as B
+    finally:
+        sys.path.pop(0)
+    n = hosts * per_host
+    pairs = B.wire_ring(n, hosts)
+    assert sorted(s for s, _ in pairs) == sorted(d for _, d in pairs) == list(range(n))
+    assert all(s // per_host != d // per_host for s, d in pairs), pairs
+    assert not any((d, s) in pairs for s, d in pairs), pairs
