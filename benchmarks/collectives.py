@@ -595,6 +595,7 @@ def run_sweep(
             fns, pt.iters, max(0, pt.warmup - 1), on_error=on_error, cpu=cpu, align=align
         )
         wire_s = ctx.max_across(C.median(times[WIRE])) if WIRE in times else None
+        wire_cpu = ctx.sum_across(C.median(cpu[WIRE])) if WIRE in cpu else None
         for impl, r in results.items():
             if impl in errors or impl not in fns:
                 r.update(time_us=None, algbw_gbs=None, busbw_gbs=None, wrong=None)
@@ -634,6 +635,7 @@ def run_sweep(
                 link_share=None if link_s is None else link_s / t,
                 wire_us=None if wire_s is None else wire_s * 1e6,
                 wire_share=None if wire_s is None else wire_s / t,
+                wire_cpu_us=None if wire_cpu is None else wire_cpu * 1e6,
             )
         del firsts, last
         step()
