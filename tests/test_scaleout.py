@@ -57,6 +57,27 @@ def _both(mesh, body_sj, body_lax, x, out=None):
     return np.asarray(run(body_sj)), np.asarray(run(body_lax))
 
 
+def test_psum_over_mpi_crosses_in_one_collective(two_fake_fabrics, monkeypatch):
+    """With XLA's MPI collectives as the engine, psum's two-fabric exchange is one
+    collective-permute also where gloo's takes two one-way rounds: XLA ran one of two
+    independent collectives on a pool thread, which MPI refuses (every psum from 512 KiB per
+    rank failed under mpirun between simulated hosts with shaped links)."""
+    from strata_jax._src import mpi_engine
+
+    monkeypatch.setattr(hierarchy, "ONE_WAY_BYTES", 0)
+    mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)[:4]), ("x",))
+    f = jax.jit(
+        jax.shard_map(lambda v: sj.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    )
+    x = np.zeros((16, 5), np.float32)
+    assert f.lower(x).as_text().count("collective_permute") == 2  # gloo: two one-way rounds
+    monkeypatch.setattr(mpi_engine, "selected", lambda: True)
+    f = jax.jit(
+        jax.shard_map(lambda v: sj.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    )
+    assert f.lower(x).as_text().count("collective_permute") == 1
+
+
 @pytest.mark.parametrize(
     "order,one_way",
     [

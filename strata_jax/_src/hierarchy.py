@@ -68,7 +68,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 from jax._src.sharding_impls import SPMDAxisContext
 
-from strata_jax._src import lowering, runtime, topology
+from strata_jax._src import lowering, mpi_engine, runtime, topology
 
 # --------------------------------------------------------------------------------------
 # The plan: groups of the collective and how fabrics cut them
@@ -776,7 +776,12 @@ def _exchange(send, p: Plan):
     """
     nbytes = int(np.prod(send.shape)) * send.dtype.itemsize
     groups = np.asarray(p.inter)
-    if nbytes < _one_way_bytes() or len(groups) < 2:
+    # Not over XLA's MPI collectives: the two rounds are independent, and XLA's executor runs
+    # one of them on a thread of its pool, where MPI refuses it ("MPI: Communicator requested
+    # from a thread that is not the one MPI was initialized from"; every psum from 512 KiB per
+    # rank failed so under mpirun between simulated hosts with 1 Gbit/s links). gloo's
+    # both-ways turns are gloo's; MPI's one collective-permute reached 78 % of the link there.
+    if nbytes < _one_way_bytes() or len(groups) < 2 or mpi_engine.selected():
         return _gc(send, "permute", "xla", p.inter, pairs=_pairs(p.inter))
     first = [(int(g[i % 2]), int(g[1 - i % 2])) for i, g in enumerate(groups)]
     second = [(b, a) for a, b in first]
