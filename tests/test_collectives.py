@@ -206,6 +206,27 @@ def test_all_to_all_sizes(rng, n):
     compare(lambda impl: lambda v: impl.all_to_all(v, "x", 0, 0, tiled=True), x, "float32")
 
 
+# Per rank above 256 KiB (ffi/common.h kLeadBytes): in one process each pair of blocks is copied
+# by the second of its two ranks to arrive (InProcTeam::arrive_pairs), whatever the axes.
+_PAIR_CASES = [((16, 48, 360), 1, 2), ((64, 40, 108), 0, 2), ((6, 80, 576), 2, 0)]
+
+
+@pytest.mark.parametrize(
+    "case,dtype", rotation(grid(_PAIR_CASES), [["float32", "int8", "float64"]])
+)
+def test_all_to_all_pairs(rng, case, dtype):
+    """Large all_to_alls, strided (split and concat on other axes than the first), on 8 devices
+    and on the groups of a 2x4 mesh: the same values as jax.lax, and every rank's call took the
+    pairs path (comm_stats()["pair_calls"], which the old build did not have)."""
+    shape, split, concat = case
+    x = random_array(rng, (8, *shape), dtype)
+    before = sj.comm_stats()["pair_calls"]
+    compare(lambda impl: lambda v: impl.all_to_all(v, "x", split, concat, tiled=True), x, dtype)
+    assert sj.comm_stats()["pair_calls"] - before == 8
+    axes = "b" if split == 1 else ("a", "b")
+    compare2d(lambda impl: lambda v: impl.all_to_all(v, axes, split, concat, tiled=True), x, dtype)
+
+
 PERMS = {
     "rotate": [(i, (i + 1) % 8) for i in range(8)],
     "reverse": [(i, 7 - i) for i in range(8)],

@@ -396,6 +396,64 @@ def test_mismatched_permutations_fail(short_timeout):
         np.asarray(f(jnp.arange(4, dtype=jnp.float32)))
 
 
+# A per-rank all_to_all above 256 KiB takes the pairs path in one process
+# (InProcTeam::arrive_pairs: pairs of blocks copied as ranks arrive, no departure barrier).
+_BIG = 128 * 1024  # float32 elements per rank: 512 KiB
+
+
+def test_pairs_path_mismatch_fails_fast(short_timeout):
+    """Ranks calling a large all_to_all on different dtypes (both on the pairs path), or one rank
+    a large one and the others a small one (the pairs path against the one-rendezvous path of
+    small calls): every rank fails at once saying the ranks disagree, not at the timeout."""
+    import time
+
+    def dtypes(v):
+        idx = jax.lax.axis_index("x")
+        return jax.lax.cond(
+            idx < 1,
+            lambda u: sj.all_to_all(u, "x", 0, 0, tiled=True),
+            lambda u: sj.all_to_all(u.astype(jnp.int32), "x", 0, 0, tiled=True).astype(u.dtype),
+            v,
+        )
+
+    def sizes(v):
+        idx = jax.lax.axis_index("x")
+        small = (
+            lambda u: jnp.pad(  # noqa: E731
+                sj.all_to_all(u[:64], "x", 0, 0, tiled=True), (0, u.shape[0] - 64)
+            )
+        )
+        return jax.lax.cond(idx < 1, lambda u: sj.all_to_all(u, "x", 0, 0, tiled=True), small, v)
+
+    for local, pattern in ((dtypes, r"disagree.*dtype (float32|int32)"), (sizes, r"disagree")):
+        x = jnp.ones(4 * _BIG, jnp.float32)
+        f = smap(local, mesh1d(4), P("x"), P("x"), check_vma=False).lower(x).compile()
+        t0 = time.perf_counter()
+        with pytest.raises(Exception, match=pattern):
+            np.asarray(f(x))
+        # the timeout is 1.5 s: a failure before it came from the ranks' own check
+        assert time.perf_counter() - t0 < 1.4, "failed at the timeout, not at once"
+
+
+def test_pairs_path_timeout_then_recovers(short_timeout):
+    """A rank that never reaches a large all_to_all: the others time out naming it (none copies
+    into or out of a rank that has left), and the next call of the same shape is right."""
+
+    def skip(v):
+        idx = jax.lax.axis_index("x")
+        return jax.lax.cond(
+            idx == 0, lambda u: u, lambda u: sj.all_to_all(u, "x", 0, 0, tiled=True), v
+        )
+
+    f = smap(skip, mesh1d(4), P("x"), P("x"), check_vma=False)
+    with pytest.raises(Exception, match=r"all_to_all: timed out.*rank\(s\) \[0\]"):
+        np.asarray(f(jnp.ones(4 * _BIG, jnp.float32)))
+    g = smap(lambda v: sj.all_to_all(v, "x", 0, 0, tiled=True), mesh1d(4), P("x"), P("x"))
+    x = np.arange(4 * _BIG, dtype=np.float32)
+    want = smap(lambda v: jax.lax.all_to_all(v, "x", 0, 0, tiled=True), mesh1d(4), P("x"), P("x"))
+    np.testing.assert_array_equal(np.asarray(g(x)), np.asarray(want(x)))
+
+
 @functools.lru_cache
 def _unused():  # pragma: no cover - keeps random_array/assert_close imports meaningful
     return random_array, assert_close

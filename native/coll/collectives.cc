@@ -229,7 +229,7 @@ void copy_strided(char* dst, const int64_t* dst_strides, const char* src,
 }
 
 std::string all_to_all(Team& t, int esize, const std::vector<int64_t>& shape, int split, int concat,
-                       const Divert* divert) {
+                       const Divert* divert, int only_src) {
   const int n = t.size(), r = t.rank(), nd = static_cast<int>(shape.size());
   if (nd > 16) return "all_to_all supports at most 16 dimensions";
   std::vector<int64_t> b(shape);
@@ -278,8 +278,10 @@ std::string all_to_all(Team& t, int esize, const std::vector<int64_t>& shape, in
   std::vector<int64_t> one(b);  // a block with dax of size 1 (the diverted form's unit)
   if (divert) one[dax] = 1;
   char* out = static_cast<char*>(t.peer_out(r));
+  if (only_src >= n) return "internal error: all_to_all source rank out of range";
   for (int k = 0; k < n; ++k) {
     const int j = (r + k) % n;
+    if (only_src >= 0 && j != only_src) continue;
     const char* src = static_cast<const char*>(t.peer_in(j)) + r * b[split] * ss[split] * esize;
     char* dst = out + j * b[concat] * ds[concat] * esize;
     if (!divert) {
@@ -296,7 +298,7 @@ std::string all_to_all(Team& t, int esize, const std::vector<int64_t>& shape, in
         copy_strided(dst + i * ds[dax] * esize, ds.data(), s, ss.data(), one.data(), nd, esize);
     }
   }
-  copy_fence();
+  if (only_src < 0) copy_fence();
   return {};
 }
 

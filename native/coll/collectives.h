@@ -115,8 +115,10 @@ struct Divert {
   int move_to = -1;   // -1: axis stays where it is
   int64_t dest = -1;  // -1: this rank
 };
+// `only_src` >= 0: copy only the block that comes from rank `only_src`, without the closing
+// copy_fence() (InProcTeam::arrive_pairs copies block by block and fences itself).
 std::string all_to_all(Team& t, int esize, const std::vector<int64_t>& shape, int split, int concat,
-                       const Divert* divert = nullptr);
+                       const Divert* divert = nullptr, int only_src = -1);
 // Output = input of rank `src` (zeros when src < 0).
 std::string permute(Team& t, size_t bytes, int src);
 // `push` (the team publishes every rank's output; the same on every rank): rank r copies chunk r

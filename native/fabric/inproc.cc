@@ -159,6 +159,7 @@ std::string InProcTeam::fail(const std::string& msg) {
     }
   }
   futex_wake_all(&slot_->arrivals, false);
+  for (auto& p : slot_->peers) futex_wake_all(&p.done, false);  // arrive_pairs' waiters
   std::lock_guard<std::mutex> lock(slot_->fail_mu);
   return slot_->failure;
 }
@@ -196,6 +197,10 @@ std::string InProcTeam::barrier(const char* phase) {
 }
 
 std::string InProcTeam::wait_arrivals(uint32_t target, const char* phase) {
+  return wait_word(&slot_->arrivals, target, phase);
+}
+
+std::string InProcTeam::wait_word(std::atomic<uint32_t>* word, uint32_t target, const char* phase) {
   static const int cores = static_cast<int>(std::thread::hardware_concurrency());
   auto deadline = Clock::now() + std::chrono::milliseconds(settings().timeout_ms.load());
   // Spin only where every rank can have a CPU (a peer may then answer within a microsecond);
@@ -212,7 +217,7 @@ std::string InProcTeam::wait_arrivals(uint32_t target, const char* phase) {
   // yielding ones and 420 us after sleeping ones, while strata's own 4 KiB call was within
   // noise either way (354-407 us against 374-379 us).
   bool ok = wait_until(
-      &slot_->arrivals, [&] { return slot_->arrivals.load(std::memory_order_acquire) >= target; },
+      word, [&] { return word->load(std::memory_order_acquire) >= target; },
       [&] { return slot_->failed.load(std::memory_order_acquire); }, deadline, /*shared=*/false,
       /*spins=*/size_ <= cores ? 64 : 0, /*yields=*/0);
   if (ok) return {};
@@ -265,24 +270,28 @@ std::string InProcTeam::arrive(const OpDesc& desc, const void* in, void* out) {
 
 std::string InProcTeam::check_descs(const OpDesc& desc) const {
   for (int j = 0; j < size_; ++j) {
-    const OpDesc& o = slot_->peers[j].desc;
-    if (!o.same_as(desc)) {
-      std::ostringstream os;
-      os << "strata_jax " << op_name_ << ": ranks disagree on the collective (rank " << rank_
-         << ": " << desc.name << ", dtype " << dtype_name(desc.dtype) << ", " << desc.in_bytes
-         << " B in, " << desc.out_bytes << " B out; rank " << j << ": " << o.name << ", dtype "
-         << dtype_name(o.dtype) << ", " << o.in_bytes << " B in, " << o.out_bytes << " B out";
-      if (o.aux != desc.aux)
-        os << "; their parameters differ (" << desc.aux << " vs " << o.aux
-           << "): e.g. ppermute's permutation (hashed) or pbroadcast's root";
-      os << "). Every rank of a group must call the same collective with the same shape, dtype "
-            "and parameters.";
-      // Every rank sees the same descriptors, so every rank fails here: nobody touches a
-      // peer's buffers.
-      return os.str();
-    }
+    std::string err = check_desc(desc, j);
+    // Every rank sees the same descriptors, so every rank fails here: nobody touches a peer's
+    // buffers.
+    if (!err.empty()) return err;
   }
   return {};
+}
+
+std::string InProcTeam::check_desc(const OpDesc& desc, int j) const {
+  const OpDesc& o = slot_->peers[j].desc;
+  if (o.same_as(desc)) return {};
+  std::ostringstream os;
+  os << "strata_jax " << op_name_ << ": ranks disagree on the collective (rank " << rank_ << ": "
+     << desc.name << ", dtype " << dtype_name(desc.dtype) << ", " << desc.in_bytes << " B in, "
+     << desc.out_bytes << " B out; rank " << j << ": " << o.name << ", dtype "
+     << dtype_name(o.dtype) << ", " << o.in_bytes << " B in, " << o.out_bytes << " B out";
+  if (o.aux != desc.aux)
+    os << "; their parameters differ (" << desc.aux << " vs " << o.aux
+       << "): e.g. ppermute's permutation (hashed) or pbroadcast's root";
+  os << "). Every rank of a group must call the same collective with the same shape, dtype "
+        "and parameters.";
+  return os.str();
 }
 
 std::string InProcTeam::arrive_lead(const OpDesc& desc, const void* in, void* out, LeadFn fn) {
@@ -304,6 +313,13 @@ std::string InProcTeam::arrive_lead(const OpDesc& desc, const void* in, void* ou
     bool agree = !slot_->failed.load(std::memory_order_acquire);
     for (int j = 0; j < size_ && agree; ++j)
       agree = slot_->peers[j].lead.call != nullptr && slot_->peers[j].desc.same_as(desc);
+    // Ranks on arrive_pairs (another size) wait on their own words: tell them.
+    if (!agree && !slot_->failed.load(std::memory_order_acquire)) {
+      std::string e = check_descs(desc);
+      fail(e.empty() ? std::string("strata_jax ") + op_name_ +
+                           ": internal error: the ranks of a call disagree on its path"
+                     : e);
+    }
     if (agree) {
       OpTimer::arrived();  // comm_stats(): the leader moves every rank's bytes; the others wait
       for (int j = 0; j < size_; ++j) {
@@ -329,6 +345,82 @@ std::string InProcTeam::arrive_lead(const OpDesc& desc, const void* in, void* ou
   }
   return fail(std::string("strata_jax ") + op_name_ +
               ": internal error: the ranks of a call disagree on its path (arrive_lead)");
+}
+
+std::string InProcTeam::copy_pair(int j) {
+  CallSlot::Peer& me = slot_->peers[rank_];
+  CallSlot::Peer& p = slot_->peers[j];
+  if (!p.desc.same_as(me.desc)) return fail(check_desc(me.desc, j));
+  // The claim decides which of the two ranks copies; acq_rel: the winner sees the loser's
+  // publication (already seen through `pub`) and a rank abandoning the pair sees the claim.
+  const int lo = std::min(rank_, j), hi = std::max(rank_, j);
+  std::atomic<uint8_t>& claim = slot_->claims[static_cast<size_t>(lo) * size_ + hi];
+  uint8_t expect = 0;
+  if (!claim.compare_exchange_strong(expect, 1, std::memory_order_acq_rel)) return {};
+  std::string err = me.pair.call(me.pair.ctx, j);     // j's block into my output
+  std::string err2 = p.pair.call(p.pair.ctx, rank_);  // my block into j's output
+  copy_fence();  // the copies' non-temporal stores, before the releases below
+  claim.store(2, std::memory_order_release);
+  if (err.empty()) err = err2;
+  if (!err.empty()) return fail(err);
+  me.done.fetch_add(1, std::memory_order_acq_rel);
+  // release: j's output is written before j sees its count complete.
+  if (p.done.fetch_add(1, std::memory_order_acq_rel) + 1 == static_cast<uint32_t>(size_))
+    futex_wake_all(&p.done, false);
+  return {};
+}
+
+void InProcTeam::abandon_pairs() {
+  for (int j = 0; j < size_; ++j) {
+    if (j == rank_) continue;
+    const int lo = std::min(rank_, j), hi = std::max(rank_, j);
+    std::atomic<uint8_t>& claim = slot_->claims[static_cast<size_t>(lo) * size_ + hi];
+    uint8_t expect = 0;
+    if (claim.compare_exchange_strong(expect, 3, std::memory_order_acq_rel)) continue;
+    // Being copied by the peer: a few microseconds to milliseconds, then this rank may go.
+    while (claim.load(std::memory_order_acquire) == 1) std::this_thread::yield();
+  }
+}
+
+std::string InProcTeam::arrive_pairs(const OpDesc& desc, const void* in, void* out, PairFn fn) {
+  auto& me = slot_->peers[rank_];
+  me.in = in;
+  me.out = out;
+  me.desc = desc;
+  me.pair = fn;
+  ++barriers_;
+  me.reached.store(barriers_, std::memory_order_release);
+  // seq_cst, with the seq_cst loads of the peers' `pub` below: of two ranks publishing at the
+  // same time at least one sees the other (so every pair is copied by someone); both may, and
+  // the claim in copy_pair picks one. It also publishes the stores above to the peers.
+  me.pub.store(1, std::memory_order_seq_cst);
+  std::string err;
+  // Counted in `arrivals` too, so that ranks that took another path (their descriptors differ:
+  // arrive_lead's size test) are not waited for in vain: whoever arrives last checks them all.
+  if (slot_->arrivals.fetch_add(1, std::memory_order_acq_rel) + 1 == static_cast<uint32_t>(size_)) {
+    err = check_descs(desc);
+    if (!err.empty()) err = fail(err);
+  }
+  if (!err.empty()) {
+  } else if (slot_->failed.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lock(slot_->fail_mu);
+    err = slot_->failure;
+  } else {
+    err = fn.call(fn.ctx, rank_);  // my own block, while my input is in cache
+    if (!err.empty()) err = fail(err);
+  }
+  if (err.empty()) {
+    copy_fence();
+    me.done.fetch_add(1, std::memory_order_acq_rel);
+    for (int k = 1; k < size_ && err.empty(); ++k) {
+      const int j = (rank_ + k) % size_;
+      if (slot_->peers[j].pub.load(std::memory_order_seq_cst)) err = copy_pair(j);
+    }
+  }
+  // Every pair left is copied by a peer that has yet to arrive (or is copying it now).
+  if (err.empty()) err = wait_word(&me.done, static_cast<uint32_t>(size_), "arrive");
+  if (!err.empty()) abandon_pairs();
+  return err;
 }
 
 std::string InProcTeam::arrive_multi(const OpDesc& desc, const BufRef* bufs, int nbufs) {

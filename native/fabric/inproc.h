@@ -48,17 +48,34 @@ struct LeadFn {
   void* ctx = nullptr;
 };
 
+// One rank's per-source copy of a call of independent blocks (InProcTeam::arrive_pairs):
+// `call(ctx, src)` writes into the rank's own output what it receives from rank `src`, reading
+// only `src`'s published input, and returns an error string. The context lives in the rank's
+// frame, which waits in arrive_pairs until every block it sends or receives has been copied.
+struct PairFn {
+  std::string (*call)(void* ctx, int src) = nullptr;
+  void* ctx = nullptr;
+};
+
 // Shared state of one collective call. Created by the first rank to arrive, dropped from the
 // table by the last one to leave.
 struct CallSlot {
-  explicit CallSlot(int n) : peers(n) {}
+  explicit CallSlot(int n) : peers(n), claims(new std::atomic<uint8_t>[size_t(n) * n]) {
+    for (size_t i = 0; i < size_t(n) * n; ++i) claims[i].store(0, std::memory_order_relaxed);
+  }
   struct Peer {
     const void* in = nullptr;
     void* out = nullptr;
     const void* bufs[kMaxBufs] = {};  // arrive_multi's buffers (published like `in`)
     const OperandRef* ops = nullptr;  // arrive_list's operands (the caller's array)
     OpDesc desc;
-    LeadFn lead;           // arrive_lead: this rank's part, for the leader to run
+    LeadFn lead;  // arrive_lead: this rank's part, for the leader to run
+    PairFn pair;  // arrive_pairs: this rank's per-source copy
+    // arrive_pairs: 1 once this rank's buffers, desc and `pair` are published (seq_cst: see
+    // arrive_pairs), and the number of its blocks (received and sent, per peer; its own block)
+    // copied so far: the rank leaves when it reaches the group size (futex word).
+    std::atomic<uint32_t> pub{0};
+    std::atomic<uint32_t> done{0};
     std::string lead_err;  // arrive_lead: what the leader's run of `lead` returned
     // Number of barriers this rank has entered. Written by the rank (release), read by the
     // timeout path to name the missing ranks.
@@ -73,6 +90,9 @@ struct CallSlot {
   // arrive_lead: the last rank to arrive ran every rank's part (written before its release
   // increment of `arrivals`, read after the waiters' acquire of it).
   std::atomic<bool> led{false};
+  // arrive_pairs: who copies the two blocks between ranks i < j (index i * n + j): 0 nobody
+  // yet, 1 being copied, 2 copied, 3 abandoned by a rank that gave up (nobody will copy it).
+  std::unique_ptr<std::atomic<uint8_t>[]> claims;
   std::atomic<bool> failed{false};
   std::string failure;  // written once by the rank that sets `failed` (under fail_mu)
   std::mutex fail_mu;
@@ -113,13 +133,32 @@ class InProcTeam final : public Team {
   // (timeout, disagreeing ranks). No depart() follows: once released, no rank touches another's
   // buffers. Every rank of the call must take this path (it is chosen from the OpDesc alone).
   std::string arrive_lead(const OpDesc& desc, const void* in, void* out, LeadFn fn);
+  // The whole call in one rendezvous, for calls made of independent blocks between pairs of
+  // ranks (all_to_all), where every rank's output takes one block from every rank's input:
+  // publishes this rank's buffers and its per-source copy `fn`, copies its own block, then, for
+  // every peer that has already published, the two blocks between them (the peer's into this
+  // output with this rank's `fn`, this input into the peer's output with the peer's), each pair
+  // by whichever of the two arrives second. Returns when every block into this output and out of
+  // this input is copied (the last rank to arrive copies its pairs and releases the others: no
+  // departure barrier). The same copies as each rank pulling its blocks after an arrival
+  // barrier, on other threads (the same bits). Every rank of the call must take this path.
+  std::string arrive_pairs(const OpDesc& desc, const void* in, void* out, PairFn fn);
 
  private:
   std::string fail(const std::string& msg);
   // Waits until `arrivals` reaches `target` (see barrier()); the timeout error names `phase`.
   std::string wait_arrivals(uint32_t target, const char* phase);
+  // The same on any futex word of the slot (arrive_pairs waits on its `done`).
+  std::string wait_word(std::atomic<uint32_t>* word, uint32_t target, const char* phase);
+  // arrive_pairs: copies the two blocks between this rank and `j` (both published).
+  std::string copy_pair(int j);
+  // arrive_pairs after a failure: no peer may start a pair with this rank any more, and the
+  // pairs in flight with it are waited for (so its buffers outlive every reader and writer).
+  void abandon_pairs();
   // The arrival's agreement check: an error if some rank published another OpDesc.
   std::string check_descs(const OpDesc& desc) const;
+  // The same against rank j's descriptor alone.
+  std::string check_desc(const OpDesc& desc, int j) const;
   // What the missing rank `j` is doing, for the timeout message (see Doing in inproc.cc):
   // "in no strata call", "waiting in <op> (...)" or "gave up waiting in <op> (...)".
   std::string whereabouts(int j) const;

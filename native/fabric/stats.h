@@ -41,6 +41,11 @@ struct Stats {
   std::atomic<uint64_t> low_latency_calls{0};  // calls on the small-message path (shm_ll.h)
   std::atomic<uint64_t> mismatches{0};         // calls failed because ranks disagreed on the op
   std::atomic<uint64_t> failures{0};           // strata calls that returned an error (any cause)
+  // In-process calls in one rendezvous (per rank): the last rank to arrive ran every rank's
+  // part (InProcTeam::arrive_lead), or the pairs of blocks were copied as ranks arrived
+  // (InProcTeam::arrive_pairs).
+  std::atomic<uint64_t> lead_calls{0};
+  std::atomic<uint64_t> pair_calls{0};
 };
 Stats& stats();
 

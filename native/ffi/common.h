@@ -2,6 +2,7 @@
 // joining a call on the right fabric (arrive, run the algorithm, depart).
 #pragma once
 
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <vector>
@@ -79,6 +80,39 @@ inline bool lead_in_process(const OpDesc& d, int n) {
   return n > 1 && d.in_bytes <= kLeadBytes && d.out_bytes <= kLeadBytes;
 }
 
+// In one process, calls made of independent blocks between pairs of ranks (all_to_all) that are
+// too large for lead_in_process run in one rendezvous too, each pair of blocks copied by the
+// second rank of the pair to arrive (InProcTeam::arrive_pairs): no departure barrier, and the
+// copies of the ranks that arrive early overlap the computation of the late ones.
+// STRATA_INPROC_PAIRS=0 turns it off (measurements).
+inline bool pairs_in_process(const OpDesc& d, int n) {
+  static const bool on = [] {
+    const char* e = std::getenv("STRATA_INPROC_PAIRS");
+    return !(e && e[0] == '0');
+  }();
+  return on && n > 1 && !lead_in_process(d, n);
+}
+
+// arrive_pairs for one rank: `block(team, src)` copies what this rank receives from `src` into
+// its own output (the rest as join_and_run_with).
+template <class Block>
+xla::ffi::Error join_and_run_pairs(const char* name, int64_t run_id, int64_t op_id,
+                                   const Placement& pl, const OpDesc& desc, const void* in,
+                                   void* out, Block block) {
+  InFlight inflight(pl.device, run_id);
+  stats().pair_calls.fetch_add(1, std::memory_order_relaxed);
+  auto team = InProcFabric::instance().join(run_id, op_id, pl, name);
+  prepare_output(out, desc.out_bytes);
+  auto mine = [&](int src) -> std::string { return block(*team, src); };
+  PairFn fn;
+  fn.call = [](void* c, int src) { return (*static_cast<decltype(mine)*>(c))(src); };
+  fn.ctx = &mine;
+  std::string err = team->arrive_pairs(desc, in, out, fn);
+  OpTimer::arrived();  // comm_stats(): on this path `wait` includes the copies made meanwhile
+  if (!err.empty()) return to_error(err);
+  return xla::ffi::Error::Success();
+}
+
 // A call's own buffers, for the one-rendezvous path of small in-process calls.
 struct LeadIo {
   const OpDesc* desc;
@@ -144,6 +178,7 @@ xla::ffi::Error join_and_run_with(const char* name, int64_t run_id, int64_t op_i
   }
   auto team = InProcFabric::instance().join(run_id, op_id, pl, name);
   if (lead && lead_in_process(*lead->desc, pl.size)) {
+    stats().lead_calls.fetch_add(1, std::memory_order_relaxed);
     auto mine = [&]() -> std::string { return body(*team); };
     LeadFn fn;
     fn.call = [](void* c) { return (*static_cast<decltype(mine)*>(c))(); };

@@ -33,10 +33,11 @@ enum OpKind : int32_t {
 
 // `peers_write`: the algorithm writes into the peers' outputs, which the low-latency path of the
 // shared-memory fabric (shm_ll.h: slots hold copies of the inputs only) does not offer.
-template <class Body>
+// `block` (optional): the call's per-source copy (team, src) for InProcTeam::arrive_pairs.
+template <class Body, class Block = std::nullptr_t>
 ffi::Error run_collective(const char* name, ffi::RunId run, int64_t op_id, ffi::AnyBuffer pid,
                           const GroupAttrs& ga, OpDesc desc, const void* in, void* out, Body body,
-                          bool peers_write = false) {
+                          bool peers_write = false, Block block = nullptr) {
   Placement pl;
   std::string err = placement(pid, ga, &pl);
   if (!err.empty()) return to_error(std::string("strata_jax ") + name + ": " + err);
@@ -48,6 +49,11 @@ ffi::Error run_collective(const char* name, ffi::RunId run, int64_t op_id, ffi::
   desc.name = name;
   stats().calls.fetch_add(1, std::memory_order_relaxed);
   OpTimer timer(name, desc.in_bytes, desc.algo);  // comm_stats()["ops"] (fabric/op_stats.h)
+  if constexpr (!std::is_same_v<Block, std::nullptr_t>) {
+    if (!ShmFabric::active() && pairs_in_process(desc, pl.size))
+      return join_and_run_pairs(name, run.run_id, op_id, pl, desc, in, out,
+                                [&](Team& t, int src) { return block(t, pl, src); });
+  }
   return join_and_run(
       name, run.run_id, op_id, pl, desc, in, out, /*cross_process=*/true,
       [&](Team& t) { return body(t, pl); }, /*may_ll=*/!peers_write);
@@ -584,26 +590,42 @@ ffi::Error all_to_all_impl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
   auto dims = x.dimensions();
   std::vector<int64_t> shape(dims.begin(), dims.end());
   const int es = dtype_size(d.dtype);
-  return run_collective(
-      "all_to_all", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
-      x.untyped_data(), y->untyped_data(), [&](Team& t, const Placement& pl) -> std::string {
-        const int nd = static_cast<int>(shape.size());
-        if (split_axis < 0 || split_axis >= nd || concat_axis < 0 || concat_axis >= nd ||
-            shape[split_axis] % t.size() != 0)
-          return "strata_jax all_to_all: split axis size must be divisible by the group size";
-        if (diverted &&
-            (pl.partition < 0 || static_cast<size_t>(pl.partition) >= divert.size() ||
-             divert_axis < 0 || divert_axis >= nd || shape[divert_axis] == 0 || move_to < -1 ||
-             move_to >= nd || y2_bytes != y->size_bytes() / shape[divert_axis] ||
-             (divert_dest.size() && divert_dest.size() != divert.size())))
-          return "strata_jax all_to_all: internal error: bad divert table or second output";
-        count_peer_bytes(t, x.size_bytes() / t.size() * (t.size() - 1));
-        const Divert dv{static_cast<int>(divert_axis), diverted ? divert[pl.partition] : 0,
-                        static_cast<char*>(y2), static_cast<int>(move_to),
-                        divert_dest.size() ? divert_dest[pl.partition] : -1};
-        return all_to_all(t, es, shape, static_cast<int>(split_axis), static_cast<int>(concat_axis),
-                          diverted ? &dv : nullptr);
-      });
+  // The checks of the block shapes, the same for every rank (its shape and the group size).
+  auto check = [&](const Team& t, const Placement& pl) -> std::string {
+    const int nd = static_cast<int>(shape.size());
+    if (split_axis < 0 || split_axis >= nd || concat_axis < 0 || concat_axis >= nd ||
+        shape[split_axis] % t.size() != 0)
+      return "strata_jax all_to_all: split axis size must be divisible by the group size";
+    if (diverted &&
+        (pl.partition < 0 || static_cast<size_t>(pl.partition) >= divert.size() ||
+         divert_axis < 0 || divert_axis >= nd || shape[divert_axis] == 0 || move_to < -1 ||
+         move_to >= nd || y2_bytes != y->size_bytes() / shape[divert_axis] ||
+         (divert_dest.size() && divert_dest.size() != divert.size())))
+      return "strata_jax all_to_all: internal error: bad divert table or second output";
+    return {};
+  };
+  auto body = [&](Team& t, const Placement& pl) -> std::string {
+    if (std::string e = check(t, pl); !e.empty()) return e;
+    count_peer_bytes(t, x.size_bytes() / t.size() * (t.size() - 1));
+    const Divert dv{static_cast<int>(divert_axis), diverted ? divert[pl.partition] : 0,
+                    static_cast<char*>(y2), static_cast<int>(move_to),
+                    divert_dest.size() ? divert_dest[pl.partition] : -1};
+    return all_to_all(t, es, shape, static_cast<int>(split_axis), static_cast<int>(concat_axis),
+                      diverted ? &dv : nullptr);
+  };
+  const GroupAttrs ga{groups, group_size, device_ids};
+  if (diverted)
+    return run_collective("all_to_all", run, op_id, pid, ga, d, x.untyped_data(), y->untyped_data(),
+                          body);
+  // One block per source (InProcTeam::arrive_pairs); a peer's thread may run it.
+  auto block = [&](Team& t, const Placement& pl, int src) -> std::string {
+    if (std::string e = check(t, pl); !e.empty()) return e;
+    if (src != t.rank()) count_peer_bytes(t, x.size_bytes() / t.size());
+    return all_to_all(t, es, shape, static_cast<int>(split_axis), static_cast<int>(concat_axis),
+                      nullptr, src);
+  };
+  return run_collective("all_to_all", run, op_id, pid, ga, d, x.untyped_data(), y->untyped_data(),
+                        body, /*peers_write=*/false, block);
 }
 
 ffi::Error AllToAllImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,

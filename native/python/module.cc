@@ -145,6 +145,8 @@ NB_MODULE(_strata, m) {
     d["max_runs_in_flight_per_device"] = s.max_runs_in_flight.load(std::memory_order_relaxed);
     d["mismatches"] = s.mismatches.load(std::memory_order_relaxed);
     d["low_latency_calls"] = s.low_latency_calls.load(std::memory_order_relaxed);
+    d["lead_calls"] = s.lead_calls.load(std::memory_order_relaxed);
+    d["pair_calls"] = s.pair_calls.load(std::memory_order_relaxed);
     d["failures"] = s.failures.load(std::memory_order_relaxed);
     return d;
   });
