@@ -90,6 +90,7 @@ _JOB_2X2 = [
     ("check_ragged.py",),
     ("check_moe_low_latency.py",),
     ("check_low_latency.py",),
+    ("check_ll_staged.py",),
     ("check_pytree.py",),
     ("check_bench_timing.py",),
     ("call_matching.py",),
@@ -277,6 +278,18 @@ def test_low_latency_two_processes_two_devices_each(job_2x2):
     out = _part(job_2x2, "check_low_latency.py")
     assert out.count("OK ll mismatch both low-latency") == 2, out[-3000:]
     assert out.count("OK ll mismatch across paths") == 2, out[-3000:]
+    assert out.count("checks rank") == 2, out[-3000:]
+
+
+def test_low_latency_staged_form(job_2x2):
+    """Calls above the slot size through the owner's bounce buffer, no departure barrier
+    (tests/mp_scripts/check_ll_staged.py says what it checks): every staged operator against
+    numpy and the path each call took, a staged psum equal bit for bit to the general path's,
+    40 chained 1 MiB all_to_alls, two staged calls in one program, ranks that disagree
+    (staged against general, staged against staged) failing within 2 s naming both sizes."""
+    out = _part(job_2x2, "check_ll_staged.py")
+    assert out.count("OK ll staged mismatch across paths") == 2, out[-3000:]
+    assert out.count("OK ll staged mismatch both staged") == 2, out[-3000:]
     assert out.count("checks rank") == 2, out[-3000:]
 
 

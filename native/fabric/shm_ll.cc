@@ -20,10 +20,10 @@
 namespace strata {
 namespace {
 
-// Threshold of input bytes per rank from STRATA_LL_BYTES (K/M suffixes; 0 turns the path off).
-int64_t env_ll_bytes() {
-  const char* v = std::getenv("STRATA_LL_BYTES");
-  if (!v || !*v) return static_cast<int64_t>(kLlDefaultBytes);
+// A byte count from the environment (K/M suffixes; 0 or negative: 0), `dflt` when unset.
+int64_t env_bytes(const char* name, int64_t dflt) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return dflt;
   char* end = nullptr;
   double x = std::strtod(v, &end);
   if (end && (*end == 'k' || *end == 'K')) x *= 1024;
@@ -32,7 +32,55 @@ int64_t env_ll_bytes() {
 }
 
 // Relaxed: a setting read when a channel is created, not a synchronization flag.
-std::atomic<int64_t> g_ll_bytes{env_ll_bytes()};
+// Threshold of input bytes per rank from STRATA_LL_BYTES (0 turns the path off).
+std::atomic<int64_t> g_ll_bytes{
+    env_bytes("STRATA_LL_BYTES", static_cast<int64_t>(kLlDefaultBytes))};
+
+constexpr int64_t kStageDefaultBytes = int64_t{1} << 20;
+
+// The staged form's limit for a channel this process creates (shm_ll.h).
+// STRATA_LL_STAGE_BYTES, or set_ll_stage_bytes(); -1: the default below.
+std::atomic<int64_t> g_stage_bytes{env_bytes("STRATA_LL_STAGE_BYTES", -1)};
+
+uint64_t stage_limit(const ShmFabric* f) {
+  const int64_t v = g_stage_bytes.load(std::memory_order_relaxed);
+  if (v >= 0) return static_cast<uint64_t>(v);
+  return f && f->nprocs() > static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)) ? kStageDefaultBytes
+                                                                            : 0;
+}
+
+// The staged form's bounce buffers of this process that peers may still read: each is released
+// once every peer has marked the slot that published it read (or the slot holds another call,
+// which its owner claims only after that).
+struct StagedUse {
+  Bounce* bounce;
+  LlEntry* entry;
+  uint64_t tag, others;
+};
+std::mutex g_stage_mu;
+std::vector<StagedUse> g_staged;
+
+// A bounce buffer of at least `bytes` for the staged form, after releasing those every reader
+// is done with. nullptr and *err on failure.
+Bounce* acquire_stage(ShmFabric* f, size_t bytes, std::string* err) {
+  {
+    std::lock_guard<std::mutex> lock(g_stage_mu);
+    for (size_t i = 0; i < g_staged.size();) {
+      const StagedUse& u = g_staged[i];
+      // acquire: the peers' reads of the buffer happen before its reuse (their fetch_or of
+      // read_by is seq_cst; a changed stamp means the owner reclaimed the slot after them).
+      if (u.entry->stamp.load(std::memory_order_acquire) != u.tag ||
+          (u.entry->read_by.load(std::memory_order_acquire) & u.others) == u.others) {
+        f->release_bounce(u.bounce);
+        g_staged[i] = g_staged.back();
+        g_staged.pop_back();
+      } else {
+        ++i;
+      }
+    }
+  }
+  return f->acquire_bounce(bytes, /*critical=*/true, err);
+}
 
 size_t ll_threshold() {
   const int64_t b = g_ll_bytes.load(std::memory_order_relaxed);
@@ -84,6 +132,7 @@ LlChannel* channel_for(ShmFabric* f, uint64_t comm, int size) {
       ch->size = size;
       ch->data_bytes = fits ? static_cast<uint32_t>(data) : 0;  // 0: general path only
       ch->entry_bytes = entry;
+      ch->stage_bytes = fits ? stage_limit(f) : 0;
       ch->offset = table + reg->used;
       if (fits) reg->used += need;
       ch->comm = comm;  // the slots are fresh memfd pages: stamps, claims and bits all 0
@@ -98,15 +147,33 @@ LlChannel* channel_for(ShmFabric* f, uint64_t comm, int size) {
 
 void set_ll_bytes(int64_t bytes) { g_ll_bytes.store(bytes, std::memory_order_relaxed); }
 int64_t get_ll_bytes() { return static_cast<int64_t>(ll_threshold()); }
+void set_ll_stage_bytes(int64_t bytes) {
+  g_stage_bytes.store(bytes < 0 ? -1 : bytes, std::memory_order_relaxed);
+}
+int64_t get_ll_stage_bytes() { return static_cast<int64_t>(stage_limit(ShmFabric::active())); }
 
 // ---- joining ----
 
+uint64_t ShmLlTeam::multi_bytes(const BufRef* bufs, int nbufs, bool* eligible) {
+  uint64_t total = 0;
+  *eligible = nbufs <= kMaxBufs;
+  for (int i = 0; i < nbufs && *eligible; ++i) {
+    if (bufs[i].bytes && bufs[i].written) *eligible = false;
+    total += round_up(bufs[i].bytes, 64);
+  }
+  return *eligible ? total : 0;
+}
+
 std::unique_ptr<ShmLlTeam> ShmLlTeam::join(ShmFabric* f, const Placement& pl, int64_t run_id,
-                                           int64_t op_id, const OpDesc& desc, const char* op_name,
-                                           std::string* err) {
-  if (pl.size < 2 || pl.size > 64 || desc.in_bytes > kLlMaxBytes) return nullptr;
+                                           int64_t op_id, const OpDesc& desc, uint64_t bytes,
+                                           const char* op_name, std::string* err) {
+  if (pl.size < 2 || pl.size > 64) return nullptr;
   LlChannel* ch = channel_for(f, pl.comm, pl.size);
-  if (!ch || ch->data_bytes == 0 || desc.in_bytes > ch->data_bytes) return nullptr;
+  if (!ch || ch->data_bytes == 0) return nullptr;
+  // Every rank of a matching call decides alike: the channel's limits are shared, may_stage
+  // derives from the op and its sizes.
+  const bool staged = bytes > ch->data_bytes;
+  if (staged && (!desc.may_stage || bytes > ch->stage_bytes)) return nullptr;
   if (ch->size != pl.size) {
     *err = std::string("strata_jax ") + op_name + ": ranks disagree on the group size (" +
            std::to_string(ch->size) + " vs " + std::to_string(pl.size) + ")";
@@ -119,6 +186,7 @@ std::unique_ptr<ShmLlTeam> ShmLlTeam::join(ShmFabric* f, const Placement& pl, in
   t->op_ = seq.op;
   t->occ_ = seq.occ;
   t->tag_ = slot_tag(pl.comm, seq.exec, seq.op, seq.occ);
+  t->staged_ = staged;
   stats().low_latency_calls.fetch_add(1, std::memory_order_relaxed);
   return t;
 }
@@ -136,6 +204,7 @@ ShmLlTeam::ShmLlTeam(ShmFabric* f, LlChannel* ch, char* region, const Placement&
       device_ids_(pl.device_ids),
       op_name_(op_name),
       in_(pl.size, nullptr),
+      bufs_(static_cast<size_t>(pl.size) * kMaxBufs, nullptr),
       found_(pl.size, nullptr) {}
 
 ShmLlTeam::~ShmLlTeam() { mark_read(); }
@@ -299,11 +368,43 @@ std::string ShmLlTeam::claim(LlEntry** out, Clock::time_point deadline) {
 }
 
 std::string ShmLlTeam::arrive(const OpDesc& desc, const void* in, void* out) {
-  const auto deadline = Clock::now() + std::chrono::milliseconds(settings().timeout_ms.load());
   out_ = out;
+  const BufRef buf{in, desc.in_bytes, false};
+  return publish_and_wait(desc, &buf, 1);
+}
+
+std::string ShmLlTeam::arrive_multi(const OpDesc& desc, const BufRef* bufs, int nbufs) {
+  if (nbufs > kMaxBufs)
+    return std::string("strata_jax ") + op_name_ + ": internal error: too many buffers";
+  return publish_and_wait(desc, bufs, nbufs);
+}
+
+std::string ShmLlTeam::publish_and_wait(const OpDesc& desc, const BufRef* bufs, int nbufs) {
+  const auto deadline = Clock::now() + std::chrono::milliseconds(settings().timeout_ms.load());
+  uint64_t off[kMaxBufs] = {}, total = 0;
+  for (int i = 0; i < nbufs; ++i) {
+    off[i] = total;
+    total += round_up(bufs[i].bytes, 64);
+  }
+  // Staged form: the data goes into a bounce buffer every peer has mapped (before claiming the
+  // slot, so that a failure here leaves the ring as it was).
+  Bounce* stage = nullptr;
+  if (staged_ && total) {
+    std::string serr;
+    stage = acquire_stage(f_, total, &serr);
+    if (!stage) return std::string("strata_jax ") + op_name_ + ": " + serr;
+    for (int i = 0; i < nbufs; ++i)
+      if (bufs[i].bytes) copy_bytes(stage->base + off[i], bufs[i].ptr, bufs[i].bytes);
+    copy_fence();  // the streaming stores, before the stamp's release below
+    stats().staged_calls.fetch_add(1, std::memory_order_relaxed);
+    stats().staged_bytes.fetch_add(total, std::memory_order_relaxed);
+  }
   LlEntry* me = nullptr;
   std::string err = claim(&me, deadline);
-  if (!err.empty()) return err;
+  if (!err.empty()) {
+    if (stage) f_->release_bounce(stage);
+    return err;
+  }
   // Every peer has read the previous occupant and nobody reads the header or data before the
   // new stamp: plain stores, published by the seq_cst (release) stamp store below.
   me->stamp.store(0, std::memory_order_relaxed);
@@ -321,11 +422,21 @@ std::string ShmLlTeam::arrive(const OpDesc& desc, const void* in, void* out) {
   me->out_bytes = desc.out_bytes;
   std::strncpy(me->name, desc.name ? desc.name : "", sizeof(me->name) - 1);
   me->name[sizeof(me->name) - 1] = 0;
-  if (desc.in_bytes) std::memcpy(data_of(me), in, desc.in_bytes);  // regular stores, no fence
+  me->data_seg = stage ? stage->id : 0;
+  me->data_off = 0;
+  me->data_ptr = stage ? reinterpret_cast<uintptr_t>(stage->base) : 0;
+  for (int i = 0; i < kMaxBufs; ++i) {
+    me->buf_off[i] = i < nbufs ? off[i] : 0;
+    me->buf_bytes[i] = i < nbufs ? bufs[i].bytes : 0;
+  }
+  if (!stage) {
+    for (int i = 0; i < nbufs; ++i)  // regular stores, no fence
+      if (bufs[i].bytes) std::memcpy(data_of(me) + off[i], bufs[i].ptr, bufs[i].bytes);
+  }
   me->stamp.store(tag_, std::memory_order_seq_cst);
   me->claim.store(0, std::memory_order_release);
+  stage_ = stage;  // listed for release by mark_read(), once this rank's own reads are done
   found_[rank_] = me;
-  in_[rank_] = data_of(me);
 
   int left = size_ - 1;
   auto ready = [&]() -> bool {
@@ -334,11 +445,14 @@ std::string ShmLlTeam::arrive(const OpDesc& desc, const void* in, void* out) {
       LlEntry* e = find(j);
       if (!e) continue;
       found_[j] = e;
-      in_[j] = data_of(e);
       --left;
+      bool same_bufs = true;  // arrive_multi: every buffer of the same size
+      for (int i = 0; i < kMaxBufs; ++i)
+        same_bufs = same_bufs && e->buf_bytes[i] == (i < nbufs ? bufs[i].bytes : 0);
       if (failed_.empty() &&
           (e->kind != desc.kind || e->dtype != desc.dtype || e->reduce != desc.reduce ||
-           e->aux != desc.aux || e->in_bytes != desc.in_bytes || e->out_bytes != desc.out_bytes)) {
+           e->aux != desc.aux || e->in_bytes != desc.in_bytes || e->out_bytes != desc.out_bytes ||
+           !same_bufs)) {
         failed_ = mismatch(desc);
         notify(&ch_->epoch, &ch_->sleepers);  // waiters see it now, not at their next slice
       }
@@ -369,6 +483,24 @@ std::string ShmLlTeam::arrive(const OpDesc& desc, const void* in, void* out) {
       stats().mismatches.fetch_add(1, std::memory_order_relaxed);
     return err;
   }
+  // Where each rank's data is: in its slot, or (staged form; every rank of an agreeing call is
+  // staged alike) in its bounce buffer, mapped here unless it is this process's own.
+  for (int j = 0; j < size_; ++j) {
+    LlEntry* e = found_[j];
+    char* base = data_of(e);
+    if (e->data_seg) {
+      if (e->proc == f_->proc()) {
+        base = reinterpret_cast<char*>(e->data_ptr);
+      } else {
+        base = f_->translate(e->proc, e->data_seg, e->data_off, total, deadline, &err);  // = its
+        if (!base) return std::string("strata_jax ") + op_name_ + ": " + err;
+      }
+    }
+    in_[j] = base;
+    for (int i = 0; i < kMaxBufs; ++i)
+      bufs_[static_cast<size_t>(j) * kMaxBufs + i] =
+          e->buf_bytes[i] ? base + e->buf_off[i] : nullptr;
+  }
   descs_.assign(size_, desc);
   for (OpDesc& d : descs_) d.algo = 0;  // one-shot: each rank reads the slots, writes its own
   return {};
@@ -377,6 +509,14 @@ std::string ShmLlTeam::arrive(const OpDesc& desc, const void* in, void* out) {
 void ShmLlTeam::mark_read() {
   if (read_marked_) return;
   read_marked_ = true;
+  if (stage_) {
+    // This rank has read its own copy; the bounce buffer stays busy until every peer has read
+    // it too (acquire_stage releases it then). Not listed before: another device thread of this
+    // process sweeping the list would release it while this rank still reads it, or, before
+    // the stamp, take the slot's old stamp for a finished call.
+    std::lock_guard<std::mutex> lock(g_stage_mu);
+    g_staged.push_back(StagedUse{stage_, found_[rank_], tag_, others_mask(size_, rank_)});
+  }
   bool any = false;
   for (int j = 0; j < size_; ++j) {
     if (j == rank_ || !found_[j]) continue;

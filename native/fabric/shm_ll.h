@@ -35,6 +35,19 @@
 // and halves after longer ones, down to futex at once (STRATA_LL_SPINS / STRATA_LL_YIELDS cap
 // it). Measured here, loaded: 2 processes 4 KiB psum p50 18-21 us adaptive, 50-150 us with a
 // fixed 2000-pause spin; 4 processes on 2 cores: adaptive equal to futex at once.
+//
+// Staged form (larger calls, STRATA_LL_STAGE_BYTES): a call too large for a slot but at most
+// the channel's `stage_bytes` (and marked OpDesc::may_stage by its handler) takes the same path
+// with its data in a bounce buffer of the owner's (a memfd every peer has mapped, shm.cc)
+// instead of inside the slot; the slot's header says where (data_seg/off/ptr). The bounce buffer
+// stays busy until every peer has marked the slot read, so, as for small calls, no rank waits
+// for its peers to finish reading (no departure barrier). Why: with more processes than cores
+// every barrier a rank sleeps in costs it its core; the general path's departure barrier made
+// ranks that had finished their copy wait for a descheduled peer (measured under launch -n 4 on
+// 2 cores, train_recsys's 8 MiB all_to_alls: 1-32 ms per call in the departure barrier for
+// 0.7-1.8 ms of copying). What it costs: one copy of the input per call. Default: 16 MiB when
+// processes outnumber cores, else off (there the departure barrier is a short spin and the copy
+// would only cost bandwidth).
 #pragma once
 
 #include <atomic>
@@ -73,9 +86,14 @@ struct LlEntry {
   int32_t kind, dtype, reduce, proc;
   int64_t aux, device;
   uint64_t in_bytes, out_bytes;
+  // Staged form: the data's place in the owner's bounce buffer (data_seg 0: inside the slot);
+  // data_ptr is the owner's own address of it (for ranks of the same process).
+  uint64_t data_seg, data_off, data_ptr;
+  // arrive_multi's buffers: offset of each in the data (64-byte aligned) and bytes (0: none).
+  uint64_t buf_off[kMaxBufs], buf_bytes[kMaxBufs];
   char name[32];
 };
-constexpr size_t kLlHeaderBytes = 192;
+constexpr size_t kLlHeaderBytes = 256;
 static_assert(sizeof(LlEntry) <= kLlHeaderBytes, "LlEntry header too large");
 
 // A communicator's channel. Fields up to `offset` are written once under the control mutex when
@@ -86,6 +104,7 @@ struct LlChannel {
   uint32_t data_bytes;   // threshold = data room per slot; 0: no LL path for this comm
   uint64_t offset;       // of rank 0's ring from the region start
   uint64_t entry_bytes;  // header + data room, multiple of 64
+  uint64_t stage_bytes;  // largest input of the staged form (0: none; see above)
   // Futex words and their sleeper counts: `epoch` for waiters of peers' data, `freed` for an
   // owner waiting until its peers finished reading a slot it wants to reuse (rare). A notifier
   // changes the condition with a seq_cst store, then loads the count (seq_cst) and bumps the
@@ -110,15 +129,26 @@ struct LlRegion {
 // rank of a communicator agrees whatever each process set later.
 void set_ll_bytes(int64_t bytes);
 int64_t get_ll_bytes();
+// The staged form's limit a channel gets when this process creates it: STRATA_LL_STAGE_BYTES
+// (K/M suffixes; 0 turns the form off), else 16 MiB when the fabric's processes outnumber the
+// cores, else 0. Kept by the channel like the threshold above. set_ll_stage_bytes(-1): back to
+// that default.
+void set_ll_stage_bytes(int64_t bytes);
+int64_t get_ll_stage_bytes();
 
 class ShmLlTeam final : public Team {
  public:
   // The low-latency team for this call, or nullptr when the call takes the general path (too
   // large, no channel): then *err is empty and nothing was consumed (next_seq not called).
   // nullptr with *err set: the call failed.
+  // `bytes`: what the call publishes (the input, or arrive_multi's buffers each rounded up to
+  // 64 bytes), which decides between a slot, the staged form and the general path.
   static std::unique_ptr<ShmLlTeam> join(ShmFabric* f, const Placement& pl, int64_t run_id,
-                                         int64_t op_id, const OpDesc& desc, const char* op_name,
-                                         std::string* err);
+                                         int64_t op_id, const OpDesc& desc, uint64_t bytes,
+                                         const char* op_name, std::string* err);
+  // The bytes arrive_multi publishes for these buffers; 0 when one is `written` (the path
+  // holds copies of inputs only, so such a call takes the general path).
+  static uint64_t multi_bytes(const BufRef* bufs, int nbufs, bool* eligible);
   ShmLlTeam(ShmFabric* f, LlChannel* ch, char* region, const Placement& pl, const char* op_name);
   ~ShmLlTeam() override;  // marks the peers' slots read if depart() did not (a failed call)
   int rank() const override { return rank_; }
@@ -126,13 +156,18 @@ class ShmLlTeam final : public Team {
   const void* peer_in(int j) const override { return in_[j]; }
   // Only this rank's own output is reachable: every operator on this path writes its own.
   void* peer_out(int j) const override { return j == rank_ ? out_ : nullptr; }
-  const void* peer_buf(int, int) const override { return nullptr; }
+  const void* peer_buf(int j, int i) const override {
+    return i >= 0 && i < kMaxBufs ? bufs_[static_cast<size_t>(j) * kMaxBufs + i] : nullptr;
+  }
   const OpDesc& peer_desc(int j) const override { return descs_[j]; }
   std::string barrier(const char* phase) override;
   bool zero_copy() const override { return false; }  // the data goes through the slots
   // Copies `in` into this rank's slot, publishes it, waits for every peer's slot of this call
   // and checks that all agree. The algorithm then reads peer_in(j) (the peers' slots).
   std::string arrive(const OpDesc& desc, const void* in, void* out);
+  // The same for up to kMaxBufs read-only buffers (peer_buf(j, i) then points into rank j's
+  // copy); every rank's buffers have this rank's sizes (the descriptors agree).
+  std::string arrive_multi(const OpDesc& desc, const BufRef* bufs, int nbufs);
   // Marks the peers' slots as read. Never waits.
   std::string depart();
 
@@ -164,7 +199,13 @@ class ShmLlTeam final : public Team {
   bool read_marked_ = false;
   std::vector<const void*> in_;
   void* out_ = nullptr;
-  std::vector<LlEntry*> found_;  // peers' slots of this call (after arrive)
+  // Copies `nbufs` buffers into this rank's slot (or bounce buffer), publishes it, waits for
+  // the peers' slots of this call and checks that all agree; then fills in_ and bufs_.
+  std::string publish_and_wait(const OpDesc& desc, const BufRef* bufs, int nbufs);
+  std::vector<const void*> bufs_;  // [rank * kMaxBufs + i]: arrive_multi's buffers, local
+  std::vector<LlEntry*> found_;    // peers' slots of this call (after arrive)
+  Bounce* stage_ = nullptr;  // the staged form's bounce buffer of this rank (after publishing)
+  bool staged_ = false;      // the staged form (data in bounce buffers)
   std::vector<OpDesc> descs_;
 };
 

@@ -21,6 +21,11 @@ struct OpDesc {
   int32_t algo = 0;        // algorithm choice; not compared: every rank follows rank 0's
   uint64_t in_bytes = 0;   // per-rank input bytes
   uint64_t out_bytes = 0;  // per-rank output bytes
+  // Not compared (derived from the op and its sizes, so equal on every rank of a matching
+  // call): the call may take the shared-memory fabric's staged low-latency form above the slot
+  // size (fabric/shm_ll.h): its algorithm reads peer_in() (or read-only peer_buf()) and writes
+  // only its own output, and one-shot costs it no more than otherwise.
+  bool may_stage = false;
   bool same_as(const OpDesc& o) const {
     return kind == o.kind && dtype == o.dtype && reduce == o.reduce && aux == o.aux &&
            in_bytes == o.in_bytes && out_bytes == o.out_bytes;

@@ -129,10 +129,12 @@ struct LeadIo {
 // kMayLl: the call may take the shared-memory fabric's low-latency path (fabric/shm_ll.h) when
 // `ll_desc` is given and small enough; only for operators that read peer_in() and write their
 // own output (Arrive then calls team.arrive(desc, in, out)).
+// `ll_bytes`: what the call would publish on that path (default: ll_desc->in_bytes).
 template <bool kMayLl = false, class Arrive, class Body>
 xla::ffi::Error join_and_run_with(const char* name, int64_t run_id, int64_t op_id,
                                   const Placement& pl, bool cross_process, Arrive arrive, Body body,
-                                  const OpDesc* ll_desc = nullptr, const LeadIo* lead = nullptr) {
+                                  const OpDesc* ll_desc = nullptr, const LeadIo* lead = nullptr,
+                                  const uint64_t* ll_bytes = nullptr) {
   std::string err;
   // Measures, and guards, the ordering rule (inflight.h). Only groups of more than one rank:
   // XLA orders single-device programs by their own per-device queue, which may overlap a
@@ -155,7 +157,9 @@ xla::ffi::Error join_and_run_with(const char* name, int64_t run_id, int64_t op_i
     // processes a group spans: that needs the program's device assignment). Calls meet by
     // communicator and execution number on it, not by run id (fabric/shm.h).
     if constexpr (kMayLl) {
-      auto ll = ll_desc ? ShmLlTeam::join(shm, pl, run_id, op_id, *ll_desc, name, &err) : nullptr;
+      auto ll = ll_desc ? ShmLlTeam::join(shm, pl, run_id, op_id, *ll_desc,
+                                          ll_bytes ? *ll_bytes : ll_desc->in_bytes, name, &err)
+                        : nullptr;
       if (!err.empty()) return to_error(err);
       if (ll) {
         err = arrive(*ll);
@@ -215,18 +219,23 @@ xla::ffi::Error join_and_run(const char* name, int64_t run_id, int64_t op_id, co
 }
 
 // Several buffers per rank (Team::peer_buf); the output is this rank's alone, not published.
+// `may_ll`: the body only reads the peers' buffers and never calls a barrier, so across
+// processes the call may take the low-latency path (fabric/shm_ll.h) when no buffer is
+// `written` and they fit (in a slot, or staged when desc.may_stage).
 template <class Body>
 xla::ffi::Error join_and_run_multi(const char* name, int64_t run_id, int64_t op_id,
                                    const Placement& pl, const OpDesc& desc, const BufRef* bufs,
-                                   int nbufs, Body body) {
-  return join_and_run_with(
+                                   int nbufs, Body body, bool may_ll = false) {
+  bool eligible = false;
+  const uint64_t bytes = ShmLlTeam::multi_bytes(bufs, nbufs, &eligible);
+  return join_and_run_with<true>(
       name, run_id, op_id, pl, /*cross_process=*/true,
       [&](auto& team) {
         std::string e = team.arrive_multi(desc, bufs, nbufs);
         OpTimer::arrived();  // wait vs move in comm_stats() (fabric/op_stats.h)
         return e;
       },
-      body);
+      body, may_ll && eligible ? &desc : nullptr, nullptr, &bytes);
 }
 
 }  // namespace strata

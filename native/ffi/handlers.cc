@@ -47,6 +47,12 @@ ffi::Error run_collective(const char* name, ffi::RunId run, int64_t op_id, ffi::
   if (desc.in_bytes == 0 && desc.out_bytes == 0 && !ShmFabric::active())
     return ffi::Error::Success();
   desc.name = name;
+  // The staged low-latency form (fabric/shm_ll.h) runs every algorithm one-shot from copies of
+  // the inputs: for exchanges that costs one copy of the input; an all-reduce would read every
+  // peer's whole input instead of a share of it (two-shot), and a broadcast would copy every
+  // rank's input for the root's alone, so those take it only up to the slots' largest size.
+  desc.may_stage =
+      (desc.kind != kAllReduce && desc.kind != kBroadcast) || desc.in_bytes <= kLlMaxBytes;
   stats().calls.fetch_add(1, std::memory_order_relaxed);
   OpTimer timer(name, desc.in_bytes, desc.algo);  // comm_stats()["ops"] (fabric/op_stats.h)
   if constexpr (!std::is_same_v<Block, std::nullptr_t>) {

@@ -31,16 +31,18 @@ ffi::Error invalid(const char* name, const std::string& what) {
 // Joins the call like run_collective in ffi/handlers.cc; arrival publishes this rank's buffers
 // (Team::arrive_multi; the kernels find the peers' ones with Team::peer_buf), so MoE runs on
 // the in-process and the shared-memory fabric alike.
+// `may_ll`: see join_and_run_multi (the low-latency mode's pull kernels).
 template <class Body>
 ffi::Error run_moe(const char* name, ffi::RunId run, int64_t op_id, ffi::AnyBuffer pid,
-                   const GroupAttrs& ga, OpDesc desc, const BufRef* bufs, int nbufs, Body body) {
+                   const GroupAttrs& ga, OpDesc desc, const BufRef* bufs, int nbufs, Body body,
+                   bool may_ll = false) {
   Placement pl;
   std::string err = placement(pid, ga, &pl);
   if (!err.empty()) return invalid(name, err);
   desc.name = name;
   stats().moe_calls.fetch_add(1, std::memory_order_relaxed);
   OpTimer timer(name, desc.in_bytes, 0);  // comm_stats()["ops"] (fabric/op_stats.h)
-  return join_and_run_multi(name, run.run_id, op_id, pl, desc, bufs, nbufs, body);
+  return join_and_run_multi(name, run.run_id, op_id, pl, desc, bufs, nbufs, body, may_ll);
 }
 
 bool is_i32(ffi::AnyBuffer b) { return b.element_type() == ffi::DataType::S32; }
@@ -140,6 +142,7 @@ ffi::Error MoeCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyBuffer weig
   d.aux = s.topk;
   d.in_bytes = ey.size_bytes();
   d.out_bytes = y->size_bytes();
+  d.may_stage = true;  // every rank reads its tokens' rows from the peers' expert_y
   return run_moe(name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d, bufs,
                  moe::kCombBufs, [&](Team& t) -> std::string {
                    s.ranks = t.size();
@@ -296,20 +299,25 @@ ffi::Error MoeLowLatencyDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyB
   d.algo = static_cast<int32_t>(push);
   d.in_bytes = x.size_bytes();
   d.out_bytes = recv->size_bytes();
-  return run_moe(name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d, bufs,
-                 moe::kLLDispBufs, [&](Team& t) -> std::string {
-                   s.ranks = t.size();
-                   if (rd[1] != s.ranks * max_tokens)
-                     return "strata_jax moe.low_latency_dispatch: internal error: receive "
-                            "buffer does not match the group size";
-                   uint64_t moved = 0;
-                   std::string e = moe::low_latency_dispatch(
-                       t, s, max_tokens, push != 0, recv->untyped_data(),
-                       static_cast<int32_t*>(counts->untyped_data()),
-                       static_cast<int32_t*>(src_slots->untyped_data()), &moved);
-                   count_peer_bytes(t, moved);
-                   return e;
-                 });
+  // Pull: destinations read the sources' rows and ids, each writes its own outputs, so across
+  // processes the call may take the low-latency path, staged when large (fabric/shm_ll.h).
+  d.may_stage = true;
+  return run_moe(
+      name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d, bufs, moe::kLLDispBufs,
+      [&](Team& t) -> std::string {
+        s.ranks = t.size();
+        if (rd[1] != s.ranks * max_tokens)
+          return "strata_jax moe.low_latency_dispatch: internal error: receive "
+                 "buffer does not match the group size";
+        uint64_t moved = 0;
+        std::string e =
+            moe::low_latency_dispatch(t, s, max_tokens, push != 0, recv->untyped_data(),
+                                      static_cast<int32_t*>(counts->untyped_data()),
+                                      static_cast<int32_t*>(src_slots->untyped_data()), &moved);
+        count_peer_bytes(t, moved);
+        return e;
+      },
+      /*may_ll=*/push == 0);
 }
 
 // Low-latency combine: expert_y [E_local, R * M, H], weights [T, K] (f64 for f64 rows, else
@@ -346,21 +354,23 @@ ffi::Error MoeLowLatencyCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyB
   d.aux = s.topk * 1'000'000 + max_tokens;
   d.in_bytes = ey.size_bytes();
   d.out_bytes = y->size_bytes();
-  return run_moe(name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d, bufs,
-                 moe::kLLCombBufs, [&](Team& t) -> std::string {
-                   s.ranks = t.size();
-                   if (ed[1] != s.ranks * max_tokens)
-                     return "strata_jax moe.low_latency_combine: internal error: expert "
-                            "rows do not match the group size";
-                   uint64_t moved = 0;
-                   std::string e = moe::low_latency_combine(
-                       t, s, max_tokens, weights.untyped_data(),
-                       static_cast<const int32_t*>(idx.untyped_data()),
-                       static_cast<const int32_t*>(src_slots.untyped_data()), y->untyped_data(),
-                       &moved);
-                   count_peer_bytes(t, moved);
-                   return e;
-                 });
+  d.may_stage = true;  // every rank reads its tokens' rows from the peers' expert_y
+  return run_moe(
+      name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d, bufs, moe::kLLCombBufs,
+      [&](Team& t) -> std::string {
+        s.ranks = t.size();
+        if (ed[1] != s.ranks * max_tokens)
+          return "strata_jax moe.low_latency_combine: internal error: expert "
+                 "rows do not match the group size";
+        uint64_t moved = 0;
+        std::string e = moe::low_latency_combine(
+            t, s, max_tokens, weights.untyped_data(),
+            static_cast<const int32_t*>(idx.untyped_data()),
+            static_cast<const int32_t*>(src_slots.untyped_data()), y->untyped_data(), &moved);
+        count_peer_bytes(t, moved);
+        return e;
+      },
+      /*may_ll=*/true);
 }
 
 }  // namespace

@@ -127,6 +127,8 @@ NB_MODULE(_strata, m) {
   m.def("get_two_shot_bytes", [] { return strata::settings().two_shot_bytes.load(); });
   m.def("set_ll_bytes", [](int64_t b) { strata::set_ll_bytes(b); });
   m.def("get_ll_bytes", [] { return strata::get_ll_bytes(); });
+  m.def("set_ll_stage_bytes", [](int64_t b) { strata::set_ll_stage_bytes(b); });
+  m.def("get_ll_stage_bytes", [] { return strata::get_ll_stage_bytes(); });
   m.def("comm_stats", [] {
     auto& s = strata::stats();
     nb::dict d;

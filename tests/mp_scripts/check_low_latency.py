@@ -31,8 +31,12 @@ import time
 import numpy as np
 
 import strata_jax as sj
+from strata_jax._src.runtime import native
 
 sj.init()
+# The paths checked here are the slot path and the general one: the staged form (on by default
+# when processes outnumber cores) is check_ll_staged.py's.
+native().set_ll_stage_bytes(0)
 
 import jax  # noqa: E402
 import jax.experimental.multihost_utils  # noqa: E402
@@ -265,5 +269,6 @@ for _ in range(40):
         sm(lambda u: sj.psum(u, "x"))(global_array(x)),
         np.broadcast_to(x.sum(0, dtype=x.dtype), x.shape),
     )
+native().set_ll_stage_bytes(-1)
 print(f"OK ll {checks} checks rank {rank}", flush=True)
 sys.stdout.flush()
