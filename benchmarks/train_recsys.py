@@ -208,7 +208,8 @@ def _strata_ops(strata_jax: Any, jax: Any, args: argparse.Namespace) -> dict[str
     if parts:
         out["lines"] = [
             "# strata's collectives, per device per timed step (this process; comm_stats()"
-            "['ops']; wait: until the last peer arrived, move: the copy and the departure): "
+            "['ops']; wait: until the last peer arrived, and on the pairs path of a large "
+            "all_to_all the copies made meanwhile; move: the copy and the departure): "
             + "; ".join(parts)
         ]
     return out
