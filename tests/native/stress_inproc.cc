@@ -1,9 +1,10 @@
 // Stress test of the in-process fabric and the algorithms, run under AddressSanitizer/UBSan or
 // ThreadSanitizer by tests/test_native_sanitizers.py. Threads play the ranks of several groups
 // that call back-to-back collectives on fresh data; every result is checked exactly (ints):
-// psum, all_gather (push and pull), all_to_all and psum_scatter (with and without a diverted
-// block), the psum of several operands in one call (a pytree), and psum_scatter / all_gather over
-// a non-leading dimension (strided rows).
+// psum, all_gather (push and pull), all_to_all (by pairs as ranks arrive, and with a diverted
+// block between two barriers) and psum_scatter (with and without a diverted block), the psum of
+// several operands in one call (a pytree), and psum_scatter / all_gather over a non-leading
+// dimension (strided rows).
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -109,9 +110,20 @@ int main(int argc, char** argv) {
             d.kind = 4;
             d.dtype = kS32;
             d.in_bytes = d.out_bytes = src.size() * 4;
-            std::string e = team->arrive(d, src.data(), dst.data());
-            if (e.empty()) e = all_to_all(*team, 4, shape, 2, 0, divert ? &dv : nullptr);
-            if (e.empty()) e = team->depart();
+            std::string e;
+            if (!divert) {
+              // One rendezvous, pairs of blocks copied by whichever rank arrives second
+              // (InProcTeam::arrive_pairs): a peer's thread may run this rank's block copy.
+              auto blk = [&](int j) { return all_to_all(*team, 4, shape, 2, 0, nullptr, j); };
+              PairFn fn;
+              fn.call = [](void* c, int j) { return (*static_cast<decltype(blk)*>(c))(j); };
+              fn.ctx = &blk;
+              e = team->arrive_pairs(d, src.data(), dst.data(), fn);
+            } else {
+              e = team->arrive(d, src.data(), dst.data());
+              if (e.empty()) e = all_to_all(*team, 4, shape, 2, 0, &dv);
+              if (e.empty()) e = team->depart();
+            }
             if (!e.empty()) {
               std::fprintf(stderr, "%s\n", e.c_str());
               errors[g * n + r] = 1;
