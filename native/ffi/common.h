@@ -58,6 +58,9 @@ struct GroupAttrs {
   int64_t group_size;  // members per group
   I64s device_ids;     // global device id of every partition
 };
+// The same attributes in a handler's binding (after its results): `.STRATA_GROUP_ATTRS`.
+#define STRATA_GROUP_ATTRS \
+  Attr<int64_t>("op_id").Attr<I64s>("groups").Attr<int64_t>("group_size").Attr<I64s>("device_ids")
 
 // Where this device sits in the collective: from its partition id (an operand computed by
 // the program itself, so it is right for any device assignment) and the groups.

@@ -702,8 +702,6 @@ ffi::Error BroadcastImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, A
 
 // Every handler's binding: (x, partition id, optional After) -> (y, [y2,] optional Done), then
 // the group attributes of lowering.lower_strata_call; the handler's own attributes follow.
-#define STRATA_GROUP_ATTRS \
-  Attr<int64_t>("op_id").Attr<I64s>("groups").Attr<int64_t>("group_size").Attr<I64s>("device_ids")
 #define STRATA_BIND_ARGS     \
   ffi::Ffi::Bind()           \
       .Ctx<ffi::RunId>()     \

@@ -386,11 +386,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeDispatchHandler, MoeDispatchImpl,
                                   .OptionalArg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .OptionalRet<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("op_id")
-                                  .Attr<I64s>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<I64s>("device_ids")
-                                  .Attr<int64_t>("weighted"));
+                                  .STRATA_GROUP_ATTRS.Attr<int64_t>("weighted"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeCombineHandler, MoeCombineImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::RunId>()
@@ -403,10 +399,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeCombineHandler, MoeCombineImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .OptionalRet<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("op_id")
-                                  .Attr<I64s>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<I64s>("device_ids"));
+                                  .STRATA_GROUP_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePlanHandler, MoePlanImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
@@ -426,10 +419,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGatherHandler, MoeGatherImpl,
                                   .OptionalArg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .OptionalRet<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("op_id")
-                                  .Attr<I64s>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<I64s>("device_ids"));
+                                  .STRATA_GROUP_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeLowLatencyDispatchHandler, MoeLowLatencyDispatchImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::RunId>()
@@ -441,11 +431,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeLowLatencyDispatchHandler, MoeLowLatencyDispatc
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .OptionalRet<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("op_id")
-                                  .Attr<I64s>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<I64s>("device_ids")
-                                  .Attr<int64_t>("max_tokens")
+                                  .STRATA_GROUP_ATTRS.Attr<int64_t>("max_tokens")
                                   .Attr<int64_t>("push"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeLowLatencyCombineHandler, MoeLowLatencyCombineImpl,
                               ffi::Ffi::Bind()
@@ -458,10 +444,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeLowLatencyCombineHandler, MoeLowLatencyCombineI
                                   .OptionalArg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .OptionalRet<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("op_id")
-                                  .Attr<I64s>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<I64s>("device_ids")
-                                  .Attr<int64_t>("max_tokens"));
+                                  .STRATA_GROUP_ATTRS.Attr<int64_t>("max_tokens"));
 
 }  // namespace strata

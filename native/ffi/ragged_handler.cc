@@ -107,10 +107,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedAllToAllHandler, RaggedAllToAllImpl,
                                   .OptionalArg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .OptionalRet<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("op_id")
-                                  .Attr<I64s>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<I64s>("device_ids")
-                                  .Attr<I64s>("bounds"));
+                                  .STRATA_GROUP_ATTRS.Attr<I64s>("bounds"));
 
 }  // namespace strata
