@@ -416,6 +416,15 @@ def launch(
         reason = netns_unavailable_reason(link_gbit)
         if reason is not None:
             raise OSError(reason)
+    if netns or private_mounts:
+        hidden = _hidden_by_private_mounts(argv, os.getcwd())
+        if hidden:
+            raise OSError(
+                "each simulated host gets an empty /tmp and /dev/shm of its own (--netns, "
+                f"--private-mounts), which hide {', '.join(hidden)}: put the interpreter (its "
+                "virtual environment), the script and the working directory elsewhere, e.g. "
+                "under your home directory"
+            )
     out = stdout if stdout is not None else sys.stdout.buffer
     err = stderr if stderr is not None else sys.stderr.buffer
     run = _Launch(grace, err, fail_grace)
@@ -816,6 +825,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:  # namespaces or links that could not be made: say why, no traceback
         print(f"strata-launch: error: {e}", file=sys.stderr)
         return 2
+
+
+def _hidden_by_private_mounts(argv: list[str], cwd: str) -> list[str]:
+    """The paths a process started in a simulated host's private mounts cannot see: the working
+    directory and every argument naming an existing path under /tmp or /dev/shm (a virtual
+    environment's interpreter too, whatever its link points to: nsenter runs the path)."""
+    out = []
+    for a in [cwd, *(a for a in argv if os.path.exists(a))]:
+        p = os.path.abspath(a)
+        if any(p == h or p.startswith(h + "/") for h in ("/tmp", "/dev/shm")):
+            out.append(a)
+    return out
 
 
 def _launch_from_args(ns: argparse.Namespace, target: list[str]) -> int:

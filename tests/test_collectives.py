@@ -800,6 +800,28 @@ def test_calls_stay_ordered_where_xla_removes_the_data_path(rng):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+@pytest.mark.parametrize("name", ["STRATA_LL_BYTES", "STRATA_LL_STAGE_BYTES"])
+def test_byte_settings_are_checked(monkeypatch, name):
+    """A byte setting the native library reads itself takes digits with a K/M/G suffix; any
+    other value (``1.5M``, ``-1``, ``foo``) is an error at the first strata call naming the
+    variable, where it used to turn the path off without a word (a new user's ``1G``)."""
+    from strata_jax._src import runtime
+
+    for good, n in (("0", 0), ("4096", 4096), ("64K", 65536), ("1m", 1 << 20), ("2G", 2 << 30)):
+        monkeypatch.setenv(name, good)
+        assert runtime.env_bytes(name, 7, "") == n
+    monkeypatch.delenv(name)
+    assert runtime.env_bytes(name, 7, "") == 7
+    for bad in ("1.5M", "-1", "foo", "1T", "M"):
+        monkeypatch.setenv(name, bad)
+        monkeypatch.setattr(runtime, "_env_checked", False)
+        with pytest.raises(ValueError, match=f"{name}='{re.escape(bad)}': give a number of bytes"):
+            runtime.native()
+    monkeypatch.delenv(name)
+    runtime.native()  # checked again, and fine
+    assert runtime._env_checked
+
+
 def test_program_order_setting_is_checked(monkeypatch):
     """A STRATA_PROGRAM_ORDER other than 1, 0 or unset is an error that says what to use."""
     monkeypatch.setenv("STRATA_PROGRAM_ORDER", "true")

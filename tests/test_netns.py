@@ -195,6 +195,25 @@ def test_refuses_without_commands(monkeypatch, tmp_path):
     assert "unshare, nsenter, ip" in (launch.netns_unavailable_reason(None) or "")
 
 
+def test_refuses_paths_the_private_mounts_hide(monkeypatch, tmp_path, capsys):
+    """A script, an interpreter or a working directory under /tmp (or /dev/shm) does not exist
+    inside a simulated host's private mounts: the launcher says so instead of every rank
+    failing with nsenter's 'No such file or directory' (exit 127)."""
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(launch, "netns_unavailable_reason", lambda _: None)
+    script = tmp_path / "s.py"
+    script.write_text("")
+    monkeypatch.chdir("/")
+    with pytest.raises(OSError, match=r"empty /tmp .* hide .*s\.py"):
+        launch.launch(2, [sys.executable, str(script)], hosts=2, netns=True)
+    with pytest.raises(OSError, match="hide"):
+        launch.launch(2, [sys.executable, str(script)], private_mounts=True)
+    monkeypatch.chdir(tmp_path)
+    assert launch.main(["-n", "2", "--private-mounts", "-c", "pass"]) == 2
+    assert f"hide {tmp_path}" in capsys.readouterr().err
+    assert launch._hidden_by_private_mounts(["/usr/bin/env", "-c"], "/root") == []
+
+
 def test_link_rate_needs_netns(capsys):
     with pytest.raises(SystemExit):
         launch.main(["-n", "2", "--link-gbit", "1", "script.py"])

@@ -20,15 +20,36 @@
 namespace strata {
 namespace {
 
-// A byte count from the environment (K/M suffixes; 0 or negative: 0), `dflt` when unset.
+// A byte count from the environment (digits, K/M/G suffixes), `dflt` when unset or not such a
+// count: strata_jax refuses those values with a ValueError at first use (runtime.env_bytes).
 int64_t env_bytes(const char* name, int64_t dflt) {
   const char* v = std::getenv(name);
   if (!v || !*v) return dflt;
   char* end = nullptr;
-  double x = std::strtod(v, &end);
-  if (end && (*end == 'k' || *end == 'K')) x *= 1024;
-  if (end && (*end == 'm' || *end == 'M')) x *= 1024 * 1024;
-  return x > 0 ? static_cast<int64_t>(x) : 0;
+  errno = 0;
+  const long long x = std::strtoll(v, &end, 10);
+  if (end == v || x < 0 || errno) return dflt;
+  int64_t scale = 1;
+  switch (*end) {
+    case 'k':
+    case 'K':
+      scale = int64_t{1} << 10;
+      ++end;
+      break;
+    case 'm':
+    case 'M':
+      scale = int64_t{1} << 20;
+      ++end;
+      break;
+    case 'g':
+    case 'G':
+      scale = int64_t{1} << 30;
+      ++end;
+      break;
+    default:
+      break;
+  }
+  return *end ? dflt : static_cast<int64_t>(x) * scale;
 }
 
 // Relaxed: a setting read when a channel is created, not a synchronization flag.
@@ -596,8 +617,11 @@ std::string ShmLlTeam::straddler(const OpDesc& desc) {
       if (found_[j] || o.reached.load(std::memory_order_acquire) < 1) continue;
       item(j, o.device, o.name, o.dtype, o.in_bytes, o.out_bytes);
     }
-    os << " (sizes on both sides of the low-latency threshold of " << ch_->data_bytes
-       << " B). Every rank of a group must make the same sequence of collective calls with the "
+    os << " (sizes on both sides of the low-latency threshold of " << ch_->data_bytes << " B";
+    if (ch_->stage_bytes)  // a slot, the staged form or the general path (shm_ll.h)
+      os << " in a slot, or of its staged form's " << ch_->stage_bytes
+         << " B (psum/pmax/pmin, pbroadcast: at most " << kLlMaxBytes << " B)";
+    os << "). Every rank of a group must make the same sequence of collective calls with the "
           "same op, shape and dtype.";
     (void)desc;
     const std::string msg = os.str();

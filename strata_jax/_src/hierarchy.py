@@ -712,15 +712,7 @@ ONE_WAY_BYTES = 256 * 1024
 
 
 def _one_way_bytes() -> int:
-    v = os.environ.get("STRATA_ONE_WAY_BYTES", "").strip()
-    if not v:
-        return ONE_WAY_BYTES
-    try:
-        return int(v)
-    except ValueError:
-        raise ValueError(
-            f"STRATA_ONE_WAY_BYTES={v!r}: give a number of bytes (e.g. 262144; 0: always)"
-        ) from None
+    return runtime.env_bytes("STRATA_ONE_WAY_BYTES", ONE_WAY_BYTES, "262144 or 256K; 0: always")
 
 
 def _nbytes(x) -> int:

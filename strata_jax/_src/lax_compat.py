@@ -31,7 +31,6 @@ BatchNorm), and none do here.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -44,7 +43,7 @@ from jax._src.interpreters import mlir
 from jax._src.lax import parallel as lax_parallel
 from jax._src.sharding_impls import SPMDAxisContext
 
-from strata_jax._src import collectives, coverage, hierarchy, lowering, ragged
+from strata_jax._src import collectives, coverage, hierarchy, lowering, ragged, runtime
 
 _state = config.bool_state(
     "strata_use_for_jax_lax",
@@ -448,20 +447,9 @@ _COLLECTIVES = frozenset(p for p, _, _ in _HOOKS) | frozenset(_ASYNC)
 def combine_bytes() -> int:
     """The most bytes (per rank, all operands) one combined all-reduce call takes:
     ``STRATA_COMBINE_BYTES`` (K/M/G suffixes) or 32 MiB; 0 turns combining off."""
-    v = os.environ.get("STRATA_COMBINE_BYTES", "").strip()
-    if not v:
-        return COMBINE_BYTES
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(v[-1:].upper(), 1)
-    try:
-        n = int(v[:-1] if scale > 1 else v) * scale
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise ValueError(
-            f"STRATA_COMBINE_BYTES={v!r}: give a number of bytes (e.g. 33554432 or 32M; 0: "
-            "one strata call per all-reduce, no combining)"
-        )
-    return n
+    return runtime.env_bytes(
+        "STRATA_COMBINE_BYTES", COMBINE_BYTES, "33554432 or 32M; 0: one strata call per all-reduce"
+    )
 
 
 _combined_p = core.Primitive("combined_all_reduce")

@@ -166,9 +166,46 @@ def _backend_initialized() -> bool:
         return False
 
 
+def env_bytes(name: str, default: int, example: str) -> int:
+    """A byte count from the environment variable ``name``: digits with an optional K/M/G
+    suffix (powers of 1024), >= 0; ``default`` when unset or empty.
+
+    Raises:
+      ValueError: naming the variable and ``example`` (e.g. ``"1M; 0: off"``) when the value
+        is not such a count (``1.5M``, ``-1``, ``foo``).
+    """
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(v[-1:].upper(), 1)
+    digits = v[:-1] if scale > 1 else v
+    if not digits.isdigit():
+        raise ValueError(f"{name}={v!r}: give a number of bytes, K/M/G allowed (e.g. {example})")
+    return int(digits) * scale
+
+
+# Byte settings the native library reads from the environment itself (native/fabric/shm_ll.cc,
+# env_bytes): checked here at first use, so that a value it cannot read is an error instead of
+# a path silently turned off.
+_NATIVE_BYTE_SETTINGS = {
+    "STRATA_LL_BYTES": "64K; 0: no low-latency path",
+    "STRATA_LL_STAGE_BYTES": "1M; 0: no staged form",
+}
+_env_checked = False
+
+
+def _check_native_env() -> None:
+    global _env_checked
+    for name, example in _NATIVE_BYTE_SETTINGS.items():
+        env_bytes(name, 0, example)
+    _env_checked = True
+
+
 def native():
     """The loaded ``strata_jax._strata`` extension, with its FFI targets registered
     (``extension.load()``); checks the launch pool at first use after the backend exists."""
+    if not _env_checked:
+        _check_native_env()
     module = extension.load()
     if not _launch_checked:
         _check_launch_pool()
