@@ -209,8 +209,8 @@ def test_refuses_paths_the_private_mounts_hide(monkeypatch, tmp_path, capsys):
     with pytest.raises(OSError, match="hide"):
         launch.launch(2, [sys.executable, str(script)], private_mounts=True)
     monkeypatch.chdir(tmp_path)
-    assert launch.main(["-n", "2", "--private-mounts", "-c", "pass"]) == 2
-    assert f"hide {tmp_path}" in capsys.readouterr().err
+    assert launch.main(["-n", "2", "--private-mounts", "s.py"]) == 2
+    assert f"hide {tmp_path}, s.py" in capsys.readouterr().err
     assert launch._hidden_by_private_mounts(["/usr/bin/env", "-c"], "/root") == []
 
 
