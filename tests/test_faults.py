@@ -134,6 +134,10 @@ def test_sigstop_past_timeout_then_sigcont(clean_host):
         t_after = time.monotonic() - t_cont
         assert "FAILED 2" in hit, f"the resumed rank did not fail: {hit}"
         fds_after = job.wait_for(r"\] FDS-AFTER \d+ \d+$", 3, timeout=20)
+        # The staged form's bounce buffers (counted apart by fault_loop.py): at most the failed
+        # call's and the one before it, which the stopped rank may not have read.
+        for ln in job.wait_for(r"\] BOUNCES-AFTER \d+ \d+$", 3, timeout=20):
+            assert int(ln.split()[-1]) <= 2, ln
         go.write_text("go")
         job.finish(60)
     finally:

@@ -7,6 +7,7 @@ and over ``launch -n 4``, behind ``-m slow``. The full
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 from pathlib import Path
@@ -37,6 +38,9 @@ def test_short_soak_in_process(calls, max_bytes):
     300 up to 1 MiB behind -m slow."""
     soak = _soak_module()
     lines: list[str] = []
+    # Objects of earlier tests in this worker (a subprocess's pipes) may still hold fds that a
+    # collection during the soak would close: collect them first, so fds_start counts ours.
+    gc.collect()
     row = soak.run(
         mesh1d(8),
         calls,

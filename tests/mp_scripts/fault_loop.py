@@ -41,11 +41,26 @@ def step(v):
     return sj.psum(v, "x") * ((jax.lax.axis_index("x") + 1) / s_total)
 
 
+def fds() -> tuple[int, int]:
+    """(open fds other than the staged form's bounce buffers, bounce buffers): a staged call
+    (shm_ll.h) keeps its bounce buffer until every peer has read it, so a rank stopped before
+    reading leaves its peers one more buffer, which they reuse once it reads (or never, if it
+    dies): bounded, and counted apart."""
+    names = []
+    for d in os.listdir("/proc/self/fd"):
+        try:
+            names.append(os.readlink(f"/proc/self/fd/{d}"))
+        except OSError:
+            pass
+    bounces = sum("strata_bounce" in n for n in names)
+    return len(names) - bounces, bounces
+
+
 f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
 blocks = np.repeat(np.arange(1, n + 1, dtype=np.float32), elems)
 x = jax.make_array_from_callback(blocks.shape, NamedSharding(mesh, P("x")), lambda i: blocks[i])
 x = f(x).block_until_ready()
-print(f"FDS {rank} {len(os.listdir('/proc/self/fd'))}", flush=True)
+print(f"FDS {rank} {fds()[0]}", flush=True)
 print("LOOPING", flush=True)
 failed = False
 lead = int(os.environ.get("FAULT_LEAD", "-1"))
@@ -70,7 +85,8 @@ for i in range(calls):
 if not failed:
     print(f"DONE {rank} {calls}", flush=True)
     sys.exit(0)
-print(f"FDS-AFTER {rank} {len(os.listdir('/proc/self/fd'))}", flush=True)
+print(f"BOUNCES-AFTER {rank} {fds()[1]}", flush=True)
+print(f"FDS-AFTER {rank} {fds()[0]}", flush=True)
 if go_file:
     deadline = time.monotonic() + 60
     while not os.path.exists(go_file) and time.monotonic() < deadline:
