@@ -710,6 +710,17 @@ ffi::Error BroadcastImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, A
       .OptionalArg<ffi::AnyBuffer>()
 #define STRATA_COMMON_BIND \
   STRATA_BIND_ARGS.Ret<ffi::AnyBuffer>().OptionalRet<ffi::AnyBuffer>().STRATA_GROUP_ATTRS
+// Two operands (x and z: the all_gather_reduce/all_gather_part_into forms), one result.
+#define STRATA_TWO_OPERANDS_BIND     \
+  ffi::Ffi::Bind()                   \
+      .Ctx<ffi::RunId>()             \
+      .Arg<ffi::AnyBuffer>()         \
+      .Arg<ffi::AnyBuffer>()         \
+      .Arg<ffi::AnyBuffer>()         \
+      .OptionalArg<ffi::AnyBuffer>() \
+      .Ret<ffi::AnyBuffer>()         \
+      .OptionalRet<ffi::AnyBuffer>() \
+      .STRATA_GROUP_ATTRS
 // The two-fabric forms (Divert): a second result, the block that crosses to the other fabric.
 #define STRATA_TWO_RESULTS_BIND          \
   STRATA_BIND_ARGS.Ret<ffi::AnyBuffer>() \
@@ -743,30 +754,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherHandler, AllGatherImpl, STRATA_COMMON_BIND);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherPlacedHandler, AllGatherPlacedImpl,
                               STRATA_COMMON_BIND.Attr<I64s>("placement"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherReduceHandler, AllGatherReduceImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .OptionalArg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .OptionalRet<ffi::AnyBuffer>()
-                                  .STRATA_GROUP_ATTRS.Attr<int32_t>("reduce")
-                                  .Attr<I64s>("z_first"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    AllGatherReduceHandler, AllGatherReduceImpl,
+    STRATA_TWO_OPERANDS_BIND.Attr<int32_t>("reduce").Attr<I64s>("z_first"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherPartHandler, AllGatherPartImpl,
                               STRATA_COMMON_BIND.Attr<I64s>("placement").Attr<int64_t>("part"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherPartIntoHandler, AllGatherPartIntoImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .OptionalArg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .OptionalRet<ffi::AnyBuffer>()
-                                  .STRATA_GROUP_ATTRS.Attr<I64s>("placement")
-                                  .Attr<int64_t>("part"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    AllGatherPartIntoHandler, AllGatherPartIntoImpl,
+    STRATA_TWO_OPERANDS_BIND.Attr<I64s>("placement").Attr<int64_t>("part"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AllToAllHandler, AllToAllImpl,
     STRATA_COMMON_BIND.Attr<int64_t>("split_axis").Attr<int64_t>("concat_axis"));
