@@ -14,6 +14,11 @@ SIGINT/SIGTERM sent to the launcher are forwarded to the ranks, SIGKILL followin
 also has its own network and hostname, joined to the others by veth links (shaped to G Gbit/s)
 to a bridge, all in namespaces this launcher makes and frees (see :class:`_Network`).
 
+``--engine mpi`` makes XLA's MPI collectives JAX's engine between the ranks: Open MPI's
+``mpirun`` starts them as one MPI job (rank r = app context r; with ``--netns`` mpirun runs in
+the switch's namespace and MPI crosses the links), the launcher watches mpirun, relabels its
+tagged output per rank and cleans up as above (see :func:`_mpi_job`).
+
 Environment of each rank (read back with :func:`distributed_env`, which ``strata_jax.init()`` uses):
 
 ======================== ===================================================================
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import socket
@@ -58,6 +64,7 @@ __all__ = [
     "distributed_env",
     "launch",
     "main",
+    "mpi_unavailable_reason",
     "netns_unavailable_reason",
 ]
 
@@ -70,6 +77,9 @@ ENV_LOCAL_DEVICES = "STRATA_LOCAL_DEVICES"
 ENV_RUN_DIR = "STRATA_RUN_DIR"
 ENV_ALLOC_LIB = "STRATA_ALLOC_LIB"
 ENV_FABRIC_ID = "STRATA_FABRIC_ID"
+ENV_TRAMPOLINE = "MPITRAMPOLINE_LIB"
+ENV_ENGINE = "JAX_CPU_COLLECTIVES_IMPLEMENTATION"
+ENGINES = ("gloo", "mpi")
 
 _POLL_S = 0.02
 
@@ -193,18 +203,57 @@ def _is_noise(line: bytes) -> bool:
     return line.startswith(_NOISE) and b" is connected to " in line
 
 
-def _pump(src: BinaryIO, dst: BinaryIO, prefix: bytes, lock: threading.Lock) -> None:
+# mpirun --tag-output: "[1,3]<stdout>:text" is a piece of rank 3's output. mpirun tags each
+# piece it reads from a rank (a rank writing "ready", " ", "host0\n" separately, as an
+# unbuffered print does, gives three tagged pieces), and pieces of several ranks can share a line.
+_MPI_TAG = re.compile(rb"\[\d+,(\d+)\]<std(?:out|err|diag)>:")
+
+
+def _mpi_lines(line: bytes, partial: dict[bytes, bytes]) -> list[tuple[bytes | None, bytes]]:
+    """Splits a line of mpirun's --tag-output into (rank, text) of the lines it completes:
+    pieces are gathered per rank in ``partial`` until one ends with a newline; text outside any
+    tag is mpirun's own (rank None)."""
+    out: list[tuple[bytes | None, bytes]] = []
+    tags = list(_MPI_TAG.finditer(line))
+    if not tags or tags[0].start() > 0:
+        own = line[: tags[0].start()] if tags else line
+        if own.strip():
+            out.append((None, own))
+    for i, m in enumerate(tags):
+        piece = line[m.end() : tags[i + 1].start() if i + 1 < len(tags) else len(line)]
+        rank = m.group(1)
+        text = partial.pop(rank, b"") + piece
+        if text.endswith(b"\n"):
+            out.append((rank, text))
+        else:
+            partial[rank] = text
+    return out
+
+
+def _pump(
+    src: BinaryIO, dst: BinaryIO, prefix: bytes, lock: threading.Lock, relabel: bool = False
+) -> None:
     """Copies src to dst line by line, each line prefixed; a final partial line gets a newline.
-    gloo's "Rank N is connected to M peer ranks" lines are dropped."""
+    gloo's "Rank N is connected to M peer ranks" lines are dropped. With ``relabel`` (mpirun's
+    --tag-output) each rank's lines are put back together and get ``[rank R] ``; mpirun's own
+    lines get ``prefix``."""
+    partial: dict[bytes, bytes] = {}
     try:
-        for line in iter(src.readline, b""):
-            if _is_noise(line):
-                continue
-            if not line.endswith(b"\n"):
-                line += b"\n"
-            with lock:
-                dst.write(prefix + line)
-                dst.flush()
+        for raw in iter(src.readline, b""):
+            lines = _mpi_lines(raw, partial) if relabel else [(None, raw)]
+            for rank, line in lines:
+                if _is_noise(line):
+                    continue
+                if not line.endswith(b"\n"):
+                    line += b"\n"
+                head = prefix if rank is None else b"[rank " + rank + b"] "
+                with lock:
+                    dst.write(head + line)
+                    dst.flush()
+        with lock:  # what ranks left without a newline
+            for rank, text in sorted(partial.items()):
+                dst.write(b"[rank " + rank + b"] " + text + b"\n")
+            dst.flush()
     except (OSError, ValueError):
         pass  # our own output went away (closed pipe): keep draining is pointless
     finally:
@@ -227,9 +276,12 @@ class _Rank:
     proc: subprocess.Popen
     pumps: list[threading.Thread] = field(default_factory=list)
     host: str | None = None  # the simulated host, where there are several
+    label: str | None = None  # what the process is, where it is not one rank ("mpirun")
 
     def ended(self, code: int) -> str:
         """'rank 3 was killed by SIGKILL on host1' (the host where there are several)."""
+        if self.label:
+            return f"{self.label} {_describe(code)}"
         return f"rank {self.index} {_describe(code)}" + (f" on {self.host}" if self.host else "")
 
     def signal_group(self, sig: int) -> None:
@@ -263,7 +315,10 @@ class _Launch:
         rank: int,
         out: BinaryIO,
         host: str | None = None,
+        label: str | None = None,
     ) -> None:
+        """Starts one process (a rank, or with ``label`` a process that starts the ranks itself:
+        mpirun, whose tagged lines are relabelled with each rank's number)."""
         proc = subprocess.Popen(
             list(argv),
             env=env,
@@ -272,10 +327,12 @@ class _Launch:
             stderr=subprocess.PIPE,
             start_new_session=True,  # our own forwarding is the only way signals reach a rank
         )
-        r = _Rank(rank, proc, host=host)
-        prefix = f"[rank {rank}] ".encode()
+        r = _Rank(rank, proc, host=host, label=label)
+        prefix = f"[{label}] ".encode() if label else f"[rank {rank}] ".encode()
         for src, dst in ((proc.stdout, out), (proc.stderr, self.err)):
-            t = threading.Thread(target=_pump, args=(src, dst, prefix, self.lock), daemon=True)
+            t = threading.Thread(
+                target=_pump, args=(src, dst, prefix, self.lock, bool(label)), daemon=True
+            )
             t.start()
             r.pumps.append(t)
         self.ranks.append(r)
@@ -320,6 +377,9 @@ class _Launch:
                     self.kill_all(signal.SIGKILL)
             elif failed:
                 rank, code = failed[0]
+                if rank.label:  # mpirun: it stopped the ranks and named the failed one above
+                    self.message(f"{rank.ended(code)} (mpirun's own message above names the rank)")
+                    return code if code > 0 else 128 - code
                 self.message(f"{rank.ended(code)}; stopping the other ranks")
                 # Ranks already gone before the stop (a whole simulated host killed at once):
                 # whatever ended them, it was not the stop.
@@ -369,6 +429,7 @@ def launch(
     private_mounts: bool = False,
     netns: bool = False,
     link_gbit: float | None = None,
+    engine: str = "gloo",
 ) -> int:
     """Runs ``argv`` (a full command line) as ``nproc`` ranks on this host; returns the exit code.
 
@@ -400,6 +461,16 @@ def launch(
         (:func:`netns_unavailable_reason`).
       link_gbit: with ``netns``, shape each host's link to this many Gbit/s in each direction
         (``tc`` tbf on both ends of its veth pair).
+      engine: JAX's engine between processes: ``"gloo"`` (the launcher starts the ranks), or
+        ``"mpi"``: XLA's MPI collectives, the ranks started as one MPI job by Open MPI's
+        ``mpirun`` (one app context per rank, each in its simulated host's namespaces with
+        ``netns``), with ``JAX_CPU_COLLECTIVES_IMPLEMENTATION=mpi``; ``jax.distributed`` still
+        uses the launcher's coordinator. Needs ``mpirun`` on PATH, ``MPITRAMPOLINE_LIB`` naming
+        a ``libmpiwrapper.so`` and one device per process: OSError/ValueError saying what is
+        missing (:func:`mpi_unavailable_reason`). With ``netns`` mpirun runs in the switch's
+        network namespace, which gets the address ``10.87.0.254`` on the bridge (unshaped), so
+        the ranks reach its PMIx server; MPI's own traffic between hosts goes over the links
+        (Open MPI's TCP transport on ``eth0``; no shared-memory transport).
 
     Returns 0 when every rank exits 0; the failed rank's exit code (128+signal when it was killed)
     when one fails; 124 on timeout; 128+signal when the launcher itself was interrupted.
@@ -412,6 +483,22 @@ def launch(
         raise ValueError(f"hosts must be >= 1 and divide nproc={nproc}, got {hosts}")
     if link_gbit is not None and (not netns or not link_gbit > 0):
         raise ValueError(f"link_gbit needs netns=True and a rate > 0, got {link_gbit}")
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine == "mpi":
+        if devices_per_proc != 1:
+            raise ValueError(
+                "engine 'mpi' needs one device per process (XLA's MPI collectives refuse several "
+                f"devices in a process), got devices_per_proc={devices_per_proc}"
+            )
+        if private_mounts and not netns:
+            raise ValueError(
+                "engine 'mpi' runs with --netns or without namespaces, not with --private-mounts "
+                "alone (mpirun's PMIx server would not be reachable the way --netns provides)"
+            )
+        reason = mpi_unavailable_reason(env)
+        if reason is not None:
+            raise OSError(reason)
     if netns:
         reason = netns_unavailable_reason(link_gbit)
         if reason is not None:
@@ -456,6 +543,7 @@ def launch(
             f"({devices_per_proc} device(s) each): {plan}"
         )
     namespaces: list[_Namespace] = []
+    mpi_dir = tempfile.mkdtemp(prefix="strata-mpi-") if engine == "mpi" else None
 
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = {}
@@ -469,6 +557,7 @@ def launch(
             run.message(network.describe())
         elif private_mounts:
             namespaces = [_Namespace.start() for _ in range(hosts)]
+        rank_cmds: list[tuple[list[str], dict[str, str]]] = []
         for rank in range(nproc):
             h = rank // per_host
             env_r = rank_env(
@@ -481,8 +570,22 @@ def launch(
                 preload=lib,
                 fabric_id=f"host{h}" if simulated and not network else None,
             )
+            if engine == "mpi":
+                rank_cmds.append((list(argv), env_r))
+                continue
             argv_r = namespaces[h].wrap(argv) if namespaces else argv
             run.start(argv_r, env_r, rank, out, host=f"host{h}" if simulated else None)
+        if engine == "mpi":
+            assert mpi_dir is not None
+            mpi_argv, mpi_env = _mpi_job(rank_cmds, base, per_host, network, mpi_dir)
+            where = (
+                f" in the switch's network namespace (its PMIx server at {network.head_address}"
+                " on the bridge; MPI between hosts over the links)"
+                if network
+                else ""
+            )
+            run.message(f"engine: XLA's MPI collectives; the ranks started by mpirun{where}")
+            run.start(mpi_argv, mpi_env, 0, out, label="mpirun")
         return run.watch(timeout)
     finally:
         run.finish()
@@ -492,7 +595,7 @@ def launch(
             ns.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        for d in run_dirs:
+        for d in run_dirs + ([mpi_dir] if mpi_dir else []):
             shutil.rmtree(d, ignore_errors=True)
 
 
@@ -621,6 +724,92 @@ def netns_unavailable_reason(link_gbit: float | None = None) -> str | None:
     return None
 
 
+def mpi_unavailable_reason(environ: Mapping[str, str] | None = None) -> str | None:
+    """Why ``--engine mpi`` cannot run here, or None when it can.
+
+    It needs Open MPI's ``mpirun`` on PATH (Debian/Ubuntu: ``openmpi-bin``) and
+    ``MPITRAMPOLINE_LIB`` (in ``environ``, default ``os.environ``) naming an existing
+    ``libmpiwrapper.so``: jaxlib loads MPI through MPItrampoline, which needs MPIwrapper built
+    from its source against that MPI (docs/guide/hosts.md, XLA over MPI).
+    """
+    env = os.environ if environ is None else environ
+    missing = []
+    if shutil.which("mpirun") is None:
+        missing.append("Open MPI's mpirun on PATH (package openmpi-bin)")
+    lib = env.get(ENV_TRAMPOLINE, "")
+    if not lib:
+        missing.append(
+            f"{ENV_TRAMPOLINE} naming a libmpiwrapper.so built from MPIwrapper against this "
+            "machine's MPI (it is not set)"
+        )
+    elif not os.path.isfile(lib):
+        missing.append(f"{ENV_TRAMPOLINE} naming a libmpiwrapper.so ({lib!r} is no file)")
+    if not missing:
+        return None
+    return "--engine mpi (XLA's MPI collectives) needs " + " and ".join(missing)
+
+
+def _mpi_job(
+    ranks: Sequence[tuple[list[str], dict[str, str]]],
+    base: Mapping[str, str],
+    per_host: int,
+    network: _Network | None,
+    session_dir: str,
+) -> tuple[list[str], dict[str, str]]:
+    """The mpirun command line and environment that start ``ranks`` (each its argv and the
+    environment :func:`rank_env` made for it) as one MPI job, rank r as app context r.
+
+    mpirun hands its children its own environment, so the variables that differ per rank (the
+    STRATA_* ones, ``LD_PRELOAD``) go on each app context's command line through ``env``. With
+    ``network``, mpirun runs in the switch's network namespace, which gets an address on the
+    bridge (``_Network.add_head``); each rank enters its host's namespaces (``_Namespace.wrap``,
+    so it also dies with mpirun); PMIx listens on the bridge's subnet (PMIx 4 accepts only
+    loopback clients otherwise: the ranks' ``MPI_Init`` failed, "OPAL ERROR: Unreachable") and
+    keeps its data in its hash store (its shared-memory one is in mpirun's session directory,
+    which a host's private /tmp hides), and
+    Open MPI moves MPI's bytes with its TCP transport on ``eth0``, over the shaped links (its
+    shared-memory transports would find the other host's /dev/shm missing). Open MPI's session
+    directory goes under ``session_dir``, which the launcher removes.
+    """
+    mpirun = shutil.which("mpirun") or "mpirun"
+    envcmd = shutil.which("env") or "env"
+    job_env = dict(base)
+    job_env[ENV_ENGINE] = "mpi"
+    job_env["TMPDIR"] = session_dir  # mpirun's session directory (removed by the launcher)
+    head = [mpirun, "--oversubscribe", "--bind-to", "none", "--tag-output"]
+    if os.geteuid() == 0:
+        head.append("--allow-run-as-root")
+    if network is not None:
+        network.add_head()
+        subnet = f"{network.SUBNET}.0/{network.PREFIX}"
+        job_env["PMIX_MCA_ptl_tcp_remote_connections"] = "1"
+        job_env["PMIX_MCA_ptl_tcp_if_include"] = subnet
+        job_env["OMPI_MCA_oob_tcp_if_include"] = subnet
+        # PMIx's shared-memory data store lives in mpirun's session directory, which the
+        # hosts' private /tmp hides ("PMIX ERROR: ... gds_ds12_lock_pthread.c"): its hash store.
+        job_env["PMIX_MCA_gds"] = "hash"
+        head += ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self"]
+        head += ["--mca", "btl_tcp_if_include", "eth0"]
+    argv = list(head)
+    for r, (cmd, env_r) in enumerate(ranks):
+        own = [f"{k}={v}" for k, v in env_r.items() if job_env.get(k) != v]
+        # Each rank's temporary files in its own TMPDIR (its host's /tmp with --netns), not in
+        # mpirun's session directory.
+        own += [f"TMPDIR={base['TMPDIR']}"] if "TMPDIR" in base else []
+        unset = ["-u", "TMPDIR"] if "TMPDIR" not in base else []
+        cmd_r = [envcmd, *unset, *own, *cmd]
+        if network is not None:
+            cmd_r = network.namespaces[r // per_host].wrap(cmd_r)
+        else:
+            setpriv = shutil.which("setpriv")
+            cmd_r = [setpriv, "--pdeathsig", "KILL", *cmd_r] if setpriv else cmd_r
+        argv += ([":"] if r else []) + ["-n", "1", *cmd_r]
+    if network is not None:
+        argv = network.in_switch(argv)
+    setpriv = shutil.which("setpriv")
+    return ([setpriv, "--pdeathsig", "KILL", *argv] if setpriv else argv), job_env
+
+
 class _Network:
     """The ``--netns`` cluster: one network/UTS/mount namespace per simulated host, joined by veth
     pairs to a bridge that lives in a namespace of its own, every piece made by this launcher.
@@ -639,6 +828,7 @@ class _Network:
     PREFIX = 24
     MTU = 65520  # veth's maximum: per-packet CPU costs would otherwise bound a 2-core machine
     BRIDGE = "strata-br"
+    HEAD = 254  # the switch namespace's address on the bridge, .254 (mpirun's, --engine mpi)
     COORDINATOR_PORT = 8476
     # tbf's queue, in time at the link rate. 1 ms dropped frames: this machine's TCP (BBR, which
     # over veth estimates 30-55 Gbit/s and sends bursts at that rate) then waited for 200 ms
@@ -663,6 +853,25 @@ class _Network:
     @property
     def coordinator(self) -> str:
         return f"{self.address(0)}:{self.COORDINATOR_PORT}"
+
+    @property
+    def head_address(self) -> str:
+        """The switch namespace's own address on the bridge (``add_head``)."""
+        return f"{self.SUBNET}.{self.HEAD}"
+
+    def add_head(self) -> None:
+        """Gives the switch namespace loopback and ``head_address`` on the bridge (unshaped):
+        a head node where mpirun runs and the ranks reach its PMIx server (``--engine mpi``)."""
+        assert self.switch is not None
+        sw = self.switch.pid
+        self._in(sw, "ip", "link", "set", "lo", "up")
+        self._in(sw, "ip", "addr", "add", f"{self.head_address}/{self.PREFIX}", "dev", self.BRIDGE)
+
+    def in_switch(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` run in the switch's network namespace (nothing else of it changes)."""
+        assert self.switch is not None
+        nsenter = shutil.which("nsenter") or "nsenter"
+        return [nsenter, "-t", str(self.switch.pid), "--net", "--", *argv]
 
     def tbf(self, dev: str) -> list[str]:
         """tc arguments shaping ``dev``'s egress to the link rate (token bucket filter)."""
@@ -782,6 +991,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="G",
         help="with --netns: shape each host's link to G Gbit/s each way (tc tbf)",
     )
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="gloo",
+        help="JAX's engine between processes: gloo (default), or mpi: XLA's MPI collectives, the "
+        "ranks started as one job by Open MPI's mpirun (needs mpirun and MPITRAMPOLINE_LIB; "
+        "with --netns, MPI runs over the links)",
+    )
     p.add_argument("--timeout", type=float, default=None, help="stop everything after N seconds")
     p.add_argument(
         "--grace", type=float, default=5.0, help="seconds from SIGTERM to SIGKILL (default 5)"
@@ -814,8 +1031,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().error("--link-gbit needs --netns")
     if ns.link_gbit is not None and not ns.link_gbit > 0:
         _parser().error("--link-gbit must be > 0")
-    if ns.netns:
-        reason = netns_unavailable_reason(ns.link_gbit)
+    if ns.engine == "mpi" and ns.devices_per_proc != 1:
+        _parser().error("--engine mpi needs --devices-per-proc 1 (XLA's MPI: one device each)")
+    if ns.engine == "mpi" and ns.private_mounts and not ns.netns:
+        _parser().error("--engine mpi runs with --netns or without namespaces (not with "
+                        "--private-mounts alone)")  # fmt: skip
+    for reason in (
+        netns_unavailable_reason(ns.link_gbit) if ns.netns else None,
+        mpi_unavailable_reason() if ns.engine == "mpi" else None,
+    ):
         if reason is not None:
             print(f"strata-launch: error: {reason}", file=sys.stderr)
             return 2
@@ -852,6 +1076,7 @@ def _launch_from_args(ns: argparse.Namespace, target: list[str]) -> int:
         netns=ns.netns,
         link_gbit=ns.link_gbit,
         fail_grace=ns.fail_grace,
+        engine=ns.engine,
     )
 
 

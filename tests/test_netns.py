@@ -7,12 +7,20 @@ simulated-host checks). Here: a whole host killed mid-run (the survivors stop fa
 ranks are named, nothing is left: no namespace, veth, bridge, run dir or /dev/shm segment), a
 Ctrl-C of the launcher, and the refusal where the launcher is not root or a command is missing.
 Tests that need namespaces skip, saying why, where they cannot be made.
+
+``--engine mpi``: XLA's MPI collectives between the simulated hosts, the ranks started by
+mpirun from the launcher (every operator strata crosses hosts with, strata's and jax.lax's,
+against numpy; MPI's bytes over the links; nothing left behind, after a failed rank too).
+Those tests also skip, saying why, without Open MPI's mpirun or without a ``libmpiwrapper.so``
+named by ``MPITRAMPOLINE_LIB`` (CI cannot build MPIwrapper: it reaches only package registries).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,6 +57,23 @@ def _netns_reason() -> str | None:
 
 
 needs_netns = pytest.mark.skipif(_netns_reason() is not None, reason=str(_netns_reason()))
+MPI_WRAPPER = os.environ.get("MPITRAMPOLINE_LIB", "")
+
+
+def _mpi_reason() -> str | None:
+    """None when `--engine mpi` can run here, else why not."""
+    if shutil.which("mpirun") is None:
+        return "Open MPI's mpirun is not installed (package openmpi-bin)"
+    if not (MPI_WRAPPER and os.path.isfile(MPI_WRAPPER)):
+        return (
+            "XLA over MPI needs MPITRAMPOLINE_LIB naming a libmpiwrapper.so built from "
+            f"MPIwrapper against this machine's MPI ({MPI_WRAPPER or 'not set'}; CI cannot build "
+            "it; see docs/guide/hosts.md, XLA over MPI)"
+        )
+    return None
+
+
+needs_mpi = pytest.mark.skipif(_mpi_reason() is not None, reason=str(_mpi_reason()))
 
 
 def _env(tmpdir: Path) -> dict[str, str]:
@@ -308,3 +333,117 @@ def test_wire_floor_ring_crosses_one_way(hosts, per_host):
     assert sorted(s for s, _ in pairs) == sorted(d for _, d in pairs) == list(range(n))
     assert all(s // per_host != d // per_host for s, d in pairs), pairs
     assert not any((d, s) in pairs for s, d in pairs), pairs
+
+
+def _mpi_env(tmpdir: Path) -> dict[str, str]:
+    return dict(_env(tmpdir), MPITRAMPOLINE_LIB=MPI_WRAPPER)
+
+
+@needs_netns
+@needs_mpi
+@pytest.mark.slow  # 12 s alone, 30 s at load 8: 4 ranks compiling 14 programs on 2 cores
+def test_engine_mpi_between_netns_hosts(tmpdir_short):
+    """`launch -n 4 --hosts 2 --netns --link-gbit 10 --engine mpi`: one MPI job of 4 ranks, 2
+    per simulated host; psum (1 MiB and 1 KiB per rank: the one collective over MPI and the
+    small path), pmax, all_gather, psum_scatter, all_to_all and ppermute of strata and of
+    jax.lax over MPI equal numpy's on the same inputs; strata's inter-fabric steps crossed
+    (the hosts found by hostname) and each host's eth0 sent at least what its ranks handed to
+    MPI; every rank exits 0 (no abort at MPI_Finalize) and nothing is left (namespaces, links,
+    the run and session dirs)."""
+    before = _Leftovers()
+    cmd = [sys.executable, "-m", "strata_jax.launch", "--grace", "1", "-n", "4", "--hosts", "2"]
+    cmd += ["--netns", "--link-gbit", "10", "--engine", "mpi"]
+    cmd += [str(SCRIPTS / "mpi_engine.py"), "--netns"]
+    r = subprocess.run(
+        cmd, env=_mpi_env(tmpdir_short), cwd=PKG_PARENT, capture_output=True, text=True,
+        timeout=240,
+    )  # fmt: skip
+    out = r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.returncode == 0, out
+    assert "PMIX ERROR" not in r.stdout + r.stderr, out
+    res = sorted(
+        (json.loads(ln.split("RESULT ", 1)[1]) for ln in r.stdout.splitlines() if "RESULT " in ln),
+        key=lambda d: d["process"],
+    )
+    assert [d["process"] for d in res] == [0, 1, 2, 3], out
+    for d in res:
+        assert d["failures"] == [], d
+        assert d["engine"] == "mpi" and d["async_dispatch"] is False, d
+        assert d["finalize"] == "py_atexit", d
+        assert d["mpi_rank"] == d["process"], d  # app context r is rank r
+        assert d["hostname"] == f"host{d['process'] // 2}" and d["fabric_id_env"] is None, d
+        assert d["num_fabrics"] == 2 and d["inter_fabric_bytes"] > 0, d
+        assert d["count_bytes"] >= 512 * 1024, d  # psum's one collective over MPI
+        assert d["zero_copy_bytes"] > 0 and d["staged_bytes"] == 0, d
+        # MPI's bytes went over this host's link (Open MPI's TCP transport on eth0)
+        assert d["eth0_tx_bytes"] >= d["inter_fabric_bytes"], d
+    before.check(r.stderr, tmpdir_short)
+
+
+@needs_netns
+@needs_mpi
+def test_engine_mpi_failed_rank_and_ctrl_c_leave_nothing(tmpdir_short):
+    """Under `--netns --engine mpi`: a rank that exits 3 ends the job with mpirun's failure
+    (the launcher says so, exit code non-zero), and a SIGINT to the launcher while the ranks
+    sleep exits 130; neither leaves a namespace, link, run dir or mpirun session dir."""
+    before = _Leftovers()
+    cmd = [sys.executable, LAUNCH_PY, "--grace", "1", "-n", "2", "--hosts", "2", "--netns"]
+    cmd += ["--engine", "mpi", str(SCRIPTS / "exit_on_rank1.py")]
+    r = subprocess.run(
+        cmd, env=_mpi_env(tmpdir_short), cwd=PKG_PARENT, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "[rank 1] exiting with 3" in r.stdout, r.stdout + r.stderr
+    assert re.search(r"strata-launch: mpirun exited with code \d+", r.stderr), r.stderr
+    before.check(r.stderr, tmpdir_short)
+
+    before = _Leftovers()
+    cmd = [sys.executable, LAUNCH_PY, "--grace", "1", "-n", "2", "--hosts", "2", "--netns"]
+    cmd += ["--engine", "mpi", str(SCRIPTS / "sleep_ready.py")]
+    p = subprocess.Popen(
+        cmd, env=_mpi_env(tmpdir_short), cwd=PKG_PARENT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert p.stdout is not None
+    seen = []
+    for line in p.stdout:
+        seen.append(line)
+        if len([s for s in seen if "ready" in s]) == 2:
+            break
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 128 + signal.SIGINT, (seen, out, err)
+    assert sorted(s.split()[-1] for s in seen if "ready" in s) == ["host0", "host1"], seen
+    assert sorted(s.split()[1] for s in seen if "ready" in s) == ["0]", "1]"], seen
+    before.check(err, tmpdir_short)
+
+
+def test_engine_mpi_refusals(monkeypatch, tmp_path, capsys):
+    """--engine mpi without mpirun, without MPITRAMPOLINE_LIB or with a wrong one, or with several
+    devices per process: the launcher refuses before it starts anything, saying what to add."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("MPITRAMPOLINE_LIB", raising=False)
+    reason = launch.mpi_unavailable_reason()
+    assert reason is not None and "mpirun on PATH (package openmpi-bin)" in reason, reason
+    assert "MPITRAMPOLINE_LIB naming a libmpiwrapper.so" in reason and "not set" in reason
+    assert launch.main(["-n", "2", "--engine", "mpi", "script.py"]) == 2
+    assert "--engine mpi (XLA's MPI collectives) needs" in capsys.readouterr().err
+    with pytest.raises(OSError, match="needs Open MPI's mpirun"):
+        launch.launch(2, ["true"], engine="mpi")
+    (tmp_path / "mpirun").write_text("#!/bin/sh\n")
+    (tmp_path / "mpirun").chmod(0o755)
+    reason = launch.mpi_unavailable_reason({"MPITRAMPOLINE_LIB": str(tmp_path / "nope.so")})
+    assert (
+        reason is not None
+        and "nope.so' is no file" in reason
+        and "mpirun" not in reason.split("needs")[1].split("MPITRAMPOLINE_LIB")[0]
+    ), reason
+    assert launch.mpi_unavailable_reason({"MPITRAMPOLINE_LIB": str(tmp_path / "mpirun")}) is None
+    with pytest.raises(SystemExit):
+        launch.main(["-n", "2", "--engine", "mpi", "--devices-per-proc", "2", "script.py"])
+    assert "one device each" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="one device per process"):
+        launch.launch(2, ["true"], engine="mpi", devices_per_proc=2)
+    with pytest.raises(ValueError, match="engine must be one of"):
+        launch.launch(2, ["true"], engine="nccl")

@@ -523,13 +523,19 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
             )
         jax.config.update("jax_num_cpu_devices", env["local_device_count"])
         if mpi_engine.selected():
-            raise ValueError(
-                "jax_cpu_collectives_implementation is 'mpi', but strata_jax.launch does not "
-                "start an MPI job (each process would be an MPI world of its own): start the "
-                "processes with mpirun instead (see docs/guide/hosts.md, XLA over MPI), or "
-                "use gloo under the launcher"
-            )
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            if _cluster_size() != env["num_processes"]:
+                raise ValueError(
+                    "jax_cpu_collectives_implementation is 'mpi', but these processes were not "
+                    "started as one MPI job (each would be an MPI world of its own): use "
+                    "`python -m strata_jax.launch --engine mpi` (it starts the ranks with "
+                    "mpirun), or mpirun itself (see docs/guide/hosts.md, XLA over MPI), or gloo "
+                    "under the launcher"
+                )
+            # The launcher's --engine mpi: an MPI job whose jax.distributed coordinator is the
+            # launcher's (mpirun's own address is not reachable from a simulated host).
+            mpi_engine.configure_before_backend()
+        else:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
         _initialize_distributed(
             timeout_s,
             coordinator_address=env["coordinator_address"],

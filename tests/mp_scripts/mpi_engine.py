@@ -7,13 +7,19 @@ hand their inter-fabric step to XLA's collectives, i.e. to MPI. Every op, strata
 over MPI, is checked against numpy on fresh random inputs (XLA-computed inputs, as gradients
 are). Prints ``RESULT <json>``; exit code 0 only if every check passed and the process ends
 cleanly (no "MPI_Comm_free() after MPI_FINALIZE" abort).
+
+``--netns`` (under ``python -m strata_jax.launch --netns --engine mpi``): the hosts are found by
+hostname (no STRATA_FABRIC_ID), and the result also gives this host's name, this rank's MPI
+rank and the bytes this host's ``eth0`` (its one link) sent while the collectives ran.
 """
 
 import json
 import os
 import sys
 
-hosts = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+netns = "--netns" in sys.argv
+args = [a for a in sys.argv[1:] if a != "--netns"]
+hosts = int(args[0]) if args else 1
 rank, size = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
 if hosts > 1:
     os.environ["STRATA_FABRIC_ID"] = f"host{rank * hosts // size}"
@@ -45,10 +51,19 @@ def run(lib, name, body, make, expect):
         failures.append(f"{name} over {lib.__name__}")
 
 
+def eth0_tx() -> int:
+    """Bytes this network namespace's eth0 (a simulated host's link) has sent."""
+    with open("/proc/net/dev") as f:
+        return next(int(ln.split(":")[1].split()[8]) for ln in f if ln.strip().startswith("eth0:"))
+
+
+tx_before = eth0_tx() if netns else 0
 count = 64 * 1024 * n  # 256 KiB * n of float32 per rank: above the allocator's threshold
 rnd = lambda r: r.standard_normal(count).astype(np.float32)  # noqa: E731
+small = lambda r: r.standard_normal(256).astype(np.float32)  # noqa: E731
 for lib in (jax.lax, strata_jax):
     run(lib, "psum", lambda L: lambda x: L.psum(x, "x"), rnd, lambda xs: np.sum(xs, axis=0))
+    run(lib, "psum 1K", lambda L: lambda x: L.psum(x, "x"), small, lambda xs: np.sum(xs, axis=0))
     run(lib, "pmax", lambda L: lambda x: L.pmax(x, "x"), rnd, lambda xs: np.max(xs, axis=0))
     run(
         lib,
@@ -78,8 +93,14 @@ for lib in (jax.lax, strata_jax):
         rnd,
         lambda xs: xs[(me - 1) % n],
     )
+tx_after = eth0_tx() if netns else 0
 ms = strata_jax.memory_stats()
 out = {
+    "mpi_rank": rank,
+    "hostname": __import__("socket").gethostname(),
+    "fabric_id_env": os.environ.get("STRATA_FABRIC_ID"),
+    "eth0_tx_bytes": tx_after - tx_before,
+    "count_bytes": count * 4,
     "process": me,
     "failures": failures,
     "engine": jax.config.jax_cpu_collectives_implementation,
