@@ -242,7 +242,9 @@ def route(ids: Any, layout: Layout, capacity: int) -> dict[str, Any]:
 
     Returns ``send`` [R * capacity, 2] int32 (local row, slot; -1 padding), ``slot_bag``
     [R * slots] int32 (the bag b * T + t that each (destination, slot) belongs to; B * T when
-    unused), ``dropped`` (int32 scalar: valid ids beyond a destination's capacity) and
+    unused), ``slots`` [R] int32 (slots used at each destination: its slots are numbered
+    ``0 .. slots[d] - 1``, so ``slot_bag[d * S + s]`` is unused from ``s = slots[d]`` on),
+    ``dropped`` (int32 scalar: valid ids beyond a destination's capacity) and
     ``invalid`` (int32 scalar: ids outside their table, other than -1).
 
     Raises:
@@ -302,7 +304,14 @@ def route(ids: Any, layout: Layout, capacity: int) -> dict[str, Any]:
         jnp.full((R * S,), BT, jnp.int32).at[where.reshape(-1)].set(bag.reshape(-1), mode="drop")
     )
     dropped = jnp.sum(valid.astype(jnp.int32)) - jnp.sum(kept.astype(jnp.int32))
-    return {"send": send, "slot_bag": slot_bag, "dropped": dropped, "invalid": invalid}
+    slots = jnp.sum(has.astype(jnp.int32), axis=0)  # [R]: slots used at each owner (0..n-1)
+    return {
+        "send": send,
+        "slot_bag": slot_bag,
+        "slots": slots,
+        "dropped": dropped,
+        "invalid": invalid,
+    }
 
 
 @dataclass(frozen=True)
@@ -320,7 +329,17 @@ class StepConfig:
     sparse_acc_init: float = 1e-6
 
 
-def make_train_step(cfg: ModelConfig, layout: Layout, step_cfg: StepConfig, axis: str, coll: Any):
+EXCHANGES = ("padded", "compact")
+
+
+def make_train_step(
+    cfg: ModelConfig,
+    layout: Layout,
+    step_cfg: StepConfig,
+    axis: str,
+    coll: Any,
+    exchange: str = "padded",
+):
     """The per-device body of one training step, for ``jax.shard_map`` over ``axis``.
 
     ``body(state, batch) -> (state, (loss, logits, dropped, invalid))`` with
@@ -332,11 +351,27 @@ def make_train_step(cfg: ModelConfig, layout: Layout, step_cfg: StepConfig, axis
     update (progressive validation), ``dropped`` the ids dropped for capacity and ``invalid``
     the ids outside their tables (other than -1; dropped too, see :func:`route`), both summed
     over all devices (replicated). ``coll`` is ``strata_jax`` or ``jax.lax``.
+
+    ``exchange``: how the pooled embeddings and their gradients travel. ``"padded"``: a tiled
+    ``all_to_all`` of every slot, used or not ([R * S, dim] each way). ``"compact"``: a
+    ``ragged_all_to_all`` of the used slots only (source s uses ``slots[d]`` of its S slots at
+    owner d, in order: both ends know that count without asking), written into the same
+    [R * S, dim] layout; the unused rows are never read (the pooling drops their segment, the
+    gradient gather never indexes them), so the values are the padded exchange's bit for
+    bit. It needs a ``coll`` with a ``ragged_all_to_all`` that runs on this backend and an
+    ``empty`` (strata_jax: XLA:CPU has no ragged-all-to-all, and jax.lax.empty is a zero fill
+    there): the forward's output is ``coll.empty``, the backward's the forward's received
+    partials (dead by then), so no zero fill is added.
+
+    Raises:
+      ValueError: ``exchange`` not in :data:`EXCHANGES`.
     """
     import jax
     import jax.numpy as jnp
     from jax.flatten_util import ravel_pytree
 
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange {exchange!r}: choose from {EXCHANGES}")
     R, C = layout.nranks, step_cfg.capacity
     rpr = layout.rows_per_rank
     lr_s, lr_d, eps = step_cfg.lr_sparse, step_cfg.lr_dense, step_cfg.eps
@@ -363,8 +398,23 @@ def make_train_step(cfg: ModelConfig, layout: Layout, step_cfg: StepConfig, axis
         seg = jnp.where(rvalid, src * S + rslot, R * S)
         emb = table[jnp.where(rvalid, rows, 0)]
         partial = jax.ops.segment_sum(emb, seg, num_segments=R * S)  # [R * S, dim] by source
-        back = coll.all_to_all(partial, axis, 0, 0, tiled=True)  # [R * S, dim] by owner
-        pooled = jax.ops.segment_sum(back, rt["slot_bag"], num_segments=B * T)
+        if exchange == "compact":
+            # Block s of `partial` holds source s's slots, of which it uses the first
+            # `served[s]` (its slots are numbered in order); this device uses rt["slots"][d]
+            # at owner d. Each block lands at (sender) * S of the receiver's output.
+            me_at = jnp.full((R,), jax.lax.axis_index(axis) * S, jnp.int32)
+            starts = jnp.arange(R, dtype=jnp.int32) * S
+            served = jnp.max(jnp.where(rvalid, rslot + 1, 0).reshape(R, C), axis=1)
+            # unused rows of the output are never read: no zero fill (jax.lax.empty's on CPU)
+            back = coll.ragged_all_to_all(
+                partial, coll.empty(partial.shape, partial.dtype), starts, served, me_at,
+                rt["slots"], axis_name=axis,
+            )  # fmt: skip
+            slot_bag = rt["slot_bag"]
+        else:
+            back = coll.all_to_all(partial, axis, 0, 0, tiled=True)  # [R * S, dim] by owner
+            slot_bag = rt["slot_bag"]
+        pooled = jax.ops.segment_sum(back, slot_bag, num_segments=B * T)
         pooled = pooled.reshape(B, T, -1)
 
         # -- dense part, data parallel -----------------------------------------------------------
@@ -381,7 +431,12 @@ def make_train_step(cfg: ModelConfig, layout: Layout, step_cfg: StepConfig, axis
         g_bags = g_pooled.reshape(B * T, -1) / R  # d(global mean loss) = d(local mean) / R
         used = rt["slot_bag"] < B * T
         g_slots = jnp.where(used[:, None], g_bags[jnp.where(used, rt["slot_bag"], 0)], 0.0)
-        g_recv = coll.all_to_all(g_slots, axis, 0, 0, tiled=True)  # [R * S, dim] by source
+        if exchange == "compact":  # the used slots only, into `back` (dead by now)
+            g_recv = coll.ragged_all_to_all(
+                g_slots, back, starts, rt["slots"], me_at, served, axis_name=axis
+            )
+        else:
+            g_recv = coll.all_to_all(g_slots, axis, 0, 0, tiled=True)  # [R * S, dim] by source
         g_ids = jnp.where(rvalid[:, None], g_recv[jnp.where(rvalid, seg, 0)], 0.0)
         # Duplicates of a row: sum their gradients at the row's first place in sorted order
         # (sort + binary search: jnp.unique's argsort costs ~10x more on XLA CPU), then every
@@ -410,12 +465,13 @@ def make_sharded_step(
     axis: str,
     coll: Any,
     check_vma: bool = True,
+    exchange: str = "padded",
 ):
     """``jax.jit(jax.shard_map(make_train_step(...)))`` with the specs filled in; donates state."""
     import jax
     from jax.sharding import PartitionSpec as P
 
-    body = make_train_step(cfg, layout, step_cfg, axis, coll)
+    body = make_train_step(cfg, layout, step_cfg, axis, coll, exchange)
     rep = P()
     dense_spec = {
         "bottom": [{"w": rep, "b": rep} for _ in range(len(cfg.bottom) + 1)],

@@ -59,7 +59,7 @@ import _common as C  # noqa: E402
 import recsys_model as rm  # noqa: E402
 from train_moe import start_runtime  # noqa: E402
 
-IMPLS = ("strata", "xla", "nocomm")
+IMPLS = ("strata", "xla", "nocomm", "strata_padded")
 
 # Configurations by name (--preset): the values become argparse defaults. "paper": the paper's
 # regime, where the jax.lax (xla) step spends 30-45% of its time exchanging (against nocomm),
@@ -109,6 +109,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(
         "--no-check-vma", dest="check_vma", action="store_false", help="shard_map(check_vma=False)"
+    )
+    g.add_argument(
+        "--no-compact",
+        dest="compact",
+        action="store_false",
+        help="strata exchanges every slot with all_to_all, as jax.lax does (default: the used "
+        "slots only, with ragged_all_to_all; --impl strata_padded runs that path beside it)",
     )
     g.add_argument(
         "--tol",
@@ -315,11 +322,12 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, dict[str, Any]] = {}
     batch0, _ = put_batch(0)
     for impl in args.impls:
-        coll = strata_jax if impl == "strata" else jax.lax
+        coll = strata_jax if impl.startswith("strata") else jax.lax
         # nocomm: an identity pmean leaves the dense gradients unreplicated as far as the
         # shard_map type checker knows
         check_vma = args.check_vma and impl != "nocomm"
-        fn = rm.make_sharded_step(cfg, layout, sc, mesh, axis, coll, check_vma)
+        exchange = "compact" if impl == "strata" and args.compact else "padded"
+        fn = rm.make_sharded_step(cfg, layout, sc, mesh, axis, coll, check_vma, exchange)
         state = rm.initial_state(cfg, layout, args.seed, mesh, axis)
         t0 = time.perf_counter()
         with C.no_exchange() if impl == "nocomm" else contextlib.nullcontext():
@@ -336,9 +344,14 @@ def main(argv: list[str] | None = None) -> int:
             "auc": [],
             "compile_s": time.perf_counter() - t0,
         }
-        name = {"strata": "strata_jax", "xla": "jax.lax", "nocomm": "no-op"}[impl]
+        name = {"xla": "jax.lax", "nocomm": "no-op"}.get(impl, "strata_jax")
+        a2a = (
+            f"{name}.all_to_all, {name}.ragged_all_to_all x2"
+            if exchange == "compact"
+            else f"{name}.all_to_all x3"
+        )
         say(
-            f"# {impl:<10} : compiled in {runs[impl]['compile_s']:.1f} s ({name}.all_to_all x3, "
+            f"# {impl:<10} : compiled in {runs[impl]['compile_s']:.1f} s ({a2a}, "
             f"{name}.pmean, {name}.psum)"
         )
 
@@ -476,15 +489,17 @@ def main(argv: list[str] | None = None) -> int:
             f"over {args.steps} steps: the data holds ids past its tables' --rows"
         )
     diffs = {}
-    if len(compared) == 2:
-        a, b = compared
+    # Every other implementation against the first (xla when it runs).
+    ref = base if base else (compared[0] if compared else None)
+    for a in [i for i in compared if i != ref]:
+        b = ref
         d = np.abs(np.array(runs[a]["losses"]) - np.array(runs[b]["losses"]))
         same_drops = runs[a]["drops"] == runs[b]["drops"]
         good = bool(d.max() <= args.tol) and same_drops
         ok &= good
         apart = np.flatnonzero(d > 1e-6)
         first_apart = int(apart[0]) if apart.size else None
-        diffs = {
+        diffs[a] = {
             "max_abs": float(d.max()),
             "at_step": int(d.argmax()),
             "first10_max_abs": float(d[:10].max()),
@@ -498,8 +513,18 @@ def main(argv: list[str] | None = None) -> int:
             + f"); tolerance {args.tol:g}; drops per step {'equal' if same_drops else 'DIFFER'}"
             f": {'OK' if good else 'FAILED'}"
         )
+    if diffs and set(diffs) == {"strata"}:
+        diffs = diffs["strata"]  # the JSON's earlier form when only strata is compared
     if "strata" in runs and base:
         say(C.speed_sentence("strata", runs["strata"]["median_s"], base, runs[base]["median_s"]))
+    if "strata_padded" in runs and "strata" in runs:
+        t_c, t_p = runs["strata"]["median_s"], runs["strata_padded"]["median_s"]
+        c_c, c_p = runs["strata"]["cpu_s"], runs["strata_padded"]["cpu_s"]
+        say(
+            f"# A/B: strata ({'compact' if args.compact else 'padded'}) {1e3 * t_c:.1f} ms vs "
+            f"strata_padded {1e3 * t_p:.1f} ms median step ({t_p / t_c:.2f}x), CPU "
+            f"{1e3 * c_c:.1f} vs {1e3 * c_p:.1f} ms"
+        )
     if "nocomm" in runs and base:
         say(C.bound_sentence(runs["nocomm"]["median_s"], base, runs[base]["median_s"]))
     communication = None
@@ -518,6 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         for line in cpu_lines:
             say(line)
 
+    # (with strata_padded beside strata the counters hold both)
     strata_ops = _strata_ops(strata_jax, jax, args) if "strata" in runs else {}
     for line in strata_ops.pop("lines", []):
         say(line)

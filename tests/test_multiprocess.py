@@ -88,6 +88,7 @@ _JOB_2X2 = [
     ("check_collectives.py", "DIGESTS"),
     ("check_moe.py",),
     ("check_ragged.py",),
+    ("check_recsys_compact.py",),
     ("check_moe_low_latency.py",),
     ("check_low_latency.py",),
     ("check_ll_staged.py",),
@@ -255,6 +256,13 @@ def test_uncaught_exception_on_one_rank_stops_everyone_quickly():
     assert "boom on rank 1" in out, out[-3000:]
     assert "rank 1 exited with code 1" in out, out[-3000:]
     assert time.time() - t < 60, f"took {time.time() - t:.0f} s"
+
+
+def test_recsys_compact_exchange_across_processes(job_2x2):
+    """benchmarks/recsys_model.py's compact exchange (ragged_all_to_all into strata_jax.empty,
+    issue 28) equals the padded all_to_all step bit for bit across 2 processes x 2 devices."""
+    out = _part(job_2x2, "check_recsys_compact.py")
+    assert out.count("OK recsys compact") == 2, out[-3000:]
 
 
 def test_ragged_all_to_all_across_processes(job_2x2):

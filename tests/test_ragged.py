@@ -461,3 +461,84 @@ def test_vmap_slice_stays_inside_its_batch_element():
     sizes = jnp.broadcast_to(sizes, (4, 2, 2))
     got = per_rank(jax.vmap(jax.vmap(one)))(a, b, plan[0], sizes, plan[2], sizes)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(a))
+
+
+# ---- large calls in one process: the pairs path (issue 28) ---------------------------------
+
+
+def _large_case(rng, n, dtype):
+    """A random plan whose operand and output exceed 256 KiB per rank (lead_in_process's
+    bound), so that the call takes InProcTeam::arrive_pairs."""
+    operand, output, io, ss, oo, rs = _random_case(rng, n, 2, 160, (256,), dtype)
+    big = 256 * 1024 // (256 * operand.dtype.itemsize) + 8  # rows above 256 KiB
+    pad = max(0, big - operand.shape[1]), max(0, big - output.shape[1])
+    operand = np.pad(operand, ((0, 0), (0, pad[0]), (0, 0)))
+    output = np.pad(output, ((0, 0), (0, pad[1]), (0, 0)))
+    return operand, output, io, ss, oo, rs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int16"])
+def test_large_exchange_takes_the_pairs_path(rng, dtype):
+    """Above 256 KiB per rank, in one process, every pair of ranks' slices is copied by the
+    second of the two to arrive (no departure barrier): ``comm_stats()["pair_calls"]`` counts
+    one per rank (the old build pulled after an arrival barrier: 0), and the result is
+    the oracle's."""
+    n = 4
+    operand, output, io, ss, oo, rs = _large_case(rng, n, dtype)
+    want = ragged_reference(operand, output, io, ss, oo, rs)
+    plan = [a.astype(np.int32) for a in (io, ss, oo, rs)]
+    before = sj.comm_stats()["pair_calls"]
+    got = _ragged(_mesh(n), operand, output, *plan)
+    np.testing.assert_array_equal(np.asarray(got), np.stack(want))
+    assert sj.comm_stats()["pair_calls"] - before == n
+
+
+def test_large_exchange_errors_then_recovers(rng):
+    """On the pairs path a send/recv mismatch and a slice outside the output fail the call on
+    every rank with the slice named (never a hang, never a value), and the next call works."""
+    n = 4
+    mesh = _mesh(n)
+    operand, output, io, ss, oo, rs = _large_case(rng, n, "float32")
+    plan = [a.astype(np.int32) for a in (io, ss, oo, rs)]
+    bad_recv = [p.copy() for p in plan]
+    bad_recv[3][1, 0] += 1  # rank 1 expects one row more from rank 0
+    with pytest.raises(Exception, match=r"slice \d+ of rank 0 \(to rank 1\).*recv_sizes"):
+        np.asarray(_ragged(mesh, operand, output, *bad_recv))
+    bad_off = [p.copy() for p in plan]
+    j = int(np.argmax(ss[:, 0]))  # a non-empty slice (the plan draws some) to rank 0
+    if ss[j, 0] > 0:
+        bad_off[2][j, 0] = output.shape[1]  # lands past the receiver's output
+        with pytest.raises(Exception, match="outside the output"):
+            np.asarray(_ragged(mesh, operand, output, *bad_off))
+    want = ragged_reference(operand, output, io, ss, oo, rs)
+    np.testing.assert_array_equal(np.asarray(_ragged(mesh, operand, output, *plan)), np.stack(want))
+
+
+def test_empty_as_the_output_of_an_exchange(rng):
+    """strata_jax.empty: shape and dtype as asked, no zero fill in the program, and as the
+    ``output`` of a ragged_all_to_all whose plan writes every row, the result is the oracle's
+    (here from a large call: the pairs path)."""
+    n = 4
+    mesh = _mesh(n)
+    e = sj.empty((3, 5), jnp.int16)
+    assert e.shape == (3, 5) and e.dtype == jnp.int16
+    assert sj.empty(7).shape == (7,) and sj.empty(7).dtype == jnp.float32
+    with pytest.raises(ValueError, match="negative"):
+        sj.empty((2, -1))
+    # Every rank receives `rows` rows from every rank, back to back: the output is covered.
+    rows, width = int(rng.integers(300, 400)), 64
+    operand = rng.standard_normal((n, n * rows, width)).astype(np.float32)
+    starts = np.tile(np.arange(n) * rows, (n, 1))
+    sizes = np.full((n, n), rows)
+    out_off = np.tile((np.arange(n) * rows)[:, None], (1, n))  # rank j lands at j * rows
+    want = ragged_reference(operand, np.zeros_like(operand), starts, sizes, out_off, sizes)
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=P("x"))
+    def f(a, io, ss, oo, rs):
+        out = sj.empty(a.shape[1:], a.dtype)
+        return sj.ragged_all_to_all(a[0], out, io[0], ss[0], oo[0], rs[0], axis_name="x")[None]
+
+    assert "strata_empty" in f.lower(operand, starts, sizes, out_off, sizes).as_text()
+    got = f(operand, *(a.astype(np.int32) for a in (starts, sizes, out_off, sizes)))
+    np.testing.assert_array_equal(np.asarray(got), np.stack(want))

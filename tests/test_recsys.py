@@ -143,11 +143,11 @@ def _batches(rng, kind: str):
     return out
 
 
-def _run_sharded(coll, sharding, capacity, batches, seed=0):
+def _run_sharded(coll, sharding, capacity, batches, seed=0, exchange="padded"):
     mesh = Mesh(np.array(jax.devices()[:R]), (AXIS,))
     layout = rm.Layout(ROWS, R, sharding)
     sc = rm.StepConfig(capacity=capacity, lr_sparse=0.1, lr_dense=0.05)
-    fn = rm.make_sharded_step(CFG, layout, sc, mesh, AXIS, coll)
+    fn = rm.make_sharded_step(CFG, layout, sc, mesh, AXIS, coll, exchange=exchange)
     state = rm.initial_state(CFG, layout, seed, mesh, AXIS)
     shard = NamedSharding(mesh, P(AXIS))
     losses, drops, logits, invalid = [], [], [], []
@@ -160,8 +160,10 @@ def _run_sharded(coll, sharding, capacity, batches, seed=0):
     return losses, drops, state, layout, sc, invalid
 
 
-def _check(coll, sharding, capacity, batches, expect_drops):
-    losses, drops, state, layout, sc, invalid = _run_sharded(coll, sharding, capacity, batches)
+def _check(coll, sharding, capacity, batches, expect_drops, exchange="padded"):
+    losses, drops, state, layout, sc, invalid = _run_sharded(
+        coll, sharding, capacity, batches, exchange=exchange
+    )
     assert invalid == [0] * len(batches)
     dense0, tables0 = rm.init_params(CFG, 0)
     keeps = [_keep_mask(ids, capacity, sharding) for _, ids, _ in batches]
@@ -226,6 +228,50 @@ def test_empty_bags(rng):
 
 def test_table_sharding(rng):
     _check(strata_jax, "table", 10, _batches(rng, "uniform"), expect_drops=True)
+
+
+@pytest.mark.parametrize(
+    "sharding,drops",
+    [("row", True), pytest.param("table", False, marks=pytest.mark.slow)],
+)
+def test_compact_exchange(rng, sharding, drops):
+    """exchange="compact" (strata's ragged_all_to_all of the used slots only, into
+    strata_jax.empty) against the unsharded reference, and against the padded all_to_all
+    step bit for bit (losses, drops, every state array): the unused rows it leaves unwritten
+    are never read."""
+    batches = _batches(rng, "uniform")
+    capacity = 3 if drops else B * len(ROWS) * L
+    _check(strata_jax, sharding, capacity, batches, expect_drops=drops, exchange="compact")
+    got = _run_sharded(strata_jax, sharding, capacity, batches, exchange="compact")
+    want = _run_sharded(strata_jax, sharding, capacity, batches)
+    assert got[0] == want[0] and got[1] == want[1] and got[5] == want[5]
+    for g, w in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2]), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_compact_exchange_sizes(rng):
+    """The per-owner slot counts that the compact exchange sends: ``route``'s ``slots`` is
+    what each owner's received slots show (numbered 0..n-1), on random batches."""
+    layout = rm.Layout(ROWS, R, "row")
+    _, ids, _ = _batches(rng, "uniform")[0]
+    for cap in (3, 40):
+        rt = jax.jit(lambda a, cap=cap: rm.route(a, layout, cap))(ids[:B])
+        send = np.asarray(rt["send"]).reshape(R, cap, 2)
+        for d in range(R):
+            slots = send[d, :, 1][send[d, :, 0] >= 0]
+            want = int(slots.max()) + 1 if slots.size else 0
+            assert int(rt["slots"][d]) == want
+            assert sorted(set(slots.tolist())) == list(range(want))
+        bag = np.asarray(rt["slot_bag"]).reshape(R, -1)
+        used = (bag < B * len(ROWS)).sum(axis=1)
+        np.testing.assert_array_equal(np.asarray(rt["slots"]), used)
+
+
+def test_exchange_must_be_known():
+    with pytest.raises(ValueError, match="exchange 'ragged'"):
+        rm.make_train_step(
+            CFG, rm.Layout(ROWS, R), rm.StepConfig(capacity=4), AXIS, jax.lax, "ragged"
+        )
 
 
 def test_route_layout():

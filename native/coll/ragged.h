@@ -40,4 +40,18 @@ struct RaggedShape {
 std::string ragged_all_to_all(Team& t, const RaggedShape& s, char* result,
                               uint64_t* peer_bytes = nullptr);
 
+// What a rank publishes on the in-process pairs path (InProcTeam::arrive_pairs: one pointer per
+// rank), in its own frame, which outlives every copy from it.
+struct RaggedPub {
+  const void* operand = nullptr;
+  const int64_t* plan = nullptr;  // int64 [4, K]
+};
+
+// The pairs path's block: checks sender j's slices to rank r against r's plan (`my_plan`; the
+// same checks as ragged_all_to_all, on this pair alone) and copies them into r's `result`;
+// *moved gets the bytes copied. A fault of another pair may be reported by another rank first
+// (the call fails on every rank with the first fault found).
+std::string ragged_block(const RaggedShape& s, const RaggedPub& from, const int64_t* my_plan, int j,
+                         int r, int n, char* result, uint64_t* moved);
+
 }  // namespace strata

@@ -86,6 +86,21 @@ ffi::Error RaggedAllToAllImpl(ffi::RunId run, ffi::AnyBuffer operand, ffi::AnyBu
   bufs[kRaggedOperand] = BufRef{operand.untyped_data(), operand.size_bytes(), false};
   bufs[kRaggedPlan] = BufRef{plan.untyped_data(), plan.size_bytes(), false};
   OpTimer timer(d.name, d.in_bytes, 0);  // comm_stats()["ops"] (fabric/op_stats.h)
+  if (!ShmFabric::active() && pairs_in_process(d, pl.size)) {
+    // One process, a large call: every pair of ranks' slices copied by the second of the two to
+    // arrive, no departure barrier (InProcTeam::arrive_pairs). Each rank publishes one pointer
+    // to its operand and plan; a peer's thread may run this rank's block.
+    const RaggedPub pub{operand.untyped_data(), static_cast<const int64_t*>(plan.untyped_data())};
+    return join_and_run_pairs("ragged_all_to_all", run.run_id, op_id, pl, d, &pub, res,
+                              [&](Team& t, int src) -> std::string {
+                                const auto* from = static_cast<const RaggedPub*>(t.peer_in(src));
+                                uint64_t moved = 0;
+                                std::string e = ragged_block(s, *from, pub.plan, src, t.rank(),
+                                                             t.size(), res, &moved);
+                                if (src != t.rank()) count_peer_bytes(t, moved);
+                                return e;
+                              });
+  }
   return join_and_run_multi("ragged_all_to_all", run.run_id, op_id, pl, d, bufs, kRaggedBufs,
                             [&](Team& t) -> std::string {
                               uint64_t moved = 0;
@@ -95,7 +110,14 @@ ffi::Error RaggedAllToAllImpl(ffi::RunId run, ffi::AnyBuffer operand, ffi::AnyBu
                             });
 }
 
+// strata_jax.empty: a result of the requested shape, left as XLA allocated it. The one output
+// buffer of a ragged_all_to_all whose unreceived rows are never read, without the zero fill
+// that jax.lax.empty is on XLA:CPU (8 MiB per device cost 0.7 ms; docs/guide/recsys.md).
+ffi::Error EmptyImpl(ffi::Result<ffi::AnyBuffer>) { return ffi::Error::Success(); }
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EmptyHandler, EmptyImpl, ffi::Ffi::Bind().Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedAllToAllHandler, RaggedAllToAllImpl,
                               ffi::Ffi::Bind()

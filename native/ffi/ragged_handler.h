@@ -4,4 +4,5 @@
 
 namespace strata {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RaggedAllToAllHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EmptyHandler);
 }  // namespace strata

@@ -87,6 +87,7 @@ NB_MODULE(_strata, m) {
     d["strata_moe_gather"] = capsule(strata::MoeGatherHandler);
     d["strata_moe_plan"] = capsule(strata::MoePlanHandler);
     d["strata_ragged_all_to_all"] = capsule(strata::RaggedAllToAllHandler);
+    d["strata_empty"] = capsule(strata::EmptyHandler);
     d["strata_moe_ll_dispatch"] = capsule(strata::MoeLowLatencyDispatchHandler);
     d["strata_moe_ll_combine"] = capsule(strata::MoeLowLatencyCombineHandler);
     d["strata_count_inter_fabric"] = capsule(strata::CountInterFabricHandler);
