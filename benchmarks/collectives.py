@@ -37,6 +37,10 @@ Usage::
     # the link bound (fewest bytes a host must send across / rate) and each impl's share of it
     python benchmarks/collectives.py --procs 4 --hosts 2 --netns --link-gbit 1,10 \\
         --op psum,all_gather,psum_scatter,all_to_all -b 4M -e 16M
+    # ... and against jax.lax over XLA's MPI collectives too (a second launch per rate with
+    # launch --engine mpi; needs mpirun and MPITRAMPOLINE_LIB, left out with a note otherwise)
+    python benchmarks/collectives.py --procs 4 --hosts 2 --netns --link-gbit 1,10 \\
+        --impl strata,xla,mpi --op psum,all_gather,psum_scatter,all_to_all -b 4M -e 16M
     mpirun -n 4 python benchmarks/collectives.py --procs 4 --impl strata,xla,mpi4jax
 
 In-process runs re-run themselves under ``LD_PRELOAD=libstrata_alloc.so`` (the deployment
@@ -86,6 +90,7 @@ AXIS = "x"
 IMPLS = ("strata", "xla", "mpi", "mpi4jax")
 CHILD_ENV = "STRATA_BENCH_CHILD"  # set on the processes this script re-launches under --procs
 LINK_ENV = "STRATA_BENCH_LINK_GBIT"  # the link rate of this launch (--netns --link-gbit)
+RESULT_ENV = "STRATA_BENCH_RESULT"  # a file where a re-launched run writes its JSON's path
 WIRE = "_wire"  # the wire floor's program among the timed ones (Runner.wire_fn)
 MPI_ENVS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 
@@ -844,7 +849,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--impl",
         default="strata,xla",
         help="comma list of strata, xla (jax.lax; over gloo across processes), mpi (jax.lax over "
-        "XLA's MPI collectives: under mpirun with MPITRAMPOLINE_LIB, not with xla), mpi4jax",
+        "XLA's MPI collectives, MPITRAMPOLINE_LIB needed: under mpirun, or with --procs through "
+        "launch --engine mpi; with xla too, one launch per engine and a table of both), mpi4jax",
     )
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for CSV/JSON/PNG")
     p.add_argument("--procs", type=int, default=None, help="one process per device, P processes")
@@ -909,10 +915,25 @@ def _under_mpi() -> bool:
     return any(k in os.environ for k in MPI_ENVS)
 
 
+def engine_launches(impls: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """The launches a --procs run needs: (engine, impls) pairs. XLA has one engine per process,
+    so jax.lax over gloo ('xla') and over MPI ('mpi') run in two launches, strata in both (each
+    compared with the jax.lax of its own launch, call by call)."""
+    gloo = [i for i in impls if i != "mpi"]
+    mpi = [i for i in impls if i != "xla"]
+    if "mpi" not in impls:
+        return [("gloo", list(impls))]
+    if "xla" not in impls:
+        return [("mpi", mpi)]
+    return [("gloo", gloo), ("mpi", mpi)]
+
+
 def relaunch(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """--procs P in the parent: run this script under `python -m strata_jax.launch -n P`."""
+    """--procs P in the parent: run this script under `python -m strata_jax.launch -n P`
+    (with `--engine mpi` for jax.lax over MPI: mpirun starts the ranks); with 'xla' and 'mpi'
+    both asked for, one launch per engine, and their figures side by side at the end."""
     try:
-        import strata_jax.launch  # noqa: F401
+        import strata_jax.launch as launcher
     except Exception as e:
         sys.exit(
             f"error: --procs needs the strata_jax launcher (python -m strata_jax.launch), which is "
@@ -920,19 +941,87 @@ def relaunch(args: argparse.Namespace, argv: Sequence[str]) -> int:
         )
     head = [sys.executable, "-m", "strata_jax.launch", "-n", str(args.procs)]
     head += ["--hosts", str(args.hosts)]
+    launches = engine_launches(args.impls)
+    if any(engine == "mpi" for engine, _ in launches):
+        reason = launcher.mpi_unavailable_reason()
+        if reason is not None:
+            launches = [(e, i) for e, i in launches if e != "mpi"]
+            print(f"# jax.lax over MPI left out: {reason}", flush=True)
+            if not launches:
+                sys.exit(f"error: --impl mpi: {reason}")
     rc = 0
-    # One launch per link rate (the links are shaped when the launcher makes them); the child
-    # reads its own rate from LINK_ENV.
-    for rate in args.link_gbits or ([None] if args.netns else [None]):
-        net = ["--netns"] if args.netns else []
-        net += ["--link-gbit", f"{rate:g}"] if rate is not None else []
-        cmd = [*head, *net, str(Path(__file__).resolve()), *argv]
-        env = dict(os.environ, **{CHILD_ENV: "1"})
-        if rate is not None:
-            env[LINK_ENV] = f"{rate:g}"
-        print("# launching:", " ".join(cmd), flush=True)
-        rc = subprocess.call(cmd, env=env) or rc
+    # One launch per link rate (the links are shaped when the launcher makes them) and engine;
+    # the child reads its own rate from LINK_ENV and says where it wrote its JSON in RESULT_ENV.
+    for rate in args.link_gbits or [None]:
+        written: dict[str, Path] = {}
+        for engine, impls in launches:
+            net = ["--netns"] if args.netns else []
+            net += ["--link-gbit", f"{rate:g}"] if rate is not None else []
+            net += ["--engine", "mpi"] if engine == "mpi" else []
+            cmd = [*head, *net, str(Path(__file__).resolve()), *argv, "--impl", ",".join(impls)]
+            env = dict(os.environ, **{CHILD_ENV: "1"})
+            if rate is not None:
+                env[LINK_ENV] = f"{rate:g}"
+            # In --out, not /tmp: a simulated host's private /tmp would hide it.
+            args.out.mkdir(parents=True, exist_ok=True)
+            note = (args.out / f".result-{os.getpid()}-{engine}").resolve()
+            note.unlink(missing_ok=True)
+            env[RESULT_ENV] = str(note)
+            print("# launching:", " ".join(cmd), flush=True)
+            rc = subprocess.call(cmd, env=env) or rc
+            if note.is_file():
+                written[engine] = Path(note.read_text().strip())
+                note.unlink()
+        if len(written) == 2:
+            print_engines(written, rate)
     return rc
+
+
+def print_engines(written: dict[str, Path], rate: float | None) -> None:
+    """strata against jax.lax over gloo and over MPI, from the JSON of the two launches of one
+    link rate: each launch's times are interleaved call by call (strata with the jax.lax of its
+    own engine); across the launches they are not."""
+    import json
+
+    rows = {e: json.loads(p.read_text())["rows"] for e, p in written.items()}
+    by: dict[tuple[str, str, int], dict[str, dict[str, Any]]] = {}
+    for engine, rs in rows.items():
+        for r in rs:
+            key = (r["op"], r["dtype"], r["size_bytes"])
+            name = {"strata": f"strata[{engine}]"}.get(r["impl"], r["impl"])
+            by.setdefault(key, {})[name] = r
+            by[key][f"_wire[{engine}]"] = r
+    pct = lambda r, k: "-" if not r or r.get(k) is None else f"{100 * r[k]:.0f}"  # noqa: E731
+    ms = lambda v: "-" if v is None else f"{v / 1e3:.2f}"  # noqa: E731
+
+    def ratio(r: dict[str, Any], num: str, den: str) -> str:
+        a, b = r.get(num, {}).get("time_us"), r.get(den, {}).get("time_us")
+        return f"{a / b:.2f}" if a and b else "-"
+
+    load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    rate_s = f"{rate:g} Gbit/s" if rate is not None else "unshaped"
+    print(f"#\n# strata against jax.lax over gloo and over MPI, links {rate_s}, load {load}")
+    print(
+        "# %link = link bound / time; wire = jax.lax ppermute of the bound's bytes over that"
+        " engine; xla/strata, mpi/strata = jax.lax's time over strata's in the same launch"
+        " (> 1: strata faster); the two launches ran one after the other"
+    )
+    print(
+        "| op | size | bound ms | wire gloo/mpi ms | strata[gloo] %link | xla %link | xla/strata"
+        " | strata[mpi] %link | mpi %link | mpi/strata | #wrong |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for (op, _dtype, size), r in by.items():
+        sg, sm = r.get("strata[gloo]", {}), r.get("strata[mpi]", {})
+        bound = next((v.get("link_bound_us") for v in r.values() if v.get("link_bound_us")), None)
+        wires = "/".join(ms(r.get(f"_wire[{e}]", {}).get("wire_us")) for e in ("gloo", "mpi"))
+        wrong = sum(v.get("wrong") or 0 for k, v in r.items() if not k.startswith("_"))
+        print(
+            f"| {op} | {C.format_size(size)} | {ms(bound)} | {wires} | {pct(sg, 'link_share')} |"
+            f" {pct(r.get('xla'), 'link_share')} | {ratio(r, 'xla', 'strata[gloo]')} |"
+            f" {pct(sm, 'link_share')} | {pct(r.get('mpi'), 'link_share')} |"
+            f" {ratio(r, 'mpi', 'strata[mpi]')} | {wrong} |"
+        )
 
 
 def setup_jax(args: argparse.Namespace, dtypes: Sequence[np.dtype], multi: bool) -> None:
@@ -1082,9 +1171,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             " all_to_all L(H-1)/H*size, ppermute/pbroadcast size; H hosts of L ranks) over the"
             " link rate; %link = link(us)/time(us): the share of the bound an implementation"
             " reaches (100 = the link is the only cost); wire(us) = the wire floor: jax.lax"
-            " ppermute over gloo moving the same bytes per host along a ring of the hosts (every"
+            f" ppermute over {jax.config.jax_cpu_collectives_implementation} moving the same"
+            " bytes per host along a ring of the hosts (every"
             " rank sends link bytes/L to a rank of the next host), timed in the same run with the"
-            " others; %wire = wire(us)/time(us): the share of what gloo itself reaches on these"
+            " others; %wire = wire(us)/time(us): the share of what that engine reaches on these"
             " links on this machine (where the CPU, not the link, is the limit, this is the bound"
             " the machine can judge)"
         )
@@ -1128,6 +1218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stem = f"collectives_{dnames}_n{ctx.n}" + (f"_p{ctx.process_count}" if multi else "")
         stem += f"_h{ctx.hosts}" if ctx.hosts > 1 else ""
         stem += f"_link{ctx.link_gbit:g}g" if ctx.link_gbit else ""
+        stem += "_mpi" if multi and jax.config.jax_cpu_collectives_implementation == "mpi" else ""
         out: Path = args.out
         C.write_csv(out / f"{stem}.csv", rows)
         C.write_json(
@@ -1143,6 +1234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         png = out / f"{stem}.png"
         plotted = plot(png, rows)
+        if os.environ.get(RESULT_ENV):
+            Path(os.environ[RESULT_ENV]).write_text(str((out / f"{stem}.json").resolve()))
         write(
             f"# wrote {out / (stem + '.csv')}, {out / (stem + '.json')}"
             + (f", {png}" if plotted else " (no PNG: matplotlib missing)")

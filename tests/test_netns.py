@@ -447,3 +447,19 @@ def test_engine_mpi_refusals(monkeypatch, tmp_path, capsys):
         launch.launch(2, ["true"], engine="mpi", devices_per_proc=2)
     with pytest.raises(ValueError, match="engine must be one of"):
         launch.launch(2, ["true"], engine="nccl")
+
+
+def test_bench_runs_one_launch_per_engine():
+    """benchmarks/collectives.py --impl strata,xla,mpi: XLA has one engine per process, so the
+    parent makes one launch over gloo (strata, xla) and one with --engine mpi (strata, mpi)."""
+    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    try:
+        import collectives as B
+    finally:
+        sys.path.pop(0)
+    assert B.engine_launches(["strata", "xla", "mpi"]) == [
+        ("gloo", ["strata", "xla"]),
+        ("mpi", ["strata", "mpi"]),
+    ]
+    assert B.engine_launches(["strata", "mpi"]) == [("mpi", ["strata", "mpi"])]
+    assert B.engine_launches(["strata", "xla"]) == [("gloo", ["strata", "xla"])]
