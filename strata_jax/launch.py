@@ -524,7 +524,7 @@ def launch(
                 f"{ALLOC_LIBRARY_NAME} not found (set {ENV_ALLOC_LIB} or reinstall strata_jax); "
                 "running without the allocator"
             )
-    network = _Network(hosts, link_gbit) if netns else None
+    network = _Network(hosts, link_gbit, head=engine == "mpi") if netns else None
     coordinator = network.coordinator if network else f"127.0.0.1:{free_port()}"
     per_host = nproc // hosts
     simulated = hosts > 1 or private_mounts or netns
@@ -543,7 +543,9 @@ def launch(
             f"({devices_per_proc} device(s) each): {plan}"
         )
     namespaces: list[_Namespace] = []
-    mpi_dir = tempfile.mkdtemp(prefix="strata-mpi-") if engine == "mpi" else None
+    # mpirun's session directory: with --netns in the head's private /tmp (gone with its
+    # namespace, even after a SIGKILL), else in a folder the launcher removes.
+    mpi_dir = tempfile.mkdtemp(prefix="strata-mpi-") if engine == "mpi" and not netns else None
 
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = {}
@@ -576,8 +578,7 @@ def launch(
             argv_r = namespaces[h].wrap(argv) if namespaces else argv
             run.start(argv_r, env_r, rank, out, host=f"host{h}" if simulated else None)
         if engine == "mpi":
-            assert mpi_dir is not None
-            mpi_argv, mpi_env = _mpi_job(rank_cmds, base, per_host, network, mpi_dir)
+            mpi_argv, mpi_env = _mpi_job(rank_cmds, base, per_host, network, mpi_dir or "/tmp")
             where = (
                 f" in the switch's network namespace (its PMIx server at {network.head_address}"
                 " on the bridge; MPI between hosts over the links)"
@@ -769,13 +770,14 @@ def _mpi_job(
     which a host's private /tmp hides), and
     Open MPI moves MPI's bytes with its TCP transport on ``eth0``, over the shaped links (its
     shared-memory transports would find the other host's /dev/shm missing). Open MPI's session
-    directory goes under ``session_dir``, which the launcher removes.
+    directory goes under ``session_dir`` (``/tmp`` of the head's private mounts with
+    ``network``, else a folder the launcher removes).
     """
     mpirun = shutil.which("mpirun") or "mpirun"
     envcmd = shutil.which("env") or "env"
     job_env = dict(base)
     job_env[ENV_ENGINE] = "mpi"
-    job_env["TMPDIR"] = session_dir  # mpirun's session directory (removed by the launcher)
+    job_env["TMPDIR"] = session_dir  # mpirun's session directory
     head = [mpirun, "--oversubscribe", "--bind-to", "none", "--tag-output"]
     if os.geteuid() == 0:
         head.append("--allow-run-as-root")
@@ -835,11 +837,12 @@ class _Network:
     # retransmission timeouts (strata's all_gather at 1 Gbit/s: 8-28 % of the link bound).
     QUEUE = "20ms"
 
-    def __init__(self, hosts: int, link_gbit: float | None) -> None:
+    def __init__(self, hosts: int, link_gbit: float | None, head: bool = False) -> None:
         if hosts > 250:
             raise ValueError(f"--netns supports at most 250 simulated hosts, got {hosts}")
         self.hosts = hosts
         self.link_gbit = link_gbit
+        self.head = head  # the switch namespace is also a head node (add_head, in_switch)
         self.switch: subprocess.Popen | None = None
         self.namespaces: list[_Namespace] = []
 
@@ -868,10 +871,12 @@ class _Network:
         self._in(sw, "ip", "addr", "add", f"{self.head_address}/{self.PREFIX}", "dev", self.BRIDGE)
 
     def in_switch(self, argv: Sequence[str]) -> list[str]:
-        """``argv`` run in the switch's network namespace (nothing else of it changes)."""
-        assert self.switch is not None
+        """``argv`` run in the head's network and mount namespaces (a private /tmp), in the
+        launcher's working directory."""
+        assert self.switch is not None and self.head
         nsenter = shutil.which("nsenter") or "nsenter"
-        return [nsenter, "-t", str(self.switch.pid), "--net", "--", *argv]
+        pid = str(self.switch.pid)
+        return [nsenter, "-t", pid, "--net", "--mount", f"--wd={os.getcwd()}", "--", *argv]
 
     def tbf(self, dev: str) -> list[str]:
         """tc arguments shaping ``dev``'s egress to the link rate (token bucket filter)."""
@@ -899,13 +904,17 @@ class _Network:
         reason = netns_unavailable_reason(self.link_gbit)
         if reason is not None:
             raise OSError(reason)
+        # A head node (mpirun's, --engine mpi) also gets private mounts: a tmpfs on /tmp for
+        # mpirun's session directory, freed with the namespace however the job ends.
+        flags = ["--net", "--mount", "--propagation", "private"] if self.head else ["--net"]
+        tmp = "mount -t tmpfs -o mode=1777 strata-tmp /tmp && " if self.head else ""
         self.switch = _start_holder(
             _holder_argv(
-                ["--net"],
-                f"ip link add {self.BRIDGE} mtu {self.MTU} type bridge && "
+                flags,
+                f"{tmp}ip link add {self.BRIDGE} mtu {self.MTU} type bridge && "
                 f"ip link set {self.BRIDGE} up && echo ready && exec sleep 100000",
             ),
-            "the switch namespace (unshare --net)",
+            f"the switch namespace (unshare {' '.join(flags)})",
         )
         etc_hosts = "127.0.0.1 localhost\n::1 localhost\n" + "".join(
             f"{self.address(h)} {self.hostname(h)}\n" for h in range(self.hosts)

@@ -285,3 +285,27 @@ def test_jax_distributed_sees_all_devices(tmp_path, alloc_lib):
     assert r.returncode == 0, r.stderr[-3000:]
     for i in range(2):
         assert f"[rank {i}] devices 4 local 2 process {i}" in r.stdout, r.stdout
+
+
+def test_mpirun_tagged_output_becomes_rank_lines():
+    """mpirun --tag-output tags each piece a rank writes ("ready", " ", "host0\\n" from an
+    unbuffered print), and pieces of several ranks share a line: the launcher puts each rank's
+    line back together as `[rank R] ...`; mpirun's own lines get its prefix."""
+    import io
+    import threading
+
+    from strata_jax import launch
+
+    src = io.BytesIO(
+        b"[1,0]<stdout>:ready[1,1]<stdout>:exiting with 3[1,0]<stdout>: [1,0]<stdout>:host0"
+        b"[1,0]<stdout>:\n[1,1]<stdout>:\nmpirun noticed that process rank 1 exited\n"
+        b"[1,2]<stderr>:no newline at the end"
+    )
+    out = io.BytesIO()
+    launch._pump(src, out, b"[mpirun] ", threading.Lock(), relabel=True)
+    assert out.getvalue().decode().splitlines() == [
+        "[rank 0] ready host0",
+        "[rank 1] exiting with 3",
+        "[mpirun] mpirun noticed that process rank 1 exited",
+        "[rank 2] no newline at the end",
+    ]

@@ -77,3 +77,26 @@ def test_hierarchical_collectives_cross_fabrics_over_mpi():
     _check(r, res, 4)
     for d in res:
         assert d["num_fabrics"] == 2 and d["inter_fabric_bytes"] > 0, d
+
+
+@pytest.mark.slow  # 10-15 s: 2 ranks compiling 14 programs each
+def test_launcher_engine_mpi_without_namespaces():
+    """`python -m strata_jax.launch -n 2 --engine mpi`: the launcher starts the ranks with mpirun
+    (rank r = app context r) and the same checks pass as under mpirun by hand; no session
+    directory is left in TMPDIR."""
+    import tempfile
+    from pathlib import Path
+
+    from _mp_util import launch_cmd
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = launch_cmd(2, "mpi_engine.py")
+        cmd[cmd.index("-n") : cmd.index("-n")] = ["--engine", "mpi"]
+        r = subprocess.run(
+            cmd, env=job_env(MPITRAMPOLINE_LIB=WRAPPER, TMPDIR=tmp), cwd=PKG_PARENT,
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        res = sorted(results(r.stdout), key=lambda d: d["process"])
+        _check(r, res, 2)
+        assert [d["mpi_rank"] for d in res] == [0, 1], res
+        assert list(Path(tmp).iterdir()) == [], list(Path(tmp).iterdir())

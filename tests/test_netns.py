@@ -88,6 +88,10 @@ def _env(tmpdir: Path) -> dict[str, str]:
     return env
 
 
+def _mpi_env(tmpdir: Path) -> dict[str, str]:
+    return dict(_env(tmpdir), MPITRAMPOLINE_LIB=MPI_WRAPPER)
+
+
 class _Leftovers:
     """What a --netns job could leave behind, seen from the root namespaces."""
 
@@ -291,15 +295,17 @@ def test_link_bound_counts_the_bytes_a_host_must_receive(hosts, per_host):
 
 
 @needs_netns
-def test_launcher_killed_leaves_nothing(tmpdir_short):
+@pytest.mark.parametrize("engine", ["gloo", pytest.param("mpi", marks=needs_mpi)])
+def test_launcher_killed_leaves_nothing(tmpdir_short, engine):
     """SIGKILL to the launcher itself (no chance to clean up): its namespace holders and ranks
-    die with it (setpriv --pdeathsig), so no namespace, link or run dir outlives it."""
+    (and with --engine mpi, mpirun) die with it (setpriv --pdeathsig), so no namespace, link,
+    run dir or mpirun session dir outlives it."""
     before = _Leftovers()
-    cmd = [sys.executable, LAUNCH_PY, "-n", "2", "--hosts", "2", "--netns"]
+    cmd = [sys.executable, LAUNCH_PY, "-n", "2", "--hosts", "2", "--netns", "--engine", engine]
     cmd += [str(SCRIPTS / "sleep_ready.py")]
     p = subprocess.Popen(
         cmd,
-        env=_env(tmpdir_short),
+        env=_mpi_env(tmpdir_short) if engine == "mpi" else _env(tmpdir_short),
         cwd=PKG_PARENT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -333,10 +339,6 @@ def test_wire_floor_ring_crosses_one_way(hosts, per_host):
     assert sorted(s for s, _ in pairs) == sorted(d for _, d in pairs) == list(range(n))
     assert all(s // per_host != d // per_host for s, d in pairs), pairs
     assert not any((d, s) in pairs for s, d in pairs), pairs
-
-
-def _mpi_env(tmpdir: Path) -> dict[str, str]:
-    return dict(_env(tmpdir), MPITRAMPOLINE_LIB=MPI_WRAPPER)
 
 
 @needs_netns
