@@ -68,17 +68,21 @@ MODEL_FLAGS = ("d_model", "layers", "heads", "experts", "top_k", "d_ff")
 
 # Configurations by name (--preset): the values become argparse defaults. "paper": towards the
 # paper's regime, where the xla_sort step spends 30-45% of its time exchanging (against nocomm),
-# measured on the 2-core machine of docs/performance.md; picked by that share alone (the
-# decode step stays below it in one process: see PRESET_WHY).
+# measured on the 2-core machine of docs/performance.md; picked by that share alone (see
+# PRESET_WHY and docs/performance.md, "The paper's regime", for the sizes tried).
 PRESETS = {
     "paper": {
         # in one process xla_sort's exchange grows with the experts (its blocks are padded
-        # to every token for every expert) and d_model; over gloo its latency needs a larger batch.
-        # GShard (xla) left out: its one-hot prefill tensors [T, E, T] at these sizes (2048-4096
-        # prompt tokens per device) took 30 s per request batch
+        # to every token for every expert) and d_model, and its expert FLOPs per exchanged row
+        # with d_ff. Decode-step / TTFT shares in exploration runs (load 13-24): d_ff 256 with
+        # 32 experts 17-24% / 16-43%, d_ff 64 29% / 55%, d_ff 64 with 64 experts 44/38% and
+        # 38/34%, d_ff 128 with 64 experts 38% / 36%; over gloo its latency needs a larger
+        # batch. GShard (xla) left out: its one-hot prefill tensors [T, E, T] at these sizes
+        # (2048-4096 prompt tokens per device) took 30 s per request batch
         "one_process": {
             "d_model": 256,
-            "experts": 32,
+            "experts": 64,
+            "d_ff": 64,
             "batch": 32,
             "train_steps": 20,
             "requests": 3,
@@ -96,11 +100,11 @@ PRESETS = {
 }
 PRESET_WHY = (
     "paper: towards the paper's regime, where the baseline spends 30-45%% of its time "
-    "exchanging (against nocomm). Measured on the 2-core machine of docs/performance.md: the "
-    "xla_sort TTFT 42-43%% in one process and 28-42%% under strata_jax.launch -n 4; its decode "
-    "step only 17-18%% in one process and 24-35%% under the launcher. Each placement has its own "
-    "configuration; the model flags train a checkpoint of that size first (or --load one of that "
-    "size)."
+    "exchanging (against nocomm). Measured on the 2-core machine of docs/performance.md: in one "
+    "process (64 experts, d_ff 64) the xla_sort decode step 38-44%% and its TTFT 34-38%%; "
+    "under strata_jax.launch -n 4 TTFT 28-42%% and the decode step 24-35%%. Each placement has "
+    "its own configuration; the model flags train a checkpoint of that size first (or --load "
+    "one of that size)."
 )
 
 

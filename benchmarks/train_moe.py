@@ -80,23 +80,33 @@ MOE_DESC = {
 
 # Configurations by name (--preset): the values become argparse defaults. "paper": towards the
 # paper's regime, where the xla_sort step spends 30-45% of its time exchanging (against nocomm),
-# measured on the 2-core machine of docs/performance.md; picked by that share alone (in one
-# process no size tried reached 30%: see PRESET_WHY).
+# measured on the 2-core machine of docs/performance.md; picked by that share alone (see
+# PRESET_WHY and docs/performance.md, "The paper's regime", for the sizes tried).
 PRESETS = {
     "paper": {
-        # 64 tokens per device (the in-process exchange's share rose as tokens per device fell;
-        # 20-27% in exploration runs at load 10-20, the most of the sizes tried)
-        "one_process": {"d_model": 128, "batch": 1, "seq": 64, "steps": 60, "warmup": 10},
+        # 64 tokens per device, narrow experts (d_ff 64) and 16 experts: the expert FLOPs per
+        # exchanged row scale with d_ff, and xla_sort's padded [E, T, H] blocks with E. Shares
+        # in exploration runs (load 5-18): d_ff 256 (the default) 20-31%, d_ff 64 30-33%,
+        # d_ff 32 25-40%, d_ff 64 with 4 layers 31-39%, d_ff 64 with 16 experts 34/35/36%
+        "one_process": {
+            "d_model": 128,
+            "batch": 1,
+            "seq": 64,
+            "d_ff": 64,
+            "experts": 16,
+            "steps": 60,
+            "warmup": 10,
+        },
         # over gloo the default model's exchange is already 35% of the step
         "launch": {"d_model": 128, "batch": 2, "seq": 128, "steps": 40, "warmup": 8},
     }
 }
 PRESET_WHY = (
     "paper: towards the paper's regime, where the baseline spends 30-45%% of its step "
-    "exchanging (against nocomm). Measured on the 2-core machine of docs/performance.md: under "
-    "strata_jax.launch -n 4 xla_sort spent 36-39%% of its step exchanging; in one process no "
-    "size tried reached 30%% and this one read 26-31%%. Each placement has its own "
-    "configuration."
+    "exchanging (against nocomm). Measured on the 2-core machine of docs/performance.md: in one "
+    "process xla_sort spent 34-36%% of its step exchanging with d_ff 64 and 16 experts at 64 "
+    "tokens per device (20-31%% with the default d_ff 256); under strata_jax.launch -n 4 "
+    "36-39%%. Each placement has its own configuration."
 )
 
 
