@@ -70,12 +70,49 @@ def test_psum_over_mpi_crosses_in_one_collective(two_fake_fabrics, monkeypatch):
         jax.shard_map(lambda v: sj.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
     )
     x = np.zeros((16, 5), np.float32)
+    monkeypatch.setenv("STRATA_RING_PSUM", "0")
     assert f.lower(x).as_text().count("collective_permute") == 2  # gloo: two one-way rounds
     monkeypatch.setattr(mpi_engine, "selected", lambda: True)
     f = jax.jit(
         jax.shard_map(lambda v: sj.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
     )
     assert f.lower(x).as_text().count("collective_permute") == 1
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2, 3), (3, 1, 0, 2)], ids=["order0", "order1"])
+def test_ring_psum_equals_two_rounds_and_lax(two_fake_fabrics, rng, order, monkeypatch):
+    """psum/pmax across two fabrics from ONE_WAY_BYTES per shard cross along the ring (one
+    collective-permute): the member that receives the other fabric's shard k pairs it with the
+    own shard k held by another member (all_gather_reduce's x_from). Shards of 768 KiB take the
+    push form, 4 KiB ones the packed form; both give the same bits as the two one-way rounds
+    (``STRATA_RING_PSUM=0``) and equal jax.lax's psum (bitwise for int32) and numpy's max
+    (NaN and signed zeros included)."""
+    monkeypatch.setattr(hierarchy, "ONE_WAY_BYTES", 4096)
+    devs = sorted(jax.devices(), key=lambda d: d.id)[:4]
+    mesh = Mesh(np.array([devs[i] for i in order]), ("x",))
+    for rows, dtype in ((4 * 2 * 192, np.float32), (4 * 2, np.float32), (4 * 2 * 192, np.int32)):
+        x = (rng.standard_normal((rows, 1024)) * 100).astype(dtype)
+        if dtype == np.float32:
+            x[:4, 7] = [np.nan, 1.0, -0.0, 2.0]
+            x[:4, 8] = [0.0, -0.0, 0.0, -0.0]
+        for name, a, b in (
+            ("psum", lambda v: sj.psum(v, "x"), lambda v: jax.lax.psum(v, "x")),
+            ("pmax", lambda v: sj.pmax(v, "x"), lambda v: jax.lax.pmax(v, "x")),
+        ):
+            fn = lambda v, a=a: a(v)[None]  # noqa: E731
+            got, want = _both(mesh, fn, lambda v, b=b: b(v)[None], x)
+            monkeypatch.setenv("STRATA_RING_PSUM", "0")
+            rounds, _ = _both(mesh, fn, fn, x)
+            monkeypatch.delenv("STRATA_RING_PSUM")
+            np.testing.assert_array_equal(got.view(np.uint32), rounds.view(np.uint32), name)
+            if name == "pmax":  # numpy's max propagates NaN, as strata's does
+                want = np.broadcast_to(x.reshape(4, -1, 1024).max(0), got.shape)
+                np.testing.assert_array_equal(got, want, name)
+            elif dtype == np.int32:
+                np.testing.assert_array_equal(got, want, name)
+            else:
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-3, err_msg=name)
+            assert np.array_equal(got[0], got[3], equal_nan=True), name  # both fabrics alike
 
 
 @pytest.mark.parametrize(
@@ -104,13 +141,17 @@ def test_hierarchical_in_process(two_fake_fabrics, rng, order, one_way, monkeypa
                 out_specs=P("x"),
             )
         )
+        monkeypatch.setenv("STRATA_RING_PSUM", "0")  # the form before the ring: two rounds
         hlo_text = f.lower(np.zeros((16, 5), np.float32)).as_text()
         assert hlo_text.count("collective_permute") == 2, hlo_text
-        # psum_scatter's block, all_to_all's aggregate and all_gather's own block cross along
-        # the ring: one collective-permute in which every rank sends and receives once and no
-        # pair of ranks exchanges both ways (one gloo connection carries both directions by
-        # turns).
+        monkeypatch.delenv("STRATA_RING_PSUM")
+        # psum's shards, psum_scatter's block, all_to_all's aggregate and all_gather's own block
+        # cross along the ring: one collective-permute in which every rank sends and receives
+        # once and no pair of ranks exchanges both ways (one gloo connection carries both
+        # directions by turns).
         for op in (
+            lambda v: sj.psum(v, "x"),
+            lambda v: sj.pmax(v, "x"),
             lambda v: sj.psum_scatter(v, "x", tiled=True),
             lambda v: sj.all_to_all(v, "x", 0, 1, tiled=True),
             lambda v: sj.all_gather(v, "x", tiled=True),

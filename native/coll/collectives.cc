@@ -192,10 +192,10 @@ std::string all_gather(Team& t, size_t in_bytes, bool push, const int64_t* place
 }
 
 std::string all_gather_reduce(Team& t, int32_t dtype, ReduceOp op, const void* a, const void* b,
-                              size_t count) {
+                              size_t count, int block) {
   const void* srcs[2] = {a, b};
   reduce_push(t, dtype, op, srcs, 2, peer_outs(t).data(), 0, count,
-              t.rank() * count * dtype_size(dtype));
+              static_cast<size_t>(block) * count * dtype_size(dtype));
   return {};
 }
 

@@ -69,29 +69,30 @@ std::string reduce_scatter(Team& t, int32_t dtype, ReduceOp op, size_t out_count
 // whole output in one more pass.
 std::string all_gather(Team& t, size_t in_bytes, bool push, const int64_t* placement = nullptr,
                        int parts = 1);
-// All-gather of a op b (this rank's two local inputs of `count` elements each, combined in that
-// order): rank r reduces its block once, tile by tile, and stores it straight into every rank's
-// output at block r (push). The last two steps of a two-fabric all-reduce in one pass
+// All-gather of a op b (two inputs of `count` elements each, combined in that order): rank r
+// reduces its block once, tile by tile, and stores it straight into every rank's output at
+// `block` (push; r in the plain form). The last two steps of a two-fabric all-reduce in one pass
 // (hierarchy.py): the partner fabric's shard is combined on the way out instead of in a
 // separate pass.
 std::string all_gather_reduce(Team& t, int32_t dtype, ReduceOp op, const void* a, const void* b,
-                              size_t count);
+                              size_t count, int block);
 // The same from packed inputs (pull): every rank published [a | b] (2 * count elements) as its
 // input, and each rank reduces every peer's pair into its own output block. For teams whose
 // peers' outputs are not writable (the low-latency path). `b_first(j)`: rank j's pair is
-// combined as b op a.
-template <class BFirst>
+// combined as b op a. `a_from(j)`: the rank whose a pairs with rank j's b (j itself in the plain
+// form), and the output block the pair lands in.
+template <class BFirst, class AFrom>
 std::string all_gather_reduce_packed(Team& t, int32_t dtype, ReduceOp op, size_t count,
-                                     BFirst b_first) {
+                                     BFirst b_first, AFrom a_from) {
   const int n = t.size();
   const size_t block = count * dtype_size(dtype);
   char* out = static_cast<char*>(t.peer_out(t.rank()));
   for (int k = 0; k < n; ++k) {
     const int j = (t.rank() + k) % n;
-    const char* pair = static_cast<const char*>(t.peer_in(j));
-    const void* srcs[2] = {pair, pair + block};
+    const int i = a_from(j);
+    const void* srcs[2] = {t.peer_in(i), static_cast<const char*>(t.peer_in(j)) + block};
     if (b_first(j)) std::swap(srcs[0], srcs[1]);
-    reduce_n(dtype, op, srcs, 2, out + j * block, 0, count);
+    reduce_n(dtype, op, srcs, 2, out + i * block, 0, count);
   }
   return {};
 }

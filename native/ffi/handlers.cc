@@ -519,11 +519,14 @@ constexpr size_t kPackedShardBytes = 512 * 1024;
 // y = all_gather(x op z) over the group: the last two steps of a two-fabric all-reduce
 // (strata_jax/_src/hierarchy.py), where z is the partner fabric's shard. `z_first[p]` (per
 // partition) puts z before x so that both partners combine the two shards in the same order and
-// hold the same bits (pmax of +0 and -0, the sign of a NaN).
+// hold the same bits (pmax of +0 and -0, the sign of a NaN). `x_from[p]` (per partition; -1:
+// p itself) names the partition whose x pairs with p's z: the two-fabric ring psum, where the
+// member that receives the partner fabric's shard k is not the one holding the own shard k
+// (hierarchy.py: _all_reduce); that pair's result goes to the x holder's output block.
 ffi::Error AllGatherReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer z,
                                ffi::AnyBuffer pid, After, ffi::Result<ffi::AnyBuffer> y, Done,
                                int64_t op_id, I64s groups, int64_t group_size, I64s device_ids,
-                               int32_t reduce, I64s z_first) {
+                               int32_t reduce, I64s z_first, I64s x_from) {
   const ReduceOp op = static_cast<ReduceOp>(reduce);
   const char* name = reduce_name(reduce);
   if (auto e = check_dtype(name, x, true, op); e.failure()) return e;
@@ -551,6 +554,12 @@ ffi::Error AllGatherReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer 
     if (partition < 0 || static_cast<size_t>(partition) >= z_first.size()) return -1;
     return z_first[partition] != 0 ? 1 : 0;
   };
+  // The partition whose x pairs with this partition's z (its own unless x_from says another).
+  auto x_source = [&](int64_t partition) -> int64_t {
+    if (partition < 0 || static_cast<size_t>(partition) >= x_from.size() || x_from[partition] < 0)
+      return partition;
+    return x_from[partition];
+  };
   return run_collective(
       name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
       packed ? static_cast<const void*>(pair.data()) : x.untyped_data(), y->untyped_data(),
@@ -562,14 +571,29 @@ ffi::Error AllGatherReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer 
           if (order(pl.member_parts[j]) < 0)
             return "strata_jax all_gather_reduce: internal error: no operand order for a "
                    "member";
+        // x_src[j]: the member whose x pairs with member j's z; its block is where the pair
+        // lands. A permutation of the members (every output block written once).
+        std::vector<int> x_src(t.size(), -1);
+        std::vector<char> hit(t.size(), 0);
+        for (int j = 0; j < t.size(); ++j) {
+          const int64_t want = x_source(pl.member_parts[j]);
+          for (int k = 0; k < t.size(); ++k)
+            if (pl.member_parts[k] == want) x_src[j] = k;
+          if (x_src[j] < 0 || hit[x_src[j]]++)
+            return "strata_jax all_gather_reduce: internal error: x_from is not a permutation "
+                   "of the members";
+        }
         count_peer_bytes(t, (packed ? 2 * bytes : bytes) * (t.size() - 1));
         if (packed)
-          return all_gather_reduce_packed(t, dt, op, count,
-                                          [&](int j) { return order(pl.member_parts[j]) == 1; });
+          return all_gather_reduce_packed(
+              t, dt, op, count, [&](int j) { return order(pl.member_parts[j]) == 1; },
+              [&](int j) { return x_src[j]; });
+        const int xr = x_src[t.rank()];
+        const void* own_x = xr == t.rank() ? x.untyped_data() : t.peer_in(xr);
         const bool swap = order(pl.partition) == 1;
-        const void* a = swap ? z.untyped_data() : x.untyped_data();
-        const void* b = swap ? x.untyped_data() : z.untyped_data();
-        return all_gather_reduce(t, dt, op, a, b, count);
+        const void* a = swap ? z.untyped_data() : own_x;
+        const void* b = swap ? own_x : z.untyped_data();
+        return all_gather_reduce(t, dt, op, a, b, count, xr);
       },
       /*peers_write=*/!packed);
 }
@@ -756,7 +780,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherPlacedHandler, AllGatherPlacedImpl,
                               STRATA_COMMON_BIND.Attr<I64s>("placement"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AllGatherReduceHandler, AllGatherReduceImpl,
-    STRATA_TWO_OPERANDS_BIND.Attr<int32_t>("reduce").Attr<I64s>("z_first"));
+    STRATA_TWO_OPERANDS_BIND.Attr<int32_t>("reduce").Attr<I64s>("z_first").Attr<I64s>("x_from"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherPartHandler, AllGatherPartImpl,
                               STRATA_COMMON_BIND.Attr<I64s>("placement").Attr<int64_t>("part"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

@@ -24,6 +24,9 @@ StrataCL's supernode/scale-out, Hu et al. 2026). Inter-fabric bytes are per devi
   own one inside the intra all_gather (strata's all_gather_reduce: above 512 KiB every
   member writes its reduced block straight into every peer's output; below, each reduces
   every member's published pair into its own output, which the low-latency path can run).
+  From ONE_WAY_BYTES the shards cross along the two-fabric ring instead (one
+  collective-permute, every connection one way), and a member's received shard is paired with
+  the own fabric's shard of the same index, which another member may hold (x_from).
 - all_gather: all-gather across fabrics of the own block first (F-1 blocks cross, not
   (F-1)*L), then inside the fabric, where each block is written straight to its place in
   group order (strata_all_gather_placed; no reorder pass). F = 2 from ONE_WAY_BYTES: the own
@@ -224,11 +227,14 @@ def _gc(
     z_first=(),
     placement=(),
     part=-1,
+    x_from=(),
 ):
     """One collective over explicit groups; ``split``/``concat``: all_to_all's (tiled) axes.
 
     ``all_gather_reduce`` (strata only): the all_gather of ``x reduce z``, combined in the order
-    ``z_first[partition]`` gives (1: z first). ``all_gather_part`` (strata only): sub-block
+    ``z_first[partition]`` gives (1: z first); with ``x_from`` (per partition, -1: itself), the
+    z of partition p pairs with the x of partition ``x_from[p]``, and the pair lands in that
+    one's output block. ``all_gather_part`` (strata only): sub-block
     ``part`` of an all_gather with ``placement`` (x is that sub-block of every member; the
     output has all of them, the other sub-blocks left unwritten, or ``z``'s, which it
     aliases). ``placement`` (strata all_gather and
@@ -258,11 +264,24 @@ def _gc(
         z_first=tuple(int(v) for v in z_first),
         placement=tuple(int(v) for v in placement),
         part=int(part),
+        x_from=tuple(int(v) for v in x_from),
     )
 
 
 def _gc_abstract_eval(
-    aval, *z, kind, engine, groups, reduce, pairs, split, concat, z_first, placement, part=-1
+    aval,
+    *z,
+    kind,
+    engine,
+    groups,
+    reduce,
+    pairs,
+    split,
+    concat,
+    z_first,
+    placement,
+    part=-1,
+    x_from=(),
 ):
     n = len(groups[0])
     if kind == "all_gather_part":
@@ -366,7 +385,19 @@ _REDUCE_CODES = {"sum": 0, "max": 1, "min": 2}
 
 
 def _strata_lowering(
-    ctx, x, *z, kind, groups, reduce, pairs, split=0, concat=0, z_first=(), placement=(), part=-1
+    ctx,
+    x,
+    *z,
+    kind,
+    groups,
+    reduce,
+    pairs,
+    split=0,
+    concat=0,
+    z_first=(),
+    placement=(),
+    part=-1,
+    x_from=(),
 ):
     """One strata call over explicit intra-fabric groups (``lowering.lower_strata_call``)."""
     if kind not in _STRATA_TARGETS:
@@ -376,6 +407,7 @@ def _strata_lowering(
         attrs["reduce"] = np.int32(_REDUCE_CODES[reduce])
     if kind == "all_gather_reduce":
         attrs["z_first"] = np.asarray(z_first, np.int64)
+        attrs["x_from"] = np.asarray(x_from or [-1] * len(z_first), np.int64)
     elif kind == "all_to_all":
         attrs.update(split_axis=np.int64(split), concat_axis=np.int64(concat))
     elif kind == "permute":
@@ -419,11 +451,13 @@ def _count_inter(ctx, x, nbytes: int) -> None:
 
 
 def _gc_lowering(
-    ctx, x, *z, kind, engine, groups, reduce, pairs, split, concat, z_first, placement, part
+    ctx, x, *z, kind, engine, groups, reduce, pairs, split, concat, z_first, placement, part, x_from
 ):
     kw = dict(kind=kind, groups=groups, reduce=reduce, pairs=pairs, split=split, concat=concat)
     if engine == "strata":
-        out = _strata_lowering(ctx, x, *z, z_first=z_first, placement=placement, part=part, **kw)
+        out = _strata_lowering(
+            ctx, x, *z, z_first=z_first, placement=placement, part=part, x_from=x_from, **kw
+        )
     elif engine == "xla_check":  # the descriptors of _check_across: not counted as data
         out = _xla_lowering(ctx, x, **kw)
     else:
@@ -715,6 +749,13 @@ def _one_way_bytes() -> int:
     return runtime.env_bytes("STRATA_ONE_WAY_BYTES", ONE_WAY_BYTES, "262144 or 256K; 0: always")
 
 
+def _ring_psum() -> bool:
+    """``STRATA_RING_PSUM=0`` (read when a program is lowered): the two-fabric psum crosses in
+    the two one-way rounds of :func:`_exchange` instead of along :func:`_ring` (the form before
+    the ring, kept for A/B measurements)."""
+    return os.environ.get("STRATA_RING_PSUM", "1") != "0"
+
+
 def _nbytes(x) -> int:
     return int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
 
@@ -762,9 +803,9 @@ def _exchange(send, p: Plan):
     time. Each rank sends its buffer once and receives the partner's once, in one of the two
     rounds; the result is selected by the partition id (no arithmetic on the values).
     Measured at 1 Gbit/s (two A/B runs, load 23-28): psum 72-80 % of the link bound against
-    46-57 % with one collective-permute, all_to_all 61-74 % against 48-52 %. (psum_scatter's
-    and all_to_all's blocks cross along :func:`_ring` instead: one round; psum's shards cannot,
-    since each member needs the partial sums of its own shard from the member that holds it.)
+    46-57 % with one collective-permute, all_to_all 61-74 % against 48-52 %. (psum's shards,
+    psum_scatter's and all_to_all's blocks now cross along :func:`_ring` instead, in one
+    round; psum takes this form only with ``STRATA_RING_PSUM=0``.)
     """
     nbytes = int(np.prod(send.shape)) * send.dtype.itemsize
     groups = np.asarray(p.inter)
@@ -831,9 +872,35 @@ def _all_reduce(x, p: Plan, reduce: str):
         # ring all-reduce, one round instead of two), combined with the own shard inside the
         # intra-fabric all_gather (native all_gather_reduce: one pass, no XLA reduction). Both
         # partners put fabric slot 0's shard first (z_first), so every rank holds the same bits.
-        z = _exchange(v, p)
+        #
+        # From ONE_WAY_BYTES per rank the shards cross along the ring (_ring: one
+        # collective-permute, every rank sends its shard and receives one at once, every
+        # connection one way) instead of the two one-way rounds of _exchange: member l of slot s
+        # receives the other fabric's partial sum of shard src[s][l], whose own partial is the
+        # x of member src[s][l] of its own fabric (x_from; in slot 1 that is itself, in slot 0
+        # the member before it), and the all_gather_reduce pairs them there. No select of two
+        # rounds' results (one pass over the shard) and no zero-filled buffer of the round in
+        # which a rank receives nothing. The same sums (two operands, slot 0's first).
+        if _ring_psum() and _nbytes(v) >= _one_way_bytes():
+            pairs, _, src = _ring(p)
+            x_from = np.full(p.groups.size, -1, np.int64)
+            for g in p.groups:
+                for s in range(2):
+                    for lo in range(p.L):
+                        x_from[g[p.rank_of(s, lo)]] = g[p.rank_of(s, src[s][lo])]
+            z = _gc(v, "permute", "xla", p.groups, pairs=pairs)
+        else:
+            x_from = ()
+            z = _exchange(v, p)
         v = _gc(
-            v, "all_gather_reduce", "strata", p.intra, reduce=reduce, z=z, z_first=_slot_table(p)
+            v,
+            "all_gather_reduce",
+            "strata",
+            p.intra,
+            reduce=reduce,
+            z=z,
+            z_first=_slot_table(p),
+            x_from=x_from,
         )
     else:
         v = _xla_all_reduce(v, p.inter, reduce)
