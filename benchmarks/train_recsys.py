@@ -59,7 +59,7 @@ import _common as C  # noqa: E402
 import recsys_model as rm  # noqa: E402
 from train_moe import start_runtime  # noqa: E402
 
-IMPLS = ("strata", "xla", "nocomm", "strata_padded")
+IMPLS = ("strata", "xla", "nocomm", "strata_padded", "strata_compact")
 
 # Configurations by name (--preset): the values become argparse defaults. "paper": the paper's
 # regime, where the jax.lax (xla) step spends 30-45% of its time exchanging (against nocomm),
@@ -111,11 +111,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-check-vma", dest="check_vma", action="store_false", help="shard_map(check_vma=False)"
     )
     g.add_argument(
-        "--no-compact",
-        dest="compact",
-        action="store_false",
-        help="strata exchanges every slot with all_to_all, as jax.lax does (default: the used "
-        "slots only, with ragged_all_to_all; --impl strata_padded runs that path beside it)",
+        "--strata-exchange",
+        choices=rm.EXCHANGES,
+        default="compact",
+        help="how strata moves the pooled embeddings and their gradients (recsys_model."
+        "make_train_step): padded = all_to_all of every slot, as jax.lax does; compact = "
+        "ragged_all_to_all of the used slots only. --impl strata_padded (strata_compact) runs "
+        "that form beside it, in the same turns",
     )
     g.add_argument(
         "--tol",
@@ -326,7 +328,14 @@ def main(argv: list[str] | None = None) -> int:
         # nocomm: an identity pmean leaves the dense gradients unreplicated as far as the
         # shard_map type checker knows
         check_vma = args.check_vma and impl != "nocomm"
-        exchange = "compact" if impl == "strata" and args.compact else "padded"
+        # strata: --strata-exchange; strata_<exchange>: that one beside it (A/B in one run)
+        exchange = (
+            args.strata_exchange
+            if impl == "strata"
+            else impl.removeprefix("strata_")
+            if impl.startswith("strata_")
+            else "padded"
+        )
         fn = rm.make_sharded_step(cfg, layout, sc, mesh, axis, coll, check_vma, exchange)
         state = rm.initial_state(cfg, layout, args.seed, mesh, axis)
         t0 = time.perf_counter()
@@ -345,11 +354,10 @@ def main(argv: list[str] | None = None) -> int:
             "compile_s": time.perf_counter() - t0,
         }
         name = {"xla": "jax.lax", "nocomm": "no-op"}.get(impl, "strata_jax")
-        a2a = (
-            f"{name}.all_to_all, {name}.ragged_all_to_all x2"
-            if exchange == "compact"
-            else f"{name}.all_to_all x3"
-        )
+        a2a = {
+            "padded": f"{name}.all_to_all x3",
+            "compact": f"{name}.all_to_all, {name}.ragged_all_to_all x2",
+        }[exchange]
         say(
             f"# {impl:<10} : compiled in {runs[impl]['compile_s']:.1f} s ({a2a}, "
             f"{name}.pmean, {name}.psum)"
@@ -517,13 +525,15 @@ def main(argv: list[str] | None = None) -> int:
         diffs = diffs["strata"]  # the JSON's earlier form when only strata is compared
     if "strata" in runs and base:
         say(C.speed_sentence("strata", runs["strata"]["median_s"], base, runs[base]["median_s"]))
-    if "strata_padded" in runs and "strata" in runs:
-        t_c, t_p = runs["strata"]["median_s"], runs["strata_padded"]["median_s"]
-        c_c, c_p = runs["strata"]["cpu_s"], runs["strata_padded"]["cpu_s"]
+    for other in [i for i in runs if i.startswith("strata_")]:
+        if "strata" not in runs:
+            break
+        t_c, t_p = runs["strata"]["median_s"], runs[other]["median_s"]
+        c_c, c_p = runs["strata"]["cpu_s"], runs[other]["cpu_s"]
         say(
-            f"# A/B: strata ({'compact' if args.compact else 'padded'}) {1e3 * t_c:.1f} ms vs "
-            f"strata_padded {1e3 * t_p:.1f} ms median step ({t_p / t_c:.2f}x), CPU "
-            f"{1e3 * c_c:.1f} vs {1e3 * c_p:.1f} ms"
+            f"# A/B: strata ({args.strata_exchange}) {1e3 * t_c:.1f} ms vs {other} "
+            f"{1e3 * t_p:.1f} ms median step ({t_p / t_c:.2f}x), CPU {1e3 * c_c:.1f} vs "
+            f"{1e3 * c_p:.1f} ms"
         )
     if "nocomm" in runs and base:
         say(C.bound_sentence(runs["nocomm"]["median_s"], base, runs[base]["median_s"]))
