@@ -187,11 +187,15 @@ def communication_note(c: dict[str, Any] | None, what: str) -> str:
 
 def baseline_of(rows: list[dict[str, Any]]) -> str | None:
     """The baseline of a training benchmark's rows: named in the rows (train_moe), else the
-    first implementation that is not strata or the communication-free bound (train_recsys)."""
+    first implementation that is not strata (nor a strata variant run beside it, such as
+    ``strata_padded``) or the communication-free bound (train_recsys)."""
     named = rows[0].get("baseline") if rows else None
     if named:
         return named
-    return next((r["impl"] for r in rows if r["impl"] not in ("strata", "nocomm")), None)
+    return next(
+        (r["impl"] for r in rows if r["impl"] != "nocomm" and not r["impl"].startswith("strata")),
+        None,
+    )
 
 
 def _row(rows: list[dict[str, Any]], impl: str) -> dict[str, Any] | None:
