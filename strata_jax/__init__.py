@@ -43,6 +43,29 @@ def _installed_copy_if_unbuilt():
     return installed
 
 
+def _check_mpitrampoline_lib() -> None:
+    """An ImportError naming ``MPITRAMPOLINE_LIB`` when it is a path to no file.
+
+    jaxlib carries MPItrampoline, which dlopens that library as soon as jaxlib is loaded and,
+    when it cannot, prints "MPItrampoline: Could not dlopen library" and ends the process
+    (exit code 1) inside ``import jax``: no Python error, and neither ``init()`` nor
+    ``python -m strata_jax.launch --engine mpi`` would get to say what to change. A value without
+    a "/" is searched by the dynamic loader and left to it.
+    """
+    import os
+
+    lib = os.environ.get("MPITRAMPOLINE_LIB", "")
+    if "/" in lib and not os.path.isfile(lib):
+        raise ImportError(
+            f"MPITRAMPOLINE_LIB={lib!r} is no file: jaxlib's MPItrampoline loads it when jax is "
+            "imported and would end this process. Set it to a libmpiwrapper.so built from "
+            "MPIwrapper against this machine's MPI, or unset it (docs/guide/hosts.md, XLA over "
+            "MPI)."
+        )
+
+
+_check_mpitrampoline_lib()
+
 # What follows then runs against the installed copy (it is sys.modules["strata_jax"] now) and
 # only fills this discarded module object.
 _installed = _installed_copy_if_unbuilt()

@@ -309,3 +309,26 @@ def test_mpirun_tagged_output_becomes_rank_lines():
         "[mpirun] mpirun noticed that process rank 1 exited",
         "[rank 2] no newline at the end",
     ]
+
+
+@pytest.mark.parametrize("how", ["module", "import"])
+def test_mpitrampoline_lib_naming_no_file_is_an_error(tmp_path, how):
+    """MPITRAMPOLINE_LIB naming no file: jaxlib's MPItrampoline ends the process inside
+    ``import jax`` with its own message (exit 1), so ``python -m strata_jax.launch --engine
+    mpi`` and ``import strata_jax`` used to die without saying which variable to change; now
+    ``import strata_jax`` raises an ImportError naming it, before jax is imported."""
+    bad = str(tmp_path / "nope" / "libmpiwrapper.so")
+    env = _env(MPITRAMPOLINE_LIB=bad)
+    if how == "module":
+        p = _launch(["-n", "2", "--engine", "mpi", str(tmp_path / "x.py")], env=env, module=True)
+    else:
+        p = subprocess.run(
+            [sys.executable, "-c", "import strata_jax"],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert p.returncode != 0
+    assert f"MPITRAMPOLINE_LIB={bad!r} is no file" in p.stderr, p.stderr
