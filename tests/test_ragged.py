@@ -525,6 +525,9 @@ def test_empty_as_the_output_of_an_exchange(rng):
     assert sj.empty(7).shape == (7,) and sj.empty(7).dtype == jnp.float32
     with pytest.raises(ValueError, match="negative"):
         sj.empty((2, -1))
+    for bad in ((2.5,), "3", (2, 1.0)):  # as jnp.zeros: no silent truncation or parsing
+        with pytest.raises(TypeError, match="integer type"):
+            sj.empty(bad)
     # Every rank receives `rows` rows from every rank, back to back: the output is covered.
     rows, width = int(rng.integers(300, 400)), 64
     operand = rng.standard_normal((n, n * rows, width)).astype(np.float32)

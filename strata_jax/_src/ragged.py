@@ -259,11 +259,13 @@ def empty(shape: int | tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
       An array of ``shape`` and ``dtype`` with unspecified values.
 
     Raises:
-      ValueError: a negative dimension (from :class:`jax.ShapeDtypeStruct`'s checks).
+      TypeError: a dimension that is not an integer (``2.5``, ``"3"``: jax's own message, as
+        :func:`jax.numpy.zeros` gives).
+      ValueError: a negative dimension.
     """
     from strata_jax._src import runtime
 
-    shape = (int(shape),) if isinstance(shape, int | np.integer) else tuple(int(d) for d in shape)
+    shape = core.canonicalize_shape((shape,) if isinstance(shape, int | np.integer) else shape)
     if any(d < 0 for d in shape):
         raise ValueError(f"strata_jax.empty: negative dimension in shape {shape}")
     runtime.native()  # the custom call's target is registered with the extension
