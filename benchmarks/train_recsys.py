@@ -192,13 +192,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _strata_ops(strata_jax: Any, jax: Any, args: argparse.Namespace) -> dict[str, Any]:
+_OP_COUNTERS = ("calls", "bytes", "total_s", "wait_s", "move_s")
+
+
+def _add_ops(into: dict[str, dict[str, float]], before: dict, after: dict) -> None:
+    """Adds what ``comm_stats()["ops"]`` counted between ``before`` and ``after`` (one turn of
+    one implementation) to ``into``: the counters are the process's, shared by every strata
+    implementation that runs (``strata_padded`` beside ``strata``)."""
+    for name, o in after.items():
+        b = before.get(name, {})
+        acc = into.setdefault(name, dict.fromkeys(_OP_COUNTERS, 0.0))
+        for k in _OP_COUNTERS:
+            acc[k] += o[k] - b.get(k, 0)
+
+
+def _strata_ops(ops: dict[str, dict[str, float]], jax: Any, args: argparse.Namespace) -> dict:
     """Where strata's step spends its time in collectives: ``comm_stats()["ops"]`` over the
-    timed steps, per device per step (this process's devices): calls, milliseconds in the
-    handler, of which ``wait`` (until every peer had arrived) and ``move`` (the copy and the
-    departure barrier), and MB of input. Returns the numbers and their ``#`` lines."""
+    timed steps of ``--impl strata`` alone (``ops``, summed by :func:`_add_ops`), per device
+    per step (this process's devices): calls, milliseconds in the handler, of which ``wait``
+    (until every peer had arrived) and ``move`` (the copy and the departure barrier), and MB of
+    input. Returns the numbers and their ``#`` lines."""
     steps = max(1, args.steps - args.warmup) * jax.local_device_count()
-    ops = strata_jax.comm_stats()["ops"]
     out: dict[str, Any] = {}
     parts = []
     for name, o in sorted(ops.items()):
@@ -364,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     labels_window: list[np.ndarray] = []
+    strata_turns: dict[str, dict[str, float]] = {}  # _add_ops
     bar = C.progress(args.steps, desc="train", enable=args.progress and lead)
     t_start = time.perf_counter()
     for i in range(args.steps):
@@ -371,13 +386,17 @@ def main(argv: list[str] | None = None) -> int:
             strata_jax.reset_stats()
         batch, labels = put_batch(i)
         labels_window.append(np.concatenate([labels[k] for k, _ in local_devs]))
-        for r in runs.values():
+        for k, r in runs.items():
             C.align_processes("train_recsys")  # several processes: start each step together
+            # strata's counters over its own timed turns (not strata_padded's beside it)
+            ops0 = strata_jax.comm_stats()["ops"] if k == "strata" and i >= args.warmup else None
             t0, c0 = time.perf_counter(), time.process_time()
             r["state"], (loss, logits, dropped, invalid) = r["fn"](r["state"], batch)
             jax.block_until_ready((r["state"], loss, logits, dropped, invalid))
             r["times"].append(time.perf_counter() - t0)
             r["cpu"].append(time.process_time() - c0)
+            if ops0 is not None:
+                _add_ops(strata_turns, ops0, strata_jax.comm_stats()["ops"])
             r["losses"].append(float(np.asarray(loss.addressable_data(0))))
             r["drops"].append(int(np.asarray(dropped.addressable_data(0))))
             r["invalid"].append(int(np.asarray(invalid.addressable_data(0))))
@@ -553,8 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         for line in cpu_lines:
             say(line)
 
-    # (with strata_padded beside strata the counters hold both)
-    strata_ops = _strata_ops(strata_jax, jax, args) if "strata" in runs else {}
+    strata_ops = _strata_ops(strata_turns, jax, args) if "strata" in runs else {}
     for line in strata_ops.pop("lines", []):
         say(line)
 

@@ -11,6 +11,9 @@ step's reported drop count must equal the reference's.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -383,3 +386,21 @@ def test_step_with_ids_outside_their_tables(rng, sharding):
     assert got[5] == n_bad and want[5] == [0, 0]
     for g, w in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2]), strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_benchmark_strata_ops_count_strata_alone(tmp_path):
+    """train_recsys.py's ``# strata's collectives, per device per timed step`` line (and
+    ``strata_ops`` in its JSON) counts the turns of ``--impl strata`` alone: with
+    ``strata_padded`` stepped beside it, the process-wide counters used to add both forms'
+    calls (all_to_all 4 and psum 4 per step instead of 1 and 2)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "train_recsys.py"
+    argv = [sys.executable, str(script), "--impl", "strata,strata_padded", "--devices", "2"]
+    argv += ["--steps", "2", "--warmup", "1", "--batch", "16", "--tables", "2", "--rows", "64"]
+    argv += ["--dim", "8", "--bottom", "8", "--top", "8", "--no-progress", "--out", str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STRATA_", "JAX_"))}
+    p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    ops = json.loads((tmp_path / "train_recsys.json").read_text())["strata_ops"]
+    calls = {name: ops[name]["calls"] for name in ("all_to_all", "ragged_all_to_all", "psum")}
+    # compact strata: the ids' all_to_all, the two ragged exchanges, pmean and the counts' psum
+    assert calls == {"all_to_all": 1, "ragged_all_to_all": 2, "psum": 2}, calls
