@@ -378,6 +378,8 @@ class _Launch:
             elif failed:
                 rank, code = failed[0]
                 if rank.label:  # mpirun: it stopped the ranks and named the failed one above
+                    for t in rank.pumps:  # its last lines (that report) first
+                        t.join(timeout=2.0)
                     self.message(f"{rank.ended(code)} (mpirun's own message above names the rank)")
                     return code if code > 0 else 128 - code
                 self.message(f"{rank.ended(code)}; stopping the other ranks")

@@ -332,3 +332,28 @@ def test_mpitrampoline_lib_naming_no_file_is_an_error(tmp_path, how):
         )
     assert p.returncode != 0
     assert f"MPITRAMPOLINE_LIB={bad!r} is no file" in p.stderr, p.stderr
+
+
+def test_mpirun_failure_message_follows_its_report(tmp_path):
+    """Under --engine mpi the launcher's "mpirun exited with code N (mpirun's own message above
+    names the rank)" comes after mpirun's output is drained (its report naming the failed rank
+    printed after that line under --netns); here a late line from mpirun's process group, which
+    the launcher printed nothing of before (its message came first, then the group was
+    killed)."""
+    from strata_jax import launch
+
+    script = (
+        "echo '[1,1]<stderr>:boom' >&2; "
+        "(sleep 0.5; echo 'Process name: [[1,1],1]' >&2) & exit 1"  # a late report line
+    )
+    with open(tmp_path / "out", "wb") as out, open(tmp_path / "err", "wb") as err:
+        run = launch._Launch(grace=5, err=err)
+        try:
+            run.start(["sh", "-c", script], dict(os.environ), 0, out, label="mpirun")
+            code = run.watch(None)
+        finally:
+            run.finish()
+    lines = (tmp_path / "err").read_text().splitlines()
+    assert code == 1
+    assert "[mpirun] Process name: [[1,1],1]" in lines, lines
+    assert lines[-1].startswith("strata-launch: mpirun exited with code 1"), lines
