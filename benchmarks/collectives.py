@@ -952,9 +952,9 @@ def relaunch(args: argparse.Namespace, argv: Sequence[str]) -> int:
         reason = launcher.mpi_unavailable_reason()
         if reason is not None:
             launches = [(e, i) for e, i in launches if e != "mpi"]
-            print(f"# jax.lax over MPI left out: {reason}", flush=True)
             if not launches:
                 sys.exit(f"error: --impl mpi: {reason}")
+            print(f"# jax.lax over MPI left out: {reason}", flush=True)
     rc = 0
     # One launch per link rate (the links are shaped when the launcher makes them) and engine;
     # the child reads its own rate from LINK_ENV and says where it wrote its JSON in RESULT_ENV.

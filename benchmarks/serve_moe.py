@@ -542,6 +542,15 @@ def main(argv: list[str] | None = None) -> int:
             f"# bytes differing {compared[0]} vs {b}: {n} of {gen[b].size}"
             + (" (identical)" if n == 0 else "")
         )
+    # Equal greedy bytes say little when the checkpoint generates (nearly) one byte everywhere
+    # (a checkpoint trained for a few steps emits blanks): say so instead of implying a check.
+    distinct = int(np.unique(gen[compared[0]]).size) if compared else None
+    if distinct is not None and distinct < 4:
+        say(
+            f"# note: {compared[0]} generated only {distinct} distinct byte value(s): the "
+            "checkpoint is barely trained, so equal greedy bytes check little here (more "
+            "--train-steps, or the default configuration's checkpoint, make it a real check)"
+        )
 
     # ---- table -------------------------------------------------------------------------------
     def pct(xs, q):
@@ -618,6 +627,7 @@ def main(argv: list[str] | None = None) -> int:
                 strata_speedup=ratios,
                 communication=communication,
                 differing_bytes=same,
+                distinct_generated_bytes=distinct,
                 ttft_s={k: r["ttft"] for k, r in runs.items()},
                 step_s={k: r["steps"] for k, r in runs.items()},
             ),

@@ -314,6 +314,12 @@ def main(argv: list[str] | None = None) -> int:
         f"(capacity {capacity} ids per destination), of [{R} x {slots}, {cfg.dim}] f32 pooled "
         f"embeddings back, of the same gradients forward again; pmean of "
         f"{n_dense + 1:,} f32 (dense grads + loss)"
+        + (
+            "; strata's pooled embeddings and gradients: ragged_all_to_all of the used slots only"
+            " (--strata-exchange compact)"
+            if args.strata_exchange == "compact"
+            else ""
+        )
     )
     say(
         f"# training   : {args.steps} steps, Adagrad (row-wise on tables, lr {args.lr_sparse}; "
