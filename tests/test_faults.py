@@ -104,6 +104,7 @@ def _no_crash(out: str) -> None:
 
 
 # 5a. A rank paused past the timeout ----------------------------------------------------------
+@pytest.mark.slow  # out of the default run for its 6-minute budget (8-32 s here)
 def test_sigstop_past_timeout_then_sigcont(clean_host):
     go = clean_host / "go"
     token = f"stop-{os.getpid()}-{time.monotonic_ns()}"
@@ -160,6 +161,7 @@ def test_sigstop_past_timeout_then_sigcont(clean_host):
 
 
 # 5b. A rank killed while its peers read its buffer; a fresh job right after ------------------
+@pytest.mark.slow  # out of the default run for its 6-minute budget (8-32 s here)
 def test_kill_while_peers_read_then_fresh_job(clean_host):
     token = f"kill-{os.getpid()}-{time.monotonic_ns()}"
     # 16 MiB per rank; rank 1 leads (FAULT_LEAD), so it is nearly always inside a call with

@@ -49,6 +49,7 @@ def test_low_latency_two_processes_two_devices_each():
     assert out.count("checks rank") == 2, out[-3000:]
 
 
+@pytest.mark.slow  # out of the default run for its 6-minute budget (8-32 s here)
 def test_low_latency_killed_peer_fails_fast():
     _require_allocator()
     r, _ = launch(3, "check_low_latency.py", "kill", timeout=120, grace=10)

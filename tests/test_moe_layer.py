@@ -463,6 +463,7 @@ _ALL_IMPLS = "reference,xla,xla_sort,strata_ragged,nocomm" + (",strata" if NATIV
 _MAIN_IMPLS = "xla_sort,nocomm" + (",strata" if NATIVE else ",strata_ragged")
 
 
+@pytest.mark.slow  # out of the default run for its 6-minute budget (8-32 s here)
 @pytest.mark.parametrize(
     "impls,repeat",
     [

@@ -211,6 +211,7 @@ def test_pytree_all_reduce_and_strided_psum_scatter_across_processes(job_2x2):
     assert out.count("OK pytree 146 checks") == 2, out[-3000:]
 
 
+@pytest.mark.slow  # out of the default run for its 6-minute budget (8-32 s here)
 def test_processes_exiting_at_different_times_is_a_clean_end():
     """A healthy job whose ranks exit 0, 0.5 and 2.5 s after their last call: the first one's
     closed link is a clean exit (it said goodbye on the fabric first), so the others take the
@@ -224,6 +225,7 @@ def test_processes_exiting_at_different_times_is_a_clean_end():
     assert "not waiting longer" not in out and "SIGABRT" not in out, out[-3000:]
 
 
+@pytest.mark.slow  # out of the default run for its 6-minute budget (8-32 s here)
 def test_timeout_then_sigkill_leaves_nothing():
     import shutil
     import tempfile

@@ -388,6 +388,7 @@ def test_step_with_ids_outside_their_tables(rng, sharding):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+@pytest.mark.slow  # out of the default run for its 6-minute budget (8-32 s here)
 def test_benchmark_strata_ops_count_strata_alone(tmp_path):
     """train_recsys.py's ``# strata's collectives, per device per timed step`` line (and
     ``strata_ops`` in its JSON) counts the turns of ``--impl strata`` alone: with

@@ -747,6 +747,7 @@ def _check_scaleout(
     assert r.stdout.count("OK scaleout") == nproc, out[-3000:]
 
 
+@pytest.mark.slow  # out of the default run for its 6-minute budget (8-32 s here)
 def test_two_hosts_every_collective():
     """launch -n 2 --hosts 2 --devices-per-proc 2 --netns --link-gbit 10 where permitted (as
     root): every operator (gradients included) against jax.lax over gloo, both over 10 Gbit/s
@@ -830,6 +831,7 @@ def test_independent_calls_keep_program_order(nproc, devices, runs):
     assert r.stdout.count(f"OK independent {runs}") == nproc, out[-3000:]
 
 
+@pytest.mark.slow  # out of the default run for its 6-minute budget (8-32 s here)
 def test_rank_of_other_fabric_killed():
     tmp = Path(tempfile.mkdtemp(prefix="strata-t-", dir="/tmp"))  # short: socket paths
     try:

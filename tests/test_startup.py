@@ -94,6 +94,7 @@ def _connect_failed(out: str, pid: int, other: int, timeout_s: int = 4) -> None:
     assert "strata_jax.init(timeout_s=...)" in out, out[-3000:]
 
 
+@pytest.mark.slow  # out of the default run for its 6-minute budget (8-32 s here)
 def test_late_peer_when_init_starts_jax_distributed():
     """init() starts jax.distributed itself (the launcher's usual way): rank 1 sleeps 8 s
     before init(timeout_s=4). Rank 0 fails after ~4 s naming init, process 1 and timeout_s and
