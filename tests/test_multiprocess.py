@@ -246,6 +246,7 @@ def test_timeout_then_sigkill_leaves_nothing():
     assert shm_after <= shm_before, f"left in /dev/shm: {shm_after - shm_before}"
 
 
+@pytest.mark.slow  # out of the default run for its 6-minute budget (8-14 s here)
 def test_uncaught_exception_on_one_rank_stops_everyone_quickly():
     """A Python exception on rank 1 ends the job within seconds and names rank 1 (without
     strata's excepthook the rank would hang in jax.distributed's shutdown)."""

@@ -809,6 +809,7 @@ def test_moe_across_two_hosts_two_devices_each():
     assert r.stdout.count("OK moe 30 checks") == 2, out[-3000:]
 
 
+@pytest.mark.slow  # out of the default run for its 6-minute budget (8-14 s here)
 @pytest.mark.parametrize(
     "nproc,devices,runs",
     [
@@ -852,6 +853,7 @@ def test_launcher_hosts_must_divide():
         launch.launch(4, ["true"], hosts=3)
 
 
+@pytest.mark.slow  # out of the default run for its 6-minute budget (8-14 s here)
 @pytest.mark.parametrize(
     "link", ["shared", pytest.param("netns", marks=pytest.mark.slow)], ids=["hosts2", "netns"]
 )
