@@ -537,7 +537,12 @@ def speed_sentence(name: str, t_this: float, base: str, t_base: float, goal: flo
 
 
 def communication_share(
-    t_base: float, t_strata: float, t_nocomm: float, base: str, what: str = "step"
+    t_base: float,
+    t_strata: float,
+    t_nocomm: float,
+    base: str,
+    what: str = "step",
+    t_meet: float | None = None,
 ) -> tuple[list[str], dict[str, Any]]:
     """How much of the baseline's time is exchange, and how much of that strata removes.
 
@@ -548,6 +553,13 @@ def communication_share(
     also cheaper; undefined, None, when nocomm is not faster than the baseline). Times in
     seconds (medians of the same turns). Returns the two ``#`` lines and the numbers for the
     JSON (``comm_share``, ``strata_removes``, the three times).
+
+    With ``t_meet`` (the ``meet`` impl: nocomm whose exchanges still make the ranks meet, see
+    :func:`no_exchange`) a third line splits the exchange time: ``meeting = (t_meet - t_nocomm)
+    / (t_base - t_nocomm)`` is the part spent waiting for the slowest rank, which no synchronous
+    exchange avoids, and ``removed_moving = (t_base - t_strata) / (t_base - t_meet)`` is how much
+    of the rest (moving the bytes) strata removes (JSON: ``meet_s``, ``meeting_share``,
+    ``strata_removes_of_moving``; None where undefined).
     """
     exch = t_base - t_nocomm
     share = exch / t_base if t_base > 0 else float("nan")
@@ -578,6 +590,27 @@ def communication_share(
         "comm_share": share,
         "strata_removes": removed,
     }
+    if t_meet is not None:
+        meeting = (t_meet - t_nocomm) / exch if exch > 0 else None
+        moving = t_base - t_meet
+        removed_moving = (t_base - t_strata) / moving if moving > 0 else None
+        lines.append(
+            f"# meeting: with the ranks still meeting at every exchange but no bytes moved "
+            f"(meet, {1e3 * t_meet:.2f} ms median) "
+            + (
+                f"{100 * meeting:.0f}% of the exchange time is waiting for the slowest rank, "
+                f"which no synchronous exchange avoids"
+                if meeting is not None
+                else "the split is undefined (nocomm is not faster than the baseline)"
+            )
+            + (
+                f"; strata removes {100 * removed_moving:.0f}% of the rest (({base} - strata) / "
+                f"({base} - meet))"
+                if removed_moving is not None
+                else f"; meet is not faster than {base}: moving the bytes costs nothing measurable"
+            )
+        )
+        data.update(meet_s=t_meet, meeting_share=meeting, strata_removes_of_moving=removed_moving)
     return lines, data
 
 
@@ -894,14 +927,60 @@ NOCOMM_DESC = (
 )
 
 
+MEET_DESC = (
+    "nocomm, but every exchange still makes the ranks meet: a 1-element strata psum beside it "
+    "(no bytes move; what the step loses to waiting for the slowest rank, which any synchronous "
+    "exchange pays)"
+)
+
+
+def _meeting(axis_name: Any) -> Callable[[Any], Any]:
+    """Identity on a pytree that waits until every rank of ``axis_name`` has reached it: one
+    strata psum of the leaves' first elements (float32, one per leaf: bytes that do not count),
+    tied to the leaves by an optimization barrier, so everything after the exchange waits for
+    it and no two meetings merge. Its VJP meets again, as the exchange it replaces has one in
+    the backward pass (all_to_all's transpose is an all_to_all; psum's cotangent crosses back in
+    shard_map)."""
+    import jax
+    import jax.numpy as jnp
+
+    import strata_jax
+
+    def meet(tree: Any) -> Any:
+        leaves, treedef = jax.tree.flatten(tree)
+        real = [i for i, x in enumerate(leaves) if x.size and x.dtype != jax.dtypes.float0]
+        if not real:
+            return tree
+        firsts = [leaves[i].reshape(-1)[:1].astype(jnp.float32) for i in real]
+        tok = strata_jax.psum(jnp.concatenate(firsts), axis_name)
+        tied, _ = jax.lax.optimization_barrier(([leaves[i] for i in real], tok))
+        for i, x in zip(real, tied, strict=True):
+            leaves[i] = x
+        return jax.tree.unflatten(treedef, leaves)
+
+    @jax.custom_vjp
+    def f(tree: Any) -> Any:
+        return meet(tree)
+
+    f.defvjp(lambda tree: (meet(tree), None), lambda _, g: (meet(g),))
+    return f
+
+
 @contextlib.contextmanager
-def no_exchange():
+def no_exchange(meet: bool = False):
     """While a program is traced: ``jax.lax.all_to_all``, ``psum`` and ``pmean`` return their
     operand unchanged (the shape-preserving exchanges the workloads use: all_to_all with equal
     split and concat axes). The program then does the baseline's computation and no
     communication; its step time is the bound that no communication library can beat at this
     size (the ``nocomm`` impl of train_moe.py, train_recsys.py and serve_moe.py). Its values are
-    wrong by design and are never compared."""
+    wrong by design and are never compared.
+
+    ``meet=True`` (the ``meet`` impl): each replaced exchange still makes the ranks of its axis
+    meet (:func:`_meeting`: a 1-element strata psum, forward and backward), so the step pays
+    the synchronisation of every exchange but moves no bytes. ``meet - nocomm`` is the part of
+    the exchange time that is waiting for the slowest rank (with more ranks than cores: for a
+    core), which no synchronous exchange avoids; ``baseline - meet`` is what moving the bytes
+    costs."""
     import jax
 
     def all_to_all(x, axis_name, split_axis, concat_axis, **kw):
@@ -909,11 +988,14 @@ def no_exchange():
             raise ValueError(
                 "no_exchange: all_to_all with split_axis != concat_axis changes the shape"
             )
-        return x
+        return _meeting(axis_name)(x) if meet else x
+
+    def reduce(x, axis_name, **kw):
+        return _meeting(axis_name)(x) if meet else x
 
     saved = {k: getattr(jax.lax, k) for k in ("all_to_all", "psum", "pmean")}
     jax.lax.all_to_all = all_to_all
-    jax.lax.psum = jax.lax.pmean = lambda x, axis_name, **kw: x
+    jax.lax.psum = jax.lax.pmean = reduce
     try:
         yield
     finally:

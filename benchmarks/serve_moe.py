@@ -19,7 +19,10 @@ fixed seed). MoE implementations, stepped in turns (prefill of each, then step i
 * ``xla``: ``moe_mlp(impl="xla")``, GShard (one-hot einsums and ``jax.lax.all_to_all``);
 * ``nocomm``: ``xla_sort``'s programs with every exchange replaced by identity
   (``_common.no_exchange``): wrong bytes by design, never compared; its times are the bound that
-  no faster exchange can beat at these sizes (the ``# bound`` line).
+  no faster exchange can beat at these sizes (the ``# bound`` line);
+* ``meet`` (not run by default): ``nocomm`` whose exchanges still make the ranks meet (a
+  1-element strata psum each: ``_common.no_exchange(meet=True)``): with it the communication
+  lines split the exchange time into waiting for the slowest rank and moving the bytes.
 
 None drops a token (capacity = every token of every rank), so with greedy decoding all
 implementations must generate the same bytes (checked; the script exits 1 otherwise). Every
@@ -62,7 +65,8 @@ import _common as C  # noqa: E402
 import train_moe  # noqa: E402
 from moe_model import attention_cached, load_params, rms  # noqa: E402
 
-IMPLS = ("strata", "xla_sort", "xla", "nocomm")
+IMPLS = ("strata", "xla_sort", "xla", "nocomm", "meet")
+FREE = ("nocomm", "meet")  # xla_sort's programs, no bytes exchanged
 # The model flags of train_moe.py that shape a checkpoint (None: train_moe.py's default).
 MODEL_FLAGS = ("d_model", "layers", "heads", "experts", "top_k", "d_ff")
 
@@ -118,9 +122,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--impl",
-        default=",".join(IMPLS),
+        default="strata,xla_sort,xla,nocomm",
         help=f"comma list of {IMPLS}; with strata, xla_sort and nocomm the communication "
-        "share of xla_sort's decode step and TTFT and the part of it strata removes are printed",
+        "share of xla_sort's decode step and TTFT and the part of it strata removes are printed "
+        "(add meet to split it into waiting for the slowest rank and moving bytes)",
     )
     p.add_argument(
         "--strata-prefill",
@@ -437,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     key_spec = P()
     runs: dict[str, dict[str, Any]] = {}
     for impl in args.impls:
-        traced = "xla_sort" if impl == "nocomm" else impl
+        traced = "xla_sort" if impl in FREE else impl
         prefill, decode, native_sort = make_programs(cfg, traced, axis, R, args)
         dspec = jax.tree.map(lambda _: P(), dense_np)
         espec = jax.tree.map(lambda _: P(axis), experts_np)
@@ -469,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         pr0 = put(prompts_np[0], P(axis))
         t0 = time.perf_counter()
         # Traced (and cached by jit) here, on the first call; later calls have the same types.
-        with C.no_exchange() if impl == "nocomm" else contextlib.nullcontext():
+        with C.no_exchange(meet=impl == "meet") if impl in FREE else contextlib.nullcontext():
             tok, cache = f_pre(dense, experts, pr0, key)
             jax.block_until_ready(f_dec(dense, experts, cache, tok, positions[0], key))
         what = {
@@ -480,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
             else "sort/gather + jax.lax.all_to_all (benchmarks/moe.py xla_gather_pipeline)",
             "xla": "moe_mlp(impl='xla'): GShard one-hot + jax.lax.all_to_all",
             "nocomm": "xla_sort with no exchange (communication-free bound)",
+            "meet": "xla_sort with no bytes exchanged, ranks still meeting at every exchange",
         }[impl]
         say(f"# {impl:<10} : {what}; compiled + first run {time.perf_counter() - t0:.1f} s")
         runs[impl] = dict(pre=f_pre, dec=f_dec, ttft=[], steps=[], tokens=[])
@@ -529,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for impl, run in runs.items()
     }  # [requests, B, G]
-    compared = [n for n in names if n != "nocomm"]  # nocomm: wrong bytes by design
+    compared = [n for n in names if n not in FREE]  # nocomm, meet: wrong bytes by design
     same = {b: int((gen[b] != gen[compared[0]]).sum()) for b in compared[1:]}
     say("")
     # the request-0 prompt with the most letters (the corpus has long runs of blanks)
@@ -595,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     if "strata" in runs:
         s = next(r for r in rows if r["impl"] == "strata")
         for row in rows:
-            if row["impl"] in ("strata", "nocomm"):  # nocomm: the # bound line below
+            if row["impl"] in ("strata", *FREE):  # nocomm: the # bound line below
                 continue
             rt = {k: row[k] / s[k] for k in keys[:4]}
             rt["tokens_per_s"] = s["tokens_per_s"] / row["tokens_per_s"]
@@ -607,8 +613,9 @@ def main(argv: list[str] | None = None) -> int:
         by = {r["impl"]: r for r in rows}
         for key, what in (("step_p50_ms", "decode step (p50)"), ("ttft_p50_ms", "TTFT (p50)")):
             lines, communication[key[:-3]] = C.communication_share(
-                *(1e-3 * by[i][key] for i in ("xla_sort", "strata", "nocomm")), "xla_sort", what
-            )
+                *(1e-3 * by[i][key] for i in ("xla_sort", "strata", "nocomm")), "xla_sort", what,
+                t_meet=1e-3 * by["meet"][key] if "meet" in by else None,
+            )  # fmt: skip
             for line in lines:
                 say(line)
 
@@ -657,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"# goals vs xla_sort: decode step >= 1.5x at p50 and p99: "
                 f"{'met' if met else 'not met'}; TTFT >= 1.3x: {'met' if met_t else 'not met'}"
             )
-        real = [b for b in ratios if b != "nocomm"]
+        real = [b for b in ratios if b not in FREE]
         if real:
             base = min(real, key=lambda b: next(r for r in rows if r["impl"] == b)["step_p50_ms"])
             say(

@@ -18,7 +18,11 @@ gradients are averaged with ``pmean`` and the MoE layers move tokens with
   where the native MoE operators are missing; slow by design, never a speed claim);
 * ``nocomm``: ``xla_sort``'s computation with every exchange replaced by identity
   (``_common.no_exchange``): wrong losses by design, never checked; its step time is the bound
-  that no communication library can beat at these sizes.
+  that no communication library can beat at these sizes;
+* ``meet``: ``nocomm`` whose exchanges still make the ranks meet (a 1-element strata psum each,
+  forward and backward: ``_common.no_exchange(meet=True)``): the step with the waiting for the
+  slowest rank that every synchronous exchange pays, and no bytes moved. With it the
+  communication lines split the exchange time into that waiting and moving the bytes.
 
 Run (8 in-process CPU devices)::
 
@@ -63,7 +67,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-IMPLS = ("strata", "strata_ragged", "xla_sort", "xla", "reference", "nocomm")
+IMPLS = ("strata", "strata_ragged", "xla_sort", "xla", "reference", "nocomm", "meet")
+FREE = ("nocomm", "meet")  # xla_sort's computation, no bytes exchanged
 XLA_IMPLS = ("xla_sort", "xla")  # jax.lax baselines; the ratio is against the first present
 GRAD_REDUCE = {"strata": "strata_jax.pmean", "xla": "jax.lax.pmean"}
 
@@ -75,6 +80,7 @@ MOE_DESC = {
     "xla": "GShard one-hot + jax.lax.all_to_all",
     "reference": "pure-JAX reference",
     "nocomm": "xla_sort with no exchange (communication-free bound)",
+    "meet": "xla_sort with no bytes exchanged, ranks still meeting at every exchange",
 }
 
 
@@ -124,7 +130,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="strata,xla_sort,nocomm",
         help=f"comma list of {IMPLS} (or 'all'); step-time ratios are against xla_sort "
         "(else xla) when present; with nocomm, strata and xla_sort the communication share "
-        "and the part of it strata removes are printed",
+        "and the part of it strata removes are printed (add meet to split it into waiting "
+        "for the slowest rank and moving bytes)",
     )
     g.add_argument(
         "--devices",
@@ -207,8 +214,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--impl: unknown {bad}; choose from {IMPLS} or 'all'")
     if args.steps <= args.warmup:
         p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
-    if args.save is not None and args.impls == ["nocomm"]:
-        p.error("--save: nocomm's parameters are not trained (no gradient all-reduce); add an impl")
+    if args.save is not None and set(args.impls) <= set(FREE):
+        p.error("--save: nocomm and meet do not train (no gradient all-reduce); add an impl")
     if args.d_model % args.heads:
         p.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
     return args
@@ -352,12 +359,12 @@ def make_loss(args: argparse.Namespace, impl: str, nranks: int, axis: str):
                 top_k=args.top_k,
                 axis_name=axis,
                 capacity=capacity,
-                impl="xla_sort" if impl == "nocomm" else impl,
+                impl="xla_sort" if impl in FREE else impl,
                 expert_chunk=(
                     None
                     if impl == "strata_ragged"
                     else args.baseline_expert_chunk
-                    if impl in ("xla_sort", "xla", "nocomm")
+                    if impl in ("xla_sort", "xla", *FREE)
                     else args.expert_chunk
                 ),
             )
@@ -378,7 +385,7 @@ def make_step(args: argparse.Namespace, impl: str, mesh, axis: str):
     import strata_jax
 
     nranks = mesh.shape[axis]
-    auto = "xla" if impl in (*XLA_IMPLS, "nocomm") else "strata"
+    auto = "xla" if impl in (*XLA_IMPLS, *FREE) else "strata"
     reduce = args.reduce if args.reduce != "auto" else auto
     coll = strata_jax if reduce == "strata" else jax.lax
     loss_fn, capacity = make_loss(args, impl, nranks, axis)
@@ -522,14 +529,14 @@ def main(argv: list[str] | None = None) -> int:
                 mesh=mesh,
                 in_specs=(specs, P(axis)),
                 out_specs=(specs, P()),
-                check_vma=args.check_vma and impl != "nocomm",  # identity psum: not replicated
+                check_vma=args.check_vma and impl not in FREE,  # identity psum: not replicated
             ),
             donate_argnums=0,
         )
         state = fresh_state()
         tok0 = jax.make_array_from_callback(data.shape[1:], tok_sharding, lambda idx: data[0][idx])
         t0 = time.perf_counter()
-        with C.no_exchange() if impl == "nocomm" else contextlib.nullcontext():
+        with C.no_exchange(meet=impl == "meet") if impl in FREE else contextlib.nullcontext():
             compiled = fn.lower(state, tok0).compile()
         runs[impl] = {
             "fn": compiled,
@@ -542,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         say(
             f"# {impl:<10} : compiled in {runs[impl]['compile_s']:.1f} s (MoE "
             f"{MOE_DESC[impl]}; "
-            f"grad all-reduce {GRAD_REDUCE[reduce] if impl != 'nocomm' else 'none'}; "
+            f"grad all-reduce {GRAD_REDUCE[reduce] if impl not in FREE else 'none'}; "
             f"capacity {capacity if capacity is not None else 'None (no drops)'})"
         )
 
@@ -635,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     diffs = {}
     for a in names:
         for b in names[names.index(a) + 1 :]:
-            if "nocomm" in (a, b):
+            if {a, b} & set(FREE):
                 continue  # no exchange: wrong losses by design
             d = np.abs(np.array(runs[a]["losses"]) - np.array(runs[b]["losses"]))
             at = int(d.argmax())
@@ -670,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     if {"nocomm", "xla_sort", "strata"} <= set(runs):
         lines, communication = C.communication_share(
             runs["xla_sort"]["median_s"], runs["strata"]["median_s"], runs["nocomm"]["median_s"],
-            "xla_sort",
+            "xla_sort", t_meet=runs["meet"]["median_s"] if "meet" in runs else None,
         )  # fmt: skip
         for line in lines:
             say(line)
@@ -679,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
         from jax.experimental import multihost_utils
         from moe_model import save_params
 
-        saved = next(i for i in args.impls if i != "nocomm")  # checked in parse_args
+        saved = next(i for i in args.impls if i not in FREE)  # checked in parse_args
         first = runs[saved]["state"][0]  # (dense, experts) of the first trained impl
         host = multihost_utils.process_allgather(first, tiled=True)  # every process joins
         if lead:

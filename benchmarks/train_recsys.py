@@ -14,7 +14,10 @@ seed and batches run once per ``--impl``:
 * ``xla``: ``jax.lax.all_to_all``, ``jax.lax.pmean``, ``jax.lax.psum``;
 * ``nocomm``: ``xla``'s computation with every exchange replaced by identity
   (``_common.no_exchange``): wrong losses by design, never compared; its step time is the bound
-  that no faster exchange can beat at these sizes.
+  that no faster exchange can beat at these sizes;
+* ``meet``: ``nocomm`` whose exchanges still make the ranks meet (a 1-element strata psum each,
+  forward and backward: ``_common.no_exchange(meet=True)``): with it the communication lines
+  split the exchange time into waiting for the slowest rank and moving the bytes.
 
 Run (8 in-process CPU devices)::
 
@@ -59,7 +62,8 @@ import _common as C  # noqa: E402
 import recsys_model as rm  # noqa: E402
 from train_moe import start_runtime  # noqa: E402
 
-IMPLS = ("strata", "xla", "nocomm", "strata_padded", "strata_compact")
+IMPLS = ("strata", "xla", "nocomm", "meet", "strata_padded", "strata_compact")
+FREE = ("nocomm", "meet")  # xla's computation, no bytes exchanged
 
 # Configurations by name (--preset): the values become argparse defaults. "paper": the paper's
 # regime, where the jax.lax (xla) step spends 30-45% of its time exchanging (against nocomm),
@@ -95,7 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--impl",
         default="strata,xla,nocomm",
         help=f"comma list of {IMPLS}; with all three the communication share of xla's step and "
-        "the part of it strata removes are printed",
+        "the part of it strata removes are printed (add meet to split it into waiting for the "
+        "slowest rank and moving bytes)",
     )
     g.add_argument(
         "--devices",
@@ -347,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         coll = strata_jax if impl.startswith("strata") else jax.lax
         # nocomm: an identity pmean leaves the dense gradients unreplicated as far as the
         # shard_map type checker knows
-        check_vma = args.check_vma and impl != "nocomm"
+        check_vma = args.check_vma and impl not in FREE
         # strata: --strata-exchange; strata_<exchange>: that one beside it (A/B in one run)
         exchange = (
             args.strata_exchange
@@ -359,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         fn = rm.make_sharded_step(cfg, layout, sc, mesh, axis, coll, check_vma, exchange)
         state = rm.initial_state(cfg, layout, args.seed, mesh, axis)
         t0 = time.perf_counter()
-        with C.no_exchange() if impl == "nocomm" else contextlib.nullcontext():
+        with C.no_exchange(meet=impl == "meet") if impl in FREE else contextlib.nullcontext():
             compiled = fn.lower(state, batch0).compile()
         runs[impl] = {
             "fn": compiled,
@@ -373,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             "auc": [],
             "compile_s": time.perf_counter() - t0,
         }
-        name = {"xla": "jax.lax", "nocomm": "no-op"}.get(impl, "strata_jax")
+        name = {"xla": "jax.lax", "nocomm": "no-op", "meet": "meeting"}.get(impl, "strata_jax")
         a2a = {
             "padded": f"{name}.all_to_all x3",
             "compact": f"{name}.all_to_all, {name}.ragged_all_to_all x2",
@@ -508,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     ok = True
-    compared = [i for i in args.impls if i != "nocomm"]  # nocomm: wrong values by design
+    compared = [i for i in args.impls if i not in FREE]  # nocomm, meet: wrong values by design
     drops = runs[(compared or args.impls)[0]]["drops"]
     say(
         f"# drops: {sum(drops):,} ids dropped over {args.steps} steps (about {total_ids:,.0f} ids "
@@ -565,15 +570,16 @@ def main(argv: list[str] | None = None) -> int:
     communication = None
     if base and {"strata", "nocomm"} <= set(runs):
         lines, communication = C.communication_share(
-            runs[base]["median_s"], runs["strata"]["median_s"], runs["nocomm"]["median_s"], base
-        )
+            runs[base]["median_s"], runs["strata"]["median_s"], runs["nocomm"]["median_s"], base,
+            t_meet=runs["meet"]["median_s"] if "meet" in runs else None,
+        )  # fmt: skip
         for line in lines:
             say(line)
         # The same in CPU time: on a loaded machine the wall-clock gap is mostly waiting for the
         # 8 device threads to be scheduled at each collective's two barriers, not work.
         cpu_lines, communication["cpu"] = C.communication_share(
             runs[base]["cpu_s"], runs["strata"]["cpu_s"], runs["nocomm"]["cpu_s"], base,
-            "step's CPU time",
+            "step's CPU time", runs["meet"]["cpu_s"] if "meet" in runs else None,
         )  # fmt: skip
         for line in cpu_lines:
             say(line)

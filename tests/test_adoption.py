@@ -397,6 +397,48 @@ def test_no_exchange_removes_every_exchange_and_restores_jax_lax():
     assert "all_to_all" in f().lower(x).as_text()
 
 
+def test_no_exchange_meet_keeps_one_meeting_per_exchange_and_moves_nothing():
+    """impl meet: every replaced exchange becomes one 1-element strata psum (forward, and again
+    for its cotangent under grad), no jax.lax collective is left, and the values pass through
+    unchanged (identity, as nocomm)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import _common as C
+    finally:
+        sys.path.pop(0)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+
+    def body(v):
+        y = jax.lax.all_to_all(v * v, "x", 0, 0, tiled=True)
+        return jax.lax.pmean({"a": y, "b": y[:1] * 2}, "x")
+
+    def f(grad):  # a new jit each time: jit caches the trace made inside the context
+        fn = jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
+        if grad:
+            # value_and_grad, as the training steps: the loss keeps the forward's meetings
+            return jax.jit(jax.value_and_grad(lambda v: jnp.sum(fn(v)["a"]) + jnp.sum(fn(v)["b"])))
+        return jax.jit(fn)
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((16, 2)), jnp.float32)
+    with C.no_exchange(meet=True):
+        fwd, bwd = f(False), f(True)
+        text_f, text_b = fwd.lower(x).as_text(), bwd.lower(x).as_text()
+        out, (loss, g) = fwd(x), bwd(x)
+    for text in (text_f, text_b):
+        assert "stablehlo.all_to_all" not in text and "stablehlo.all_reduce" not in text, text
+    # forward: one meeting for the all_to_all, one for the pmean's two leaves
+    assert text_f.count("call @strata_all_reduce") == 2, text_f
+    # grad: fn traced twice (2 x 2), and each exchange's cotangent meets again (2 x 2)
+    assert text_b.count("call @strata_all_reduce") == 8, text_b
+    sq = np.asarray(x) ** 2
+    np.testing.assert_array_equal(np.asarray(out["a"]), sq)
+    np.testing.assert_array_equal(np.asarray(out["b"]), sq[::4] * 2)
+    np.testing.assert_allclose(float(loss), sq.sum() + 2 * sq[::4].sum(), rtol=1e-5)
+    want = 2 * np.asarray(x)  # d/dv sum(v*v)
+    want[::4] += 2 * 2 * np.asarray(x)[::4]  # and the first row of each shard in "b"
+    np.testing.assert_allclose(np.asarray(g), want, rtol=1e-6)
+
+
 # ------------------------------------------------------------------------------------------
 # Section 3: python -m strata_jax.info
 # ------------------------------------------------------------------------------------------
