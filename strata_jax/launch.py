@@ -548,6 +548,7 @@ def launch(
     # mpirun's session directory: with --netns in the head's private /tmp (gone with its
     # namespace, even after a SIGKILL), else in a folder the launcher removes.
     mpi_dir = tempfile.mkdtemp(prefix="strata-mpi-") if engine == "mpi" and not netns else None
+    reaper = _reaper(run_dirs + ([mpi_dir] if mpi_dir else []))
 
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = {}
@@ -577,7 +578,7 @@ def launch(
             if engine == "mpi":
                 rank_cmds.append((list(argv), env_r))
                 continue
-            argv_r = namespaces[h].wrap(argv) if namespaces else argv
+            argv_r = namespaces[h].wrap(argv) if namespaces else _dies_with_launcher(argv)
             run.start(argv_r, env_r, rank, out, host=f"host{h}" if simulated else None)
         if engine == "mpi":
             mpi_argv, mpi_env = _mpi_job(rank_cmds, base, per_host, network, mpi_dir or "/tmp")
@@ -600,16 +601,39 @@ def launch(
             signal.signal(sig, handler)
         for d in run_dirs + ([mpi_dir] if mpi_dir else []):
             shutil.rmtree(d, ignore_errors=True)
+        if reaper is not None:
+            reaper.communicate(timeout=10)  # closes its stdin: nothing left for it to remove
+
+
+def _dies_with_launcher(argv: Sequence[str]) -> list[str]:
+    """``argv`` run so that the kernel SIGKILLs it when the launcher dies (``setpriv
+    --pdeathsig KILL``, where util-linux's setpriv is installed; else ``argv`` as is)."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", *argv] if setpriv else list(argv)
+
+
+def _reaper(paths: Sequence[str]) -> subprocess.Popen | None:
+    """A ``sh`` that removes ``paths`` once its stdin closes. The launcher is that pipe's only
+    writer (the ranks do not inherit it), so the folders go when the launcher ends, however it
+    ends: a SIGKILLed launcher, whose own cleanup never runs, included. Its own session, so a
+    Ctrl-C to the launcher's terminal does not stop it first."""
+    if not paths:
+        return None
+    return subprocess.Popen(
+        ["sh", "-c", 'cat >/dev/null; rm -rf -- "$@"', "strata-reaper", *paths],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def _holder_argv(unshare_flags: Sequence[str], script: str) -> list[str]:
     """The command of a namespace holder: ``unshare FLAGS sh -c SCRIPT``, killed by the kernel
-    when the launcher dies (``setpriv --pdeathsig``, where installed), so even a SIGKILLed
-    launcher leaves no holder, hence no namespace without ranks, behind."""
+    when the launcher dies (:func:`_dies_with_launcher`), so even a SIGKILLed launcher leaves
+    no holder, hence no namespace without ranks, behind."""
     unshare = shutil.which("unshare") or "unshare"
-    head = [unshare, *unshare_flags, "sh", "-c", script]
-    setpriv = shutil.which("setpriv")
-    return [setpriv, "--pdeathsig", "KILL", *head] if setpriv else head
+    return _dies_with_launcher([unshare, *unshare_flags, "sh", "-c", script])
 
 
 def _start_holder(argv: Sequence[str], what: str) -> subprocess.Popen:
@@ -692,12 +716,9 @@ class _Namespace:
         spaces = ["--net", "--uts", "--mount"] if self.net else ["--mount"]
         # Entering a mount namespace resets the working directory to /: keep the launcher's.
         cmd = [nsenter, "-t", str(self.proc.pid), *spaces, f"--wd={os.getcwd()}", "--", *argv]
-        setpriv = shutil.which("setpriv")
-        if self.net and setpriv:
-            # Under --netns a rank also dies with the launcher: a rank left running would keep
-            # its host's namespaces, links and tmpfs alive after a SIGKILLed launcher.
-            cmd = [setpriv, "--pdeathsig", "KILL", *cmd]
-        return cmd
+        # A rank dies with the launcher: one left running would keep its host's namespaces
+        # (and with --netns its links and tmpfs) alive after a SIGKILLed launcher.
+        return _dies_with_launcher(cmd)
 
     def stop(self) -> None:
         _stop_holder(self.proc)
@@ -805,13 +826,11 @@ def _mpi_job(
         if network is not None:
             cmd_r = network.namespaces[r // per_host].wrap(cmd_r)
         else:
-            setpriv = shutil.which("setpriv")
-            cmd_r = [setpriv, "--pdeathsig", "KILL", *cmd_r] if setpriv else cmd_r
+            cmd_r = _dies_with_launcher(cmd_r)
         argv += ([":"] if r else []) + ["-n", "1", *cmd_r]
     if network is not None:
         argv = network.in_switch(argv)
-    setpriv = shutil.which("setpriv")
-    return ([setpriv, "--pdeathsig", "KILL", *argv] if setpriv else argv), job_env
+    return _dies_with_launcher(argv), job_env
 
 
 class _Network:

@@ -7,6 +7,7 @@ starts jax.distributed (gloo) across the ranks.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -193,6 +194,53 @@ def test_sigint_is_forwarded(tmp_path):
     assert p.returncode == 128 + signal.SIGINT, err
     assert out.count("got SIGINT") == 2
     assert "[rank 0] got SIGINT" in out and "[rank 1] got SIGINT" in out
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_sigkilled_launcher_leaves_no_rank_and_no_run_dir(tmp_path):
+    """SIGKILL to the launcher itself, without namespaces (its own cleanup never runs): the
+    ranks die with it (setpriv --pdeathsig) and the hosts' run dirs go (the launcher's reaper,
+    which removes them when the launcher's pipe to it closes)."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("util-linux's setpriv is not installed: ranks cannot die with the launcher")
+    tmp, ready = tmp_path / "tmp", tmp_path / "ready"
+    tmp.mkdir()
+    ready.mkdir()
+    script = _script(
+        tmp_path,
+        f"""
+        import os, time
+        with open(os.path.join({str(ready)!r}, os.environ["STRATA_PROCESS_ID"]), "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(60)
+        """,
+    )
+    p = subprocess.Popen(
+        [sys.executable, str(LAUNCH_PY), "-n", "2", "--hosts", "2", "--no-preload", script],
+        env=_env(TMPDIR=str(tmp)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 20
+    while len(os.listdir(ready)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = [int((ready / f).read_text()) for f in os.listdir(ready)]
+    assert len(pids) == 2 and len(os.listdir(tmp)) == 2  # both ranks up; a run dir per host
+    p.kill()
+    p.wait(timeout=10)
+    deadline = time.monotonic() + 5
+    while (any(map(_alive, pids)) or os.listdir(tmp)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [q for q in pids if _alive(q)], "ranks outlived the SIGKILLed launcher"
+    assert os.listdir(tmp) == [], f"left in TMPDIR: {os.listdir(tmp)}"
 
 
 PRELOAD_CHECK = """
