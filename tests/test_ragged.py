@@ -449,6 +449,24 @@ def test_vmap_slice_stays_inside_its_batch_element():
     oo = jnp.zeros((4, 2), jnp.int32)
     with pytest.raises(Exception, match=r"rows \[3, 5\) are outside the operand's 4 rows"):
         np.asarray(per_rank(jax.vmap(one))(op, out, io, ss, oo, rs))
+    # The error names the user's slice and batch element, not the merged plan's index: rank
+    # 1's element 1 sends slice 1 (to itself) from rows [3, 5) (merged: slice 3).
+    io1 = jnp.array([[0, 0], [0, 0], [0, 0], [0, 3]], jnp.int32)
+    ss1 = jnp.array([[0, 0], [0, 0], [0, 0], [0, 2]], jnp.int32)
+    with pytest.raises(
+        Exception,
+        match=r"slice 1 of batch element 1 \(under vmap\) of rank 1 \(to rank 1\): "
+        r"rows \[3, 5\) are outside the operand's 4 rows",
+    ):
+        np.asarray(per_rank(jax.vmap(one))(op, out, io1, ss1, oo, ss1))
+    # A size mismatch names the user's recv_sizes index: rank 1's element 1 expects 1 row
+    # from rank 1 (recv_sizes[1]), and 2 are sent.
+    with pytest.raises(
+        Exception,
+        match=r"slice 1 of batch element 1 \(under vmap\) of rank 1 \(to rank 1\): rank 1 "
+        r"sends 2 rows but rank 1's recv_sizes\[1\] is 1",
+    ):
+        np.asarray(per_rank(jax.vmap(one))(op, out, oo, ss1, oo, ss1.at[3, 1].set(1)))
     bad_out = jnp.array([[3, 0], [0, 0], [0, 0], [0, 0]], jnp.int32)
     with pytest.raises(Exception, match=r"rows \[3, 5\) are outside the output's 4 rows"):
         np.asarray(per_rank(jax.vmap(one))(op, out, jnp.zeros_like(io), ss, bad_out, rs))

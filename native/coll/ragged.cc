@@ -20,39 +20,46 @@ std::string outside(int64_t off, int64_t size, const char* what, int64_t rows) {
 
 // The fault of slice i of sender j (to receiver d = i / per), or "": its send size against the
 // receiver's recv size, then its rows against the operand and the output (or its own batch
-// element's rows under vmap). `plan` is j's, `recv` d's recv_sizes row.
+// element's rows under vmap). `plan` is j's, `recv` d's recv_sizes row. Under vmap (bounds set)
+// the batch is merged into the slices (merged slice k * B + e: slice k of batch element e), so
+// the message names the user's slice k, recv_sizes index and element e, found from the
+// element's rows: element e owns rows [e * rows, (e + 1) * rows) of B * rows.
 std::string check_slice(const RaggedShape& s, const int64_t* plan, const int64_t* recv, int j,
                         int64_t i, int64_t per) {
   const int64_t K = s.slices;
   const int d = static_cast<int>(i / per);
   const int64_t in_off = plan[i], size = plan[K + i], out_off = plan[2 * K + i];
   const int64_t slot = j * per + i % per, expect = recv[slot];
+  const int64_t* b = s.bounds;
+  const int64_t in_lo = b ? b[i] : 0, in_hi = b ? b[K + i] : s.operand_rows;
+  const int64_t out_lo = b ? b[2 * K + i] : 0, out_hi = b ? b[3 * K + i] : s.output_rows;
+  int64_t batch = 1, elem = -1;  // elem >= 0: under vmap, the batch element named
+  if (b) {
+    const bool by_in = in_hi > in_lo;
+    const int64_t rows = by_in ? in_hi - in_lo : out_hi - out_lo;
+    if (rows > 0) {
+      elem = (by_in ? in_lo : out_lo) / rows;
+      batch = (by_in ? s.operand_rows : s.output_rows) / rows;
+    }
+  }
   std::string what;
   if (size != expect)
     what = "rank " + std::to_string(j) + " sends " + std::to_string(size) + " rows but rank " +
-           std::to_string(d) + "'s recv_sizes[" + std::to_string(slot) + "] is " +
+           std::to_string(d) + "'s recv_sizes[" + std::to_string(slot / batch) + "] is " +
            std::to_string(expect);
   else if (size < 0)
     what = "negative send size " + std::to_string(size);
   else if (size == 0)
     return "";  // an empty slice moves nothing: its offsets are never read (as in XLA)
-  else {
-    // Whole arrays, or the slice's own batch element under vmap (bounds).
-    const int64_t* b = s.bounds;
-    const int64_t in_lo = b ? b[i] : 0, in_hi = b ? b[K + i] : s.operand_rows;
-    const int64_t out_lo = b ? b[2 * K + i] : 0, out_hi = b ? b[3 * K + i] : s.output_rows;
-    if (in_off < in_lo || in_off > in_hi - size)
-      what = outside(in_off - in_lo, size, "operand", in_hi - in_lo);
-    else if (out_off < out_lo || out_off > out_hi - size)
-      what = outside(out_off - out_lo, size, "output", out_hi - out_lo);
-    if (!what.empty() && b)
-      what += " (of batch element " + std::to_string(in_hi > in_lo ? in_lo / (in_hi - in_lo) : 0) +
-              " under vmap)";
-  }
+  else if (in_off < in_lo || in_off > in_hi - size)
+    what = outside(in_off - in_lo, size, "operand", in_hi - in_lo);
+  else if (out_off < out_lo || out_off > out_hi - size)
+    what = outside(out_off - out_lo, size, "output", out_hi - out_lo);
   if (what.empty()) return "";
   std::ostringstream os;
-  os << "strata_jax ragged_all_to_all: slice " << i << " of rank " << j << " (to rank " << d
-     << "): " << what;
+  os << "strata_jax ragged_all_to_all: slice " << i / batch;
+  if (elem >= 0) os << " of batch element " << elem << " (under vmap)";
+  os << " of rank " << j << " (to rank " << d << "): " << what;
   return os.str();
 }
 
