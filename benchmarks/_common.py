@@ -927,43 +927,44 @@ NOCOMM_DESC = (
 )
 
 
-MEET_DESC = (
-    "nocomm, but every exchange still makes the ranks meet: a 1-element strata psum beside it "
-    "(no bytes move; what the step loses to waiting for the slowest rank, which any synchronous "
-    "exchange pays)"
-)
-
-
 def _meeting(axis_name: Any) -> Callable[[Any], Any]:
     """Identity on a pytree that waits until every rank of ``axis_name`` has reached it: one
-    strata psum of the leaves' first elements (float32, one per leaf: bytes that do not count),
-    tied to the leaves by an optimization barrier, so everything after the exchange waits for
+    strata psum of its arrays' first elements (float32, one per array: bytes that do not count),
+    tied to the arrays by an optimization barrier, so everything after the exchange waits for
     it and no two meetings merge. Its VJP meets again, as the exchange it replaces has one in
     the backward pass (all_to_all's transpose is an all_to_all; psum's cotangent crosses back in
-    shard_map)."""
+    shard_map). Leaves that are not JAX arrays (``psum(1, axis)``) pass through untouched, as in
+    nocomm; with no array leaf there is no meeting."""
     import jax
     import jax.numpy as jnp
 
     import strata_jax
 
-    def meet(tree: Any) -> Any:
-        leaves, treedef = jax.tree.flatten(tree)
-        real = [i for i, x in enumerate(leaves) if x.size and x.dtype != jax.dtypes.float0]
+    def meet(xs: list[Any]) -> list[Any]:
+        real = [i for i, x in enumerate(xs) if x.size and x.dtype != jax.dtypes.float0]
         if not real:
-            return tree
-        firsts = [leaves[i].reshape(-1)[:1].astype(jnp.float32) for i in real]
+            return xs
+        firsts = [xs[i].reshape(-1)[:1].astype(jnp.float32) for i in real]
         tok = strata_jax.psum(jnp.concatenate(firsts), axis_name)
-        tied, _ = jax.lax.optimization_barrier(([leaves[i] for i in real], tok))
+        tied, _ = jax.lax.optimization_barrier(([xs[i] for i in real], tok))
+        out = list(xs)
         for i, x in zip(real, tied, strict=True):
+            out[i] = x
+        return out
+
+    f = jax.custom_vjp(meet)
+    f.defvjp(lambda xs: (meet(xs), None), lambda _, g: (meet(list(g)),))
+
+    def apply(tree: Any) -> Any:
+        leaves, treedef = jax.tree.flatten(tree)
+        idx = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+        if not idx:
+            return tree
+        for i, x in zip(idx, f([leaves[i] for i in idx]), strict=True):
             leaves[i] = x
         return jax.tree.unflatten(treedef, leaves)
 
-    @jax.custom_vjp
-    def f(tree: Any) -> Any:
-        return meet(tree)
-
-    f.defvjp(lambda tree: (meet(tree), None), lambda _, g: (meet(g),))
-    return f
+    return apply
 
 
 @contextlib.contextmanager

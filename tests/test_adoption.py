@@ -410,6 +410,7 @@ def test_no_exchange_meet_keeps_one_meeting_per_exchange_and_moves_nothing():
 
     def body(v):
         y = jax.lax.all_to_all(v * v, "x", 0, 0, tiled=True)
+        y = y * jax.lax.psum(1, "x")  # not an array: passes through (1), as in nocomm
         return jax.lax.pmean({"a": y, "b": y[:1] * 2}, "x")
 
     def f(grad):  # a new jit each time: jit caches the trace made inside the context
