@@ -258,6 +258,21 @@ def main(argv: list[str] | None = None) -> int:
     R = mesh.shape[axis]
     B = args.batch
     global_batch = B * R
+    # The compact exchange is strata_jax.ragged_all_to_all, which does not cross fabrics (hosts)
+    # yet: across hosts strata exchanges the padded slots with all_to_all, and says so.
+    hosts = len(strata_jax.topology()["fabrics"])
+    if hosts > 1 and "strata_compact" in args.impls:
+        sys.exit(
+            f"error: --impl strata_compact: the compact exchange (ragged_all_to_all) does not "
+            f"run across the {hosts} fabrics (hosts) of this job yet; use strata_padded"
+        )
+    if hosts > 1 and args.strata_exchange == "compact":
+        args.strata_exchange = "padded"
+        say(
+            f"# exchange   : the {hosts} fabrics (hosts) of this job: strata's pooled embeddings "
+            "and gradients go as padded all_to_all (the compact exchange, ragged_all_to_all, "
+            "does not cross hosts yet)"
+        )
 
     # ---- data ----------------------------------------------------------------------------------
     if args.data is None:
