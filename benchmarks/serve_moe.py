@@ -298,6 +298,7 @@ def make_programs(cfg: dict[str, Any], impl: str, axis: str, nranks: int, args):
             impl == "xla"
             or (impl == "xla_sort" and xla_sort_native)
             or (impl == "strata" and prefill and args.strata_prefill == "normal")
+            or (impl == "strata" and getattr(args, "strata_normal", False))
         ):
             return _layer.moe_mlp(
                 h, p["router"], ex["w1"], ex["w2"], num_experts=E, top_k=K, axis_name=axis,
@@ -367,6 +368,15 @@ def main(argv: list[str] | None = None) -> int:
     axis = "ep"
     mesh = Mesh(np.array(jax.devices()), (axis,))
     R = mesh.shape[axis]
+    # low_latency_dispatch/combine do not cross fabrics (hosts) yet: across hosts strata serves
+    # prefill and decode with dispatch/combine, which do, and says so.
+    hosts = len(strata_jax.topology()["fabrics"])
+    args.strata_normal = hosts > 1
+    if args.strata_normal:
+        say(
+            f"# strata     : the {hosts} fabrics (hosts) of this job: prefill and decode on "
+            "strata_jax.moe dispatch/combine (low_latency_dispatch/combine do not cross hosts yet)"
+        )
     try:
         dense_np, experts_np, cfg = load_params(ckpt, train_moe.init_params)
     except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
@@ -478,7 +488,9 @@ def main(argv: list[str] | None = None) -> int:
             tok, cache = f_pre(dense, experts, pr0, key)
             jax.block_until_ready(f_dec(dense, experts, cache, tok, positions[0], key))
         what = {
-            "strata": "strata_jax.moe low_latency_dispatch/combine"
+            "strata": "strata_jax.moe dispatch/combine (across hosts)"
+            if args.strata_normal
+            else "strata_jax.moe low_latency_dispatch/combine"
             + (" (prefill: dispatch/combine)" if args.strata_prefill == "normal" else ""),
             "xla_sort": "moe_mlp(impl='xla_sort')"
             if native_sort

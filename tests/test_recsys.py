@@ -417,7 +417,8 @@ def test_benchmark_across_hosts_uses_the_padded_exchange(tmp_path):
     argv += ["--impl", "strata,xla", "--steps", "2", "--warmup", "1", "--batch", "16"]
     argv += ["--tables", "2", "--rows", "64", "--dim", "8", "--bottom", "8", "--top", "8"]
     argv += ["--no-progress", "--out", str(tmp_path)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("STRATA_", "JAX_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STRATA_", "JAX_", "XLA_"))}
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # as tests/_mp_util.TEST_XLA_FLAGS
     p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
