@@ -602,14 +602,36 @@ def launch(
         for d in run_dirs + ([mpi_dir] if mpi_dir else []):
             shutil.rmtree(d, ignore_errors=True)
         if reaper is not None:
-            reaper.communicate(timeout=10)  # closes its stdin: nothing left for it to remove
+            # Nothing is left for it to remove. Killed, not waited for until its stdin closes:
+            # a child the host program forked meanwhile may hold the pipe open.
+            reaper.kill()
+            reaper.communicate()
 
 
 def _dies_with_launcher(argv: Sequence[str]) -> list[str]:
     """``argv`` run so that the kernel SIGKILLs it when the launcher dies (``setpriv
-    --pdeathsig KILL``, where util-linux's setpriv is installed; else ``argv`` as is)."""
-    setpriv = shutil.which("setpriv")
+    --pdeathsig KILL``, where util-linux's setpriv has that option; else ``argv`` as is)."""
+    setpriv = _setpriv_with_pdeathsig()
     return [setpriv, "--pdeathsig", "KILL", *argv] if setpriv else list(argv)
+
+
+_SETPRIV: list[str | None] = []  # the probe's answer, once
+
+
+def _setpriv_with_pdeathsig() -> str | None:
+    """The path of a ``setpriv`` that knows ``--pdeathsig`` (util-linux 2.33 and later; RHEL 8
+    ships 2.32, whose setpriv refuses the option, which would fail every rank), or None."""
+    if not _SETPRIV:
+        path = shutil.which("setpriv")
+        ok = False
+        if path is not None:
+            try:
+                r = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=10)
+                ok = "--pdeathsig" in r.stdout
+            except (OSError, subprocess.SubprocessError):
+                pass
+        _SETPRIV.append(path if ok else None)
+    return _SETPRIV[0]
 
 
 def _reaper(paths: Sequence[str]) -> subprocess.Popen | None:

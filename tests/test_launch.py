@@ -243,6 +243,58 @@ def test_sigkilled_launcher_leaves_no_rank_and_no_run_dir(tmp_path):
     assert os.listdir(tmp) == [], f"left in TMPDIR: {os.listdir(tmp)}"
 
 
+def test_setpriv_without_pdeathsig_is_not_used(tmp_path):
+    """A setpriv without --pdeathsig (util-linux before 2.33: RHEL 8) is left out, not passed
+    the option: every rank used to fail with "unrecognized option '--pdeathsig'"."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "setpriv"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = --help ]; then echo " --reuid <uid>  set real and effective uid"; exit 0; fi\n'
+        "echo \"setpriv: unrecognized option '$1'\" >&2; exit 1\n"
+    )
+    fake.chmod(0o755)
+    script = _script(tmp_path, "print('hello')\n")
+    env = _env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    r = _launch(["-n", "2", "--no-preload", script], env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("hello") == 2 and "unrecognized option" not in r.stderr
+
+
+def test_launch_returns_while_a_forked_child_holds_the_reaper_pipe(tmp_path):
+    """launch() from a program that forks meanwhile (a child that inherits every fd, as
+    multiprocessing's fork does) returns at once: its reaper is killed, not waited for."""
+    prog = _script(
+        tmp_path,
+        """
+        import os, sys, threading, time
+        from strata_jax.launch import launch  # the installed package, as the other tests
+
+        def fork_later():
+            time.sleep(0.3)
+            if os.fork() == 0:  # holds every fd of the parent but its own stdout/stderr
+                os.close(1)
+                os.close(2)
+                time.sleep(15)
+                os._exit(0)
+
+        threading.Thread(target=fork_later).start()
+        t0 = time.monotonic()
+        rc = launch(2, [sys.executable, "-c", "import time; time.sleep(1)"], preload=False)
+        print("rc", rc, "after", round(time.monotonic() - t0, 1), flush=True)
+        os._exit(0)
+        """,
+        name="host.py",
+    )
+    r = subprocess.run(
+        [sys.executable, prog], env=_env(), capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rc, after = r.stdout.split()[1], float(r.stdout.split()[3])
+    assert rc == "0" and after < 6, r.stdout
+
+
 PRELOAD_CHECK = """
 import ctypes, os
 lib = ctypes.CDLL(None)
