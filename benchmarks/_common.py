@@ -930,11 +930,12 @@ NOCOMM_DESC = (
 def _meeting(axis_name: Any) -> Callable[[Any], Any]:
     """Identity on a pytree that waits until every rank of ``axis_name`` has reached it: one
     strata psum of its arrays' first elements (float32, one per array: bytes that do not count),
-    tied to the arrays by an optimization barrier, so everything after the exchange waits for
-    it and no two meetings merge. Its VJP meets again, as the exchange it replaces has one in
-    the backward pass (all_to_all's transpose is an all_to_all; psum's cotangent crosses back in
-    shard_map). Leaves that are not JAX arrays (``psum(1, axis)``) pass through untouched, as in
-    nocomm; with no array leaf there is no meeting."""
+    on which each array's first element then depends (+ 0), so everything after the exchange
+    waits for it in the compiled program too, and no two meetings merge. Its VJP meets again,
+    as the exchange it replaces has one in the backward pass (all_to_all's transpose is an
+    all_to_all; psum's cotangent crosses back in shard_map). Leaves that are not JAX arrays
+    (``psum(1, axis)``) pass through untouched, as in nocomm; with no array leaf there is no
+    meeting."""
     import jax
     import jax.numpy as jnp
 
@@ -946,10 +947,15 @@ def _meeting(axis_name: Any) -> Callable[[Any], Any]:
             return xs
         firsts = [xs[i].reshape(-1)[:1].astype(jnp.float32) for i in real]
         tok = strata_jax.psum(jnp.concatenate(firsts), axis_name)
-        tied, _ = jax.lax.optimization_barrier(([xs[i] for i in real], tok))
         out = list(xs)
-        for i, x in zip(real, tied, strict=True):
-            out[i] = x
+        for j, i in enumerate(real):
+            # The data depend on the meeting: + 0 from the psum's result (nan_to_num: 0 whatever
+            # the sum is), one elementwise pass that XLA fuses into the next loop fusion where
+            # it can. An optimization barrier would not do: XLA:CPU drops it when compiling,
+            # and the work after the exchange ran before the meeting; updating one element in
+            # place made XLA copy the array twice.
+            zero = jnp.nan_to_num(tok[j] * 0.0).astype(xs[i].dtype)
+            out[i] = xs[i] + zero
         return out
 
     f = jax.custom_vjp(meet)

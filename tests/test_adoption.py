@@ -6,6 +6,7 @@ dispatch-ahead deadlock when strata_jax is imported late, narrow dtypes and pmap
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -431,6 +432,18 @@ def test_no_exchange_meet_keeps_one_meeting_per_exchange_and_moves_nothing():
     assert text_f.count("call @strata_all_reduce") == 2, text_f
     # grad: fn traced twice (2 x 2), and each exchange's cotangent meets again (2 x 2)
     assert text_b.count("call @strata_all_reduce") == 8, text_b
+    # In the compiled program every meeting's result still feeds the data (an optimization
+    # barrier did not: XLA:CPU dropped it and ran the work after an exchange before its
+    # meeting).
+    with C.no_exchange(meet=True):
+        hlo = f(False).lower(x).compile().as_text()
+    calls = re.findall(r"(%[\w.-]+) = \([^)]*\) custom-call\(.*strata_all_reduce", hlo)
+    assert len(calls) == 2, hlo
+    for call in calls:
+        gte = re.search(rf"(%[\w.-]+) = \S+ get-tuple-element\({re.escape(call)}\), index=0", hlo)
+        assert gte and re.search(rf"\(.*{re.escape(gte[1])}[,)]", hlo.replace(gte[0], "")), (
+            f"the result of {call} feeds nothing:\n{hlo}"
+        )
     sq = np.asarray(x) ** 2
     np.testing.assert_array_equal(np.asarray(out["a"]), sq)
     np.testing.assert_array_equal(np.asarray(out["b"]), sq[::4] * 2)
