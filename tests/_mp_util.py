@@ -99,6 +99,22 @@ def launch(
     return r, time.monotonic() - t
 
 
+def run_benchmark(
+    name: str, out: Path, *args: str, nproc: int = 2, hosts: int = 1, timeout: float = 300
+) -> str:
+    """Runs ``benchmarks/<name>`` under ``launch -n nproc --hosts hosts`` with ``--no-progress
+    --out out`` and the tests' environment; asserts it exits 0 and returns stdout + stderr."""
+    script = HERE.parent / "benchmarks" / name
+    argv = [sys.executable, "-m", "strata_jax.launch", "-n", str(nproc), "--hosts", str(hosts)]
+    argv += [str(script), *args, "--no-progress", "--out", str(out)]
+    r = subprocess.run(
+        argv, env=job_env(), cwd=out, capture_output=True, text=True, timeout=timeout
+    )
+    text = r.stdout + r.stderr
+    assert r.returncode == 0, text[-4000:]
+    return text
+
+
 def shm_names() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 

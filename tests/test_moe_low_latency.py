@@ -306,21 +306,12 @@ def test_serve_benchmark_across_hosts_uses_dispatch_combine(tmp_path):
     fail at lowering: 'moe.low_latency_dispatch over a group that spans fabric domains'); its
     greedy bytes equal xla_sort's."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_moe.py"
-    argv = [sys.executable, "-m", "strata_jax.launch", "-n", "2", "--hosts", "2", str(script)]
-    argv += ["--d-model", "32", "--experts", "8", "--d-ff", "32", "--batch", "2", "--gen", "2"]
-    argv += ["--prompt", "4", "--requests", "1", "--train-steps", "2", "--impl", "strata,xla_sort"]
-    argv += ["--no-progress", "--out", str(tmp_path)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("STRATA_", "JAX_", "XLA_"))}
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # as tests/_mp_util.TEST_XLA_FLAGS
-    p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-4000:]
+    from _mp_util import run_benchmark
+
+    args = ["--d-model", "32", "--experts", "8", "--d-ff", "32", "--batch", "2", "--gen", "2"]
+    args += ["--prompt", "4", "--requests", "1", "--train-steps", "2", "--impl", "strata,xla_sort"]
+    out = run_benchmark("serve_moe.py", tmp_path, *args, hosts=2)
     assert "the 2 fabrics (hosts) of this job: prefill and decode on" in out, out[-3000:]
     assert json.loads((tmp_path / "serve_moe.json").read_text())["differing_bytes"] == {
         "xla_sort": 0

@@ -412,16 +412,11 @@ def test_benchmark_across_hosts_uses_the_padded_exchange(tmp_path):
     ragged_all_to_all, which does not cross fabrics, so the script exchanges the padded slots
     there and says so (it used to fail at lowering: 'ragged_all_to_all over a group that spans
     fabric domains'); its loss curve equals jax.lax's."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "train_recsys.py"
-    argv = [sys.executable, "-m", "strata_jax.launch", "-n", "2", "--hosts", "2", str(script)]
-    argv += ["--impl", "strata,xla", "--steps", "2", "--warmup", "1", "--batch", "16"]
-    argv += ["--tables", "2", "--rows", "64", "--dim", "8", "--bottom", "8", "--top", "8"]
-    argv += ["--no-progress", "--out", str(tmp_path)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("STRATA_", "JAX_", "XLA_"))}
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # as tests/_mp_util.TEST_XLA_FLAGS
-    p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-4000:]
+    from _mp_util import run_benchmark
+
+    args = ["--impl", "strata,xla", "--steps", "2", "--warmup", "1", "--batch", "16"]
+    args += ["--tables", "2", "--rows", "64", "--dim", "8", "--bottom", "8", "--top", "8"]
+    out = run_benchmark("train_recsys.py", tmp_path, *args, hosts=2)
     assert "the 2 fabrics (hosts) of this job: strata's pooled embeddings" in out, out[-3000:]
     assert "# loss curves strata vs xla" in out and ": OK" in out, out[-3000:]
     args = json.loads((tmp_path / "train_recsys.json").read_text())["args"]
