@@ -380,13 +380,22 @@ class Point:
     dtype: np.dtype
     count: int  # elements of the size buffer
     nbytes: int  # size in bytes (nccl-tests' size)
-    iters: int
+    iters: int  # timed samples
     warmup: int
+    batch: int = 1  # consecutive calls per timed sample (C.time_interleaved)
 
 
 def sweep_points(
-    op: str, dtype: np.dtype, sizes: Sequence[int], n: int, iters: int | None, warmup: int | None
+    op: str,
+    dtype: np.dtype,
+    sizes: Sequence[int],
+    n: int,
+    iters: int | None,
+    warmup: int | None,
+    batch: int = 1,
 ) -> list[Point]:
+    """The points of one op and dtype. ``batch`` > 1: the point's ``iters`` calls (given, or
+    C.auto_iters) are timed as at least 3 samples of up to ``batch`` consecutive calls."""
     spec = OPS[op]
     pts: list[Point] = []
     seen: set[int] = set()
@@ -400,7 +409,8 @@ def sweep_points(
         nbytes = count * dtype.itemsize
         it = iters if iters is not None else C.auto_iters(nbytes)
         wu = warmup if warmup is not None else max(3, min(20, it // 10))
-        pts.append(Point(op, dtype, count, nbytes, it, wu))
+        b = max(1, min(batch, it))
+        pts.append(Point(op, dtype, count, nbytes, max(3, -(-it // b)) if b > 1 else it, wu, b))
     return pts
 
 
@@ -597,7 +607,13 @@ def run_sweep(
         # to that one, and the interleaved medians compare skews, not collectives.
         align = (lambda: C.align_processes("collectives")) if ctx.process_count > 1 else None
         times, last = C.time_interleaved(
-            fns, pt.iters, max(0, pt.warmup - 1), on_error=on_error, cpu=cpu, align=align
+            fns,
+            pt.iters,
+            max(0, pt.warmup - 1),
+            on_error=on_error,
+            cpu=cpu,
+            align=align,
+            batch=pt.batch,
         )
         wire_s = ctx.max_across(C.median(times[WIRE])) if WIRE in times else None
         wire_cpu = ctx.sum_across(C.median(cpu[WIRE])) if WIRE in cpu else None
@@ -657,6 +673,7 @@ def run_sweep(
                 "processes": ctx.process_count,
                 "iters": pt.iters,
                 "warmup": pt.warmup,
+                "batch": pt.batch,
                 **r,
                 "tol": tol,
                 "speedup_strata": (
@@ -850,6 +867,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--warmup", type=int, default=None, help="warm-up calls (default iters/10, 3..20)"
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="consecutive calls per timed sample, after one barrier and one untimed call"
+        " (nccl-tests' and OSU's loop of calls; default 10 with several processes, 1 in one)",
     )
     p.add_argument(
         "--impl",
@@ -1099,6 +1123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import jax
 
     ctx = make_context(args.platform)
+    batch = args.batch if args.batch is not None else (10 if ctx.process_count > 1 else 1)
     if multi and _strata is not None:
         ctx.hosts = len(_strata.topology()["fabrics"])
     if os.environ.get(LINK_ENV):
@@ -1145,8 +1170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     write(
         "# time       : median of iters blocking calls after warm-up, impls interleaved call by"
-        " call (several processes: the slowest process's median, every call started on all of"
-        " them together by a barrier outside the timing); algbw = size/time; busbw = algbw *"
+        " call (several processes: the slowest process's median over samples of --batch"
+        f" (here {batch}) consecutive calls, each sample started on all of them together by a"
+        " barrier and one untimed call outside the timing); algbw = size/time; busbw = algbw *"
         " 2(N-1)/N all-reduce, (N-1)/N"
         " all_gather/psum_scatter/all_to_all, 1 ppermute/pbroadcast (GB/s = 1e9 B/s)"
     )
@@ -1189,7 +1215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pt
         for op in args.ops
         for dt in dtypes
-        for pt in sweep_points(op, dt, args.sizes, ctx.n, args.iters, args.warmup)
+        for pt in sweep_points(op, dt, args.sizes, ctx.n, args.iters, args.warmup, batch)
     ]
     bar = C.progress(len(points), "collectives", enable=main_proc and not args.no_progress)
     out_write = bar.write if main_proc else (lambda s: None)

@@ -343,6 +343,32 @@ def test_benchmark_timer_aligns_before_every_call_outside_the_timing():
     assert max(times["a"] + times["b"]) < 0.01
 
 
+def test_benchmark_timer_batches_consecutive_calls_after_one_align():
+    """time_interleaved's ``batch`` (collectives.py under several processes): after each align,
+    one untimed call, then ``batch`` timed calls of the same implementation, their mean as the
+    sample; warm-up rounds make one call each; implementations alternate sample by sample."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import _common as C
+    finally:
+        sys.path.pop(0)
+    import time
+
+    order: list[str] = []
+
+    def slow_first():  # 30 ms only the first call after an align, 1 ms after that
+        time.sleep(0.03 if order[-1] == "A" else 0.001)
+        order.append("s")
+
+    fns = {"s": slow_first, "q": lambda: order.append("q")}
+    times, _ = C.time_interleaved(fns, 2, 1, block=lambda v: v, align=lambda: order.append("A"),
+                                  batch=3)  # fmt: skip
+    assert "".join(order) == "AsAq" + "AssssAqqqq" * 2
+    assert len(times["s"]) == len(times["q"]) == 2
+    # the align's straggler (30 ms) fell on the untimed call: each sample is ~1 ms per call
+    assert max(times["s"]) < 0.01 and min(times["s"]) >= 0.001
+
+
 @pytest.mark.parametrize("dtype", ["float32", "int32", "bfloat16"])
 def test_collectives_benchmark_numpy_oracle_matches_jax_lax(dtype):
     """benchmarks/collectives.py checks every implementation (jax.lax too) against numpy: its
