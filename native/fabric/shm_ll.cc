@@ -57,17 +57,13 @@ int64_t env_bytes(const char* name, int64_t dflt) {
 std::atomic<int64_t> g_ll_bytes{
     env_bytes("STRATA_LL_BYTES", static_cast<int64_t>(kLlDefaultBytes))};
 
-constexpr int64_t kStageDefaultBytes = int64_t{1} << 20;
-
-// The staged form's limit for a channel this process creates (shm_ll.h).
-// STRATA_LL_STAGE_BYTES, or set_ll_stage_bytes(); -1: the default below.
+// The staged form's limit for a channel this process creates (shm_ll.h): STRATA_LL_STAGE_BYTES,
+// or set_ll_stage_bytes(); -1 (unset): 0, the form off.
 std::atomic<int64_t> g_stage_bytes{env_bytes("STRATA_LL_STAGE_BYTES", -1)};
 
-uint64_t stage_limit(const ShmFabric* f) {
+uint64_t stage_limit() {
   const int64_t v = g_stage_bytes.load(std::memory_order_relaxed);
-  if (v >= 0) return static_cast<uint64_t>(v);
-  return f && f->nprocs() > static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)) ? kStageDefaultBytes
-                                                                            : 0;
+  return v > 0 ? static_cast<uint64_t>(v) : 0;
 }
 
 // The staged form's bounce buffers of this process that peers may still read: each is released
@@ -153,7 +149,7 @@ LlChannel* channel_for(ShmFabric* f, uint64_t comm, int size) {
       ch->size = size;
       ch->data_bytes = fits ? static_cast<uint32_t>(data) : 0;  // 0: general path only
       ch->entry_bytes = entry;
-      ch->stage_bytes = fits ? stage_limit(f) : 0;
+      ch->stage_bytes = fits ? stage_limit() : 0;
       ch->offset = table + reg->used;
       if (fits) reg->used += need;
       ch->comm = comm;  // the slots are fresh memfd pages: stamps, claims and bits all 0
@@ -171,7 +167,7 @@ int64_t get_ll_bytes() { return static_cast<int64_t>(ll_threshold()); }
 void set_ll_stage_bytes(int64_t bytes) {
   g_stage_bytes.store(bytes < 0 ? -1 : bytes, std::memory_order_relaxed);
 }
-int64_t get_ll_stage_bytes() { return static_cast<int64_t>(stage_limit(ShmFabric::active())); }
+int64_t get_ll_stage_bytes() { return static_cast<int64_t>(stage_limit()); }
 
 // ---- joining ----
 

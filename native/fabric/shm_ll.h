@@ -48,9 +48,12 @@
 // every barrier a rank sleeps in costs it its core; the general path's departure barrier made
 // ranks that had finished their copy wait for a descheduled peer (measured under launch -n 4 on
 // 2 cores, train_recsys's 8 MiB all_to_alls: 1-32 ms per call in the departure barrier for
-// 0.7-1.8 ms of copying). What it costs: one copy of the input per call. Default: 16 MiB when
-// processes outnumber cores, else off (there the departure barrier is a short spin and the copy
-// would only cost bandwidth).
+// 0.7-1.8 ms of copying). What it costs: one copy of the input per call, and an all-reduce runs
+// one-shot (every rank reads every peer's whole input). Default: off. It was 1 MiB when processes
+// outnumbered cores until calls timed back to back (collectives.py --batch, mpirun -n 4 on 2
+// cores) showed it 1.2-2.4x slower than the general path at 256 KiB-1 MiB for every operator,
+// while train_moe, serve_moe and train_recsys (--preset paper, launch -n 4, alternated with it
+// off) were no faster with it (docs/design.md, the staged form).
 #pragma once
 
 #include <atomic>
@@ -132,10 +135,9 @@ struct LlRegion {
 // rank of a communicator agrees whatever each process set later.
 void set_ll_bytes(int64_t bytes);
 int64_t get_ll_bytes();
-// The staged form's limit a channel gets when this process creates it: STRATA_LL_STAGE_BYTES
-// (K/M suffixes; 0 turns the form off), else 16 MiB when the fabric's processes outnumber the
-// cores, else 0. Kept by the channel like the threshold above. set_ll_stage_bytes(-1): back to
-// that default.
+// The staged form's limit a channel gets when this process creates it: set_ll_stage_bytes(), else
+// STRATA_LL_STAGE_BYTES (K/M suffixes), else 0 (off). Kept by the channel like the threshold
+// above. set_ll_stage_bytes(-1): back to that default.
 void set_ll_stage_bytes(int64_t bytes);
 int64_t get_ll_stage_bytes();
 

@@ -189,7 +189,7 @@ def env_bytes(name: str, default: int, example: str) -> int:
 # a path silently turned off.
 _NATIVE_BYTE_SETTINGS = {
     "STRATA_LL_BYTES": "64K; 0: no low-latency path",
-    "STRATA_LL_STAGE_BYTES": "1M; 0: no staged form",
+    "STRATA_LL_STAGE_BYTES": "1M; 0 (default): no staged form",
 }
 _env_checked = False
 
