@@ -131,14 +131,20 @@ size_t ParseBytes(const char* name, size_t dflt) {
 }
 
 void LoadConfig() {
-  // Default 256 KiB, measured (tests/alloc_helpers/bench_alloc.c, 8 live buffers per step, every
-  // page written once): glibc mmaps requests >= 128 KiB afresh and pays first touch every time,
-  // 102 us per 256 KiB buffer and 427 us per MiB, where the pool reuses warm pages (0.3 and 1.4
-  // us). Below 128 KiB glibc reuses its heap (1.5 us per 64 KiB) so pooling gains little, while the
-  // pool's single mutex would sit in the path of XLA's many small allocations and its 4 KiB
-  // rounding would waste more. 256 KiB keeps rounding waste <= 1.6% and a shared 64 MiB segment at
-  // <= 256 blocks, and makes every buffer that glibc would have mmap'd fabric memory.
-  g_cfg.threshold = ParseBytes("STRATA_ALLOC_THRESHOLD", size_t{256} << 10);
+  // Default 64 KiB: the low-latency path's default threshold (fabric/shm_ll.h), so that every
+  // buffer a call across processes passes by address (above that threshold) is fabric memory.
+  // At 256 KiB (the default before) inputs of 64-256 KiB went to glibc and the general path
+  // staged them through a bounce buffer with both barriers: 2 processes under mpirun, 128 KiB
+  // per rank, ppermute 74-75 against 32-37 us with 64K, psum 68-71 against 39-41, all_to_all
+  // 70-74 against 34-36 (collectives.py, 2 alternated runs); train_moe and train_recsys
+  // --preset paper under launch -n 4 were no slower (1.46-1.52x xla_sort against 1.44x, 1.38-
+  // 1.43x jax.lax against 1.39-1.42x). Why not lower: glibc reuses its heap below 128 KiB
+  // (1.5 us per 64 KiB, tests/alloc_helpers/bench_alloc.c), so pooling gains nothing there, while
+  // the pool's mutex would sit in the path of XLA's many small allocations and its 4 KiB rounding
+  // waste more (<= 6% at 64 KiB). Above 128 KiB glibc mmaps afresh and pays first touch every
+  // time (102 us per 256 KiB buffer, 427 us per MiB) where the pool reuses warm pages (0.3 and
+  // 1.4 us).
+  g_cfg.threshold = ParseBytes("STRATA_ALLOC_THRESHOLD", size_t{64} << 10);
   if (g_cfg.threshold < kGranule) g_cfg.threshold = kGranule;
   g_cfg.cache_cap = ParseBytes("STRATA_ALLOC_CACHE_BYTES", size_t{1} << 30);
   g_cfg.segment_bytes =

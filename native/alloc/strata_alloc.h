@@ -9,7 +9,7 @@
  * works whether or not the library was preloaded (when it is not, the lookups simply find nothing).
  *
  * Environment (read once, at the first allocation after the environment is available):
- *   STRATA_ALLOC_THRESHOLD      bytes (suffix K/M/G allowed, minimum 4K); default 256K (measured:
+ *   STRATA_ALLOC_THRESHOLD      bytes (suffix K/M/G allowed, minimum 4K); default 64K (measured:
  *                               see interpose.cc). Smaller requests use libc.
  *   STRATA_ALLOC_CACHE_BYTES    cap on free memory kept in the pool; default 1G. Past it, wholly
  *                               free segments are returned to the OS (munmap + close).

@@ -136,10 +136,11 @@ static void case_realloc(void) {
   CHECK(p && !in_pool(p, 1));
   for (size_t i = 0; i < 1000; i += 512) CHECK(p[i] == (unsigned char)(12 + i / 512));
   /* libc -> pool */
-  unsigned char* q = malloc(100000);
-  fill(q, 100000, 13);
+  unsigned char* q = malloc(50000);
+  CHECK(q && !in_pool(q, 1));
+  fill(q, 50000, 13);
   q = realloc(q, 4 * MiB);
-  CHECK(q && in_pool(q, 4 * MiB) && q[0] == 13 && q[99999] == (unsigned char)(13 * 7));
+  CHECK(q && in_pool(q, 4 * MiB) && q[0] == 13 && q[49999] == (unsigned char)(13 * 7));
   /* libc -> libc */
   unsigned char* r = malloc(100);
   memset(r, 7, 100);
@@ -534,12 +535,12 @@ static void case_fork(void) {
 }
 
 static void case_threshold(void) {
-  /* run with STRATA_ALLOC_THRESHOLD=64K */
-  void* p = malloc(64 * 1024);
-  void* q = malloc(64 * 1024 - 1);
+  /* run with STRATA_ALLOC_THRESHOLD=128K (the default is 64K) */
+  void* p = malloc(128 * 1024);
+  void* q = malloc(128 * 1024 - 1);
   CHECK(in_pool(p, 1) && !in_pool(q, 1));
   strata_alloc_stats_t s = stats();
-  CHECK(s.threshold == 64 * 1024);
+  CHECK(s.threshold == 128 * 1024);
   free(p);
   free(q);
 }

@@ -3,8 +3,8 @@
 Run under the launcher: ``python -m strata_jax.launch -n P [--devices-per-proc D]
 check_collectives.py OUT_DIR``. Every process builds the same global input from a fixed seed,
 feeds its own shards, and checks its own output shards. Sizes straddle the allocator's
-threshold, so both zero-copy (pool memory) and transparently staged (libc memory) buffers are
-exercised. A sha256 of every strata output is written to OUT_DIR/digest-<mode>-<pid>.txt so
+threshold (pool memory, zero-copy, above it; libc memory below it, which takes the low-latency
+path up to its threshold and is staged above it); the staging mode stages every buffer. A sha256 of every strata output is written to OUT_DIR/digest-<mode>-<pid>.txt so
 the test can compare registration modes bit for bit. Exits non-zero on the first mismatch.
 """
 
@@ -86,7 +86,7 @@ def reduce_np(x: np.ndarray, op: str, axis: int) -> np.ndarray:
 
 mesh = Mesh(np.array(devs), ("x",))
 # Element counts per rank: tiny (libc, staged), odd (not a multiple of the rank count or a cache
-# line) and above the 256 KiB allocator threshold (pool memory, zero-copy), 4 MiB (two-shot).
+# line) and above the allocator's threshold (64 KiB: pool memory, zero-copy), 4 MiB (two-shot).
 SIZES = [1, 1001, 96_001, 1 << 20]
 seed = 0
 for op in ("psum", "pmax", "pmin", "pmean"):
@@ -174,4 +174,9 @@ else:
 if mode == "staging":
     assert stats["zero_copy_bytes"] == 0, stats
 else:
-    assert stats["zero_copy_bytes"] > 0 and stats["staged_bytes"] > 0, stats
+    assert stats["zero_copy_bytes"] > 0, stats
+    # Buffers above the low-latency threshold but below the allocator's are libc memory, staged
+    # through a bounce buffer; with the defaults (both 64 KiB) there are none, and the staging
+    # mode's run of this script (and check_pytree.py's small leaves beside pool ones) stage.
+    if stats["pool_threshold"] > sj.get_low_latency_threshold():
+        assert stats["staged_bytes"] > 0, stats

@@ -2,7 +2,7 @@
 dimension in place, against numpy on the same global data (bitwise).
 
 Run under the launcher: ``python -m strata_jax.launch -n P [--devices-per-proc D]
-check_pytree.py``. The leaves straddle the allocator's threshold (256 KiB), so one call mixes
+check_pytree.py``. The leaves straddle the allocator's threshold (64 KiB), so one call mixes
 zero-copy leaves (pool memory) and staged ones (libc memory), with 0-d and zero-size leaves and
 several dtypes; one-shot and two-shot; a pytree of small leaves only takes the low-latency path
 as one packed input. The oracle folds the ranks in rank order as strata does
