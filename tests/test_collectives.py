@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from _util import (
     ALL_DTYPES,
+    FLOAT_DTYPES,
     assert_close,
     grid,
     mesh1d,
@@ -110,6 +111,68 @@ def test_pmean(rng, dtype):
     got = shard_run(per_rank(lambda v: sj.pmean(v, "x")), mesh1d(), x)
     want = shard_run(per_rank(lambda v: jax.lax.pmean(v, "x")), mesh1d(), x)
     assert_close(got, want, want.dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("nranks,size", [(8, 77), (3, 100_003), (6, 70_001)])
+def test_pmean_divides_inside_the_reduction(rng, dtype, nranks, size):
+    """A floating pmean is one strata call that divides as it stores its result
+    (ReduceOp::kMean), with no divide left to XLA: bitwise strata's psum followed by the
+    divide (one-shot and two-shot; group sizes that are not powers of two, where a multiply by
+    1/n would differ), and close to jax.lax.pmean."""
+    x = random_array(rng, (nranks, size), dtype)
+    mesh = mesh1d(nranks)
+    got = shard_run(per_rank(lambda v: sj.pmean(v, "x")), mesh, x)
+    ref = shard_run(per_rank(lambda v: sj.psum(v, "x") / nranks), mesh, x)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(ref).view(np.uint8))
+    want = shard_run(per_rank(lambda v: jax.lax.pmean(v, "x")), mesh, x)
+    assert_close(got, want, dtype, nranks)
+    body = jax.shard_map(lambda v: sj.pmean(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    hlo = jax.jit(body).lower(x).as_text()
+    assert hlo.count("custom_call") == 1 and "divide" not in hlo, hlo
+
+
+def test_pmean_mixed_pytree_and_transforms(rng):
+    """pmean of a pytree mixing floats (divided natively), ints and bool (psum, then XLA's
+    divide), under grad (check_vma on and off) and vmap over a mesh axis: as jax.lax."""
+    tree = {
+        "f": random_array(rng, (8, 33), "float32"),
+        "h": random_array(rng, (8, 5), "bfloat16"),
+        "i": random_array(rng, (8, 7), "int32"),
+        "b": random_array(rng, (8, 3), "bool"),
+    }
+    mesh = mesh1d()
+
+    def run(impl):
+        body = lambda t: impl.pmean(jax.tree_util.tree_map(lambda a: a[0], t), "x")  # noqa: E731
+        specs = jax.tree_util.tree_map(lambda _: P("x"), tree)
+        f = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=P())
+        return jax.jit(f)(tree)
+
+    got, want = run(sj), run(jax.lax)
+    for k in tree:
+        assert got[k].dtype == want[k].dtype, k
+        assert_close(got[k], want[k], str(want[k].dtype), 8, k)
+    w = random_array(rng, (8, 16), "float32")
+    for vma in (True, False):
+
+        def grad_of(impl, vma=vma):
+            loss = lambda v: jnp.sum(jnp.sin(impl.pmean(v * v, "x")))  # noqa: E731
+            return shard_run(per_rank(jax.grad(loss)), mesh, w, check_vma=vma)
+
+        assert_close(grad_of(sj), grad_of(jax.lax), "float32", 8, f"grad vma={vma}")
+    x = random_array(rng, (4, 2, 10), "float32")
+    mesh2 = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("y",))
+
+    def vmapped(impl):
+        inner = lambda v: impl.pmean(v, ("v", "y"))  # noqa: E731
+        body = lambda v: jax.vmap(inner, axis_name="v")(v[:, 0])[:, None]  # noqa: E731
+        # check_vma off: jax.lax refuses a vmap axis beside a mesh axis under it.
+        return shard_run(
+            body, mesh2, x, in_specs=P(None, "y"), out_specs=P(None, "y"), check_vma=False
+        )
+
+    assert_close(vmapped(sj), vmapped(jax.lax), "float32", 8, "vmap")
 
 
 def test_two_shot_threshold_paths_agree(rng):

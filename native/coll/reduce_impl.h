@@ -52,7 +52,7 @@ inline A op_min(A a, A b) {
 
 template <ReduceOp OP, class A>
 inline A op_apply(A a, A b) {
-  if constexpr (OP == ReduceOp::kSum) {
+  if constexpr (OP == ReduceOp::kSum || OP == ReduceOp::kMean) {
     return op_sum<A>(a, b);
   } else if constexpr (OP == ReduceOp::kMax) {
     return op_max<A>(a, b);
@@ -102,6 +102,17 @@ void fold1(typename Elem<T>::Acc* __restrict acc, const T* __restrict s, size_t 
   for (size_t i = 0; i < len; ++i) acc[i] = op_apply<OP>(acc[i], E::load(s[i]));
 }
 
+// pmean's factor 1/n as XLA CPU multiplies by it (see reduce_typed).
+template <class T>
+typename Elem<T>::Acc mean_scale(int n) {
+  using A = typename Elem<T>::Acc;
+  if constexpr (std::is_same_v<T, bf16>) {
+    return 1.0f / static_cast<float>(n);
+  } else {
+    return Elem<T>::load(Elem<T>::store(A(1) / static_cast<A>(n)));
+  }
+}
+
 // Writes element i to dst_at_begin[i - begin].
 template <class T, ReduceOp OP>
 void reduce_typed(const void* const* srcs, int n, void* dst_at_begin, size_t begin, size_t end) {
@@ -134,7 +145,16 @@ void reduce_typed(const void* const* srcs, int n, void* dst_at_begin, size_t beg
         break;
     }
     T* __restrict d = dst + t0;
-    for (size_t i = 0; i < len; ++i) d[i] = E::store(acc[i]);
+    if constexpr (OP == ReduceOp::kMean) {
+      // The sum rounded to T first, then scaled: bitwise psum(x) / n as XLA CPU computes it
+      // (jaxlib 0.10.2, checked by tests/test_collectives.py), which turns the divide by the
+      // constant n into a multiply by its reciprocal, rounded to T (bfloat16: to float32,
+      // where XLA computes bfloat16 arithmetic).
+      const A scale = mean_scale<T>(n);
+      for (size_t i = 0; i < len; ++i) d[i] = E::store(E::load(E::store(acc[i])) * scale);
+    } else {
+      for (size_t i = 0; i < len; ++i) d[i] = E::store(acc[i]);
+    }
   }
 }
 
@@ -148,6 +168,10 @@ void reduce_dispatch_op(ReduceOp op, const void* const* srcs, int n, void* dst, 
       return reduce_typed<T, ReduceOp::kMax>(srcs, n, dst, b, e);
     case ReduceOp::kMin:
       return reduce_typed<T, ReduceOp::kMin>(srcs, n, dst, b, e);
+    case ReduceOp::kMean:
+      if constexpr (std::is_floating_point_v<typename Elem<T>::Acc>)
+        return reduce_typed<T, ReduceOp::kMean>(srcs, n, dst, b, e);
+      return;  // integers: reduce_supported refuses them
   }
 }
 

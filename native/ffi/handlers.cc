@@ -90,7 +90,9 @@ bool peers_publish_list_outputs(const Team& t, const Operand* ops, int64_t n) {
   return false;
 }
 
-const char* reduce_name(int32_t r) { return r == 0 ? "psum" : r == 1 ? "pmax" : "pmin"; }
+const char* reduce_name(int32_t r) {
+  return r == 0 ? "psum" : r == 1 ? "pmax" : r == 2 ? "pmin" : "pmean";
+}
 
 ffi::Error AllReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
                          ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
@@ -530,6 +532,9 @@ ffi::Error AllGatherReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer 
   const ReduceOp op = static_cast<ReduceOp>(reduce);
   const char* name = reduce_name(reduce);
   if (auto e = check_dtype(name, x, true, op); e.failure()) return e;
+  if (op == ReduceOp::kMean)  // a pair of shards: dividing by 2 would not be the group's mean
+    return to_error(std::string("strata_jax ") + name +
+                    ": internal error: all_gather_reduce takes no mean (hierarchy.py divides)");
   if (z.element_type() != x.element_type() || z.size_bytes() != x.size_bytes())
     return to_error(std::string("strata_jax ") + name +
                     ": internal error: the two shards of an all_gather_reduce differ");

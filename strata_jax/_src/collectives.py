@@ -164,7 +164,10 @@ def _typed_unreduced_or_reduced(v) -> bool:
 # all-reduce: psum / pmax / pmin (and pmean)
 # --------------------------------------------------------------------------------------
 
-_REDUCE_CODES = {"sum": 0, "max": 1, "min": 2}
+_REDUCE_CODES = {"sum": 0, "max": 1, "min": 2, "mean": 3}
+# The dtypes whose pmean the native reduction divides itself (kernels.h ReduceOp::kMean); every
+# other dtype is psum'd and then divided by XLA, as jax.lax.pmean does.
+_MEAN_DTYPES = frozenset(np.dtype(t) for t in (np.float16, jnp.bfloat16, np.float32, np.float64))
 
 # One primitive for a whole pytree (or any several operands of one op over one group):
 # multiple_results, as jax.lax's psum_p. It lowers to one custom call with one rendezvous
@@ -262,16 +265,45 @@ def pmin(x, axis_name: AxisName, *, axis_index_groups=None):
 def pmean(x, axis_name: AxisName, *, axis_index_groups=None):
     """All-reduce mean over ``axis_name``; drop-in for :func:`jax.lax.pmean`.
 
-    ``psum(x) / n`` with n the group size (integer inputs give floats, as jax.lax).
+    Args and shapes as :func:`psum`; returns ``psum(x) / n`` with n the group size (integer
+    inputs give floats, as jax.lax), bitwise as XLA CPU divides: the sum rounded to x's dtype,
+    then multiplied by 1/n.
     Errors as :func:`psum`.
+
+    float16, bfloat16, float32 and float64 leaves are divided inside strata's reduction, as
+    it stores its result (one pass over the output, not one more after it); other dtypes, and
+    groups that span fabrics (hosts), are psum'd and then divided by XLA.
     """
     lowering.check_no_groups(axis_index_groups, "pmean")
     axes = lowering.axis_tuple(axis_name)
-    y = psum(x, axis_name)
     if not axes:
-        return y
-    n = lowering.axis_size(axes)
-    return _tree_map(lambda v: v / n, y)
+        return x
+    leaves, tree = jax.tree_util.tree_flatten(x)
+    outs = list(leaves)
+    fused = [
+        i
+        for i, v in enumerate(leaves)
+        if isinstance(v, core.Tracer)
+        and np.dtype(v.dtype) in _MEAN_DTYPES
+        and not _typed_unreduced_or_reduced(v)
+    ]
+    rest = [i for i in range(len(leaves)) if i not in set(fused)]
+    if fused:
+        lowering.check_axis_names(axes, "pmean")
+        ys = all_reduce_p.bind(
+            *(lowering.pvary_missing(leaves[i], axes) for i in fused),
+            axes=axes,
+            reduce="mean",
+            invariant=lowering.vma_on(),
+        )
+        for i, y in zip(fused, ys, strict=True):
+            outs[i] = y
+    if rest:
+        n = lowering.axis_size(axes)
+        ys = psum([leaves[i] for i in rest], axis_name)
+        for i, y in zip(rest, ys, strict=True):
+            outs[i] = y / n
+    return jax.tree_util.tree_unflatten(tree, outs)
 
 
 def _all_reduce_abstract_eval(*avals, axes, reduce, invariant):
@@ -286,18 +318,21 @@ def _all_reduce_abstract_eval(*avals, axes, reduce, invariant):
 
 
 def _all_reduce_transpose(cts, *xs, axes, reduce, invariant):
-    if reduce != "sum":
+    if reduce not in ("sum", "mean"):
         raise NotImplementedError(f"p{reduce} is not linear")
     out = [ad.Zero(x.aval.to_ct_aval()) if ad.is_undefined_primal(x) else None for x in xs]
     live = [k for k, ct in enumerate(cts) if type(ct) is not ad.Zero]
     if invariant:
-        # psum: varying -> invariant; its transpose only casts back to varying.
+        # psum: varying -> invariant; its transpose only casts back to varying (pmean's then
+        # divides by the group size, as the transpose of jax.lax.pmean's divide does).
+        n = lowering.axis_size(axes) if reduce == "mean" else 1
         for k in live:
-            out[k] = jax.lax.pcast(cts[k], axes, to="varying")
+            ct = jax.lax.pcast(cts[k], axes, to="varying")
+            out[k] = ct / np.asarray(n, ct.dtype) if reduce == "mean" else ct
     elif live:
         # Without vma, psum is psum + broadcast, so the transpose reduces again (as jax.lax),
-        # all the nonzero cotangents in one call.
-        ys = all_reduce_p.bind(*(cts[k] for k in live), axes=axes, reduce="sum", invariant=False)
+        # all the nonzero cotangents in one call; pmean's transpose is pmean.
+        ys = all_reduce_p.bind(*(cts[k] for k in live), axes=axes, reduce=reduce, invariant=False)
         for k, y in zip(live, ys, strict=True):
             out[k] = y
     return out
@@ -312,6 +347,15 @@ def _local_reduce(v, d, reduce):
 
 
 def _all_reduce_batcher(axis_data, vals_in, dims_in, *, axes, reduce, invariant):
+    if reduce == "mean" and axis_data.name in axes:
+        # The sum over the batched axis and the rest, then one divide by the whole group's
+        # size: bitwise what jax.lax.pmean (psum, then divide) gives under vmap.
+        rest = tuple(a for a in axes if a != axis_data.name)
+        n = axis_data.size * (lowering.axis_size(rest) if rest else 1)
+        sums, dims = _all_reduce_batcher(
+            axis_data, vals_in, dims_in, axes=axes, reduce="sum", invariant=invariant
+        )
+        return [s / np.asarray(n, s.dtype) for s in sums], dims
     if axis_data.name not in axes:
         return all_reduce_p.bind(*vals_in, axes=axes, reduce=reduce, invariant=invariant), list(
             dims_in
@@ -330,9 +374,20 @@ def _all_reduce_batcher(axis_data, vals_in, dims_in, *, axes, reduce, invariant)
 
 def _all_reduce_lowering(ctx, *xs, axes, reduce, invariant):
     code = np.int32(_REDUCE_CODES[reduce])
+    if reduce == "mean" and hierarchy.plan(ctx, axes) is not None:
+        # Across fabrics: the hierarchical psum, then XLA's divide (its steps reduce partial
+        # sums, which no step can divide by the group size).
+        n = int(lowering.mesh_groups(ctx, axes, "pmean").shape[1])
+
+        def sum_then_divide(*vs):
+            ys = all_reduce_p.bind(*vs, axes=axes, reduce="sum", invariant=invariant)
+            return [y / np.asarray(n, y.dtype) for y in ys]
+
+        return mlir.lower_fun(sum_then_divide, multiple_results=True)(ctx, *xs)
     if len(xs) == 1:
         # One result either way (the call's, or the hierarchical lowering's).
-        return _ffi_call_lowering("strata_all_reduce", "psum")(ctx, xs[0], axes=axes, reduce=code)
+        api = "pmean" if reduce == "mean" else "psum"
+        return _ffi_call_lowering("strata_all_reduce", api)(ctx, xs[0], axes=axes, reduce=code)
     if hierarchy.plan(ctx, axes) is not None:
         # Across fabrics: the hierarchical all-reduce (hierarchy.py) takes one operand; each
         # leaf is lowered as its own call there.
@@ -354,7 +409,7 @@ def _all_reduce_lowering(ctx, *xs, axes, reduce, invariant):
 
 
 def _all_reduce_jvp(primals, tangents, *, axes, reduce, invariant):
-    if reduce != "sum":
+    if reduce not in ("sum", "mean"):
         raise NotImplementedError(
             f"Differentiation rule for strata_jax.p{reduce} is not implemented (jax.lax.p{reduce} "
             f"has none either); differentiate p{reduce}(stop_gradient(x)) or write the "

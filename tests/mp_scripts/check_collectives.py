@@ -2,10 +2,11 @@
 
 Run under the launcher: ``python -m strata_jax.launch -n P [--devices-per-proc D]
 check_collectives.py OUT_DIR``. Every process builds the same global input from a fixed seed,
-feeds its own shards, and checks its own output shards. Sizes straddle the allocator's
-threshold (pool memory, zero-copy, above it; libc memory below it, which takes the low-latency
-path up to its threshold and is staged above it); the staging mode stages every buffer. A sha256 of every strata output is written to OUT_DIR/digest-<mode>-<pid>.txt so
-the test can compare registration modes bit for bit. Exits non-zero on the first mismatch.
+feeds its own shards, and checks its own output shards. Sizes straddle the allocator's threshold
+(pool memory, zero-copy, above it; libc memory below it, which takes the low-latency path up to
+its threshold and is staged above it); the staging mode stages every buffer. A sha256 of every
+strata output is written to OUT_DIR/digest-<mode>-<pid>.txt so the test can compare registration
+modes bit for bit. Exits non-zero on the first mismatch.
 """
 
 from __future__ import annotations
