@@ -9,7 +9,11 @@ operator at least once); ``pytest -m slow`` runs the rest of each grid."""
 from __future__ import annotations
 
 import functools
+import os
 import re
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -130,6 +134,34 @@ def test_pmean_divides_inside_the_reduction(rng, dtype, nranks, size):
     body = jax.shard_map(lambda v: sj.pmean(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
     hlo = jax.jit(body).lower(x).as_text()
     assert hlo.count("custom_call") == 1 and "divide" not in hlo, hlo
+
+
+def test_pmean_bfloat16_group_larger_than_bfloat16_integers():
+    """jax's `y / n` rounds n to y's dtype first: bfloat16 holds integers exactly only to 256,
+    so a group of 257 divides by 256 in jax.lax.pmean, in strata's psum / n and in pmean's
+    transpose; the native mean must too (a review found it dividing by 257)."""
+    code = textwrap.dedent(
+        """
+        import jax, numpy as np, jax.numpy as jnp
+        import strata_jax as sj
+        from jax.sharding import Mesh, PartitionSpec as P
+        n = 257
+        mesh = Mesh(np.array(jax.devices()[:n]), ("x",))
+        x = jnp.asarray(np.random.default_rng(0).standard_normal((n, 64)), jnp.bfloat16)
+        def run(fn):
+            f = jax.shard_map(fn, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+            return np.asarray(jax.jit(f)(x)).view(np.uint16)
+        got = run(lambda v: sj.pmean(v, "x"))
+        assert (got == run(lambda v: sj.psum(v, "x") / n)).all()
+        assert (got == run(lambda v: jax.lax.pmean(v, "x"))).all()
+        print("ok")
+        """
+    )
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=257")
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
 
 
 def test_pmean_mixed_pytree_and_transforms(rng):

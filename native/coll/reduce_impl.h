@@ -102,14 +102,19 @@ void fold1(typename Elem<T>::Acc* __restrict acc, const T* __restrict s, size_t 
   for (size_t i = 0; i < len; ++i) acc[i] = op_apply<OP>(acc[i], E::load(s[i]));
 }
 
-// pmean's factor 1/n as XLA CPU multiplies by it (see reduce_typed).
+// pmean's factor 1/n as XLA CPU multiplies by it (see reduce_typed): jax's `y / n` makes n a
+// constant of y's type first (rounded: bfloat16 holds integers exactly only to 256, float16 to
+// 2048), and XLA replaces the divide by a multiply by that constant's reciprocal, rounded to T
+// (bfloat16: kept in float32, where XLA computes bfloat16 arithmetic).
 template <class T>
 typename Elem<T>::Acc mean_scale(int n) {
   using A = typename Elem<T>::Acc;
+  using E = Elem<T>;
+  const A n_t = E::load(E::store(static_cast<A>(n)));
   if constexpr (std::is_same_v<T, bf16>) {
-    return 1.0f / static_cast<float>(n);
+    return 1.0f / n_t;
   } else {
-    return Elem<T>::load(Elem<T>::store(A(1) / static_cast<A>(n)));
+    return E::load(E::store(A(1) / n_t));
   }
 }
 

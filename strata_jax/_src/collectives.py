@@ -307,11 +307,12 @@ def pmean(x, axis_name: AxisName, *, axis_index_groups=None):
 
 
 def _all_reduce_abstract_eval(*avals, axes, reduce, invariant):
-    lowering.check_axis_names(axes, "psum")
+    api = "pmean" if reduce == "mean" else "psum"
+    lowering.check_axis_names(axes, api)
     outs = []
     for aval in avals:
         if invariant:
-            lowering.require_varying("psum", aval, axes)
+            lowering.require_varying(api, aval, axes)
             aval = lowering.varying_out(aval, (a for a in aval.mat.varying if a not in axes))
         outs.append(aval)
     return outs, lowering.effects(axes)
@@ -400,7 +401,7 @@ def _all_reduce_lowering(ctx, *xs, axes, reduce, invariant):
     return lowering.lower_strata_call(
         ctx,
         "strata_all_reduce_list",
-        "psum",
+        "pmean" if reduce == "mean" else "psum",
         list(xs),
         lowering.mesh_groups(ctx, axes, "psum"),
         reduce=code,
