@@ -164,6 +164,15 @@ def test_pmean_bfloat16_group_larger_than_bfloat16_integers():
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
 
 
+def test_pmean_counted_as_pmean(rng):
+    """comm_stats names a pmean's calls "pmean" (they went to "other" at first)."""
+    sj.reset_stats()
+    x = random_array(rng, (8, 100), "float32")
+    shard_run(per_rank(lambda v: sj.pmean(v, "x")), mesh1d(), x)
+    ops = sj.comm_stats()["ops"]
+    assert ops.get("pmean", {}).get("calls", 0) == 8 and "other" not in ops, ops
+
+
 def test_pmean_mixed_pytree_and_transforms(rng):
     """pmean of a pytree mixing floats (divided natively), ints and bool (psum, then XLA's
     divide), under grad (check_vma on and off) and vmap over a mesh axis: as jax.lax."""
@@ -914,6 +923,34 @@ def test_byte_settings_are_checked(monkeypatch, name):
             runtime.native()
     monkeypatch.delenv(name)
     runtime.native()  # checked again, and fine
+    assert runtime._env_checked
+
+
+@pytest.mark.parametrize(
+    "name,bad,message",
+    [
+        ("STRATA_ALLOC_THRESHOLD", "abc", "give a number of bytes"),
+        ("STRATA_ALLOC_CACHE_BYTES", "1.5G", "give a number of bytes"),
+        ("STRATA_ALLOC_RESERVE_BYTES", "-1", "give a number of bytes"),
+        ("STRATA_TIMEOUT_S", "abc", "a number > 0"),
+        ("STRATA_TIMEOUT_S", "0", "a number > 0"),
+        ("STRATA_TIMEOUT_S", "inf", "a number > 0"),
+    ],
+)
+def test_allocator_and_timeout_settings_are_checked(monkeypatch, name, bad, message):
+    """The allocator falls back to its default on a size it cannot read, and the timeout to 300 s
+    (a new user's ``STRATA_ALLOC_THRESHOLD=abc`` ran silently with 64K): both are an error at
+    the first strata call naming the variable; the values they take pass."""
+    from strata_jax._src import runtime
+
+    monkeypatch.setenv(name, bad)
+    monkeypatch.setattr(runtime, "_env_checked", False)
+    with pytest.raises(ValueError, match=f"{name}='{re.escape(bad)}': .*{message}"):
+        runtime.native()
+    good = "12.5" if name == "STRATA_TIMEOUT_S" else "64KB"
+    monkeypatch.setenv(name, good)
+    monkeypatch.setattr(runtime, "_env_checked", False)
+    runtime.native()
     assert runtime._env_checked
 
 

@@ -9,6 +9,7 @@ namespace {
 
 // The operators the FFI handlers name (ffi/handlers.cc); the last slot takes any other name.
 constexpr const char* kNames[] = {"psum",
+                                  "pmean",
                                   "pmax",
                                   "pmin",
                                   "psum_scatter",

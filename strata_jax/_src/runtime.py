@@ -8,6 +8,7 @@ its launch thread pool then (see ``configure_launch_threads``).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import warnings
@@ -191,6 +192,17 @@ _NATIVE_BYTE_SETTINGS = {
     "STRATA_LL_BYTES": "64K; 0: no low-latency path",
     "STRATA_LL_STAGE_BYTES": "1M; 0 (default): no staged form",
 }
+# The allocator's sizes (native/alloc/interpose.cc, read at its first allocation): it takes
+# digits with an optional K/M/G and ignores anything after, and falls back to its default on
+# anything else, so a value it cannot read is reported here, at first use.
+_ALLOC_BYTE_SETTINGS = {
+    "STRATA_ALLOC_THRESHOLD": "64K",
+    "STRATA_ALLOC_CACHE_BYTES": "1G",
+    "STRATA_ALLOC_SEGMENT_BYTES": "64M",
+    "STRATA_ALLOC_RESERVE_BYTES": "128M; 0: no reserve",
+    "STRATA_ALLOC_RESERVE_DELAY_MS": "200 (milliseconds)",
+}
+_ALLOC_BYTES_RE = re.compile(r"\d+([KMGkmg](i?[Bb])?|[Bb])?")
 _env_checked = False
 
 
@@ -198,6 +210,24 @@ def _check_native_env() -> None:
     global _env_checked
     for name, example in _NATIVE_BYTE_SETTINGS.items():
         env_bytes(name, 0, example)
+    for name, example in _ALLOC_BYTE_SETTINGS.items():
+        v = os.environ.get(name, "").strip()
+        if v and not _ALLOC_BYTES_RE.fullmatch(v):
+            raise ValueError(
+                f"{name}={v!r}: give a number of bytes, K/M/G allowed (e.g. {example}); the "
+                "allocator ignored it and used its default"
+            )
+    v = os.environ.get("STRATA_TIMEOUT_S", "").strip()
+    if v:
+        try:
+            ok = math.isfinite(float(v)) and float(v) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"STRATA_TIMEOUT_S={v!r}: give the seconds a collective waits for its peers, a "
+                "number > 0 (e.g. 300)"
+            )
     _env_checked = True
 
 
