@@ -231,6 +231,41 @@ def test_two_shot_threshold_paths_agree(rng):
         sj.set_two_shot_threshold(old)
 
 
+@pytest.mark.parametrize("op", ["psum", "pmax", "pmean"])
+def test_two_ranks_take_two_shot_from_16_mib(rng, op):
+    """A group of 2 runs one-shot below 16 MiB per rank and two-shot from there (each rank
+    reduces half and writes it into both outputs); both equal jax.lax's bit for bit, a pytree's
+    combined call included."""
+    mesh2 = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("y",))
+    n = (16 << 20) // 4  # float32 elements per rank: 16 MiB
+    for rows in (n - 16, n):
+        x = jnp.asarray(rng.standard_normal((2, rows), dtype=np.float32))
+        sj.reset_stats()
+        before = sj.comm_stats()
+        outs = [
+            shard_run(lambda v, impl=impl: getattr(impl, op)(v, "y"), mesh2, x, in_specs=P("y"),
+                      out_specs=P("y"))
+            for impl in (sj, jax.lax)
+        ]  # fmt: skip
+        after = sj.comm_stats()
+        np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
+        two = after["two_shot_all_reduce"] - before["two_shot_all_reduce"]
+        one = after["one_shot_all_reduce"] - before["one_shot_all_reduce"]
+        assert (two, one) == ((2, 0) if rows == n else (0, 2)), (rows, two, one)
+    tree = {"a": x[:, : n // 2], "b": x[:, n // 2 :] * 3}
+    got, want = (
+        jax.jit(
+            jax.shard_map(
+                lambda t, impl=impl: getattr(impl, op)(t, "y"), mesh=mesh2, in_specs=P("y"),
+                out_specs=P("y"),
+            )
+        )(tree)
+        for impl in (sj, jax.lax)
+    )  # fmt: skip
+    for k in tree:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+
+
 @pytest.mark.parametrize(
     "axis,tiled,dtype",
     rotation([(0, False), (0, True), (1, True), (-1, False), (2, False)], [ALL_DTYPES]),
@@ -904,7 +939,10 @@ def test_calls_stay_ordered_where_xla_removes_the_data_path(rng):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-@pytest.mark.parametrize("name", ["STRATA_LL_BYTES", "STRATA_LL_STAGE_BYTES"])
+@pytest.mark.parametrize(
+    "name",
+    ["STRATA_LL_BYTES", "STRATA_LL_STAGE_BYTES", "STRATA_STREAM_BYTES", "STRATA_TWO_SHOT_BYTES"],
+)
 def test_byte_settings_are_checked(monkeypatch, name):
     """A byte setting the native library reads itself takes digits with a K/M/G suffix; any
     other value (``1.5M``, ``-1``, ``foo``) is an error at the first strata call naming the
@@ -924,6 +962,23 @@ def test_byte_settings_are_checked(monkeypatch, name):
     monkeypatch.delenv(name)
     runtime.native()  # checked again, and fine
     assert runtime._env_checked
+
+
+def test_native_byte_settings_read_suffixes():
+    """The native library reads STRATA_STREAM_BYTES and STRATA_TWO_SHOT_BYTES with K/M/G
+    suffixes, as strata_jax checks them: ``1G`` used to be read as 1 byte (``atoll``), which
+    turned every copy into a streaming one where a measurement meant the opposite."""
+    code = (
+        "import strata_jax; from strata_jax._src.runtime import native; "
+        "print(native().get_stream_bytes(), native().get_two_shot_bytes())"
+    )
+    env = dict(os.environ, STRATA_STREAM_BYTES="3M", STRATA_TWO_SHOT_BYTES="2K")
+    env["JAX_PLATFORMS"] = "cpu"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(3 << 20), str(2 << 10)]
 
 
 @pytest.mark.parametrize(

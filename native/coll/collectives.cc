@@ -17,6 +17,10 @@ void chunk_range(size_t count, int esize, int n, int j, size_t* begin, size_t* e
 
 size_t line_up(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
+bool stream_for(const Team& t, size_t out_bytes) {
+  return stream_output(out_bytes * static_cast<size_t>(t.local_ranks()));
+}
+
 bool use_two_shot(size_t bytes) {
   return bytes >= static_cast<size_t>(settings().two_shot_bytes.load());
 }
@@ -27,7 +31,7 @@ namespace {
 // out_offset + (i - begin) * esize: every source byte read once, every output byte written once
 // (streaming stores: no read for ownership).
 void reduce_push(Team& t, int32_t dtype, ReduceOp op, const void* const* srcs, int n_srcs,
-                 void* const* outs, size_t begin, size_t end, size_t out_offset) {
+                 void* const* outs, size_t begin, size_t end, size_t out_offset, bool stream) {
   const int n = t.size(), r = t.rank(), es = dtype_size(dtype);
   constexpr size_t kTileBytes = 64 * 1024;
   alignas(64) static thread_local unsigned char tile[kTileBytes];
@@ -38,7 +42,7 @@ void reduce_push(Team& t, int32_t dtype, ReduceOp op, const void* const* srcs, i
     const size_t at = out_offset + (t0 - begin) * es;
     for (int k = 0; k < n; ++k) {
       const int j = (r + k) % n;  // staggered so ranks do not all write one peer at once
-      copy_bytes(static_cast<char*>(outs[j]) + at, tile, (t1 - t0) * es);
+      copy_out(static_cast<char*>(outs[j]) + at, tile, (t1 - t0) * es, stream);
     }
   }
   copy_fence();
@@ -69,7 +73,8 @@ std::string all_reduce(Team& t, int32_t dtype, ReduceOp op, size_t count, bool t
   // traffic, and no barrier between the shots.
   size_t b, e;
   chunk_range(count, es, n, r, &b, &e);
-  reduce_push(t, dtype, op, srcs.data(), n, peer_outs(t).data(), b, e, b * es);
+  reduce_push(t, dtype, op, srcs.data(), n, peer_outs(t).data(), b, e, b * es,
+              stream_for(t, count * es));
   return {};
 }
 
@@ -105,7 +110,7 @@ std::string all_reduce_list(Team& t, ReduceOp op, const Operand* ops, int nops, 
         outs[j] = t.peer_out_at(j, k);
       }
       reduce_push(t, ops[k].dtype, op, srcs.data(), n, outs.data(), (lo - start) / es,
-                  (hi - start) / es, lo - start);
+                  (hi - start) / es, lo - start, stream_for(t, total));
     }
     start += line_up(bytes);
   }
@@ -128,11 +133,12 @@ std::string reduce_scatter_rows(Team& t, int32_t dtype, ReduceOp op, size_t rows
 std::string all_gather_rows(Team& t, size_t rows, size_t run_bytes) {
   const int n = t.size(), r = t.rank();
   char* out = static_cast<char*>(t.peer_out(r));
+  const bool stream = stream_for(t, rows * n * run_bytes);
   for (int k = 0; k < n; ++k) {
     const int j = (r + k) % n;
     const char* in = static_cast<const char*>(t.peer_in(j));
     for (size_t a = 0; a < rows; ++a)
-      copy_bytes(out + (a * n + j) * run_bytes, in + a * run_bytes, run_bytes);
+      copy_out(out + (a * n + j) * run_bytes, in + a * run_bytes, run_bytes, stream);
   }
   copy_fence();
   return {};
@@ -155,14 +161,14 @@ std::string reduce_scatter(Team& t, int32_t dtype, ReduceOp op, size_t out_count
 namespace {
 // Copies src[0, bytes) to byte `at` of every rank's output, tile by tile: the tile is read from
 // memory once and stays in cache for the n copies (streaming stores: no read for ownership).
-void copy_push(Team& t, const char* src, size_t bytes, size_t at) {
+void copy_push(Team& t, const char* src, size_t bytes, size_t at, bool stream) {
   const int n = t.size(), r = t.rank();
   constexpr size_t kTileBytes = 64 * 1024;
   for (size_t t0 = 0; t0 < bytes; t0 += kTileBytes) {
     const size_t len = bytes - t0 < kTileBytes ? bytes - t0 : kTileBytes;
     for (int k = 0; k < n; ++k) {
       const int j = (r + k) % n;  // staggered so ranks do not all write one peer at once
-      copy_bytes(static_cast<char*>(t.peer_out(j)) + at + t0, src + t0, len);
+      copy_out(static_cast<char*>(t.peer_out(j)) + at + t0, src + t0, len, stream);
     }
   }
   copy_fence();
@@ -177,15 +183,16 @@ std::string all_gather(Team& t, size_t in_bytes, bool push, const int64_t* place
     return static_cast<size_t>(placement ? placement[j * parts + f] : j * parts + f) * sub;
   };
   const char* mine = static_cast<const char*>(t.peer_in(r));
+  const bool stream = stream_for(t, in_bytes * n);
   if (push) {
-    for (int f = 0; f < parts; ++f) copy_push(t, mine + f * sub, sub, at(r, f));
+    for (int f = 0; f < parts; ++f) copy_push(t, mine + f * sub, sub, at(r, f), stream);
     return {};
   }
   char* out = static_cast<char*>(t.peer_out(r));
   for (int k = 0; k < n; ++k) {
     const int j = (r + k) % n;
     const char* in = static_cast<const char*>(t.peer_in(j));
-    for (int f = 0; f < parts; ++f) copy_bytes(out + at(j, f), in + f * sub, sub);
+    for (int f = 0; f < parts; ++f) copy_out(out + at(j, f), in + f * sub, sub, stream);
   }
   copy_fence();
   return {};
@@ -194,13 +201,15 @@ std::string all_gather(Team& t, size_t in_bytes, bool push, const int64_t* place
 std::string all_gather_reduce(Team& t, int32_t dtype, ReduceOp op, const void* a, const void* b,
                               size_t count, int block) {
   const void* srcs[2] = {a, b};
+  const size_t bytes = count * dtype_size(dtype);
   reduce_push(t, dtype, op, srcs, 2, peer_outs(t).data(), 0, count,
-              static_cast<size_t>(block) * count * dtype_size(dtype));
+              static_cast<size_t>(block) * bytes, stream_for(t, bytes * t.size()));
   return {};
 }
 
 void copy_strided(char* dst, const int64_t* dst_strides, const char* src,
-                  const int64_t* src_strides, const int64_t* shape, int ndim, int esize) {
+                  const int64_t* src_strides, const int64_t* shape, int ndim, int esize,
+                  bool stream) {
   // Merge trailing dimensions that are contiguous in both arrays into one run.
   int64_t run = 1;
   int d = ndim;
@@ -210,7 +219,7 @@ void copy_strided(char* dst, const int64_t* dst_strides, const char* src,
   }
   const size_t run_bytes = static_cast<size_t>(run) * esize;
   if (d == 0) {
-    copy_bytes(dst, src, run_bytes);
+    copy_out(dst, src, run_bytes, stream);
     return;
   }
   // Iterate the remaining outer index space with an odometer.
@@ -221,7 +230,7 @@ void copy_strided(char* dst, const int64_t* dst_strides, const char* src,
       so += idx[k] * src_strides[k];
       doff += idx[k] * dst_strides[k];
     }
-    copy_bytes(dst + doff * esize, src + so * esize, run_bytes);
+    copy_out(dst + doff * esize, src + so * esize, run_bytes, stream);
     int k = d - 1;
     while (k >= 0 && ++idx[k] == shape[k]) idx[k--] = 0;
     if (k < 0) break;
@@ -278,6 +287,9 @@ std::string all_to_all(Team& t, int esize, const std::vector<int64_t>& shape, in
   std::vector<int64_t> one(b);  // a block with dax of size 1 (the diverted form's unit)
   if (divert) one[dax] = 1;
   char* out = static_cast<char*>(t.peer_out(r));
+  size_t out_bytes = esize;
+  for (int64_t v : o) out_bytes *= static_cast<size_t>(v);
+  const bool stream = stream_for(t, out_bytes);
   if (only_src >= n) return "internal error: all_to_all source rank out of range";
   for (int k = 0; k < n; ++k) {
     const int j = (r + k) % n;
@@ -285,7 +297,7 @@ std::string all_to_all(Team& t, int esize, const std::vector<int64_t>& shape, in
     const char* src = static_cast<const char*>(t.peer_in(j)) + r * b[split] * ss[split] * esize;
     char* dst = out + j * b[concat] * ds[concat] * esize;
     if (!divert) {
-      copy_strided(dst, ds.data(), src, ss.data(), b.data(), nd, esize);
+      copy_strided(dst, ds.data(), src, ss.data(), b.data(), nd, esize, stream);
       continue;
     }
     for (int64_t i = 0; i < shape[dax]; ++i) {
@@ -293,9 +305,10 @@ std::string all_to_all(Team& t, int esize, const std::vector<int64_t>& shape, in
       if (i == divert->index)
         copy_strided(divert->out + j * b[concat] * ds2[concat] * esize, ds2.data(),
                      s + (gather_for - r) * b[split] * ss[split] * esize, ss.data(), one.data(), nd,
-                     esize);
+                     esize, stream);
       else
-        copy_strided(dst + i * ds[dax] * esize, ds.data(), s, ss.data(), one.data(), nd, esize);
+        copy_strided(dst + i * ds[dax] * esize, ds.data(), s, ss.data(), one.data(), nd, esize,
+                     stream);
     }
   }
   if (only_src < 0) copy_fence();
@@ -307,7 +320,7 @@ std::string permute(Team& t, size_t bytes, int src) {
   if (src < 0) {
     if (bytes) std::memset(out, 0, bytes);
   } else {
-    copy_bytes(out, t.peer_in(src), bytes);
+    copy_out(out, t.peer_in(src), bytes, stream_for(t, bytes));
   }
   copy_fence();
   return {};
@@ -317,10 +330,10 @@ std::string broadcast(Team& t, size_t bytes, int root, bool push) {
   if (push) {
     size_t b, e;
     chunk_range(bytes, 1, t.size(), t.rank(), &b, &e);
-    copy_push(t, static_cast<const char*>(t.peer_in(root)) + b, e - b, b);
+    copy_push(t, static_cast<const char*>(t.peer_in(root)) + b, e - b, b, stream_for(t, bytes));
     return {};
   }
-  copy_bytes(t.peer_out(t.rank()), t.peer_in(root), bytes);
+  copy_out(t.peer_out(t.rank()), t.peer_in(root), bytes, stream_for(t, bytes));
   copy_fence();
   return {};
 }

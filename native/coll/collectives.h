@@ -25,9 +25,21 @@ void chunk_range(size_t count, int esize, int n, int j, size_t* begin, size_t* e
 // Which all-reduce algorithm this rank proposes for `bytes` per rank (one-shot below the
 // threshold); every rank then follows rank 0's proposal.
 bool use_two_shot(size_t bytes);
+// Whether a team of `n` ranks runs an all-reduce of `bytes` per rank two-shot, given that
+// use_two_shot() chose it (rank 0's choice): always with more than 2 ranks; with 2 from
+// kTwoShotPairBytes on. Two ranks read each other's whole input one-shot, 1.5x the bytes of
+// two-shot, which only pays once the outputs no longer stay in the cache: 2 processes under
+// mpirun, psum/pmax/pmean two-shot against one-shot 0.66-0.81x the time at 16-64 MiB, 0.87-1.17x
+// at 4 MiB, 0.79-1.33x at 64 KiB-1 MiB (three alternated runs, docs/guide/hosts.md).
+constexpr size_t kTwoShotPairBytes = size_t{16} << 20;
+inline bool two_shot_for(int n, size_t bytes) { return n > 2 || bytes >= kTwoShotPairBytes; }
 
 // `two_shot` must be the same on every rank: callers take rank 0's published choice.
 std::string all_reduce(Team& t, int32_t dtype, ReduceOp op, size_t count, bool two_shot);
+// Whether a call writes its output of `out_bytes` per rank with non-temporal stores: decided on
+// what the call's ranks in this process write together (coll/kernels.h stream_output), since
+// they share its cores' caches: 8 in-process devices writing 1 MiB each leave them all the same.
+bool stream_for(const Team& t, size_t out_bytes);
 // `bytes` rounded up to a whole number of 64-byte lines.
 size_t line_up(size_t bytes);
 // One operand of a multi-operand all-reduce: its element type and count (every rank alike).
@@ -127,8 +139,10 @@ std::string permute(Team& t, size_t bytes, int src);
 // else every rank copies the whole input into its own output.
 std::string broadcast(Team& t, size_t bytes, int root, bool push);
 
-// Copies a block of extent `shape` between two strided arrays (strides in elements).
+// Copies a block of extent `shape` between two strided arrays (strides in elements); `stream`:
+// non-temporal stores (stream_output() of the whole output the block is part of).
 void copy_strided(char* dst, const int64_t* dst_strides, const char* src,
-                  const int64_t* src_strides, const int64_t* shape, int ndim, int esize);
+                  const int64_t* src_strides, const int64_t* shape, int ndim, int esize,
+                  bool stream);
 
 }  // namespace strata

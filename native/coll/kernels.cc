@@ -11,6 +11,7 @@
 
 #include "coll/elem.h"
 #include "coll/reduce_impl.h"
+#include "fabric/env.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace strata {
@@ -110,23 +111,23 @@ void reduce_n_to(int32_t dtype, ReduceOp op, const void* const* srcs, int n, voi
   reduce_n_to_isa(dtype, op, srcs, n, dst, b, e);
 }
 
-namespace {
 size_t stream_bytes() {
-  // STRATA_STREAM_BYTES overrides the streaming-store threshold (for measurements).
-  static const size_t v = [] {
-    const char* e = std::getenv("STRATA_STREAM_BYTES");
-    return e ? static_cast<size_t>(std::atoll(e)) : kStreamBytes;
-  }();
+  static const size_t v = static_cast<size_t>(env_bytes("STRATA_STREAM_BYTES", kStreamBytes));
   return v;
 }
-}  // namespace
 
-void copy_bytes(void* dst, const void* src, size_t bytes) {
-  if (bytes < stream_bytes()) {
+bool stream_output(size_t out_bytes) { return out_bytes >= stream_bytes(); }
+
+void copy_out(void* dst, const void* src, size_t bytes, bool stream) {
+  if (!stream) {
     if (bytes) std::memcpy(dst, src, bytes);
     return;
   }
   copy_bytes_stream(dst, src, bytes);
+}
+
+void copy_bytes(void* dst, const void* src, size_t bytes) {
+  copy_out(dst, src, bytes, stream_output(bytes));
 }
 
 void copy_bytes_stream(void* dst, const void* src, size_t bytes) {
@@ -164,7 +165,7 @@ void copy_bytes_stream_prefetch(void* dst, const void* src, size_t bytes, const 
 void zero_bytes(void* dst, size_t bytes) {
   // Under one line (shorter than the alignment head) a plain memset, whatever
   // STRATA_STREAM_BYTES says.
-  if (bytes < stream_bytes() || bytes < 64) {
+  if (bytes < kZeroStreamBytes || bytes < 64) {
     if (bytes) std::memset(dst, 0, bytes);
     return;
   }

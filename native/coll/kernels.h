@@ -32,12 +32,29 @@ void reduce_n_to(int32_t dtype, ReduceOp op, const void* const* srcs, int n, voi
                  size_t begin, size_t end);
 
 // memcpy through the "copy engine" (CPU here; an SDMA/copy engine on accelerators). Copies of
-// at least kStreamBytes use non-temporal stores: the destination is not read for ownership
-// and not cached, which saves a third of the memory traffic of a large copy whose result is
-// not read back soon (every output of a large collective). Callers must call copy_fence()
-// before publishing the data to another thread (non-temporal stores are weakly ordered).
-constexpr size_t kStreamBytes = 32 * 1024;
+// at least kStreamBytes use non-temporal stores: the destination is not read for ownership and
+// not cached, which saves a third of the memory traffic of a copy whose result cannot stay in
+// the cache anyway. Below that, plain (cached) stores: the output stays in this core's cache for
+// the op that reads it next, and a buffer written again soon (a pool's reused output) is written
+// in cache instead of in memory. The threshold is 2 MiB, twice the 1 MiB L2 of a core here:
+// measured between two processes copying 1 MiB from each other into a reused buffer, plain
+// stores 36-40 us, non-temporal 90-95; at 2 MiB with inputs rewritten between calls,
+// non-temporal 190 us against 282 (collectives.py under mpirun: docs/guide/hosts.md).
+// Callers must call copy_fence() before publishing the data to another thread (non-temporal
+// stores are weakly ordered).
+constexpr size_t kStreamBytes = size_t{2} << 20;
+// zero_bytes' threshold (MoE dispatch's unused capacity rows, measured in commit e2cf04a).
+constexpr size_t kZeroStreamBytes = 32 * 1024;
 void copy_bytes(void* dst, const void* src, size_t bytes);
+// The threshold: STRATA_STREAM_BYTES (K/M/G suffixes), else kStreamBytes.
+size_t stream_bytes();
+// Whether the copies into an output of `out_bytes` (the whole buffer that one call writes, of
+// which each copy is a part) use non-temporal stores: out_bytes >= stream_bytes(). A
+// collective decides once for its output, not per block: the blocks of a large output are
+// small (a rank's share, a 64 KiB tile) but together leave the caches all the same.
+bool stream_output(size_t out_bytes);
+// copy_bytes with the store kind decided by the caller (stream_output of the whole output).
+void copy_out(void* dst, const void* src, size_t bytes, bool stream);
 // Non-temporal stores whatever the size: for many small copies (rows) into a large buffer that
 // is only written here, where copy_bytes would take each one as a small, cached copy.
 void copy_bytes_stream(void* dst, const void* src, size_t bytes);
@@ -45,8 +62,8 @@ void copy_bytes_stream(void* dst, const void* src, size_t bytes);
 // bytes, or null) one line per line copied: for rows gathered from unpredictable addresses, where
 // each row would otherwise start with a full memory round trip.
 void copy_bytes_stream_prefetch(void* dst, const void* src, size_t bytes, const void* next);
-// Zeroes `bytes` at dst, with non-temporal stores from kStreamBytes on (a large region that is
-// only written here, e.g. the unused capacity rows of a MoE receive buffer): no read for
+// Zeroes `bytes` at dst, with non-temporal stores from kZeroStreamBytes on (a large region that
+// is only written here, e.g. the unused capacity rows of a MoE receive buffer): no read for
 // ownership. Callers fence with copy_fence() before publishing, as after copy_bytes.
 void zero_bytes(void* dst, size_t bytes);
 void copy_fence();

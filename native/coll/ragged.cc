@@ -82,16 +82,18 @@ std::string validate(const Team& t, const RaggedShape& s) {
 }
 
 // Copies sender j's slices to rank r (plan and operand j's) into r's result.
+// `local`: the call's ranks in this process (their outputs share its caches: stream_output).
 uint64_t copy_from(const RaggedShape& s, const int64_t* plan, const char* src, int r, int64_t per,
-                   char* result) {
+                   char* result, int local) {
   const int64_t K = s.slices;
+  const bool stream = stream_output(static_cast<size_t>(s.output_rows) * s.row_bytes * local);
   uint64_t moved = 0;
   for (int64_t sl = 0; sl < per; ++sl) {
     const int64_t i = r * per + sl;  // index in the sender's plan
     const int64_t in_off = plan[i], size = plan[K + i], out_off = plan[2 * K + i];
     if (size == 0 || s.row_bytes == 0) continue;
     const size_t nbytes = static_cast<size_t>(size) * s.row_bytes;
-    copy_bytes(result + out_off * s.row_bytes, src + in_off * s.row_bytes, nbytes);
+    copy_out(result + out_off * s.row_bytes, src + in_off * s.row_bytes, nbytes, stream);
     moved += nbytes;
   }
   return moved;
@@ -109,9 +111,9 @@ std::string ragged_all_to_all(Team& t, const RaggedShape& s, char* result, uint6
   // do not all read rank 0 first.
   for (int step = 0; step < n; ++step) {
     const int j = (r + step) % n;
-    const uint64_t moved =
-        copy_from(s, static_cast<const int64_t*>(t.peer_buf(j, kRaggedPlan)),
-                  static_cast<const char*>(t.peer_buf(j, kRaggedOperand)), r, per, result);
+    const uint64_t moved = copy_from(s, static_cast<const int64_t*>(t.peer_buf(j, kRaggedPlan)),
+                                     static_cast<const char*>(t.peer_buf(j, kRaggedOperand)), r,
+                                     per, result, t.local_ranks());
     if (j != r) from_peers += moved;
   }
   copy_fence();
@@ -127,7 +129,7 @@ std::string ragged_block(const RaggedShape& s, const RaggedPub& from, const int6
     if (!what.empty()) return what;
   }
   const uint64_t m =
-      copy_from(s, from.plan, static_cast<const char*>(from.operand), r, per, result);
+      copy_from(s, from.plan, static_cast<const char*>(from.operand), r, per, result, n);
   if (moved) *moved = m;
   return "";
 }

@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "coll/kernels.h"
+#include "fabric/env.h"
 #include "fabric/op_stats.h"
 
 namespace strata {
@@ -17,10 +18,7 @@ Settings& settings() {
       double v = std::atof(t);
       if (v > 0) st->timeout_ms.store(static_cast<int64_t>(v * 1000));
     }
-    if (const char* t = std::getenv("STRATA_TWO_SHOT_BYTES")) {
-      long long v = std::atoll(t);
-      if (v >= 0) st->two_shot_bytes.store(v);
-    }
+    st->two_shot_bytes.store(env_bytes("STRATA_TWO_SHOT_BYTES", st->two_shot_bytes.load()));
     return st;
   }();
   return *s;

@@ -314,7 +314,11 @@ std::string ShmTeam::arrival_barrier(const OpDesc& desc) {
   if (!err.empty()) return fail(err);  // every rank sees the same descriptors and fails here
   release_bounce_ = false;             // from here on a peer may already be using it
   descs_.assign(size_, desc);
-  for (int j = 0; j < size_; ++j) descs_[j].algo = slot_->peers[j].algo;
+  local_ranks_ = 0;
+  for (int j = 0; j < size_; ++j) {
+    descs_[j].algo = slot_->peers[j].algo;
+    if (slot_->peers[j].proc == f_->proc()) ++local_ranks_;
+  }
   return {};
 }
 

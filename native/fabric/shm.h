@@ -183,6 +183,7 @@ class ShmTeam final : public Team {
   std::string depart();
   // True when no byte of this call went through a bounce buffer.
   bool zero_copy() const override { return !any_staged_; }
+  int local_ranks() const override { return local_ranks_; }
 
  private:
   std::string fail(const std::string& msg);
@@ -198,6 +199,7 @@ class ShmTeam final : public Team {
   ShmFabric* f_;
   ShmSlot* slot_;
   int rank_, size_;
+  int local_ranks_ = 1;  // ranks of this call in this process (set at arrival)
   int64_t partition_, device_;
   const int64_t* member_parts_;  // Placement::member_parts/device_ids (valid during the call)
   const int64_t* device_ids_;

@@ -14,43 +14,12 @@
 #include <unordered_map>
 
 #include "coll/kernels.h"
+#include "fabric/env.h"
 #include "fabric/inproc.h"
 #include "fabric/stats.h"
 
 namespace strata {
 namespace {
-
-// A byte count from the environment (digits, K/M/G suffixes), `dflt` when unset or not such a
-// count: strata_jax refuses those values with a ValueError at first use (runtime.env_bytes).
-int64_t env_bytes(const char* name, int64_t dflt) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return dflt;
-  char* end = nullptr;
-  errno = 0;
-  const long long x = std::strtoll(v, &end, 10);
-  if (end == v || x < 0 || errno) return dflt;
-  int64_t scale = 1;
-  switch (*end) {
-    case 'k':
-    case 'K':
-      scale = int64_t{1} << 10;
-      ++end;
-      break;
-    case 'm':
-    case 'M':
-      scale = int64_t{1} << 20;
-      ++end;
-      break;
-    case 'g':
-    case 'G':
-      scale = int64_t{1} << 30;
-      ++end;
-      break;
-    default:
-      break;
-  }
-  return *end ? dflt : static_cast<int64_t>(x) * scale;
-}
 
 // Relaxed: a setting read when a channel is created, not a synchronization flag.
 // Threshold of input bytes per rank from STRATA_LL_BYTES (0 turns the path off).

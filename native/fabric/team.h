@@ -75,6 +75,9 @@ class Team {
   virtual std::string barrier(const char* phase) = 0;
   // True when the peers' buffers this call reads are their own (no bounce buffer in between).
   virtual bool zero_copy() const { return true; }
+  // How many ranks of this call run in this process (valid after arrival): their outputs share
+  // this process's cores and caches (coll/kernels.h stream_output). One process: all of them.
+  virtual int local_ranks() const { return size(); }
 };
 
 // Describes where this rank sits: `rank` of `size` in group `group` of the collective.

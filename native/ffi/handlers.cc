@@ -114,7 +114,8 @@ ffi::Error AllReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, A
         // Every rank follows rank 0's choice, even if the threshold changed
         // while the call was in flight. Two-shot writes into the peers' outputs, which a team
         // of the low-latency path does not publish (all its ranks see the same: one-shot).
-        const bool two = t.size() > 2 && t.peer_desc(0).algo == 1 && peers_publish_outputs(t);
+        const bool two = two_shot_for(t.size(), x.size_bytes()) && t.peer_desc(0).algo == 1 &&
+                         peers_publish_outputs(t);
         (two ? stats().two_shot : stats().one_shot).fetch_add(1, std::memory_order_relaxed);
         count_peer_bytes(t, x.size_bytes() * (t.size() - 1));
         return all_reduce(t, dt, op, count, two);
@@ -221,7 +222,7 @@ ffi::Error AllReduceListImpl(ffi::RunId run, ffi::RemainingArgs args, ffi::Remai
           return {};
         }
         // As AllReduceImpl: every rank follows rank 0's choice.
-        const bool two = t.size() > 2 && t.peer_desc(0).algo == 1 &&
+        const bool two = two_shot_for(t.size(), total) && t.peer_desc(0).algo == 1 &&
                          peers_publish_list_outputs(t, meta.data(), n);
         (two ? stats().two_shot : stats().one_shot).fetch_add(1, std::memory_order_relaxed);
         return all_reduce_list(t, op, meta.data(), static_cast<int>(n), two);

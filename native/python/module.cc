@@ -6,6 +6,7 @@
 
 #include <stdexcept>
 
+#include "coll/kernels.h"
 #include "fabric/inproc.h"
 #include "fabric/op_stats.h"
 #include "fabric/shm.h"
@@ -126,6 +127,7 @@ NB_MODULE(_strata, m) {
       "set_two_shot_bytes", [](int64_t b) { strata::settings().two_shot_bytes.store(b); },
       nb::arg("nbytes"));
   m.def("get_two_shot_bytes", [] { return strata::settings().two_shot_bytes.load(); });
+  m.def("get_stream_bytes", [] { return static_cast<int64_t>(strata::stream_bytes()); });
   m.def("set_ll_bytes", [](int64_t b) { strata::set_ll_bytes(b); });
   m.def("get_ll_bytes", [] { return strata::get_ll_bytes(); });
   m.def("set_ll_stage_bytes", [](int64_t b) { strata::set_ll_stage_bytes(b); });

@@ -185,12 +185,14 @@ def env_bytes(name: str, default: int, example: str) -> int:
     return int(digits) * scale
 
 
-# Byte settings the native library reads from the environment itself (native/fabric/shm_ll.cc,
+# Byte settings the native library reads from the environment itself (native/fabric/env.cc,
 # env_bytes): checked here at first use, so that a value it cannot read is an error instead of
 # a path silently turned off.
 _NATIVE_BYTE_SETTINGS = {
     "STRATA_LL_BYTES": "64K; 0: no low-latency path",
     "STRATA_LL_STAGE_BYTES": "1M; 0 (default): no staged form",
+    "STRATA_STREAM_BYTES": "4M (native/coll/kernels.cc)",
+    "STRATA_TWO_SHOT_BYTES": "1K (native/fabric/inproc.cc)",
 }
 # The allocator's sizes (native/alloc/interpose.cc, read at its first allocation): it takes
 # digits with an optional K/M/G and ignores anything after, and falls back to its default on
