@@ -42,7 +42,8 @@ void reduce_push(Team& t, int32_t dtype, ReduceOp op, const void* const* srcs, i
     const size_t at = out_offset + (t0 - begin) * es;
     for (int k = 0; k < n; ++k) {
       const int j = (r + k) % n;  // staggered so ranks do not all write one peer at once
-      copy_out(static_cast<char*>(outs[j]) + at, tile, (t1 - t0) * es, stream);
+      copy_out(static_cast<char*>(outs[j]) + at, tile, (t1 - t0) * es,
+               stream || (t1 - t0) * es >= kPeerStreamBytes);
     }
   }
   copy_fence();
