@@ -35,4 +35,9 @@ int64_t env_bytes(const char* name, int64_t dflt) {
   return *end ? dflt : static_cast<int64_t>(x) * scale;
 }
 
+int env_int(const char* name, int dflt) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : dflt;
+}
+
 }  // namespace strata

@@ -11,4 +11,7 @@ namespace strata {
 // value is only what a process that skipped that check gets.
 int64_t env_bytes(const char* name, int64_t dflt);
 
+// An integer setting from the environment (`dflt` when unset or empty).
+int env_int(const char* name, int dflt);
+
 }  // namespace strata

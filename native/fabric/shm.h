@@ -65,6 +65,7 @@
 #include <vector>
 
 #include "alloc/strata_alloc.h"
+#include "fabric/env.h"
 #include "fabric/team.h"
 #include "sync/wait.h"
 
@@ -85,12 +86,6 @@ class CtlLock {
  private:
   pthread_mutex_t* mu_;
 };
-
-// An integer setting from the environment (`dflt` when unset or empty).
-inline int env_int(const char* name, int dflt) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::atoi(v) : dflt;
-}
 
 enum class RegMode : int32_t { kOnAlloc = 0, kOnUse = 1, kStaging = 2 };
 const char* reg_mode_name(RegMode m);
