@@ -34,10 +34,11 @@
 // the spin budget adapts per process: it grows after waits that spinning would have caught
 // and halves after longer ones, down to futex at once (STRATA_LL_SPINS / STRATA_LL_YIELDS cap
 // it). Measured here, loaded: 2 processes 4 KiB psum p50 18-21 us adaptive, 50-150 us with a
-// fixed 2000-pause spin. With more processes on the fabric than cores there is no spinning at
-// all (futex at once): on a quiet machine, 4 processes on 2 cores, the adaptive budget kept
-// growing back and cost up to 1.6x the time of going straight to the futex (all_gather at
-// 4-64 KiB; 9 of 16 points at 4-256 KiB slower than XLA over MPI against 3 of 16).
+// fixed 2000-pause spin. With more processes on the fabric than cores the cap
+// is 100 pauses: the adaptive budget up to 2000 kept growing back and cost up to 1.6x the time
+// of going straight to the futex (all_gather at 4-64 KiB), and a short spin beat both (4
+// processes on 2 cores, 4-256 KiB, median 1.34x XLA over MPI's speed against 1.14x futex at
+// once; shm_ll.cc, ShmLlTeam::wait).
 //
 // Staged form (larger calls, STRATA_LL_STAGE_BYTES): a call too large for a slot but at most
 // the channel's `stage_bytes` (and marked OpDesc::may_stage by its handler) takes the same path
