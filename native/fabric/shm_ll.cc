@@ -233,12 +233,13 @@ std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* 
   // 50 us) after waits short enough that spinning would have caught them, and halves after
   // longer ones, down to 0 (straight to the futex). Relaxed: a per-process heuristic.
   // More processes on this fabric than cores: a short cap of 100 pauses (and the yields after
-  // them). Going straight to the futex (the general path's rule, shm.cc wait_spins) beat the
-  // uncapped budget, which kept growing back after quick waits and took the cores the peers
-  // needed, but a short spin still catches the peer that is about to arrive: 4 processes on 2
-  // cores under mpirun, 4-256 KiB, three alternated runs each, median speedup over XLA over MPI
-  // 1.34x with a cap of 100 (no point below 1.0x of 36) against 1.24x at 30, 1.28x at 300, and
-  // 1.14x with no spinning (4 of 27 points below at 4-64 KiB); 2000 fell to 0.65-0.99x.
+  // them). Going straight to the futex (as the general path did then, shm.cc wait_spins) beat
+  // the uncapped budget, which kept growing back after quick waits and took the cores the
+  // peers needed, but a short spin still catches the peer that is about to arrive: 4
+  // processes on 2 cores under mpirun, 4-256 KiB, three alternated runs each, median speedup
+  // over XLA over MPI 1.34x with a cap of 100 (no point below 1.0x of 36) against 1.24x at 30,
+  // 1.28x at 300, and 1.14x with no spinning (4 of 27 points below at 4-64 KiB); 2000 fell to
+  // 0.65-0.99x.
   static const int max_spins =
       env_int("STRATA_LL_SPINS",
               f_->nprocs() > static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)) ? 100 : 2000);
