@@ -196,4 +196,10 @@ if rank == 0:
 client.wait_at_barrier("cm/errors-end", 60_000)
 print("OK all", flush=True)
 sys.stdout.flush()
+# Rank 0 hosts the coordination service: if it exits first, another rank's error poller can
+# abort that process ("Socket closed") before it prints (seen once in CI). Everyone prints, meets,
+# then the others exit while rank 0 waits a moment.
+client.wait_at_barrier("cm/printed", 60_000)
+if rank == 0:
+    time.sleep(1.0)
 os._exit(0)  # calls failed on purpose above; skip jax.distributed's shutdown dance
