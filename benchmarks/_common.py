@@ -101,6 +101,30 @@ def preset_place() -> str:
     return "one_process" if distributed_env() is None else "launch"
 
 
+def refuse_cluster_launcher(script: str) -> None:
+    """Exit with a clear message when mpirun or srun started this workload script directly.
+
+    The workload scripts place their processes through ``strata_jax.launch`` (its environment
+    gives each rank its devices, its process id and the checkpoint it waits for); started by
+    mpirun or srun instead, each rank would run as a separate one-process job and write the
+    same result files. ``strata_jax.launch --engine mpi`` starts its ranks with mpirun.
+
+    Raises:
+      SystemExit: (status 2) under a cluster launcher without ``strata_jax.launch``.
+    """
+    from strata_jax.launch import cluster_env, distributed_env  # noqa: PLC0415 (no jax yet)
+
+    var, n = cluster_env()
+    if n > 1 and distributed_env() is None:
+        raise SystemExit(
+            f"{script}: started by mpirun or srun ({var}={n}), not by strata_jax.launch: each "
+            "rank would run as a separate one-process job. Run `python -m strata_jax.launch "
+            f"-n {n} benchmarks/{script} ...` instead (add `--engine mpi` for XLA's MPI "
+            "collectives: it starts the ranks with mpirun), or run it once without mpirun for "
+            "in-process devices (benchmarks/collectives.py and latency.py do run under mpirun)."
+        )
+
+
 def preset_flags(values: dict[str, Any]) -> str:
     """A preset's values as the command-line flags they stand for: ``--d-model 256 --batch 1``."""
     return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items())
@@ -342,7 +366,13 @@ def reexec_with_allocator(enabled: bool = True) -> str:
             "from its pool"
         )
     if not enabled:
-        return "no LD_PRELOAD (--no-preload, a plain `python script.py`): " + _plain_allocator()
+        from strata_jax.launch import cluster_env, distributed_env  # noqa: PLC0415 (no jax yet)
+
+        if distributed_env() is not None or cluster_env()[1] > 1:
+            why = "several processes: the launcher's or mpirun/srun's setting applies"
+        else:
+            why = "--no-preload, or not run as a script"
+        return f"no LD_PRELOAD ({why}): " + _plain_allocator()
     try:
         from strata_jax.launch import alloc_library_path  # no jax backend created yet
     except Exception as e:

@@ -445,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import _common as C
 
+    C.refuse_cluster_launcher("train_moe.py")
     # The deployment's allocator in one process, as strata_jax.launch sets it for its processes.
     allocator = C.allocator_for_script(args.preload, argv, __file__)
     strata_jax, jax = start_runtime(args)

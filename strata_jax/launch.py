@@ -122,6 +122,21 @@ def alloc_library_path() -> str | None:
 # ---------------------------------------------------------------------------------------------
 
 
+def cluster_env(environ: Mapping[str, str] | None = None) -> tuple[str, int]:
+    """The variable a cluster launcher (Open MPI's mpirun, a PMI launcher such as MPICH's, Slurm's
+    srun) set for this process and the number of processes it gives, or ``("", 1)`` outside one.
+
+    Reads ``OMPI_COMM_WORLD_SIZE``, ``PMI_SIZE`` and ``SLURM_NTASKS``, in that order (the
+    variables JAX's own cluster detection reads). Safe before jax is imported.
+    """
+    env = os.environ if environ is None else environ
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
+        v = env.get(var, "")
+        if v.isdigit():
+            return var, int(v)
+    return "", 1
+
+
 def distributed_env(environ: Mapping[str, str] | None = None) -> dict | None:
     """The ``jax.distributed`` settings the launcher gave this process, or None outside it.
 

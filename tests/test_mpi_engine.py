@@ -79,6 +79,15 @@ def test_hierarchical_collectives_cross_fabrics_over_mpi():
         assert d["num_fabrics"] == 2 and d["inter_fabric_bytes"] > 0, d
 
 
+def test_mpi_engine_after_jax_distributed_by_hand():
+    """jax.distributed.initialize() called by the script before strata_jax.init(): init() still
+    turns async dispatch off before it creates the backend (every jax.lax collective over MPI
+    failed with 'Communicator requested from a thread that is not the one MPI was initialized
+    from' before), and the checks pass."""
+    r, res = _mpirun(2, "--hand")
+    _check(r, res, 2)
+
+
 @pytest.mark.slow  # 10-15 s: 2 ranks compiling 14 programs each
 def test_launcher_engine_mpi_without_namespaces():
     """`python -m strata_jax.launch -n 2 --engine mpi`: the launcher starts the ranks with mpirun

@@ -89,3 +89,60 @@ def test_strata_run_after_mpirun_preloads_the_allocator():
         assert d["allocator_mode"] == "preload", d
         assert d["registration"] == "on_alloc", d
         assert d["zero_copy_bytes"] > 0 and d["staged_bytes"] == 0, d
+
+
+FORGOT_INIT = """
+import strata_jax as sj  # no sj.init(): under mpirun each rank would be a one-process job
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()), ("x",))
+f = jax.jit(jax.shard_map(lambda a: sj.psum(a, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))
+print("result", f(jnp.ones(jax.device_count())))
+"""
+
+INIT_AFTER_JAX = """
+import jax
+jax.devices()  # JAX creates its backend before strata_jax is even imported
+import strata_jax as sj
+sj.init()
+print("no error")
+"""
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        (FORGOT_INIT, "Call strata_jax.init() first"),
+        (INIT_AFTER_JAX, "call strata_jax.init() before any other use of jax"),
+    ],
+    ids=["forgot_init", "init_after_jax"],
+)
+def test_mpirun_misuse_fails_with_the_fix(tmp_path, body, expected):
+    """Before: without init() every rank ran as its own one-process job and psum returned the
+    rank's own input, silently; init() after jax said to raise a timeout it never waited for."""
+    script = tmp_path / "misuse.py"
+    script.write_text(body)
+    r, _ = _run(mpirun_cmd(2, sys.executable, str(script)), timeout=120)
+    assert r.returncode != 0, r.stdout
+    assert "result" not in r.stdout and "no error" not in r.stdout, r.stdout
+    assert r.stderr.count(expected) >= 2, r.stderr[-3000:]  # each rank says it
+    if body is FORGOT_INIT:
+        assert "OMPI_COMM_WORLD_SIZE=2" in r.stderr, r.stderr[-3000:]
+    else:
+        assert "raise the timeout" not in r.stderr, r.stderr[-3000:]
+
+
+def test_workload_scripts_refuse_mpirun_without_the_launcher():
+    """train_moe.py/serve_moe.py/train_recsys.py place their processes through
+    strata_jax.launch; under plain mpirun each rank ran as its own one-process job, every one
+    writing the same result files. Now they stop at once, naming the launcher command."""
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    for name in ("train_moe.py", "serve_moe.py", "train_recsys.py"):
+        r, _ = _run(mpirun_cmd(2, sys.executable, str(bench / name), "--no-progress"), timeout=120)
+        assert r.returncode != 0, (name, r.stdout[-2000:])
+        assert "# jax" not in r.stdout, (name, r.stdout[-2000:])  # no run started
+        msg = f"{name}: started by mpirun or srun (OMPI_COMM_WORLD_SIZE=2)"
+        assert r.stderr.count(msg) == 2, (name, r.stderr[-3000:])
+        assert f"python -m strata_jax.launch -n 2 benchmarks/{name}" in r.stderr

@@ -44,11 +44,16 @@ def _distributed_client():
 
 def _cluster_size() -> int:
     """Number of processes a cluster launcher (OpenMPI, PMI/MPICH, Slurm) says we are."""
-    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
-        v = os.environ.get(var, "")
-        if v.isdigit():
-            return int(v)
-    return 1
+    from strata_jax import launch
+
+    return launch.cluster_env()[1]
+
+
+INIT_AFTER_BACKEND = (
+    "strata_jax.init() was called after JAX created its backend, so it can no "
+    "longer set the device count or join the other processes: call "
+    "strata_jax.init() before any other use of jax (right after the imports)."
+)
 
 
 _hooks_installed = False
@@ -516,11 +521,7 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
         _install_exit_hooks()
     if not jax.distributed.is_initialized() and env is not None:
         if runtime._backend_initialized():
-            raise RuntimeError(
-                "strata_jax.init() was called after JAX created its backend, so it can no "
-                "longer set the device count or join the other processes: call "
-                "strata_jax.init() before any other use of jax (right after the imports)."
-            )
+            raise RuntimeError(INIT_AFTER_BACKEND)
         jax.config.update("jax_num_cpu_devices", env["local_device_count"])
         if mpi_engine.selected():
             if _cluster_size() != env["num_processes"]:
@@ -545,6 +546,9 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
     elif not jax.distributed.is_initialized() and _cluster_size() > 1:
         # mpirun / srun: jax.distributed detects the cluster itself. The engine between
         # processes is gloo unless the user chose XLA's MPI collectives (mpi_engine.py).
+        if runtime._backend_initialized():
+            var, n = launch.cluster_env()
+            raise RuntimeError(f"{INIT_AFTER_BACKEND} (one of {n} processes: {var}={n})")
         _install_exit_hooks()
         if mpi_engine.selected():
             mpi_engine.configure_before_backend()
@@ -552,6 +556,9 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         _initialize_distributed(timeout_s)
     if mpi_engine.selected() and jax.distributed.is_initialized():
+        if not runtime._backend_initialized():
+            # also where the user started jax.distributed by hand before init()
+            mpi_engine.configure_before_backend()
         mpi_engine.create_backend()  # now, so MPI is finalised after XLA's communicators
     native = runtime.native()
     if not jax.distributed.is_initialized() or jax.process_count() == 1:

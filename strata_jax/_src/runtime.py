@@ -99,23 +99,30 @@ def _on_backend_created(backend) -> None:
 
 
 def check_launcher_init() -> None:
-    """Raises when this process runs under the launcher but ``strata_jax.init()`` was not called.
+    """Raises when this process is one of several (started by ``strata_jax.launch``, mpirun or
+    srun) but neither ``strata_jax.init()`` nor ``jax.distributed.initialize()`` was called.
 
-    Without init() each rank creates a one-process JAX backend: every collective then runs over
+    Without either, each rank creates a one-process JAX backend: every collective then runs over
     one process and returns its input (psum of one rank), a silently wrong result.
     """
     from strata_jax import launch
 
     env = launch.distributed_env()
-    if env is None or env["num_processes"] < 2:
-        return
+    if env is not None:
+        if env["num_processes"] < 2:
+            return
+        who = f"rank {env['process_id']} of {env['num_processes']} started by strata_jax.launch"
+    else:
+        var, n = launch.cluster_env()
+        if n < 2:
+            return
+        who = f"one of {n} processes started by a launcher such as mpirun or srun ({var}={n})"
     import jax
 
     if jax.distributed.is_initialized():
         return
     raise RuntimeError(
-        f"This process is rank {env['process_id']} of {env['num_processes']} started by "
-        "strata_jax.launch, but strata_jax.init() was not called before JAX created its "
+        f"This process is {who}, but strata_jax.init() was not called before JAX created its "
         "backend: every rank would run as a separate one-process job and collectives would "
         "silently return wrong results. Call strata_jax.init() first, before any other use "
         "of jax."

@@ -8,6 +8,10 @@ over MPI, is checked against numpy on fresh random inputs (XLA-computed inputs, 
 are). Prints ``RESULT <json>``; exit code 0 only if every check passed and the process ends
 cleanly (no "MPI_Comm_free() after MPI_FINALIZE" abort).
 
+``--hand``: the script starts ``jax.distributed`` itself (``jax.distributed.initialize()``)
+before ``strata_jax.init()``, which must still turn async dispatch off for XLA's MPI
+collectives.
+
 ``--netns`` (under ``python -m strata_jax.launch --netns --engine mpi``): the hosts are found by
 hostname (no STRATA_FABRIC_ID), and the result also gives this host's name, this rank's MPI
 rank and the bytes this host's ``eth0`` (its one link) sent while the collectives ran.
@@ -18,7 +22,8 @@ import os
 import sys
 
 netns = "--netns" in sys.argv
-args = [a for a in sys.argv[1:] if a != "--netns"]
+hand = "--hand" in sys.argv
+args = [a for a in sys.argv[1:] if a not in ("--netns", "--hand")]
 hosts = int(args[0]) if args else 1
 rank, size = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
 if hosts > 1:
@@ -26,6 +31,10 @@ if hosts > 1:
 
 import strata_jax  # noqa: E402
 
+if hand:
+    import jax  # noqa: E402
+
+    jax.distributed.initialize()  # finds Open MPI's ranks itself
 info = strata_jax.init()
 
 import jax  # noqa: E402
