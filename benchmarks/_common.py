@@ -92,37 +92,38 @@ def size_sweep(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
 PRESET_PLACES = ("one_process", "launch")
 
 
-def preset_place() -> str:
-    """Where this run is, for :func:`add_preset`: ``"launch"`` under ``strata_jax.launch``
-    (several processes), else ``"one_process"`` (in-process devices). Reads the launcher's
-    environment only: safe before jax is imported."""
-    from strata_jax.launch import distributed_env  # noqa: PLC0415 (no jax backend yet)
+def processes_env() -> dict[str, Any] | None:
+    """This run's processes when there are several, else None (one process, in-process devices).
 
-    return "one_process" if distributed_env() is None else "launch"
-
-
-def refuse_cluster_launcher(script: str) -> None:
-    """Exit with a clear message when mpirun or srun started this workload script directly.
-
-    The workload scripts place their processes through ``strata_jax.launch`` (its environment
-    gives each rank its devices, its process id and the checkpoint it waits for); started by
-    mpirun or srun instead, each rank would run as a separate one-process job and write the
-    same result files. ``strata_jax.launch --engine mpi`` starts its ranks with mpirun.
-
-    Raises:
-      SystemExit: (status 2) under a cluster launcher without ``strata_jax.launch``.
+    Under ``strata_jax.launch``: its environment. Under mpirun or srun (a cluster launcher's
+    variables, :func:`strata_jax.launch.cluster_env`): ``num_processes`` and ``process_id`` from
+    them and ``local_device_count`` from ``JAX_NUM_CPU_DEVICES`` (default 1); the script then
+    calls ``strata_jax.init()``, which starts ``jax.distributed`` from the same variables.
+    Returns ``{"num_processes", "process_id", "local_device_count", "by"}`` (``by``:
+    ``"strata_jax.launch"`` or the launcher's size variable). Safe before jax is imported.
     """
     from strata_jax.launch import cluster_env, distributed_env  # noqa: PLC0415 (no jax yet)
 
-    var, n = cluster_env()
-    if n > 1 and distributed_env() is None:
-        raise SystemExit(
-            f"{script}: started by mpirun or srun ({var}={n}), not by strata_jax.launch: each "
-            "rank would run as a separate one-process job. Run `python -m strata_jax.launch "
-            f"-n {n} benchmarks/{script} ...` instead (add `--engine mpi` for XLA's MPI "
-            "collectives: it starts the ranks with mpirun), or run it once without mpirun for "
-            "in-process devices (benchmarks/collectives.py and latency.py do run under mpirun)."
-        )
+    d = distributed_env()
+    if d is not None:
+        return {**d, "by": "strata_jax.launch"}
+    var, n, rank = cluster_env()
+    if n < 2:
+        return None
+    devices = os.environ.get("JAX_NUM_CPU_DEVICES", "1")
+    return {
+        "num_processes": n,
+        "process_id": rank,
+        "local_device_count": int(devices) if devices.isdigit() else 1,
+        "by": var,
+    }
+
+
+def preset_place() -> str:
+    """Where this run is, for :func:`add_preset`: ``"launch"`` with several processes (under
+    ``strata_jax.launch``, mpirun or srun), else ``"one_process"`` (in-process devices). Reads
+    the launchers' environment only: safe before jax is imported."""
+    return "one_process" if processes_env() is None else "launch"
 
 
 def preset_flags(values: dict[str, Any]) -> str:
@@ -141,8 +142,9 @@ def add_preset(
     wherever they stand. Call before ``parser.parse_args(argv)``.
 
     ``presets[name][place]`` maps argparse destinations to values, for each place of
-    :data:`PRESET_PLACES` (``"one_process"``: in-process devices; ``"launch"``: under
-    ``strata_jax.launch``): a preset may pick its configuration by how the run is placed.
+    :data:`PRESET_PLACES` (``"one_process"``: in-process devices; ``"launch"``: several
+    processes, under ``strata_jax.launch``, mpirun or srun): a preset may pick its
+    configuration by how the run is placed.
     ``--help`` lists every preset's flags per place (after ``--preset NAME``, the defaults shown
     are the preset's). After parsing, ``args.preset`` is the name (or None) and
     ``args.preset_place`` the place it was picked for and ``args.preset_flags`` its values as
@@ -153,7 +155,7 @@ def add_preset(
     lines = []
     for name, places in presets.items():
         for place in PRESET_PLACES:
-            where = "one process" if place == "one_process" else "under strata_jax.launch"
+            where = "one process" if place == "one_process" else "several processes: launch, mpirun"
             lines.append(f"{name} ({where}): {preset_flags(places[place])}")
     parser.add_argument(
         "--preset",
@@ -177,7 +179,7 @@ def preset_line(args: Any, presets: dict[str, dict[str, dict[str, Any]]]) -> str
     was picked for and its flags (explicit flags on the command line override them)."""
     if not getattr(args, "preset", None):
         return None
-    where = "one process" if args.preset_place == "one_process" else "strata_jax.launch"
+    where = "one process" if args.preset_place == "one_process" else "several processes"
     values = presets[args.preset][args.preset_place]
     mine = {k: getattr(args, k) for k in values if getattr(args, k) != values[k]}
     over = f"; overridden on the command line: {preset_flags(mine)}" if mine else ""
@@ -366,9 +368,7 @@ def reexec_with_allocator(enabled: bool = True) -> str:
             "from its pool"
         )
     if not enabled:
-        from strata_jax.launch import cluster_env, distributed_env  # noqa: PLC0415 (no jax yet)
-
-        if distributed_env() is not None or cluster_env()[1] > 1:
+        if processes_env() is not None:
             why = "several processes: the launcher's or mpirun/srun's setting applies"
         else:
             why = "--no-preload, or not run as a script"
@@ -426,11 +426,11 @@ def add_expert_chunk_args(group) -> None:
 def allocator_for_script(preload: bool, argv: list[str] | None, script: str) -> str:
     """:func:`reexec_with_allocator` for a benchmark's ``main(argv)``: re-runs only when
     ``script`` (its ``__file__``) is what Python runs (the re-run repeats the command line) and
-    not under ``strata_jax.launch``, whose processes have the launcher's setting."""
-    from strata_jax.launch import distributed_env  # noqa: PLC0415 (no jax backend yet)
-
+    not with several processes: ``strata_jax.launch``'s have the launcher's setting, and under
+    mpirun/srun the hook ``import strata_jax`` installs serves XLA's buffers (``strata-run``
+    preloads it instead)."""
     as_script = argv is None and Path(sys.argv[0]).resolve() == Path(script).resolve()
-    return reexec_with_allocator(preload and as_script and distributed_env() is None)
+    return reexec_with_allocator(preload and as_script and processes_env() is None)
 
 
 def expert_chunk_arg(value: str) -> int | None:

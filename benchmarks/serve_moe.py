@@ -211,11 +211,10 @@ def model_flags(args: argparse.Namespace) -> dict[str, int]:
 def ensure_checkpoint(args: argparse.Namespace) -> tuple[Path, str]:
     """The checkpoint to serve; trains one (train_moe.py, in-process devices) when missing.
 
-    Under the launcher, process 0 trains and the others wait for the file (written under a
-    temporary name, then renamed, so nobody reads half of it).
+    With several processes (the launcher, mpirun, srun), process 0 trains and the others wait
+    for the file (written under a temporary name, then renamed, so nobody reads half of it):
+    ``--out``/``--ckpt-dir`` must be a folder every process sees (or give ``--load``).
     """
-    from strata_jax.launch import distributed_env
-
     if args.load is not None:
         return args.load, f"{args.load} (--load)"
     model = model_flags(args)
@@ -223,13 +222,16 @@ def ensure_checkpoint(args: argparse.Namespace) -> tuple[Path, str]:
     path = (args.ckpt_dir or args.out) / f"serve_moe_params{tag}.npz"
     if path.exists():
         return path, f"{path} (trained earlier by this script)"
-    denv = distributed_env()
+    denv = C.processes_env()
     if denv is None or denv["process_id"] == 0:
         tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}.npz")
+        # A one-process training run: none of the launchers' variables (mpirun's, srun's too).
         env = {
             k: v
             for k, v in os.environ.items()
-            if not k.startswith(("STRATA_", "JAX_", "XLA_FLAGS", "LD_PRELOAD"))
+            if not k.startswith(
+                ("STRATA_", "JAX_", "XLA_FLAGS", "LD_PRELOAD", "OMPI_", "PMI", "SLURM_")
+            )
         }
         cmd = [
             sys.executable,
@@ -353,7 +355,6 @@ def make_programs(cfg: dict[str, Any], impl: str, axis: str, nranks: int, args):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    C.refuse_cluster_launcher("serve_moe.py")
     # The deployment's allocator in one process, as strata_jax.launch sets it for its processes.
     allocator = C.allocator_for_script(args.preload, argv, __file__)
     ckpt, ckpt_note = ensure_checkpoint(args)

@@ -222,15 +222,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # -------------------------------------------------------------------------------------------------
-# Start-up: devices and (under strata_jax.launch) processes; strata_jax before jax's backend.
+# Start-up: devices and (several) processes; strata_jax before jax's backend.
 # -------------------------------------------------------------------------------------------------
 
 
 def start_runtime(args: argparse.Namespace):
-    """Configures devices, imports strata_jax before jax's backend exists; returns the modules."""
-    from strata_jax.launch import distributed_env
+    """Configures devices, imports strata_jax before jax's backend exists; returns the modules.
 
-    denv = distributed_env()
+    One process: ``--devices`` in-process devices. Several (``strata_jax.launch``, mpirun,
+    srun; ``_common.processes_env``): each process's devices as its launcher says, and
+    ``strata_jax.init()`` joins them.
+    """
+    import _common as C
+
+    denv = C.processes_env()
     if denv is None:
         os.environ["JAX_NUM_CPU_DEVICES"] = str(args.devices)
     else:
@@ -240,7 +245,7 @@ def start_runtime(args: argparse.Namespace):
 
     if denv is None:
         jax.config.update("jax_num_cpu_devices", args.devices)
-    elif hasattr(strata_jax, "init"):
+    elif hasattr(strata_jax, "init") or denv["by"] != "strata_jax.launch":
         strata_jax.init()
     else:  # launcher present, strata's multi-process runtime not (yet): plain jax.distributed
         jax.config.update("jax_num_cpu_devices", denv["local_device_count"])
@@ -445,7 +450,6 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import _common as C
 
-    C.refuse_cluster_launcher("train_moe.py")
     # The deployment's allocator in one process, as strata_jax.launch sets it for its processes.
     allocator = C.allocator_for_script(args.preload, argv, __file__)
     strata_jax, jax = start_runtime(args)

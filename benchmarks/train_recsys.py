@@ -245,7 +245,6 @@ def _strata_ops(ops: dict[str, dict[str, float]], jax: Any, args: argparse.Names
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    C.refuse_cluster_launcher("train_recsys.py")
     strata_jax, jax = start_runtime(args)
     import numpy as np
     from jax.experimental import multihost_utils

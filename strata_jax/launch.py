@@ -122,19 +122,29 @@ def alloc_library_path() -> str | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def cluster_env(environ: Mapping[str, str] | None = None) -> tuple[str, int]:
-    """The variable a cluster launcher (Open MPI's mpirun, a PMI launcher such as MPICH's, Slurm's
-    srun) set for this process and the number of processes it gives, or ``("", 1)`` outside one.
+_CLUSTER_VARS = (
+    ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
+    ("PMI_SIZE", "PMI_RANK"),
+    ("SLURM_NTASKS", "SLURM_PROCID"),
+)
 
-    Reads ``OMPI_COMM_WORLD_SIZE``, ``PMI_SIZE`` and ``SLURM_NTASKS``, in that order (the
-    variables JAX's own cluster detection reads). Safe before jax is imported.
+
+def cluster_env(environ: Mapping[str, str] | None = None) -> tuple[str, int, int]:
+    """What a cluster launcher (Open MPI's mpirun, a PMI launcher such as MPICH's, Slurm's srun)
+    set for this process: ``(variable, number of processes, this process's rank)``, or
+    ``("", 1, 0)`` outside one.
+
+    Reads ``OMPI_COMM_WORLD_SIZE``/``_RANK``, ``PMI_SIZE``/``PMI_RANK`` and
+    ``SLURM_NTASKS``/``SLURM_PROCID``, in that order (the variables JAX's own cluster detection
+    reads); a missing or malformed rank reads as 0. Safe before jax is imported.
     """
     env = os.environ if environ is None else environ
-    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
-        v = env.get(var, "")
+    for size_var, rank_var in _CLUSTER_VARS:
+        v = env.get(size_var, "")
         if v.isdigit():
-            return var, int(v)
-    return "", 1
+            r = env.get(rank_var, "")
+            return size_var, int(v), int(r) if r.isdigit() else 0
+    return "", 1, 0
 
 
 def distributed_env(environ: Mapping[str, str] | None = None) -> dict | None:

@@ -84,7 +84,7 @@ def test_preset_is_in_help_and_a_bad_name_is_refused(one_process, capsys):
         train_moe.parse_args(["--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert "--preset" in out and "paper (one process): --" in out
-    assert "paper (under strata_jax.launch): --" in out
+    assert "paper (several processes: launch, mpirun): --" in out
     with pytest.raises(SystemExit):
         train_moe.parse_args(["--preset", "nope"])
     assert "invalid choice: 'nope'" in capsys.readouterr().err

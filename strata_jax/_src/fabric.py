@@ -547,7 +547,7 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
         # mpirun / srun: jax.distributed detects the cluster itself. The engine between
         # processes is gloo unless the user chose XLA's MPI collectives (mpi_engine.py).
         if runtime._backend_initialized():
-            var, n = launch.cluster_env()
+            var, n, _ = launch.cluster_env()
             raise RuntimeError(f"{INIT_AFTER_BACKEND} (one of {n} processes: {var}={n})")
         _install_exit_hooks()
         if mpi_engine.selected():

@@ -113,7 +113,7 @@ def check_launcher_init() -> None:
             return
         who = f"rank {env['process_id']} of {env['num_processes']} started by strata_jax.launch"
     else:
-        var, n = launch.cluster_env()
+        var, n, _ = launch.cluster_env()
         if n < 2:
             return
         who = f"one of {n} processes started by a launcher such as mpirun or srun ({var}={n})"
