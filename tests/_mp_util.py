@@ -180,3 +180,28 @@ def mpirun_cmd(nproc: int, *cmd: str) -> list[str]:
         str(nproc),
         *cmd,
     ]
+
+
+# Scripts that misuse init() (test_adoption.py under strata_jax.launch, test_mpirun.py under
+# mpirun): the script body and the fix its error must name.
+FORGOT_INIT = """
+import strata_jax as sj  # no sj.init(): each rank would be a one-process job
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()), ("x",))
+f = jax.jit(jax.shard_map(lambda a: sj.psum(a, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))
+print("result", f(jnp.ones(jax.device_count())))
+"""
+
+INIT_AFTER_JAX = """
+import jax
+jax.devices()  # JAX creates its backend before strata_jax is even imported
+import strata_jax as sj
+sj.init()
+print("no error")
+"""
+
+MISUSE_CASES = [
+    (FORGOT_INIT, "Call strata_jax.init() first"),
+    (INIT_AFTER_JAX, "call strata_jax.init() before any other use of jax"),
+]

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _mp_util import MISUSE_CASES
 from jax.sharding import PartitionSpec as P
 
 import strata_jax as sj
@@ -131,30 +132,9 @@ def test_launcher_drops_gloo_connection_lines():
     assert out.getvalue() == b"[rank 1] result 3\n[rank 1] [Gloo] something else\n"
 
 
-FORGOT_INIT = """
-import strata_jax as sj  # no sj.init(): each rank would be a one-process job
-import jax, jax.numpy as jnp, numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
-mesh = Mesh(np.array(jax.devices()), ("x",))
-f = jax.jit(jax.shard_map(lambda a: sj.psum(a, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))
-print("result", f(jnp.ones(jax.device_count())))
-"""
-
-INIT_AFTER_JAX = """
-import jax
-jax.devices()  # JAX creates its backend before strata_jax is even imported
-import strata_jax as sj
-sj.init()
-print("no error")
-"""
-
-
 @pytest.mark.parametrize(
     "body, expected",
-    [
-        (FORGOT_INIT, "Call strata_jax.init() first"),
-        (INIT_AFTER_JAX, "call strata_jax.init() before any other use of jax"),
-    ],
+    MISUSE_CASES,
     ids=["forgot_init", "init_after_jax"],
 )
 def test_launcher_misuse_fails_with_the_fix(tmp_path, body, expected):

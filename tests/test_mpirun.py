@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 import pytest
-from _mp_util import PKG_PARENT, SCRIPTS, job_env, mpirun_cmd, results
+from _mp_util import FORGOT_INIT, MISUSE_CASES, PKG_PARENT, SCRIPTS, job_env, mpirun_cmd, results
 
 MPIRUN = shutil.which("mpirun")
 pytestmark = pytest.mark.skipif(
@@ -91,30 +91,9 @@ def test_strata_run_after_mpirun_preloads_the_allocator():
         assert d["zero_copy_bytes"] > 0 and d["staged_bytes"] == 0, d
 
 
-FORGOT_INIT = """
-import strata_jax as sj  # no sj.init(): under mpirun each rank would be a one-process job
-import jax, jax.numpy as jnp, numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
-mesh = Mesh(np.array(jax.devices()), ("x",))
-f = jax.jit(jax.shard_map(lambda a: sj.psum(a, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))
-print("result", f(jnp.ones(jax.device_count())))
-"""
-
-INIT_AFTER_JAX = """
-import jax
-jax.devices()  # JAX creates its backend before strata_jax is even imported
-import strata_jax as sj
-sj.init()
-print("no error")
-"""
-
-
 @pytest.mark.parametrize(
     "body, expected",
-    [
-        (FORGOT_INIT, "Call strata_jax.init() first"),
-        (INIT_AFTER_JAX, "call strata_jax.init() before any other use of jax"),
-    ],
+    MISUSE_CASES,
     ids=["forgot_init", "init_after_jax"],
 )
 def test_mpirun_misuse_fails_with_the_fix(tmp_path, body, expected):
