@@ -49,7 +49,7 @@ def _cluster_size() -> int:
     return launch.cluster_env()[1]
 
 
-INIT_AFTER_BACKEND = (
+INIT_AFTER_BACKEND = (  # under the launcher, mpirun and srun alike
     "strata_jax.init() was called after JAX created its backend, so it can no "
     "longer set the device count or join the other processes: call "
     "strata_jax.init() before any other use of jax (right after the imports)."
@@ -519,9 +519,12 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
     env = launch.distributed_env()
     if env is not None:
         _install_exit_hooks()
+    # init() starts jax.distributed (the launcher's, or mpirun/srun's): JAX's backend must not
+    # exist yet, or each rank has already made a one-process one.
+    starts = not jax.distributed.is_initialized() and (env is not None or _cluster_size() > 1)
+    if starts and runtime._backend_initialized():
+        raise RuntimeError(INIT_AFTER_BACKEND)
     if not jax.distributed.is_initialized() and env is not None:
-        if runtime._backend_initialized():
-            raise RuntimeError(INIT_AFTER_BACKEND)
         jax.config.update("jax_num_cpu_devices", env["local_device_count"])
         if mpi_engine.selected():
             if _cluster_size() != env["num_processes"]:
@@ -546,9 +549,6 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
     elif not jax.distributed.is_initialized() and _cluster_size() > 1:
         # mpirun / srun: jax.distributed detects the cluster itself. The engine between
         # processes is gloo unless the user chose XLA's MPI collectives (mpi_engine.py).
-        if runtime._backend_initialized():
-            var, n, _ = launch.cluster_env()
-            raise RuntimeError(f"{INIT_AFTER_BACKEND} (one of {n} processes: {var}={n})")
         _install_exit_hooks()
         if mpi_engine.selected():
             mpi_engine.configure_before_backend()
