@@ -70,6 +70,12 @@ _check_mpitrampoline_lib()
 # only fills this discarded module object.
 _installed = _installed_copy_if_unbuilt()
 
+# Before jax: in a job of several processes, XLA's collectives run on strata's engine, which
+# jaxlib's MPItrampoline loads when jax is imported (see _src/engine.py).
+from strata_jax._src import engine as _engine  # noqa: E402  (standard library only)
+
+_engine.select_before_jax()
+
 from strata_jax._src import runtime as _runtime  # noqa: E402
 
 _runtime.configure_launch_threads()
@@ -77,6 +83,11 @@ _runtime.configure_launch_threads()
 from strata_jax._src import allocator as _allocator  # noqa: E402
 
 _allocator.install()  # the pool serves XLA's buffers under any launcher (see allocator.py)
+
+if _engine.state["library"]:  # jaxlib loaded libstrata_mpi.so: hand it strata's engine
+    import importlib as _importlib
+
+    _engine.after_jax_import(_importlib.import_module("strata_jax._strata"))
 
 from strata_jax import moe  # noqa: E402
 from strata_jax._src.collectives import (  # noqa: E402

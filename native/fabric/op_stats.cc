@@ -7,23 +7,15 @@
 namespace strata {
 namespace {
 
-// The operators the FFI handlers name (ffi/handlers.cc); the last slot takes any other name.
-constexpr const char* kNames[] = {"psum",
-                                  "pmean",
-                                  "pmax",
-                                  "pmin",
-                                  "psum_scatter",
-                                  "all_gather",
-                                  "all_to_all",
-                                  "ppermute",
-                                  "pbroadcast",
-                                  "ragged_all_to_all",
-                                  "moe.dispatch",
-                                  "moe.combine",
-                                  "moe.combine (weights cotangent)",
-                                  "moe.low_latency_dispatch",
-                                  "moe.low_latency_combine",
-                                  "other"};
+// The operators the FFI handlers name (ffi/handlers.cc) and the MPI engine's calls; the last
+// slot takes any other name.
+constexpr const char* kNames[] = {
+    "psum", "pmean", "pmax", "pmin", "psum_scatter", "all_gather", "all_to_all", "ppermute",
+    "pbroadcast", "ragged_all_to_all", "moe.dispatch", "moe.combine",
+    "moe.combine (weights cotangent)", "moe.low_latency_dispatch", "moe.low_latency_combine",
+    // strata's engine for XLA's MPI collectives (mpiabi/engine.cc)
+    "engine.all_reduce", "engine.all_gather", "engine.reduce_scatter", "engine.sendrecv",
+    "engine.send", "engine.recv", "engine.barrier", "engine.comm_split", "other"};
 constexpr int kSlots = sizeof(kNames) / sizeof(kNames[0]);
 
 OpStats* slots() {

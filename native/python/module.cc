@@ -16,6 +16,7 @@
 #include "ffi/hier_handlers.h"
 #include "ffi/moe_handlers.h"
 #include "ffi/ragged_handler.h"
+#include "mpiabi/engine.h"
 
 namespace nb = nanobind;
 
@@ -65,6 +66,38 @@ NB_MODULE(_strata, m) {
         return true;  // the handle stays open for the exit
       },
       nb::arg("library"));
+  // ---- strata's engine for XLA's MPI collectives (native/mpiabi; strata_jax/_src/engine.py) ----
+  m.def(
+      "mpi_engine_attach",
+      [](const std::string& library) {
+        std::string why;
+        const bool ok = strata::mpiabi::engine_attach(library.c_str(), &why);
+        return nb::make_tuple(ok, why);
+      },
+      nb::arg("library"));
+  m.def(
+      "mpi_engine_configure",
+      [](int rank, int size) { strata::mpiabi::engine_configure(rank, size); }, nb::arg("rank"),
+      nb::arg("size"));
+  m.def(
+      "mpi_engine_set_world",
+      [](const std::vector<int64_t>& devices, const std::vector<int>& procs) {
+        std::string err = strata::mpiabi::engine_set_world(devices, procs);
+        if (!err.empty()) throw std::runtime_error("strata_jax MPI engine: " + err);
+      },
+      nb::arg("devices"), nb::arg("processes"));
+  m.def("mpi_engine_info", [] {
+    const auto i = strata::mpiabi::engine_info();
+    nb::dict d;
+    d["attached"] = i.attached;
+    d["configured"] = i.configured;
+    d["initialized"] = i.initialized;
+    d["finalized"] = i.finalized;
+    d["rank"] = i.rank;
+    d["size"] = i.size;
+    d["communicators"] = i.communicators;
+    return d;
+  });
   m.def("handlers", [] {
     nb::dict d;
     d["strata_all_reduce"] = capsule(strata::AllReduceHandler);

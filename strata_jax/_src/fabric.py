@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from strata_jax._src import allocator, mpi_engine, runtime, topology
+from strata_jax._src import allocator, engine, mpi_engine, runtime, topology
 
 REGISTRATION_MODES = ("on_alloc", "on_use", "staging")
 ENV_REGISTRATION = "STRATA_REGISTRATION"
@@ -526,7 +526,7 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
         raise RuntimeError(INIT_AFTER_BACKEND)
     if not jax.distributed.is_initialized() and env is not None:
         jax.config.update("jax_num_cpu_devices", env["local_device_count"])
-        if mpi_engine.selected():
+        if engine.choose(env["local_device_count"]) == "mpi" and mpi_engine.selected():
             if _cluster_size() != env["num_processes"]:
                 raise ValueError(
                     "jax_cpu_collectives_implementation is 'mpi', but these processes were not "
@@ -538,7 +538,7 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
             # The launcher's --engine mpi: an MPI job whose jax.distributed coordinator is the
             # launcher's (mpirun's own address is not reachable from a simulated host).
             mpi_engine.configure_before_backend()
-        else:
+        elif not engine.active():
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         _initialize_distributed(
             timeout_s,
@@ -548,11 +548,12 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
         )
     elif not jax.distributed.is_initialized() and _cluster_size() > 1:
         # mpirun / srun: jax.distributed detects the cluster itself. The engine between
-        # processes is gloo unless the user chose XLA's MPI collectives (mpi_engine.py).
+        # processes is strata's (engine.py), unless the user chose gloo or XLA's MPI
+        # collectives over a real MPI (mpi_engine.py).
         _install_exit_hooks()
-        if mpi_engine.selected():
+        if engine.choose(_local_device_count()) == "mpi" and mpi_engine.selected():
             mpi_engine.configure_before_backend()
-        else:
+        elif not engine.active():
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         _initialize_distributed(timeout_s)
     if mpi_engine.selected() and jax.distributed.is_initialized():
@@ -561,6 +562,7 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
             mpi_engine.configure_before_backend()
         mpi_engine.create_backend()  # now, so MPI is finalised after XLA's communicators
     native = runtime.native()
+    early = _engine_before_backend(native, timeout_s)  # strata's engine: before MPI_Init_thread
     if not jax.distributed.is_initialized() or jax.process_count() == 1:
         _state = {
             "process_id": 0,
@@ -574,18 +576,19 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
 
     pid, n = jax.process_index(), jax.process_count()
     _install_exit_hooks()  # also under mpirun/srun or a hand-made jax.distributed
-    start = _Startup(_distributed_client(), pid, n, timeout_s)
-    # Fabric domains: shared memory connects only the processes of one fabric (see topology.py).
-    start.set(f"{_KV_PREFIX}/fabric_id/{pid}", topology.local_fabric_id())
-    ids = start.wait(
-        "reach strata_jax.init()", {j: f"{_KV_PREFIX}/fabric_id/{j}" for j in range(n)}
-    )
+    if early is not None:
+        start, ids = early
+    else:
+        start = _Startup(_distributed_client(), pid, n, timeout_s)
+        ids = _fabric_ids(start, pid, n)
     fmap = topology.set_fabric_map([ids[j] for j in range(n)], pid)
     members = fmap.members(fmap.own)
     requested = mode
     if len(members) > 1:
         mode = _mode_in_effect(native, mode)
         _connect_fabric(native, start, pid, members, mode)
+    if engine.active():
+        _engine_after_fabric(native, n, members)
     # Every process is connected (or alone in its fabric) before any collective runs.
     start.barrier("connected", range(n))
     fabric = "shm" if len(members) > 1 else "inproc"
@@ -601,6 +604,70 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
         "fabric_processes": list(members),
     }
     return dict(_state)
+
+
+def _fabric_ids(start: _Startup, pid: int, n: int) -> dict[int, str]:
+    """Every process's fabric id (topology.py), exchanged through the key-value store."""
+    # Fabric domains: shared memory connects only the processes of one fabric (see topology.py).
+    start.set(f"{_KV_PREFIX}/fabric_id/{pid}", topology.local_fabric_id())
+    return start.wait(
+        "reach strata_jax.init()", {j: f"{_KV_PREFIX}/fabric_id/{j}" for j in range(n)}
+    )
+
+
+def _local_device_count() -> int:
+    """CPU devices per process as configured before the backend exists (mpirun/srun)."""
+    import re
+
+    import jax
+
+    n = int(jax.config.jax_num_cpu_devices)
+    if n > 0:
+        return n
+    m = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    return int(m.group(1)) if m else 1
+
+
+def _engine_before_backend(native, timeout_s: float):
+    """With strata's engine for XLA's collectives (engine.py), before JAX creates its backend
+    (where XLA calls MPI_Init_thread): the fabric ids, exchanged now, decide whether the engine
+    can run (one fabric: every process shares memory with every other), then its world is
+    configured; else XLA's collectives fall back to gloo, one stderr line saying why.
+    Returns (start, ids) for init() to go on with, or None (nothing exchanged)."""
+    from jax._src import distributed
+
+    gs = distributed.global_state
+    if not engine.active() or gs.client is None or (gs.num_processes or 1) < 2:
+        return None
+    if runtime._backend_initialized():
+        # jax.distributed and the backend were made by hand before init() (the backend called
+        # MPI_Init_thread unconfigured and failed there): nothing to change any more.
+        return None
+    pid, n = gs.process_id, gs.num_processes
+    start = _Startup(_distributed_client(), pid, n, timeout_s)
+    ids = _fabric_ids(start, pid, n)
+    fabrics = len(set(ids.values()))
+    if fabrics > 1:
+        engine.fall_back_before_backend(
+            f"the {n} processes are on {fabrics} fabrics (hosts), and strata's engine moves "
+            "bytes only inside one"
+        )
+        if pid == 0:
+            engine.say_fallback()
+    else:
+        engine.before_backend(native, pid, n)
+    return start, ids
+
+
+def _engine_after_fabric(native, n: int, members) -> None:
+    """Gives strata's engine each process's device and its index in this fabric."""
+    import jax
+
+    first: dict[int, int] = {}
+    for d in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
+        first.setdefault(d.process_index, d.id)
+    local = {p: i for i, p in enumerate(members)}
+    engine.after_fabric(native, [first[p] for p in range(n)], [local.get(p, -1) for p in range(n)])
 
 
 def _mode_in_effect(native, mode: str) -> str:

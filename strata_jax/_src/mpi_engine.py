@@ -36,10 +36,13 @@ state: dict = {"finalize": None}  # "py_atexit" | "xla" (JAX's own, aborts at ex
 
 
 def selected() -> bool:
-    """Whether JAX's CPU collectives are XLA's MPI ones (config or JAX_CPU_COLLECTIVES_...)."""
+    """Whether JAX's CPU collectives are XLA's MPI ones over a real MPI (config or
+    JAX_CPU_COLLECTIVES_...), not over strata's engine (engine.py)."""
     import jax
 
-    return jax.config.jax_cpu_collectives_implementation == "mpi"
+    from strata_jax._src import engine
+
+    return jax.config.jax_cpu_collectives_implementation == "mpi" and not engine.active()
 
 
 def async_dispatch() -> bool:

@@ -1,0 +1,710 @@
+// strata's engine for XLA's MPI collectives (see engine.h and engine_api.h).
+#include "mpiabi/engine.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <atomic>
+#include <complex>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "coll/collectives.h"
+#include "coll/kernels.h"
+#include "fabric/inproc.h"
+#include "fabric/op_stats.h"
+#include "fabric/shm.h"
+#include "fabric/shm_ll.h"
+#include "fabric/stats.h"
+#include "mpiabi/p2p.h"
+#include "xla/ffi/api/c_api.h"
+
+// The engine's objects, opaque to the library (engine_api.h).
+struct StrataMpiComm {
+  uint64_t ctx = 0;  // the communicator's context: the rendezvous group of its calls
+  int rank = 0, size = 1, color = 0;
+  bool predefined = false;       // MPI_COMM_WORLD / MPI_COMM_SELF: never freed
+  std::vector<int> members;      // world rank of each rank
+  std::vector<int64_t> devices;  // global device id of each rank
+  std::vector<int64_t> parts;    // 0..size-1 (Placement::member_parts)
+  std::vector<int> procs;        // process index in this fabric of each rank (-1: elsewhere)
+  // Collective calls made on it: the call's number is its key on the fabric. XLA runs the
+  // collectives of a communicator one at a time, in program order.
+  std::atomic<uint64_t> calls{0};
+  std::mutex mu;                         // guards sent/received
+  std::vector<uint64_t> sent, received;  // messages per peer rank (point to point)
+};
+
+struct StrataMpiRequest {
+  bool is_send = false;
+  StrataMpiComm* comm = nullptr;
+  strata::mpiabi::P2pSend send;  // a send's posted slot
+  strata::mpiabi::P2pKey key;    // a receive's expected message
+  void* buf = nullptr;
+  uint64_t bytes = 0;
+  const char* what = "";
+};
+
+namespace strata {
+namespace mpiabi {
+namespace {
+
+// Op kinds of the engine's calls, apart from the custom calls' (ffi/handlers.cc, moe): ranks
+// compare them at arrival.
+enum EngineKind : int32_t {
+  kEngAllReduce = 1001,
+  kEngAllGather,
+  kEngReduceScatter,
+  kEngBarrier,
+  kEngSplit,
+};
+
+struct State {
+  std::mutex mu;
+  bool attached = false, configured = false, initialized = false, finalized = false;
+  bool world_set = false;
+  int rank = -1, size = 0;
+  StrataMpiComm* world = nullptr;  // made at configure, filled at set_world
+  StrataMpiComm* self = nullptr;
+  std::atomic<uint64_t> comms{0};  // communicators made by splits, live
+};
+State& st() {
+  static State* s = new State();  // never destroyed: XLA frees communicators after exit starts
+  return *s;
+}
+
+thread_local std::string t_error;
+
+int fail(int cls, const std::string& msg) {
+  t_error = msg;
+  stats().failures.fetch_add(1, std::memory_order_relaxed);
+  if (msg.find("timed out") != std::string::npos) {
+    stats().timeouts.fetch_add(1, std::memory_order_relaxed);
+    t_error += timeout_hint();
+  }
+  return cls;
+}
+
+uint64_t mix(uint64_t h, uint64_t v) {
+  h ^= v + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
+  return h * 0xBF58476D1CE4E5B9ull;
+}
+
+constexpr uint64_t kWorldSalt = 0x5354524154414D50ull;  // "STRATAMP": apart from custom calls
+
+Placement placement(const StrataMpiComm& c) {
+  Placement pl;
+  pl.group = c.color;
+  pl.rank = c.rank;
+  pl.size = c.size;
+  pl.partition = c.members[c.rank];
+  pl.device = c.devices[c.rank];
+  pl.comm = c.ctx;
+  pl.member_parts = c.parts.data();
+  pl.device_ids = c.devices.data();
+  return pl;
+}
+
+// Whether a call on `c` can run now; 0, or the error.
+int ready(const StrataMpiComm* c, const char* name) {
+  State& s = st();
+  if (!c) return fail(kEngineErrComm, std::string("strata_jax ") + name + ": a null communicator");
+  if (!s.world_set)
+    return fail(kEngineErrNotInit,
+                std::string("strata_jax ") + name +
+                    ": the engine has no fabric yet: strata_jax.init() connects it before the "
+                    "first collective (call it before any other use of jax)");
+  if (c->size > 1 && !ShmFabric::active())
+    return fail(kEngineErrNotInit,
+                std::string("strata_jax ") + name + ": the shared-memory fabric is not connected");
+  for (int p : c->procs)
+    if (p < 0)
+      return fail(kEngineErrUnsupported,
+                  std::string("strata_jax ") + name +
+                      ": this communicator spans processes of another fabric (host), which "
+                      "strata's engine does not reach: run with `--engine gloo` "
+                      "(STRATA_ENGINE=gloo) across hosts");
+  return 0;
+}
+
+// Ranges [a, a+na) and [b, b+nb) overlap.
+bool overlap(const void* a, size_t na, const void* b, size_t nb) {
+  const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return na && nb && x < y + nb && y < x + na;
+}
+
+// A private copy of an input that overlaps its output (MPI_IN_PLACE, or XLA handing the same
+// buffer twice): peers read the input while this rank writes its output. From posix_memalign,
+// so that a preloaded allocator serves it from a fabric segment (zero-copy for the peers).
+struct Scratch {
+  void* p = nullptr;
+  explicit Scratch(const void* src, size_t bytes) {
+    if (posix_memalign(&p, 64, bytes ? bytes : 64) != 0) p = nullptr;
+    if (p && bytes) std::memcpy(p, src, bytes);
+  }
+  ~Scratch() { std::free(p); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+};
+
+// Every rank reduces the whole product into its own output, folding the ranks in order 0..n-1
+// (as strata's other reductions: every rank gets bitwise the same result). `first`/`count`:
+// the output's elements within the inputs.
+template <class T>
+void prod_fold(Team& t, size_t first, size_t count) {
+  T* out = static_cast<T*>(t.peer_out(t.rank()));
+  const int n = t.size();
+  constexpr size_t kTile = 1024;
+  for (size_t b = 0; b < count; b += kTile) {
+    const size_t e = b + kTile < count ? b + kTile : count;
+    const T* s0 = static_cast<const T*>(t.peer_in(0)) + first;
+    for (size_t i = b; i < e; ++i) out[i] = s0[i];
+    for (int j = 1; j < n; ++j) {
+      const T* sj = static_cast<const T*>(t.peer_in(j)) + first;
+      for (size_t i = b; i < e; ++i) {
+        if constexpr (std::is_integral_v<T>) {  // wraps, like XLA's integer multiply
+          using U = std::make_unsigned_t<T>;
+          out[i] = static_cast<T>(static_cast<U>(out[i]) * static_cast<U>(sj[i]));
+        } else {
+          out[i] = out[i] * sj[i];
+        }
+      }
+    }
+  }
+}
+
+bool prod_supported(int32_t dtype) {
+  switch (dtype) {
+    case XLA_FFI_DataType_PRED:
+    case XLA_FFI_DataType_S8:
+    case XLA_FFI_DataType_S16:
+    case XLA_FFI_DataType_S32:
+    case XLA_FFI_DataType_S64:
+    case XLA_FFI_DataType_U8:
+    case XLA_FFI_DataType_U16:
+    case XLA_FFI_DataType_U32:
+    case XLA_FFI_DataType_U64:
+    case XLA_FFI_DataType_F32:
+    case XLA_FFI_DataType_F64:
+    case XLA_FFI_DataType_C64:
+    case XLA_FFI_DataType_C128:
+      return true;
+    default:
+      return false;
+  }
+}
+
+std::string prod_reduce(Team& t, int32_t dtype, size_t first, size_t count) {
+  switch (dtype) {
+    case XLA_FFI_DataType_PRED:
+    case XLA_FFI_DataType_U8:
+      prod_fold<uint8_t>(t, first, count);
+      break;
+    case XLA_FFI_DataType_S8:
+      prod_fold<int8_t>(t, first, count);
+      break;
+    case XLA_FFI_DataType_S16:
+      prod_fold<int16_t>(t, first, count);
+      break;
+    case XLA_FFI_DataType_U16:
+      prod_fold<uint16_t>(t, first, count);
+      break;
+    case XLA_FFI_DataType_S32:
+      prod_fold<int32_t>(t, first, count);
+      break;
+    case XLA_FFI_DataType_U32:
+      prod_fold<uint32_t>(t, first, count);
+      break;
+    case XLA_FFI_DataType_S64:
+      prod_fold<int64_t>(t, first, count);
+      break;
+    case XLA_FFI_DataType_U64:
+      prod_fold<uint64_t>(t, first, count);
+      break;
+    case XLA_FFI_DataType_F32:
+      prod_fold<float>(t, first, count);
+      break;
+    case XLA_FFI_DataType_F64:
+      prod_fold<double>(t, first, count);
+      break;
+    case XLA_FFI_DataType_C64:
+      prod_fold<std::complex<float>>(t, first, count);
+      break;
+    case XLA_FFI_DataType_C128:
+      prod_fold<std::complex<double>>(t, first, count);
+      break;
+    default:
+      return "internal error: product of an unsupported type";
+  }
+  return {};
+}
+
+// A reduction's element type and op are ones this engine reduces; 0, or the error.
+int check_reduce(const char* name, int32_t dtype, int32_t op) {
+  if (op == kEngineProd) {
+    if (prod_supported(dtype)) return 0;
+  } else if (op == kEngineSum || op == kEngineMax || op == kEngineMin) {
+    if (dtype_size(dtype) && reduce_supported(dtype, static_cast<ReduceOp>(op))) return 0;
+  } else {
+    return fail(kEngineErrArg, std::string("strata_jax ") + name + ": unsupported reduction op " +
+                                   std::to_string(op));
+  }
+  return fail(kEngineErrArg, std::string("strata_jax ") + name + ": cannot reduce elements of " +
+                                 (dtype ? dtype_name(dtype) : "an untyped datatype") +
+                                 (op == kEngineProd ? " by product" : ""));
+}
+
+bool peers_publish_outputs(const Team& t) {
+  return t.peer_out((t.rank() + 1) % t.size()) != nullptr;
+}
+
+// Joins the call on the fabric (the low-latency path when `may_ll` and small enough, else the
+// general rendezvous), arrives with this rank's buffers, runs body(Team&) -> error, departs.
+template <class Body>
+int run(StrataMpiComm* c, const char* name, OpDesc d, const void* in, void* out, bool may_ll,
+        Body body) {
+  if (int rc = ready(c, name)) return rc;
+  ShmFabric* f = ShmFabric::active();
+  d.name = name;
+  const Placement pl = placement(*c);
+  // The call's number on the communicator is its key: the fabric takes a new execution for
+  // every new run id on (device, communicator), so call k has execution number k everywhere.
+  const int64_t run_id = static_cast<int64_t>(c->calls.fetch_add(1, std::memory_order_relaxed)) + 1;
+  stats().calls.fetch_add(1, std::memory_order_relaxed);
+  OpTimer timer(name, d.in_bytes, d.algo);
+  std::string err;
+  if (may_ll) {
+    auto ll = ShmLlTeam::join(f, pl, run_id, 0, d, d.in_bytes, name, &err);
+    if (!err.empty()) return fail(kEngineErrFailed, err);
+    if (ll) {
+      err = ll->arrive(d, in, out);
+      OpTimer::arrived();
+      if (err.empty()) err = body(*ll);
+      std::string derr = ll->depart();
+      if (err.empty()) err = derr;
+      return err.empty() ? 0 : fail(kEngineErrFailed, err);
+    }
+  }
+  auto team = f->join(pl, run_id, 0, name, &err);
+  if (!team) return fail(kEngineErrFailed, err);
+  prepare_output(out, d.out_bytes);
+  err = team->arrive(d, in, out);
+  OpTimer::arrived();
+  if (!err.empty()) return fail(kEngineErrFailed, err);
+  err = body(*team);
+  std::string derr = team->depart();
+  if (err.empty()) err = derr;
+  return err.empty() ? 0 : fail(kEngineErrFailed, err);
+}
+
+// ---- the table's functions ----
+
+int e_init(int* rank, int* size) {
+  State& s = st();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (!s.configured)
+    return fail(kEngineErrNotInit,
+                "strata_jax's MPI engine (libstrata_mpi.so) is not configured: strata_jax.init() "
+                "configures it before JAX creates its backend. Call strata_jax.init() before "
+                "any other use of jax, or choose another engine (STRATA_ENGINE=gloo)");
+  s.initialized = true;
+  *rank = s.rank;
+  *size = s.size;
+  return 0;
+}
+
+int e_finalize() {
+  st().finalized = true;  // nothing to tear down: the fabric outlives XLA's communicators
+  return 0;
+}
+
+StrataMpiComm* e_world() { return st().world; }
+StrataMpiComm* e_self() { return st().self; }
+
+int e_comm_rank(StrataMpiComm* c, int* rank) {
+  if (!c) return fail(kEngineErrComm, "MPI_Comm_rank: a null communicator");
+  *rank = c->rank;
+  return 0;
+}
+
+int e_comm_size(StrataMpiComm* c, int* size) {
+  if (!c) return fail(kEngineErrComm, "MPI_Comm_size: a null communicator");
+  *size = c->size;
+  return 0;
+}
+
+// MPI_Comm_split: every rank of the parent contributes (color, key); the ranks of one color
+// form the new communicator, ordered by (key, parent rank).
+int e_comm_split(StrataMpiComm* parent, int color, int key, StrataMpiComm** out) {
+  *out = nullptr;
+  const char* name = "engine.comm_split";
+  if (!parent) return fail(kEngineErrComm, "MPI_Comm_split: a null communicator");
+  const int n = parent->size;
+  std::vector<int32_t> all(2 * static_cast<size_t>(n));
+  const uint64_t number = parent->calls.load(std::memory_order_relaxed);
+  if (n == 1) {
+    all[0] = color;
+    all[1] = key;
+    parent->calls.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    int32_t mine[2] = {color, key};
+    OpDesc d;
+    d.kind = kEngSplit;
+    d.dtype = XLA_FFI_DataType_S32;
+    d.in_bytes = sizeof(mine);
+    d.out_bytes = sizeof(mine) * n;
+    d.may_stage = true;
+    int rc = run(parent, name, d, mine, all.data(), true,
+                 [&](Team& t) { return all_gather(t, sizeof(mine), peers_publish_outputs(t)); });
+    if (rc) return rc;
+  }
+  if (color < 0) return 0;                 // MPI_UNDEFINED: not a member of any new communicator
+  std::vector<std::pair<int, int>> order;  // (key, parent rank) of the members
+  for (int j = 0; j < n; ++j)
+    if (all[2 * j] == color) order.emplace_back(all[2 * j + 1], j);
+  std::sort(order.begin(), order.end());
+  auto* c = new StrataMpiComm();
+  c->ctx = mix(mix(mix(parent->ctx, number), static_cast<uint64_t>(color)), 0x53504C4954ull);
+  c->size = static_cast<int>(order.size());
+  c->color = color;
+  for (int r = 0; r < c->size; ++r) {
+    const int j = order[r].second;
+    if (j == parent->rank) c->rank = r;
+    c->members.push_back(parent->members[j]);
+    c->devices.push_back(parent->devices[j]);
+    c->procs.push_back(parent->procs[j]);
+    c->parts.push_back(r);
+  }
+  c->sent.assign(c->size, 0);
+  c->received.assign(c->size, 0);
+  st().comms.fetch_add(1, std::memory_order_relaxed);
+  *out = c;
+  return 0;
+}
+
+int e_comm_free(StrataMpiComm* c) {
+  if (!c || c->predefined) return 0;
+  st().comms.fetch_sub(1, std::memory_order_relaxed);
+  delete c;
+  return 0;
+}
+
+int e_all_reduce(StrataMpiComm* c, const void* in, void* out, uint64_t count, int32_t dtype,
+                 int32_t eb, int32_t op) {
+  const char* name = "engine.all_reduce";
+  if (int rc = check_reduce(name, dtype, op)) return rc;
+  const uint64_t bytes = count * static_cast<uint64_t>(eb);
+  if (!c) return ready(c, name);
+  if (c->size == 1) {
+    if (in != out && bytes) std::memmove(out, in, bytes);
+    c->calls.fetch_add(1, std::memory_order_relaxed);
+    return 0;
+  }
+  std::unique_ptr<Scratch> copy;
+  if (overlap(in, bytes, out, bytes)) {
+    copy = std::make_unique<Scratch>(in, bytes);
+    if (!copy->p) return fail(kEngineErrFailed, "strata_jax engine.all_reduce: out of memory");
+    in = copy->p;
+  }
+  OpDesc d;
+  d.kind = kEngAllReduce;
+  d.dtype = dtype;
+  d.reduce = op;
+  d.in_bytes = d.out_bytes = bytes;
+  d.algo = op != kEngineProd && use_two_shot(bytes) ? 1 : 0;
+  d.may_stage = bytes <= kLlMaxBytes;
+  return run(c, name, d, in, out, true, [&](Team& t) -> std::string {
+    (t.zero_copy() ? stats().zero_copy_bytes : stats().peer_bounce_bytes)
+        .fetch_add(bytes * (t.size() - 1), std::memory_order_relaxed);
+    if (op == kEngineProd) {
+      stats().one_shot.fetch_add(1, std::memory_order_relaxed);
+      return prod_reduce(t, dtype, 0, count);
+    }
+    // Every rank follows rank 0's choice (as AllReduceImpl does).
+    const bool two =
+        two_shot_for(t.size(), bytes) && t.peer_desc(0).algo == 1 && peers_publish_outputs(t);
+    (two ? stats().two_shot : stats().one_shot).fetch_add(1, std::memory_order_relaxed);
+    return all_reduce(t, dtype, static_cast<ReduceOp>(op), count, two);
+  });
+}
+
+int e_all_gather(StrataMpiComm* c, const void* in, void* out, uint64_t count, int32_t dtype,
+                 int32_t eb) {
+  const char* name = "engine.all_gather";
+  const uint64_t bytes = count * static_cast<uint64_t>(eb);
+  if (!c) return ready(c, name);
+  if (c->size == 1) {
+    if (in != out && bytes) std::memmove(out, in, bytes);
+    c->calls.fetch_add(1, std::memory_order_relaxed);
+    return 0;
+  }
+  std::unique_ptr<Scratch> copy;
+  if (overlap(in, bytes, out, bytes * c->size)) {
+    copy = std::make_unique<Scratch>(in, bytes);
+    if (!copy->p) return fail(kEngineErrFailed, "strata_jax engine.all_gather: out of memory");
+    in = copy->p;
+  }
+  OpDesc d;
+  d.kind = kEngAllGather;
+  d.dtype = dtype ? dtype : XLA_FFI_DataType_U8;
+  d.in_bytes = bytes;
+  d.out_bytes = bytes * c->size;
+  d.may_stage = true;
+  return run(c, name, d, in, out, true, [&](Team& t) -> std::string {
+    (t.zero_copy() ? stats().zero_copy_bytes : stats().peer_bounce_bytes)
+        .fetch_add(bytes * (t.size() - 1), std::memory_order_relaxed);
+    return all_gather(t, bytes, peers_publish_outputs(t));
+  });
+}
+
+int e_reduce_scatter(StrataMpiComm* c, const void* in, void* out, uint64_t count, int32_t dtype,
+                     int32_t eb, int32_t op) {
+  const char* name = "engine.reduce_scatter";
+  if (int rc = check_reduce(name, dtype, op)) return rc;
+  const uint64_t out_bytes = count * static_cast<uint64_t>(eb);
+  if (!c) return ready(c, name);
+  const uint64_t in_bytes = out_bytes * c->size;
+  if (c->size == 1) {
+    if (in != out && out_bytes) std::memmove(out, in, out_bytes);
+    c->calls.fetch_add(1, std::memory_order_relaxed);
+    return 0;
+  }
+  std::unique_ptr<Scratch> copy;
+  if (overlap(in, in_bytes, out, out_bytes)) {
+    copy = std::make_unique<Scratch>(in, in_bytes);
+    if (!copy->p) return fail(kEngineErrFailed, "strata_jax engine.reduce_scatter: out of memory");
+    in = copy->p;
+  }
+  OpDesc d;
+  d.kind = kEngReduceScatter;
+  d.dtype = dtype;
+  d.reduce = op;
+  d.in_bytes = in_bytes;
+  d.out_bytes = out_bytes;
+  d.may_stage = true;
+  return run(c, name, d, in, out, true, [&](Team& t) -> std::string {
+    (t.zero_copy() ? stats().zero_copy_bytes : stats().peer_bounce_bytes)
+        .fetch_add(out_bytes * (t.size() - 1), std::memory_order_relaxed);
+    if (op == kEngineProd) return prod_reduce(t, dtype, count * t.rank(), count);
+    return reduce_scatter(t, dtype, static_cast<ReduceOp>(op), count);
+  });
+}
+
+int e_barrier(StrataMpiComm* c) {
+  const char* name = "engine.barrier";
+  if (!c) return ready(c, name);
+  if (c->size == 1) return 0;
+  OpDesc d;
+  d.kind = kEngBarrier;
+  d.dtype = XLA_FFI_DataType_U8;
+  d.may_stage = true;
+  return run(c, name, d, nullptr, nullptr, true, [](Team&) { return std::string(); });
+}
+
+// Where a peer of a point-to-point call is; 0, or the error.
+int peer_of(StrataMpiComm* c, int peer, const char* what, const char* role) {
+  if (int rc = ready(c, what)) return rc;
+  if (peer < 0 || peer >= c->size)
+    return fail(kEngineErrArg, std::string("strata_jax ") + what + ": " + role + " rank " +
+                                   std::to_string(peer) + " is not in the communicator of " +
+                                   std::to_string(c->size));
+  return 0;
+}
+
+int e_isend(StrataMpiComm* c, const void* buf, uint64_t bytes, int dest, int tag, const char* what,
+            StrataMpiRequest** req) {
+  *req = nullptr;
+  if (int rc = peer_of(c, dest, what, "destination")) return rc;
+  std::string err;
+  P2p* p2p = P2p::get(ShmFabric::active(), &err);
+  if (!p2p) return fail(kEngineErrFailed, std::string("strata_jax ") + what + ": " + err);
+  auto r = std::make_unique<StrataMpiRequest>();
+  r->is_send = true;
+  r->comm = c;
+  r->what = what;
+  r->bytes = bytes;
+  {
+    std::lock_guard<std::mutex> lock(c->mu);
+    r->key = P2pKey{c->ctx, c->sent[dest]++, c->rank, dest, tag};
+  }
+  err = p2p->post_send(r->key, c->procs[dest], c->devices[dest], buf, bytes, what, &r->send);
+  if (!err.empty()) return fail(kEngineErrFailed, err);
+  *req = r.release();
+  return 0;
+}
+
+int e_irecv(StrataMpiComm* c, void* buf, uint64_t bytes, int source, int tag, const char* what,
+            StrataMpiRequest** req) {
+  *req = nullptr;
+  if (int rc = peer_of(c, source, what, "source")) return rc;
+  auto r = std::make_unique<StrataMpiRequest>();
+  r->comm = c;
+  r->what = what;
+  r->buf = buf;
+  r->bytes = bytes;
+  {
+    std::lock_guard<std::mutex> lock(c->mu);
+    r->key = P2pKey{c->ctx, c->received[source]++, source, c->rank, tag};
+  }
+  *req = r.release();
+  return 0;
+}
+
+int e_wait(StrataMpiRequest* req, int* source, int* tag, uint64_t* bytes) {
+  std::unique_ptr<StrataMpiRequest> r(req);
+  if (!r) return 0;
+  std::string err;
+  P2p* p2p = P2p::get(ShmFabric::active(), &err);
+  if (!p2p) return fail(kEngineErrFailed, std::string("strata_jax ") + r->what + ": " + err);
+  const bool sendrecv = std::strcmp(r->what, "MPI_Sendrecv") == 0;
+  StrataMpiComm* c = r->comm;
+  if (r->is_send) {
+    // A Sendrecv is counted once, by its receive (the half that waits for data).
+    std::unique_ptr<OpTimer> timer;
+    if (!sendrecv) {
+      stats().calls.fetch_add(1, std::memory_order_relaxed);
+      timer = std::make_unique<OpTimer>("engine.send", r->bytes, 0);
+    }
+    err = p2p->wait_send(r->send);
+    if (source) *source = c->rank;
+    if (tag) *tag = r->key.tag;
+    if (bytes) *bytes = r->bytes;
+  } else {
+    stats().calls.fetch_add(1, std::memory_order_relaxed);
+    OpTimer timer(sendrecv ? "engine.sendrecv" : "engine.recv", r->bytes, 0);
+    uint64_t got = 0;
+    const int src = r->key.src;
+    err = p2p->recv(r->key, c->procs[src], c->devices[src], r->buf, r->bytes, r->what, &got);
+    OpTimer::arrived();
+    if (source) *source = src;
+    if (tag) *tag = r->key.tag;
+    if (bytes) *bytes = got;
+  }
+  return err.empty() ? 0 : fail(kEngineErrFailed, err);
+}
+
+const char* e_last_error() { return t_error.c_str(); }
+
+const StrataMpiEngine kTable = {
+    STRATA_MPI_ENGINE_VERSION,
+    e_init,
+    e_finalize,
+    e_world,
+    e_self,
+    e_comm_rank,
+    e_comm_size,
+    e_comm_split,
+    e_comm_free,
+    e_all_reduce,
+    e_all_gather,
+    e_reduce_scatter,
+    e_barrier,
+    e_isend,
+    e_irecv,
+    e_wait,
+    e_last_error,
+};
+
+}  // namespace
+
+const StrataMpiEngine* engine_table() { return &kTable; }
+
+void engine_configure(int rank, int size) {
+  State& s = st();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.configured) return;  // the communicators XLA holds keep the first world
+  s.rank = rank;
+  s.size = size;
+  auto* w = new StrataMpiComm();
+  w->ctx = mix(kWorldSalt, static_cast<uint64_t>(size));
+  w->rank = rank;
+  w->size = size;
+  w->predefined = true;
+  for (int r = 0; r < size; ++r) {
+    w->members.push_back(r);
+    w->parts.push_back(r);
+  }
+  w->devices.assign(size, -1);
+  w->procs.assign(size, -1);
+  w->sent.assign(size, 0);
+  w->received.assign(size, 0);
+  auto* self = new StrataMpiComm();
+  self->ctx = mix(mix(w->ctx, 0x53454C46ull), static_cast<uint64_t>(rank));
+  self->rank = 0;
+  self->size = 1;
+  self->predefined = true;
+  self->members = {rank};
+  self->parts = {0};
+  self->devices = {-1};
+  self->procs = {-1};
+  self->sent = {0};
+  self->received = {0};
+  s.world = w;
+  s.self = self;
+  s.configured = true;
+}
+
+std::string engine_set_world(const std::vector<int64_t>& devices, const std::vector<int>& procs) {
+  State& s = st();
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (!s.configured) return "the engine is not configured (engine_configure first)";
+    if (devices.size() != static_cast<size_t>(s.size) || procs.size() != devices.size())
+      return "one device and one process index per world rank expected";
+    s.world->devices = devices;
+    s.world->procs = procs;
+    s.self->devices = {devices[s.rank]};
+    s.self->procs = {procs[s.rank]};
+    s.world_set = true;
+  }
+  // The point-to-point box, exported to every peer now (off the critical path).
+  if (ShmFabric* f = ShmFabric::active()) {
+    std::string err;
+    if (!P2p::get(f, &err)) return err;
+  }
+  return {};
+}
+
+bool engine_attach(const char* library, std::string* why) {
+  void* h = dlopen(library, RTLD_LAZY | RTLD_NOLOAD);
+  if (!h) {
+    *why = std::string(library) + " is not loaded in this process";
+    return false;
+  }
+  auto attach = reinterpret_cast<StrataMpiAttachFn>(dlsym(h, "strata_mpi_attach"));
+  if (!attach) {
+    *why = std::string(library) + " has no strata_mpi_attach: it is not strata's MPI library";
+    dlclose(h);
+    return false;
+  }
+  if (attach(&kTable) != 0) {
+    *why = std::string(library) + " refused the engine (a library of another strata_jax build)";
+    dlclose(h);
+    return false;
+  }
+  st().attached = true;
+  return true;  // the handle stays open: the library holds our table
+}
+
+EngineInfo engine_info() {
+  State& s = st();
+  std::lock_guard<std::mutex> lock(s.mu);
+  EngineInfo i;
+  i.attached = s.attached;
+  i.configured = s.configured;
+  i.initialized = s.initialized;
+  i.finalized = s.finalized;
+  i.rank = s.rank;
+  i.size = s.size;
+  i.communicators = s.comms.load(std::memory_order_relaxed);
+  return i;
+}
+
+}  // namespace mpiabi
+}  // namespace strata
