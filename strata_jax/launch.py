@@ -14,7 +14,11 @@ SIGINT/SIGTERM sent to the launcher are forwarded to the ranks, SIGKILL followin
 also has its own network and hostname, joined to the others by veth links (shaped to G Gbit/s)
 to a bridge, all in namespaces this launcher makes and frees (see :class:`_Network`).
 
-``--engine mpi`` makes XLA's MPI collectives JAX's engine between the ranks: Open MPI's
+JAX's engine between the ranks (what runs ``jax.lax`` collectives and the ones XLA's partitioner
+inserts into ``jax.jit`` programs) is strata's by default: XLA's MPI collectives over
+``libstrata_mpi.so``, which runs them on strata's shared-memory fabric (``_src/engine.py``;
+``STRATA_ENGINE`` in each rank says which). ``--engine gloo`` keeps JAX's gloo.
+``--engine mpi`` makes XLA's MPI collectives over a real MPI JAX's engine between the ranks: Open MPI's
 ``mpirun`` starts them as one MPI job (rank r = app context r; with ``--netns`` mpirun runs in
 the switch's namespace and MPI crosses the links), the launcher watches mpirun, relabels its
 tagged output per rank and cleans up as above (see :func:`_mpi_job`).
@@ -79,7 +83,8 @@ ENV_ALLOC_LIB = "STRATA_ALLOC_LIB"
 ENV_FABRIC_ID = "STRATA_FABRIC_ID"
 ENV_TRAMPOLINE = "MPITRAMPOLINE_LIB"
 ENV_ENGINE = "JAX_CPU_COLLECTIVES_IMPLEMENTATION"
-ENGINES = ("gloo", "mpi")
+ENV_STRATA_ENGINE = "STRATA_ENGINE"
+ENGINES = ("strata", "gloo", "mpi")
 
 _POLL_S = 0.02
 
@@ -456,7 +461,7 @@ def launch(
     private_mounts: bool = False,
     netns: bool = False,
     link_gbit: float | None = None,
-    engine: str = "gloo",
+    engine: str | None = None,
 ) -> int:
     """Runs ``argv`` (a full command line) as ``nproc`` ranks on this host; returns the exit code.
 
@@ -488,7 +493,10 @@ def launch(
         (:func:`netns_unavailable_reason`).
       link_gbit: with ``netns``, shape each host's link to this many Gbit/s in each direction
         (``tc`` tbf on both ends of its veth pair).
-      engine: JAX's engine between processes: ``"gloo"`` (the launcher starts the ranks), or
+      engine: JAX's engine between processes: None (the default: ``STRATA_ENGINE`` as the
+        caller's environment has it, else strata's) or ``"strata"``: XLA's collectives on
+        strata's fabric through ``libstrata_mpi.so``; ``"gloo"``; both with the ranks started
+        by the launcher (``STRATA_ENGINE`` set in each); or
         ``"mpi"``: XLA's MPI collectives, the ranks started as one MPI job by Open MPI's
         ``mpirun`` (one app context per rank, each in its simulated host's namespaces with
         ``netns``), with ``JAX_CPU_COLLECTIVES_IMPLEMENTATION=mpi``; ``jax.distributed`` still
@@ -510,7 +518,7 @@ def launch(
         raise ValueError(f"hosts must be >= 1 and divide nproc={nproc}, got {hosts}")
     if link_gbit is not None and (not netns or not link_gbit > 0):
         raise ValueError(f"link_gbit needs netns=True and a rate > 0, got {link_gbit}")
-    if engine not in ENGINES:
+    if engine is not None and engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if engine == "mpi":
         if devices_per_proc != 1:
@@ -559,6 +567,8 @@ def launch(
         [] if network else [tempfile.mkdtemp(prefix="strata-run-") for _ in range(hosts)]
     )  # mode 0700
     base = dict(os.environ if env is None else env)
+    if engine is not None:
+        base[ENV_STRATA_ENGINE] = engine  # what strata_jax.init() in each rank runs
     if network:
         base.pop(ENV_FABRIC_ID, None)  # fabrics are found by hostname and boot id
     if simulated:
@@ -1071,8 +1081,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engine",
         choices=ENGINES,
-        default="gloo",
-        help="JAX's engine between processes: gloo (default), or mpi: XLA's MPI collectives, the "
+        default=None,
+        help="JAX's engine between processes: strata (default: XLA's collectives, jax.lax's and "
+        "the partitioner's, on strata's fabric through libstrata_mpi.so), gloo, or mpi: XLA's "
+        "MPI collectives over a real MPI, the "
         "ranks started as one job by Open MPI's mpirun (needs mpirun and MPITRAMPOLINE_LIB; "
         "with --netns, MPI runs over the links)",
     )

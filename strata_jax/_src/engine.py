@@ -210,8 +210,13 @@ def fall_back_before_backend(reason: str) -> None:
 
 
 def say_fallback() -> None:
-    """One stderr line when strata's engine fell back to gloo (printed by init(), rank 0)."""
-    if state["fallback"]:
+    """One stderr line when strata's engine fell back to gloo (printed by init() in process 0)
+    where the user would not expect it: strata's engine asked for by name (``STRATA_ENGINE`` or
+    the launcher's ``--engine strata``), or jax imported before strata_jax. The default's fall
+    backs for several devices per process or several hosts are said by :func:`engine_info`
+    and :func:`strata_jax.coverage` instead."""
+    explicit = os.environ.get(ENV_ENGINE, "").strip().lower() == "strata"
+    if state["fallback"] and (explicit or state["fallback"].startswith("jax was imported")):
         print(
             f"strata_jax: XLA's collectives between processes run over gloo, not strata's engine: "
             f"{state['fallback']}",

@@ -483,10 +483,15 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
       ``registration_requested``, ``allocator`` (``"preload"``, ``"hook"`` or ``"off"``),
       ``fabric`` (``"shm"``
       when this process shares memory with others, else ``"inproc"``), ``fabric_index``,
-      ``num_fabrics`` and ``fabric_processes`` (the processes of this fabric).
+      ``num_fabrics`` and ``fabric_processes`` (the processes of this fabric); with several
+      processes also ``engine``, what runs XLA's collectives between them (``jax.lax``'s and
+      those XLA's partitioner inserts): ``"strata"`` (strata's engine, the default: XLA's MPI
+      collectives over ``libstrata_mpi.so``), ``"gloo"`` or ``"mpi"`` (a real MPI), and
+      ``engine_why`` (how it was chosen, or why strata's fell back to gloo).
 
     Raises:
-      ValueError: unknown registration mode, or a malformed launcher environment.
+      ValueError: unknown registration mode, a malformed launcher environment, or an
+        unknown ``STRATA_ENGINE``.
       StartupError (a RuntimeError): a process did not reach ``init`` within ``timeout_s``
         (message: ``strata_jax.init: process P timed out after T s (timeout_s) waiting for
         process Q ...``, ``... to connect to jax.distributed`` when init() started it), this
@@ -589,6 +594,8 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
         _connect_fabric(native, start, pid, members, mode)
     if engine.active():
         _engine_after_fabric(native, n, members)
+    elif pid == 0:
+        engine.say_fallback()
     # Every process is connected (or alone in its fabric) before any collective runs.
     start.barrier("connected", range(n))
     fabric = "shm" if len(members) > 1 else "inproc"
@@ -602,8 +609,19 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
         "fabric_index": fmap.own,
         "num_fabrics": len(fmap.names),
         "fabric_processes": list(members),
+        **_engine_state(),
     }
     return dict(_state)
+
+
+def _engine_state() -> dict:
+    """init()'s ``engine`` (what runs XLA's collectives between processes) and ``engine_why``."""
+    import jax
+
+    eng = engine.state["engine"]
+    if eng is None or (eng == "mpi" and not mpi_engine.selected()):
+        eng = "strata" if engine.active() else jax.config.jax_cpu_collectives_implementation
+    return {"engine": eng or "none", "engine_why": engine.state["why"] or "jax's configuration"}
 
 
 def _fabric_ids(start: _Startup, pid: int, n: int) -> dict[int, str]:
@@ -652,8 +670,6 @@ def _engine_before_backend(native, timeout_s: float):
             f"the {n} processes are on {fabrics} fabrics (hosts), and strata's engine moves "
             "bytes only inside one"
         )
-        if pid == 0:
-            engine.say_fallback()
     else:
         engine.before_backend(native, pid, n)
     return start, ids
