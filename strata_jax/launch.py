@@ -18,9 +18,9 @@ JAX's engine between the ranks (what runs ``jax.lax`` collectives and the ones X
 inserts into ``jax.jit`` programs) is strata's by default: XLA's MPI collectives over
 ``libstrata_mpi.so``, which runs them on strata's shared-memory fabric (``_src/engine.py``;
 ``STRATA_ENGINE`` in each rank says which). ``--engine gloo`` keeps JAX's gloo.
-``--engine mpi`` makes XLA's MPI collectives over a real MPI JAX's engine between the ranks: Open MPI's
-``mpirun`` starts them as one MPI job (rank r = app context r; with ``--netns`` mpirun runs in
-the switch's namespace and MPI crosses the links), the launcher watches mpirun, relabels its
+``--engine mpi`` makes XLA's MPI collectives over a real MPI the engine: Open MPI's ``mpirun``
+starts the ranks as one MPI job (rank r = app context r; with ``--netns`` mpirun runs in the
+switch's namespace and MPI crosses the links), the launcher watches mpirun, relabels its
 tagged output per rank and cleans up as above (see :func:`_mpi_job`).
 
 Environment of each rank (read back with :func:`distributed_env`, which ``strata_jax.init()`` uses):

@@ -6,6 +6,10 @@ operators (``strata_jax.psum`` ..., MoE dispatch/combine) as on strata, JAX's co
 (per MLIR module: ``jit_step``, ``pmap_f`` ...), kept for the last ``_KEEP`` programs of the
 process. ``STRATA_DEBUG=INFO`` also logs each collective that stays on XLA for a reason other
 than ``use_for_jax_lax()`` being off, as it is lowered.
+
+When XLA has compiled a program, every collective of the compiled program -- those XLA's
+partitioner inserted included -- is counted with where it runs and why (``compiled``, from
+compiled_coverage.py).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import threading
 
 from jax._src.interpreters import mlir
 
-from strata_jax._src import collectives, debug, ragged
+from strata_jax._src import collectives, compiled_coverage, debug, ragged
 
 _KEEP = 256
 _KEY = ("strata_jax", "coverage")
@@ -35,12 +39,26 @@ class ProgramCoverage:
       calls: how many strata calls the collectives on strata became: fewer than
         ``on_strata`` where several all-reduces were combined into one call (a pytree's
         leaves, the gradient all-reduces of a training step: ``STRATA_COMBINE_BYTES``).
+      compiled: the collectives of the program XLA compiled (HLO opcode, e.g. ``all-reduce``,
+        or strata's custom-call target) -> {"where: why" -> how many}; where is one of
+        ``strata custom call``, ``strata engine``, ``XLA gloo``, ``XLA MPI``,
+        ``XLA in-process`` or ``refused by XLA's MPI path``. Empty until compiled.
     """
 
     program: str
     strata: dict[str, int] = dataclasses.field(default_factory=dict)
     xla: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     calls: int = 0
+    compiled: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+
+    def compiled_where(self) -> dict[str, int]:
+        """How many of the compiled program's collectives run where (``strata engine``...)."""
+        out: dict[str, int] = {}
+        for ws in self.compiled.values():
+            for w, n in ws.items():
+                loc = w.split(": ", 1)[0]
+                out[loc] = out.get(loc, 0) + n
+        return out
 
     @property
     def on_strata(self) -> int:
@@ -54,6 +72,8 @@ class ProgramCoverage:
 
     def __str__(self) -> str:
         total = self.on_strata + self.on_xla
+        if not total and self.compiled:  # nothing lowered: XLA's partitioner inserted them
+            return f"{self.program}:{self._compiled_str()}"
         line = f"{self.program}: {self.on_strata} of {total} collectives on strata"
         if self.on_strata:
             line += f" in {self.calls} call" + ("s" if self.calls != 1 else "")
@@ -66,7 +86,20 @@ class ProgramCoverage:
                 for why, n in sorted(reasons.items())
             ]
             line += f"; {self.on_xla} on XLA: " + ", ".join(parts)
+        if self.compiled:
+            line += ";" + self._compiled_str()
         return line
+
+    def _compiled_str(self) -> str:
+        total = sum(self.compiled_where().values())
+        parts = [
+            f"{op} {n} on {w}" for op, ws in sorted(self.compiled.items()) for w, n in ws.items()
+        ]
+        return (
+            f" compiled: {total} collective"
+            + ("s" if total != 1 else "")
+            + f" ({', '.join(parts)})"
+        )
 
 
 def _program_name(ctx) -> str:
@@ -97,6 +130,20 @@ def record(ctx, op: str, reason: str | None, calls: int = 1) -> None:
         debug.log(f"{rec.program}: {op} stays on XLA: {reason}")
 
 
+def record_compiled(program: str, counts: dict[str, dict[str, int]]) -> None:
+    """Attaches a compiled program's collectives (compiled_coverage.py) to its lowering record,
+    the newest of that name not yet compiled, or to a new record when lowering saw none (a
+    jit with shardings: XLA's partitioner inserts its collectives)."""
+    with _lock:
+        for rec in reversed(_records):
+            if rec.program == program and not rec.compiled:
+                break
+        else:
+            rec = ProgramCoverage(program)
+            _records.append(rec)
+        rec.compiled = {op: dict(w) for op, w in counts.items()}
+
+
 def coverage() -> list[ProgramCoverage]:
     """Per lowered program (oldest first, the last 256 of the process), the collectives that
     run on strata and those that stay on XLA with the reason.
@@ -113,11 +160,19 @@ def coverage() -> list[ProgramCoverage]:
       psum_invariant 8)"``. A program is recorded when it is lowered (a jitted function's
       first call, or again when its cache key changes), and only if it holds a collective.
       Counts are of the lowered program; XLA may later combine the all-reduces left to it.
+      ``compiled`` then counts the collectives of the program XLA compiled, XLA's partitioner's
+      included (a ``jax.jit`` with shardings has no other record), each with where it runs:
+      strata's custom call, strata's engine (XLA's collectives across processes, the default),
+      XLA over gloo or MPI, or XLA's in-process communicator (one process), and why.
     """
     with _lock:
         return [
             ProgramCoverage(
-                r.program, dict(r.strata), {op: dict(w) for op, w in r.xla.items()}, r.calls
+                r.program,
+                dict(r.strata),
+                {op: dict(w) for op, w in r.xla.items()},
+                r.calls,
+                {op: dict(w) for op, w in r.compiled.items()},
             )
             for r in _records
         ]
@@ -153,3 +208,4 @@ def _record_strata_operators() -> None:
 
 
 _record_strata_operators()
+compiled_coverage.install()
