@@ -243,3 +243,36 @@ def describe() -> dict:
         "fallback": state["fallback"] or None,
         "library": state["library"],
     }
+
+
+# What XLA:CPU refuses on its MPI path before calling MPI (measured, jax 0.10.2): reductions
+# and all-gathers of float16 and of the float8 types (computed in float16). all_to_all and
+# ppermute move bytes and pass; bfloat16 reductions are promoted to float32 by XLA first.
+_REFUSED_PRIMITIVES = frozenset(
+    {
+        "psum",
+        "psum_invariant",
+        "unreduced_psum",
+        "pmax",
+        "pmin",
+        "all_gather",
+        "all_gather_invariant",
+        "all_gather_reduced",
+        "reduce_scatter",
+        "unreduced_reduce_scatter",
+    }
+)
+
+
+def reroutes(primitive: str, dtype) -> bool:
+    """Whether a ``jax.lax`` collective inside ``shard_map``/``pmap`` goes to strata's custom call
+    although ``use_for_jax_lax()`` is off: with strata's engine running XLA's collectives, those
+    XLA's MPI path refuses (float16 and float8 reductions and all-gathers) would fail where gloo
+    runs them; strata's custom calls run them (lax_compat.py calls this)."""
+    if not active() or primitive not in _REFUSED_PRIMITIVES:
+        return False
+    import numpy as np
+
+    name = np.dtype(dtype).name
+    return name == "float16" or name.startswith("float8")
+

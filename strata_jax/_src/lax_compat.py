@@ -43,7 +43,7 @@ from jax._src.interpreters import mlir
 from jax._src.lax import parallel as lax_parallel
 from jax._src.sharding_impls import SPMDAxisContext
 
-from strata_jax._src import collectives, coverage, hierarchy, lowering, ragged, runtime
+from strata_jax._src import collectives, coverage, engine, hierarchy, lowering, ragged, runtime
 
 _state = config.bool_state(
     "strata_use_for_jax_lax",
@@ -103,7 +103,7 @@ def _hook(prim, strata_rule: Callable, cause: Callable, may_run: bool = True) ->
         why = cause(ctx, **params)
         if why is LOCAL:
             return jax_rule(ctx, *args, **params)
-        if not _state.value:
+        if not _state.value and not engine.reroutes(prim.name, ctx.avals_in[0].dtype):
             why = OFF
         if why is None:
             try:
