@@ -1101,6 +1101,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "-m", dest="module", action="store_true", help="run the target as a module (python -m)"
     )
+    p.add_argument(
+        "--wrap",
+        action="store_true",
+        help="run an unmodified JAX script (one that does not import strata_jax): each rank "
+        "runs `python -m strata_jax.wrap SCRIPT`, which calls strata_jax.init() first",
+    )
     p.add_argument("script", help="the Python script (or module, with -m) every rank runs")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return p
@@ -1132,7 +1138,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if reason is not None:
             print(f"strata-launch: error: {reason}", file=sys.stderr)
             return 2
+    if ns.wrap and ns.module:
+        _parser().error("--wrap runs a script file, not a module (-m)")
     target = ["-m", ns.script] if ns.module else [ns.script]
+    if ns.wrap:
+        target = ["-m", "strata_jax.wrap", ns.script]
     try:
         return _launch_from_args(ns, target)
     except OSError as e:  # namespaces or links that could not be made: say why, no traceback

@@ -23,7 +23,7 @@ where it runs and why:
 How: ``jax._src.compiler.compile_or_get_cached`` (JAX's one entry to XLA compilation, used by
 jit, pmap and shard_map programs alike) is wrapped at import; the executable's
 ``hlo_modules()`` text is parsed for collective instructions (the ``-start`` half of async
-pairs). ``STRATA_DEBUG=INFO`` logs one line per compiled program holding collectives.
+pairs). ``STRATA_DEBUG=INFO`` logs one line per compiled program holding XLA's collectives.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def record_compiled(program: str, hlo_text: str, processes: int) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
-    if debug.level():
+    if debug.level() and any(not w.startswith(STRATA_CALL) for ws in counts.values() for w in ws):
         parts = [f"{op} {n} ({w})" for op, ws in sorted(counts.items()) for w, n in ws.items()]
         debug.log(f"compiled {program}: " + "; ".join(parts))
 

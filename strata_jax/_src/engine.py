@@ -275,4 +275,3 @@ def reroutes(primitive: str, dtype) -> bool:
 
     name = np.dtype(dtype).name
     return name == "float16" or name.startswith("float8")
-

@@ -8,10 +8,10 @@ with optax, jax.pmap with psum, shard_map with jax.lax collectives (no use_for_j
 shard_map strata call inside a GSPMD program -- and writes every device's part of every result
 to OUT/<engine>_d<device>.npz. The test compares those files between engines bit for bit.
 
-For each case it prints one ``CASE <name> <where>`` line: how many of the collectives in the
-case's compiled programs run where (strata_jax.coverage()), and ``ENGINE <name> <counts>``: the
-engine calls it made per operator (comm_stats()), which tests/test_engine.py checks against the
-compiled programs. ``OK all`` at the end.
+For each case it prints one ``CASE<tab>name<tab>where<tab>ops`` line: how many of the
+collectives in the case's compiled programs run where (strata_jax.coverage()) and of which
+kind, and ``ENGINE<tab>name<tab>counts``: the engine calls it made per operator (comm_stats()),
+which tests/test_engine.py checks against the compiled programs. ``OK all`` at the end.
 """
 
 from __future__ import annotations
@@ -82,8 +82,9 @@ def case(name: str):
                 ops[op] = ops.get(op, 0) + sum(ws.values())
         after = engine_calls()
         delta = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
-        print(f"CASE {name} {json.dumps(where, sort_keys=True)} {json.dumps(ops, sort_keys=True)}")
-        print(f"ENGINE {name} {json.dumps(delta, sort_keys=True)}")
+        w, o = json.dumps(where, sort_keys=True), json.dumps(ops, sort_keys=True)
+        print(f"CASE\t{name}\t{w}\t{o}")
+        print(f"ENGINE\t{name}\t{json.dumps(delta, sort_keys=True)}")
         return out
 
     return wrap
@@ -222,7 +223,8 @@ def _():
         )
 
     specs = (P(), P(), P(), P(), P(), P(), P(), P("x"), P("x"), P("x"), P("x"), P(), P())
-    f = jax.jit(shard_map(body, mesh=mesh, in_specs=(P("x"),) * 4, out_specs=specs, check_vma=False))
+    f = shard_map(body, mesh=mesh, in_specs=(P("x"),) * 4, out_specs=specs, check_vma=False)
+    f = jax.jit(f)
     return f(x, xi, xh, xb)
 
 
