@@ -81,6 +81,10 @@ State& st() {
 
 thread_local std::string t_error;
 
+// Why the last MPI_Comm_split failed (XLA does not check its result and goes on with a null
+// communicator, so the calls on it repeat the reason). Guarded by State::mu.
+std::string g_split_error;
+
 int fail(int cls, const std::string& msg) {
   t_error = msg;
   stats().failures.fetch_add(1, std::memory_order_relaxed);
@@ -114,7 +118,14 @@ Placement placement(const StrataMpiComm& c) {
 // Whether a call on `c` can run now; 0, or the error.
 int ready(const StrataMpiComm* c, const char* name) {
   State& s = st();
-  if (!c) return fail(kEngineErrComm, std::string("strata_jax ") + name + ": a null communicator");
+  if (!c) {
+    std::lock_guard<std::mutex> lock(s.mu);
+    return fail(kEngineErrComm,
+                std::string("strata_jax ") + name + ": a null communicator" +
+                    (g_split_error.empty()
+                         ? std::string()
+                         : " (XLA goes on after MPI_Comm_split failed: " + g_split_error + ")"));
+  }
   if (!s.world_set)
     return fail(kEngineErrNotInit,
                 std::string("strata_jax ") + name +
@@ -362,7 +373,17 @@ int e_comm_split(StrataMpiComm* parent, int color, int key, StrataMpiComm** out)
     d.may_stage = true;
     int rc = run(parent, name, d, mine, all.data(), true,
                  [&](Team& t) { return all_gather(t, sizeof(mine), peers_publish_outputs(t)); });
-    if (rc) return rc;
+    if (rc) {
+      // MPI_Comm_split is collective over the parent (XLA splits MPI_COMM_WORLD): a program
+      // on a subset of the processes leaves the others out, and the split cannot complete.
+      std::lock_guard<std::mutex> lock(st().mu);
+      g_split_error = t_error +
+                      " [XLA's MPI path splits MPI_COMM_WORLD, so every process must run a "
+                      "program with collectives; a program on a subset of the processes "
+                      "needs --engine gloo]";
+      t_error = g_split_error;
+      return rc;
+    }
   }
   if (color < 0) return 0;                 // MPI_UNDEFINED: not a member of any new communicator
   std::vector<std::pair<int, int>> order;  // (key, parent rank) of the members

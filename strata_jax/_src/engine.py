@@ -113,8 +113,11 @@ def requested(environ=None) -> tuple[str, str]:
 
 def select_before_jax() -> None:
     """At ``import strata_jax``, before jax: in a job of several processes whose engine is
-    strata's, points MPItrampoline at ``libstrata_mpi.so``. Does nothing in a single process."""
-    if state["engine"] is not None or not _several_processes(os.environ):
+    strata's (or wherever ``STRATA_ENGINE=strata`` asks for it: processes that start
+    ``jax.distributed`` by hand), points MPItrampoline at ``libstrata_mpi.so``. Does nothing
+    in a single process otherwise."""
+    explicit = os.environ.get(ENV_ENGINE, "").strip().lower() == "strata"
+    if state["engine"] is not None or not (explicit or _several_processes(os.environ)):
         return
     try:
         engine, why = requested()

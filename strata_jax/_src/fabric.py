@@ -661,6 +661,10 @@ def _engine_before_backend(native, timeout_s: float):
         # jax.distributed and the backend were made by hand before init() (the backend called
         # MPI_Init_thread unconfigured and failed there): nothing to change any more.
         return None
+    import jax
+
+    # jax.distributed started by hand (not by init()): XLA's collectives are still MPI's.
+    jax.config.update("jax_cpu_collectives_implementation", "mpi")
     pid, n = gs.process_id, gs.num_processes
     start = _Startup(_distributed_client(), pid, n, timeout_s)
     ids = _fabric_ids(start, pid, n)
