@@ -87,7 +87,7 @@ except ImportError:  # imported as a module from elsewhere
     import _common as C
 
 AXIS = "x"
-IMPLS = ("strata", "xla", "mpi", "mpi4jax")
+IMPLS = ("strata", "xla", "mpi", "engine", "mpi4jax")
 CHILD_ENV = "STRATA_BENCH_CHILD"  # set on the processes this script re-launches under --procs
 LINK_ENV = "STRATA_BENCH_LINK_GBIT"  # the link rate of this launch (--netns --link-gbit)
 RESULT_ENV = "STRATA_BENCH_RESULT"  # a file where a re-launched run writes its JSON's path
@@ -436,7 +436,12 @@ class Runner:
         self.impls = list(impls)
         # 'xla' and 'mpi' are both jax.lax; which engine moves the bytes between processes
         # (gloo or XLA's MPI collectives) is the process's, set in setup_jax.
-        self.libs: dict[str, Any] = {"xla": _LaxForBench(), "mpi": _LaxForBench()}
+        # 'engine' is jax.lax too, run by strata's engine for XLA's collectives.
+        self.libs: dict[str, Any] = {
+            "xla": _LaxForBench(),
+            "mpi": _LaxForBench(),
+            "engine": _LaxForBench(),
+        }
         if "strata" in impls:
             self.libs["strata"] = _strata
         self._mpi: Any = None
@@ -880,7 +885,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="strata,xla",
         help="comma list of strata, xla (jax.lax; over gloo across processes), mpi (jax.lax over "
         "XLA's MPI collectives, MPITRAMPOLINE_LIB needed: under mpirun, or with --procs through "
-        "launch --engine mpi; with xla too, one launch per engine and a table of both), mpi4jax",
+        "launch --engine mpi; with xla too, one launch per engine and a table of both), engine "
+        "(jax.lax through strata's engine: with --procs, a launch of its own), mpi4jax",
     )
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for CSV/JSON/PNG")
     p.add_argument("--procs", type=int, default=None, help="one process per device, P processes")
@@ -903,6 +909,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "e.g. 1,10); adds the link bound column link(us) and each implementation's %%link",
     )
     p.add_argument("--seed", type=int, default=0, help="base seed of the random inputs")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --procs and several engines: launches per engine, alternated (default 1);"
+        " the engine table gives medians over rounds",
+    )
     p.add_argument("--platform", default="cpu", help="jax platform of the mesh devices (cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
@@ -947,15 +960,18 @@ def _under_mpi() -> bool:
 
 def engine_launches(impls: Sequence[str]) -> list[tuple[str, list[str]]]:
     """The launches a --procs run needs: (engine, impls) pairs. XLA has one engine per process,
-    so jax.lax over gloo ('xla') and over MPI ('mpi') run in two launches, strata in both (each
-    compared with the jax.lax of its own launch, call by call)."""
-    gloo = [i for i in impls if i != "mpi"]
-    mpi = [i for i in impls if i != "xla"]
-    if "mpi" not in impls:
-        return [("gloo", list(impls))]
-    if "xla" not in impls:
-        return [("mpi", mpi)]
-    return [("gloo", gloo), ("mpi", mpi)]
+    so jax.lax over gloo ('xla'), over MPI ('mpi') and over strata's engine ('engine') run in
+    separate launches, strata's custom calls in each (compared with the jax.lax of its own
+    launch, call by call)."""
+    base = [i for i in impls if i not in ("xla", "mpi", "engine")]
+    launches = []
+    if "xla" in impls or not any(i in impls for i in ("mpi", "engine")):
+        launches.append(("gloo", base + (["xla"] if "xla" in impls else [])))
+    if "engine" in impls:
+        launches.append(("strata", base + ["engine"]))
+    if "mpi" in impls:
+        launches.append(("mpi", base + ["mpi"]))
+    return launches
 
 
 def relaunch(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -979,32 +995,85 @@ def relaunch(args: argparse.Namespace, argv: Sequence[str]) -> int:
             if not launches:
                 sys.exit(f"error: --impl mpi: {reason}")
             print(f"# jax.lax over MPI left out: {reason}", flush=True)
+    import json
+
     rc = 0
-    # One launch per link rate (the links are shaped when the launcher makes them) and engine;
-    # the child reads its own rate from LINK_ENV and says where it wrote its JSON in RESULT_ENV.
+    # One launch per link rate (the links are shaped when the launcher makes them), engine and
+    # round (--rounds: the launches alternate, round after round); the child reads its own rate
+    # from LINK_ENV and says where it wrote its JSON in RESULT_ENV.
     for rate in args.link_gbits or [None]:
-        written: dict[str, Path] = {}
-        for engine, impls in launches:
-            net = ["--netns"] if args.netns else []
-            net += ["--link-gbit", f"{rate:g}"] if rate is not None else []
-            net += ["--engine", "mpi"] if engine == "mpi" else []
-            cmd = [*head, *net, str(Path(__file__).resolve()), *argv, "--impl", ",".join(impls)]
-            env = dict(os.environ, **{CHILD_ENV: "1"})
-            if rate is not None:
-                env[LINK_ENV] = f"{rate:g}"
-            # In --out, not /tmp: a simulated host's private /tmp would hide it.
-            args.out.mkdir(parents=True, exist_ok=True)
-            note = (args.out / f".result-{os.getpid()}-{engine}").resolve()
-            note.unlink(missing_ok=True)
-            env[RESULT_ENV] = str(note)
-            print("# launching:", " ".join(cmd), flush=True)
-            rc = subprocess.call(cmd, env=env) or rc
-            if note.is_file():
-                written[engine] = Path(note.read_text().strip())
-                note.unlink()
-        if len(written) == 2:
-            print_engines(written, rate)
+        rounds: list[dict[str, list[dict[str, Any]]]] = []
+        for _round in range(args.rounds):
+            written: dict[str, Path] = {}
+            for engine, impls in launches:
+                net = ["--netns"] if args.netns else []
+                net += ["--link-gbit", f"{rate:g}"] if rate is not None else []
+                net += ["--engine", engine]
+                cmd = [*head, *net, str(Path(__file__).resolve()), *argv, "--impl", ",".join(impls)]
+                env = dict(os.environ, **{CHILD_ENV: "1"})
+                if rate is not None:
+                    env[LINK_ENV] = f"{rate:g}"
+                # In --out, not /tmp: a simulated host's private /tmp would hide it.
+                args.out.mkdir(parents=True, exist_ok=True)
+                note = (args.out / f".result-{os.getpid()}-{engine}").resolve()
+                note.unlink(missing_ok=True)
+                env[RESULT_ENV] = str(note)
+                print("# launching:", " ".join(cmd), flush=True)
+                rc = subprocess.call(cmd, env=env) or rc
+                if note.is_file():
+                    written[engine] = Path(note.read_text().strip())
+                    note.unlink()
+            if "gloo" in written and "mpi" in written:
+                print_engines(written, rate)
+            rounds.append({e: json.loads(p.read_text())["rows"] for e, p in written.items()})
+        if "strata" in (rounds[0] if rounds else {}):
+            print_engine_table(rounds, args.procs)
     return rc
+
+
+def print_engine_table(rounds: list[dict[str, list[dict[str, Any]]]], procs: int) -> None:
+    """jax.lax through strata's engine against XLA over MPI, gloo and strata's own custom call:
+    per point the median over --rounds of each implementation's median time (the engine and
+    strata's call interleaved call by call in one launch; the other engines in their own
+    launches, which alternate round by round)."""
+    times: dict[tuple[str, str, int], dict[str, list[float]]] = {}
+    for rnd in rounds:
+        for engine, rows in rnd.items():
+            for r in rows:
+                if r.get("time_us") is None:
+                    continue
+                name = {"strata": f"strata[{engine}]"}.get(r["impl"], r["impl"])
+                key = (r["op"], r["dtype"], r["size_bytes"])
+                times.setdefault(key, {}).setdefault(name, []).append(r["time_us"])
+    med = {k: {n: float(np.median(v)) for n, v in d.items()} for k, d in times.items()}
+
+    def ratio(d: dict[str, float], num: str, den: str) -> str:
+        a, b = d.get(num), d.get(den)
+        return f"{a / b:.2f}" if a and b else "-"
+
+    load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    print(
+        f"#\n# jax.lax through strata's engine ('engine') against XLA over MPI ('mpi'), gloo "
+        f"('xla') and strata's custom call in the engine's launch ('strata[strata]'); {procs} "
+        f"processes, {len(rounds)} round(s), median over rounds of each median; load {load}"
+    )
+    print(
+        "# mpi/engine, xla/engine: their time over the engine's (> 1: the engine is faster);"
+        " engine/strata: the engine's time over strata's own call (< 1.25: the goal)"
+    )
+    print(
+        "| op | size | engine us | strata us | mpi us | gloo us | mpi/engine | gloo/engine |"
+        " engine/strata |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    us = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+    for (op, _dt, size), d in sorted(med.items()):
+        print(
+            f"| {op} | {C.format_size(size)} | {us(d.get('engine'))} |"
+            f" {us(d.get('strata[strata]'))} | {us(d.get('mpi'))} | {us(d.get('xla'))} |"
+            f" {ratio(d, 'mpi', 'engine')} | {ratio(d, 'xla', 'engine')} |"
+            f" {ratio(d, 'engine', 'strata[strata]')} |"
+        )
 
 
 def print_engines(written: dict[str, Path], rate: float | None) -> None:
@@ -1062,10 +1131,19 @@ def setup_jax(args: argparse.Namespace, dtypes: Sequence[np.dtype], multi: bool)
     if any(d.itemsize == 8 and d.kind != "c" or d.itemsize == 16 for d in dtypes):
         jax.config.update("jax_enable_x64", True)
     if multi:
-        engine = "mpi" if "mpi" in args.impls else "gloo"
+        engine = "mpi" if "mpi" in args.impls or "engine" in args.impls else "gloo"
         jax.config.update("jax_cpu_collectives_implementation", engine)
         if _strata is not None and hasattr(_strata, "init"):
-            _strata.init()  # initializes jax.distributed from the launcher's (or mpirun's) env
+            # initializes jax.distributed from the launcher's (or mpirun's) env, and chooses
+            # the engine between processes (STRATA_ENGINE; the launcher's --engine sets it)
+            got = _strata.init().get("engine")
+            want = {"xla": "gloo", "mpi": "mpi", "engine": "strata"}
+            for impl, eng in want.items():
+                if impl in args.impls and got != eng:
+                    sys.exit(
+                        f"error: --impl {impl} runs jax.lax over {eng}, but this process's engine"
+                        f" is {got!r}: run it with STRATA_ENGINE={eng} (--procs does)"
+                    )
         else:
             jax.distributed.initialize()  # auto-detects mpirun/slurm
 
@@ -1147,6 +1225,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"# compared   : {', '.join(args.impls)}  ('xla' = jax.lax"
         + (" over gloo" if multi else "")
         + ("; 'mpi' = jax.lax over XLA's MPI collectives" if "mpi" in args.impls else "")
+        + (
+            "; 'engine' = jax.lax through strata's engine (XLA's MPI collectives over"
+            " libstrata_mpi.so)"
+            if "engine" in args.impls
+            else ""
+        )
         + "; #wrong is against numpy on the same input)"
     )
     write(
@@ -1251,7 +1335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stem = f"collectives_{dnames}_n{ctx.n}" + (f"_p{ctx.process_count}" if multi else "")
         stem += f"_h{ctx.hosts}" if ctx.hosts > 1 else ""
         stem += f"_link{ctx.link_gbit:g}g" if ctx.link_gbit else ""
-        stem += "_mpi" if multi and jax.config.jax_cpu_collectives_implementation == "mpi" else ""
+        if multi and jax.config.jax_cpu_collectives_implementation == "mpi":
+            stem += "_engine" if "engine" in args.impls else "_mpi"
         out: Path = args.out
         C.write_csv(out / f"{stem}.csv", rows)
         C.write_json(

@@ -1,0 +1,309 @@
+"""A GSPMD training step -- the main job's dense part, as jit + sharding -- over each engine
+between processes: strata's engine, gloo, and XLA over MPI.
+
+The model is ``train_moe.py``'s byte-level decoder with a dense MLP in place of the MoE layer
+(embedding, RMSNorm, causal self-attention, a GELU MLP, tied output), written as plain JAX with
+no collective in it: ``jax.jit`` with ``NamedSharding`` in and out, so every collective of the
+step is one XLA's partitioner inserts (GSPMD). Two layouts, over one mesh axis of all devices:
+
+- ``dp``: parameters replicated, the batch sharded: the gradients are all-reduced;
+- ``tp``: Megatron's tensor parallelism, ``wqkv``/``w1`` sharded on their output dimension and
+  ``wo``/``w2`` on their input dimension, the batch replicated: the partial sums of the attention
+  and MLP outputs are all-reduced forward and backward.
+
+One process per device. Run from a shell, the script relaunches itself under
+``python -m strata_jax.launch -n P`` once per engine (``--engine strata``, ``gloo``, ``mpi``: the
+last needs mpirun and MPITRAMPOLINE_LIB naming MPIwrapper's library, and is left out with a note
+otherwise), engines alternated over ``--rounds`` rounds, and prints the medians side by side
+with the ratios (XLA's engine time over strata's engine time: > 1, strata faster). Each launch
+also checks that its losses equal the first launch's (bitwise with 2 processes; gloo adds
+around a ring with more, so within float32 rounding there).
+
+    python benchmarks/gspmd_step.py --procs 2
+    python benchmarks/gspmd_step.py --procs 4 --layout dp,tp --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import strata_jax as sj  # before jax: the engine between processes is chosen at its import
+
+try:
+    import _common as C
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _common as C
+
+CHILD_ENV = "STRATA_BENCH_CHILD"
+RESULT_ENV = "STRATA_BENCH_RESULT"
+ENGINES = ("strata", "gloo", "mpi")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--procs", type=int, default=2, help="processes (one device each)")
+    p.add_argument("--layout", default="dp,tp", help="comma list of dp, tp")
+    p.add_argument("--engines", default="strata,gloo,mpi", help="comma list of strata, gloo, mpi")
+    p.add_argument("--rounds", type=int, default=2, help="launches per engine, alternated")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per layout")
+    p.add_argument("--warmup", type=int, default=4, help="untimed steps first")
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--d-ff", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4, help="sequences per device (dp), per step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("bench_out"))
+    p.add_argument("--no-progress", action="store_true", help="(accepted; nothing to show)")
+    a = p.parse_args(argv)
+    a.layouts = C.parse_list(a.layout, ["dp", "tp"])
+    a.engine_list = C.parse_list(a.engines, list(ENGINES))
+    return a
+
+
+# ---- the model (plain JAX; no collective anywhere) ----
+
+
+def init_params(a, rng: np.random.Generator) -> dict:
+    d, f = a.d_model, a.d_ff
+
+    def normal(shape, scale):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    layers = [
+        {
+            "ln1": np.ones(d, np.float32),
+            "wqkv": normal((d, 3 * d), d**-0.5),
+            "wo": normal((d, d), d**-0.5),
+            "ln2": np.ones(d, np.float32),
+            "w1": normal((d, f), d**-0.5),
+            "w2": normal((f, d), f**-0.5),
+        }
+        for _ in range(a.layers)
+    ]
+    return {
+        "embed": normal((256, d), 0.02),
+        "pos": normal((a.seq, d), 0.02),
+        "ln_f": np.ones(d, np.float32),
+        "layers": layers,
+    }
+
+
+def specs(params: dict, layout: str, axis: str):
+    """The PartitionSpec of every parameter for a layout."""
+    from jax.sharding import PartitionSpec as P
+
+    def layer_spec(name: str):
+        if layout != "tp":
+            return P()
+        return {
+            "wqkv": P(None, axis),
+            "w1": P(None, axis),
+            "wo": P(axis, None),
+            "w2": P(axis, None),
+        }.get(name, P())
+
+    return {
+        "embed": P(),
+        "pos": P(),
+        "ln_f": P(),
+        "layers": [{k: layer_spec(k) for k in lp} for lp in params["layers"]],
+    }
+
+
+def loss_fn(params, tokens, heads: int):
+    import jax
+    import jax.numpy as jnp
+
+    x_in, y = tokens[:, :-1], tokens[:, 1:]
+    x = params["embed"][x_in] + params["pos"][None, : x_in.shape[1]]
+    s = x.shape[1]
+    mask = jnp.tril(jnp.ones((s, s), bool))
+
+    def rms(v, g):
+        return v * jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + 1e-6) * g
+
+    for p in params["layers"]:
+        h = rms(x, p["ln1"])
+        b, _, d = h.shape
+        q, k, v = (t.reshape(b, s, heads, d // heads) for t in jnp.split(h @ p["wqkv"], 3, -1))
+        sc = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // heads)
+        att = jax.nn.softmax(jnp.where(mask, sc, -1e30), axis=-1)
+        x = x + jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, s, d) @ p["wo"]
+        x = x + jax.nn.gelu(rms(x, p["ln2"]) @ p["w1"]) @ p["w2"]
+    logits = rms(x, params["ln_f"]) @ params["embed"].T
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, y[..., None].astype(jnp.int32), -1))
+
+
+# ---- one launch (a child): every layout, timed ----
+
+
+def child(a) -> None:
+    info = sj.init()
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = jax.device_count()
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    rng = np.random.default_rng(a.seed)
+    host_params = init_params(a, rng)
+    out = {"engine": info.get("engine"), "why": info.get("engine_why"), "layouts": {}}
+    for layout in a.layouts:
+        pspec = specs(host_params, layout, "x")
+        shard = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), pspec)
+
+        def put(h, sh):
+            return jax.make_array_from_callback(h.shape, sh, lambda idx: h[idx])
+
+        params = jax.tree_util.tree_map(put, host_params, shard)
+        global_batch = a.batch * n if layout == "dp" else a.batch
+        bspec = NamedSharding(mesh, P("x") if layout == "dp" else P())
+        data = np.random.default_rng(a.seed + 1).integers(
+            0, 256, size=(a.warmup + a.steps, global_batch, a.seq + 1), dtype=np.int32
+        )
+
+        def step(params, tokens):
+            loss, grads = jax.value_and_grad(loss_fn)(params, tokens, a.heads)
+            return loss, jax.tree_util.tree_map(lambda p, g: p - 0.01 * g, params, grads)
+
+        step = jax.jit(step, in_shardings=(shard, bspec), out_shardings=(None, shard))
+        losses, times = [], []
+        for i in range(a.warmup + a.steps):
+            tokens = put(data[i], bspec)
+            C.align_processes(f"gspmd-{layout}-{i}")
+            t = time.perf_counter()
+            loss, params = step(params, tokens)
+            jax.block_until_ready((loss, params))
+            dt = time.perf_counter() - t
+            losses.append(float(loss))
+            if i >= a.warmup:
+                times.append(dt)
+        rec = [r for r in sj.coverage() if r.compiled][-1]
+        out["layouts"][layout] = {
+            "median_ms": statistics.median(times) * 1e3,
+            "times_ms": [t * 1e3 for t in times],
+            "losses": losses,
+            "collectives": rec.compiled_where(),
+            "compiled": rec.compiled,
+        }
+        if jax.process_index() == 0:
+            print(
+                f"{out['engine']:6s} {layout}: step {statistics.median(times) * 1e3:.2f} ms "
+                f"(median of {a.steps}); {rec}",
+                flush=True,
+            )
+    if jax.process_index() == 0 and os.environ.get(RESULT_ENV):
+        Path(os.environ[RESULT_ENV]).write_text(json.dumps(out))
+
+
+# ---- the parent: one launch per engine and round ----
+
+
+def parent(a, argv) -> int:
+    from strata_jax import launch
+
+    engines = list(a.engine_list)
+    if "mpi" in engines:
+        reason = launch.mpi_unavailable_reason()
+        if reason:
+            print(f"# XLA over MPI left out: {reason}")
+            engines.remove("mpi")
+    info = C.machine_info()
+    print(
+        "# strata_jax GSPMD step benchmark (jit + NamedSharding; XLA's partitioner's collectives)"
+    )
+    C.print_machine(info)
+    print(
+        f"# model      : byte-level decoder, {a.layers} layers, d_model {a.d_model}, "
+        f"{a.heads} heads, dense MLP d_ff {a.d_ff}, seq {a.seq}; batch {a.batch} sequences per "
+        f"device (dp) / in all (tp); SGD; float32"
+    )
+    print(
+        f"# compared   : {', '.join(engines)} (the engine between processes), {a.procs} processes, "
+        f"{a.rounds} round(s) alternated, {a.steps} timed steps after {a.warmup}; times are "
+        "medians of the steps of a launch, then the median over rounds"
+    )
+    a.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[dict]] = {e: [] for e in engines}
+    rc = 0
+    for _ in range(a.rounds):
+        for engine in engines:
+            note = (a.out / f".gspmd-{os.getpid()}-{engine}").resolve()
+            note.unlink(missing_ok=True)
+            cmd = [sys.executable, "-m", "strata_jax.launch", "-n", str(a.procs),
+                   "--engine", engine, str(Path(__file__).resolve()), *argv]  # fmt: skip
+            env = dict(os.environ, **{CHILD_ENV: "1", RESULT_ENV: str(note)})
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if r.returncode != 0:
+                rc = r.returncode
+                print(f"# {engine}: launch failed (exit {r.returncode}):\n{r.stderr[-2000:]}")
+                continue
+            for line in r.stdout.splitlines():
+                if line.startswith("[rank 0] "):
+                    print(f"#   {line[9:]}")
+            if note.is_file():
+                results[engine].append(json.loads(note.read_text()))
+                note.unlink()
+    load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    print(f"#\n# step time (ms), median over rounds; load {load}")
+    header = "| layout | " + " | ".join(f"{e} ms" for e in engines)
+    header += "".join(f" | {e}/strata" for e in engines if e != "strata") + " | losses |"
+    print(header)
+    print("|" + "---|" * (2 + len(engines) + sum(e != "strata" for e in engines)))
+    rows = []
+    for layout in a.layouts:
+        med = {}
+        for e in engines:
+            ms = [r["layouts"][layout]["median_ms"] for r in results[e] if layout in r["layouts"]]
+            med[e] = statistics.median(ms) if ms else None
+        ref = next((r["layouts"][layout]["losses"] for e in engines for r in results[e]), None)
+        same = all(
+            np.allclose(r["layouts"][layout]["losses"], ref, rtol=1e-5, atol=1e-6)
+            for e in engines
+            for r in results[e]
+        )
+        bitwise = all(r["layouts"][layout]["losses"] == ref for e in engines for r in results[e])
+        cells = " | ".join("-" if med[e] is None else f"{med[e]:.2f}" for e in engines)
+        ratios = "".join(
+            f" | {med[e] / med['strata']:.2f}" if med.get(e) and med.get("strata") else " | -"
+            for e in engines
+            if e != "strata"
+        )
+        eq = "bitwise equal" if bitwise else ("equal within 1e-5" if same else "DIFFER")
+        print(f"| {layout} | {cells}{ratios} | {eq} |")
+        rows.append({"layout": layout, "median_ms": med, "losses": eq})
+        if not same:
+            rc = rc or 1
+    C.write_json(
+        a.out / f"gspmd_step_p{a.procs}.json",
+        {"benchmark": "gspmd_step", "machine": info, "args": vars(a) | {"out": str(a.out)},
+         "rows": rows, "launches": results},
+    )  # fmt: skip
+    print(f"# wrote {a.out / f'gspmd_step_p{a.procs}.json'}")
+    return rc
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parse_args(argv)
+    if os.environ.get(CHILD_ENV):
+        child(a)
+        return 0
+    return parent(a, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
