@@ -51,7 +51,7 @@ from collectives import make_body  # noqa: E402  (the per-shard op, one definiti
 CHILD_ENV = "STRATA_BENCH_CHILD"
 AXIS = "x"
 OPS = ("psum", "pmax", "pmin", "all_gather", "psum_scatter", "all_to_all", "ppermute")
-IMPLS = ("strata", "xla", "mpi", "noop")
+IMPLS = ("strata", "xla", "mpi", "engine", "noop")
 MPI_ENVS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
 
 
@@ -84,14 +84,19 @@ def child(args: argparse.Namespace) -> int:
     from jax.sharding import PartitionSpec as P
 
     impls = C.parse_list(args.impl, IMPLS)
+    if "engine" in impls and "xla" in impls:
+        sys.exit("error: --impl xla (gloo) and engine cannot share a run (one engine a process)")
     if "mpi" in impls:
         if "xla" in impls:
             sys.exit("error: --impl xla (gloo) and mpi cannot share a run (one engine a process)")
+        if "engine" in impls:
+            sys.exit("error: --impl engine and mpi cannot share a run (one engine a process)")
         if not any(k in os.environ for k in MPI_ENVS):
             sys.exit("error: --impl mpi needs the processes started by mpirun (see --help)")
         # jax.lax over XLA's MPI collectives; init() sets what they need (mpi_engine.py).
         jax.config.update("jax_cpu_collectives_implementation", "mpi")
-    sj.init()
+    # jax.lax ('xla') over gloo, 'mpi' over MPI, 'engine' through strata's engine
+    sj.init(engine="mpi" if "mpi" in impls else "strata" if "engine" in impls else "gloo")
     devs = sorted(jax.devices(), key=lambda d: d.id)
     n = len(devs)
     mesh = Mesh(np.array(devs), (AXIS,))
@@ -103,7 +108,8 @@ def child(args: argparse.Namespace) -> int:
     write(
         f"# setup      : {jax.process_count()} processes x {jax.local_device_count()} device, "
         f"mesh axis '{AXIS}' of {n}; {', '.join(impls)} (xla: jax.lax over gloo, mpi: jax.lax "
-        "over XLA's MPI collectives, noop: a jitted no-op x + 0) on "
+        "over XLA's MPI collectives, engine: jax.lax through strata's engine, noop: a jitted "
+        "no-op x + 0) on "
         f"the same mesh; {args.rounds} rounds x {args.iters} calls, alternating "
         f"{'call by call' if args.interleave == 'call' else 'in blocks of ' + str(args.iters)}, "
         f"each blocked; times of rank 0 in us (load average {os.getloadavg()[0]:.1f}); "
@@ -132,7 +138,7 @@ def child(args: argparse.Namespace) -> int:
             xr = jax.make_array_from_callback(host.shape, rsh, lambda idx, h=host: h[idx])
             fns = {}
             for impl in impls:
-                lib = jax.lax if impl in ("xla", "mpi", "noop") else sj
+                lib = jax.lax if impl in ("xla", "mpi", "engine", "noop") else sj
                 body = (lambda v: v + 0) if impl == "noop" else make_body(lib, op, n)
                 fns[impl] = _program(body, rmesh if impl == "general" else mesh, x, xr)
             if "general" in impls:  # its communicator's channel is made with the path off
@@ -142,11 +148,11 @@ def child(args: argparse.Namespace) -> int:
                 sj.set_low_latency_threshold(keep)
             outs = {k: _local(f()) for k, f in fns.items()}
             # Checked against jax.lax over the process's engine (gloo or MPI), on one mesh.
-            lax_out = outs.get("xla", outs.get("mpi"))
+            lax_out = outs.get("xla", outs.get("mpi", outs.get("engine")))
             if lax_out is None:
                 lax_out = _local(_program(make_body(jax.lax, op, n), mesh, x, xr)())
             wrong = {k: 0 for k in impls}
-            for k in ("strata", "xla", "mpi"):
+            for k in ("strata", "xla", "mpi", "engine"):
                 if k in outs:
                     wrong[k] = int(
                         np.count_nonzero(~np.isclose(outs[k], lax_out, rtol=1e-5, atol=1e-5))
@@ -241,7 +247,8 @@ def main() -> int:
         "--impl",
         default="strata,xla,noop",
         help="comma list of strata, xla (jax.lax over gloo), mpi (jax.lax over XLA's MPI "
-        "collectives; run under mpirun -x MPITRAMPOLINE_LIB, not with xla), noop",
+        "collectives; run under mpirun -x MPITRAMPOLINE_LIB, not with xla), engine (jax.lax "
+        "through strata's engine; not with xla or mpi), noop",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="", help="write the rows as JSON here (rank 0)")

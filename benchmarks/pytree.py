@@ -130,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     import strata_jax
 
     if multi:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        strata_jax.init()
+        strata_jax.init(engine="gloo")  # jax.lax's baseline over gloo
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P

@@ -246,7 +246,9 @@ def start_runtime(args: argparse.Namespace):
     if denv is None:
         jax.config.update("jax_num_cpu_devices", args.devices)
     elif hasattr(strata_jax, "init") or denv["by"] != "strata_jax.launch":
-        strata_jax.init()
+        # The jax.lax baselines (xla_sort, xla) between processes over gloo, as measured so
+        # far, unless STRATA_ENGINE (launch --engine) asks for another engine.
+        strata_jax.init(engine=os.environ.get("STRATA_ENGINE") or "gloo")
     else:  # launcher present, strata's multi-process runtime not (yet): plain jax.distributed
         jax.config.update("jax_num_cpu_devices", denv["local_device_count"])
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

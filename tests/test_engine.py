@@ -241,3 +241,30 @@ def test_wrap_runs_an_unmodified_script():
         x.split()[-1] for x in losses[1]
     ]
     assert re.search(r"compiled jit_step: .*all-reduce \d+ \(strata engine", out), out[-3000:]
+
+
+def test_several_devices_per_process_fall_back_to_gloo_and_say_why():
+    """XLA's MPI path takes one device per process: with 2 devices each, the job runs over gloo,
+    and init() and coverage() say why."""
+    r, _ = mp.launch(2, "engine_choice.py", devices=2, timeout=120)
+    out = r.stdout
+    assert r.returncode == 0, out[-3000:]
+    assert "ENGINE gloo" in out and "2 devices per process" in out, out[-3000:]
+    assert re.search(r"all-reduce 1 on XLA gloo: strata's engine cannot run: 2 devices", out), out
+    assert "TOTAL 6.0" in out
+
+
+@pytest.mark.skipif(mp.shutil.which("mpirun") is None, reason="Open MPI's mpirun not installed")
+def test_under_mpirun_the_engine_is_strata_and_wrap_runs_an_unmodified_script():
+    cmd = mp.mpirun_cmd(2, sys.executable, "-m", "strata_jax.wrap")
+    r = subprocess.run(
+        [*cmd, str(mp.SCRIPTS / "engine_choice.py")],
+        env=mp.job_env(),
+        cwd=mp.PKG_PARENT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "ENGINE strata" in out and "on strata engine" in out and "TOTAL 1.0" in out, out[-3000:]

@@ -87,9 +87,20 @@ def _several_processes(environ) -> bool:
     return False
 
 
+def override(name: str) -> None:
+    """``strata_jax.init(engine=...)``: the engine asked for by the program, before
+    ``STRATA_ENGINE``. Raises ValueError for an unknown name."""
+    if name not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {name!r}")
+    state["override"] = name
+
+
 def requested(environ=None) -> tuple[str, str]:
-    """The engine asked for, and why: ``STRATA_ENGINE``, an explicit choice of JAX's, or the
-    default (strata's). Raises ValueError for an unknown ``STRATA_ENGINE``."""
+    """The engine asked for, and why: ``strata_jax.init(engine=...)``, ``STRATA_ENGINE``, an
+    explicit choice of JAX's, or the default (strata's). Raises ValueError for an unknown
+    ``STRATA_ENGINE``."""
+    if environ is None and state.get("override"):
+        return state["override"], f"strata_jax.init(engine={state['override']!r})"
     env = os.environ if environ is None else environ
     v = env.get(ENV_ENGINE, "").strip().lower()
     if v:

@@ -20,7 +20,8 @@ import sys
 import tempfile
 import time
 
-from strata_jax._src import allocator, engine, mpi_engine, runtime, topology
+from strata_jax._src import allocator, mpi_engine, runtime, topology
+from strata_jax._src import engine as _engine
 
 REGISTRATION_MODES = ("on_alloc", "on_use", "staging")
 ENV_REGISTRATION = "STRATA_REGISTRATION"
@@ -436,7 +437,12 @@ def _initialize_distributed(timeout_s: float, **kwargs) -> None:
         ) from e
 
 
-def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIMEOUT_S) -> dict:
+def init(
+    registration: str | None = None,
+    *,
+    timeout_s: float = DEFAULT_INIT_TIMEOUT_S,
+    engine: str | None = None,
+) -> dict:
     """Initializes ``jax.distributed`` (if needed) and connects the shared-memory fabric.
 
     Call it first, before any other use of jax: it configures the CPU backend.
@@ -489,6 +495,11 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
       collectives over ``libstrata_mpi.so``), ``"gloo"`` or ``"mpi"`` (a real MPI), and
       ``engine_why`` (how it was chosen, or why strata's fell back to gloo).
 
+    ``engine``: what runs XLA's collectives between processes, ``"strata"``, ``"gloo"`` or
+    ``"mpi"`` (XLA over the MPI that ``MPITRAMPOLINE_LIB`` names); default ``$STRATA_ENGINE``,
+    else strata's (see docs/guide/processes.md). strata's needs ``import strata_jax`` before
+    jax.
+
     Raises:
       ValueError: unknown registration mode, a malformed launcher environment, or an
         unknown ``STRATA_ENGINE``.
@@ -503,6 +514,8 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
         with a different mode.
     """
     global _state
+    if engine is not None:
+        _engine.override(engine)
     mode = registration or os.environ.get(ENV_REGISTRATION) or "on_alloc"
     if mode not in REGISTRATION_MODES:
         raise ValueError(
@@ -531,7 +544,7 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
         raise RuntimeError(INIT_AFTER_BACKEND)
     if not jax.distributed.is_initialized() and env is not None:
         jax.config.update("jax_num_cpu_devices", env["local_device_count"])
-        if engine.choose(env["local_device_count"]) == "mpi" and mpi_engine.selected():
+        if _engine.choose(env["local_device_count"]) == "mpi" and mpi_engine.selected():
             if _cluster_size() != env["num_processes"]:
                 raise ValueError(
                     "jax_cpu_collectives_implementation is 'mpi', but these processes were not "
@@ -543,7 +556,7 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
             # The launcher's --engine mpi: an MPI job whose jax.distributed coordinator is the
             # launcher's (mpirun's own address is not reachable from a simulated host).
             mpi_engine.configure_before_backend()
-        elif not engine.active():
+        elif not _engine.active():
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         _initialize_distributed(
             timeout_s,
@@ -556,9 +569,9 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
         # processes is strata's (engine.py), unless the user chose gloo or XLA's MPI
         # collectives over a real MPI (mpi_engine.py).
         _install_exit_hooks()
-        if engine.choose(_local_device_count()) == "mpi" and mpi_engine.selected():
+        if _engine.choose(_local_device_count()) == "mpi" and mpi_engine.selected():
             mpi_engine.configure_before_backend()
-        elif not engine.active():
+        elif not _engine.active():
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         _initialize_distributed(timeout_s)
     if mpi_engine.selected() and jax.distributed.is_initialized():
@@ -592,10 +605,10 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
     if len(members) > 1:
         mode = _mode_in_effect(native, mode)
         _connect_fabric(native, start, pid, members, mode)
-    if engine.active():
+    if _engine.active():
         _engine_after_fabric(native, n, members)
     elif pid == 0:
-        engine.say_fallback()
+        _engine.say_fallback()
     # Every process is connected (or alone in its fabric) before any collective runs.
     start.barrier("connected", range(n))
     fabric = "shm" if len(members) > 1 else "inproc"
@@ -618,10 +631,10 @@ def _engine_state() -> dict:
     """init()'s ``engine`` (what runs XLA's collectives between processes) and ``engine_why``."""
     import jax
 
-    eng = engine.state["engine"]
+    eng = _engine.state["engine"]
     if eng is None or (eng == "mpi" and not mpi_engine.selected()):
-        eng = "strata" if engine.active() else jax.config.jax_cpu_collectives_implementation
-    return {"engine": eng or "none", "engine_why": engine.state["why"] or "jax's configuration"}
+        eng = "strata" if _engine.active() else jax.config.jax_cpu_collectives_implementation
+    return {"engine": eng or "none", "engine_why": _engine.state["why"] or "jax's configuration"}
 
 
 def _fabric_ids(start: _Startup, pid: int, n: int) -> dict[int, str]:
@@ -655,7 +668,7 @@ def _engine_before_backend(native, timeout_s: float):
     from jax._src import distributed
 
     gs = distributed.global_state
-    if not engine.active() or gs.client is None or (gs.num_processes or 1) < 2:
+    if not _engine.active() or gs.client is None or (gs.num_processes or 1) < 2:
         return None
     if runtime._backend_initialized():
         # jax.distributed and the backend were made by hand before init() (the backend called
@@ -670,12 +683,12 @@ def _engine_before_backend(native, timeout_s: float):
     ids = _fabric_ids(start, pid, n)
     fabrics = len(set(ids.values()))
     if fabrics > 1:
-        engine.fall_back_before_backend(
+        _engine.fall_back_before_backend(
             f"the {n} processes are on {fabrics} fabrics (hosts), and strata's engine moves "
             "bytes only inside one"
         )
     else:
-        engine.before_backend(native, pid, n)
+        _engine.before_backend(native, pid, n)
     return start, ids
 
 
@@ -687,7 +700,7 @@ def _engine_after_fabric(native, n: int, members) -> None:
     for d in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
         first.setdefault(d.process_index, d.id)
     local = {p: i for i, p in enumerate(members)}
-    engine.after_fabric(native, [first[p] for p in range(n)], [local.get(p, -1) for p in range(n)])
+    _engine.after_fabric(native, [first[p] for p in range(n)], [local.get(p, -1) for p in range(n)])
 
 
 def _mode_in_effect(native, mode: str) -> str:
