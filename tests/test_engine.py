@@ -268,3 +268,22 @@ def test_under_mpirun_the_engine_is_strata_and_wrap_runs_an_unmodified_script():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "ENGINE strata" in out and "on strata engine" in out and "TOTAL 1.0" in out, out[-3000:]
+
+
+def test_compiled_collectives_are_read_from_any_hlo_form():
+    from strata_jax._src.compiled_coverage import collectives_in
+
+    hlo = """
+  %all-reduce.17 = (f32[], f32[256,512]{1,0}, /*index=5*/f16[8]{0}) all-reduce(%a, %b), replica_groups={{0,1}}, to_apply=%add
+  %get-tuple-element.16 = f32[] get-tuple-element(%all-reduce.17), index=0
+  %ag = ((f32[4]{0}), bf16[8]{0}) all-gather-start(%x), dimensions={0}
+  %ag.done = bf16[8]{0} all-gather-done(%ag)
+  %cp = s32[4]{0} collective-permute(%y), source_target_pairs={{0,1},{1,0}}
+  %cc = f32[4]{0} custom-call(%z, %pid), custom_call_target="strata_all_reduce", api_version=API_VERSION_TYPED_FFI
+"""  # noqa: E501
+    assert collectives_in(hlo) == [
+        ("all-reduce", ("f16", "f32")),
+        ("all-gather", ("bf16", "f32")),
+        ("collective-permute", ("s32",)),
+        ("custom-call:strata_all_reduce", ()),
+    ]

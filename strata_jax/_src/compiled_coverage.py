@@ -44,9 +44,11 @@ _OPS = (
     "collective-broadcast",
     "ragged-all-to-all",
 )
+# ``%name = <shape> <opcode>(operands), attributes``: the shape (a tuple for combined or async
+# collectives, possibly with ``/*index=5*/`` comments) lies between the first " = " and the
+# opcode, which a blank precedes and "(" follows (an operand reads ``%all-reduce.17``).
 _INSTR = re.compile(
-    r"=\s*(?P<shape>\([^=]*?\)|[a-z0-9]+\[[^\]]*\](?:\{[^}]*\})?)\s+"
-    r"(?P<op>" + "|".join(re.escape(o) for o in _OPS) + r")(?P<start>-start)?\("
+    r"\s(?P<op>" + "|".join(re.escape(o) for o in _OPS) + r")(?P<start>-start)?\("
 )
 _CUSTOM = re.compile(r'custom_call_target="(?P<target>strata_[a-z0-9_]+)"')
 _DTYPE = re.compile(r"\b([a-z]+[0-9a-z]*)\[")
@@ -71,9 +73,11 @@ def collectives_in(hlo_text: str) -> list[tuple[str, tuple[str, ...]]]:
     custom calls as (``custom-call:<target>``, ())."""
     out = []
     for line in hlo_text.splitlines():
-        m = _INSTR.search(line)
+        eq = line.find(" = ")
+        m = _INSTR.search(line, eq + 2) if eq >= 0 else None
         if m:
-            out.append((m.group("op"), tuple(sorted(set(_DTYPE.findall(m.group("shape")))))))
+            shape = line[eq + 3 : m.start()]
+            out.append((m.group("op"), tuple(sorted(set(_DTYPE.findall(shape))))))
             continue
         c = _CUSTOM.search(line)
         if c and " custom-call(" in line:

@@ -22,6 +22,7 @@
 //
 // Constructors: none but static data. The library is loaded into every process that imports jax
 // with MPITRAMPOLINE_LIB set, and nothing runs until MPI_Init_thread.
+#include <pthread.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -194,13 +195,19 @@ bool tracing() {
   return t != 0;
 }
 
-#define TRACE(...)                                                     \
-  do {                                                                 \
-    if (tracing()) {                                                   \
-      fprintf(stderr, "[strata_mpi %d] ", static_cast<int>(getpid())); \
-      fprintf(stderr, __VA_ARGS__);                                    \
-      fputc('\n', stderr);                                             \
-    }                                                                  \
+// One stderr line per call: process, thread, CLOCK_MONOTONIC seconds (comparable across the
+// processes of one host), then the call.
+#define TRACE(...)                                                                       \
+  do {                                                                                   \
+    if (tracing()) {                                                                     \
+      timespec ts_;                                                                      \
+      clock_gettime(CLOCK_MONOTONIC, &ts_);                                              \
+      fprintf(stderr, "[strata_mpi %d %lx %ld.%09ld] ", static_cast<int>(getpid()),      \
+              static_cast<unsigned long>(pthread_self()), static_cast<long>(ts_.tv_sec), \
+              static_cast<long>(ts_.tv_nsec));                                           \
+      fprintf(stderr, __VA_ARGS__);                                                      \
+      fputc('\n', stderr);                                                               \
+    }                                                                                    \
   } while (0)
 
 // Messages behind error codes: MPI_Error_string(code) must give the message of the failure
