@@ -232,6 +232,14 @@ def parent(a, argv) -> int:
         f"device (dp) / in all (tp); SGD; float32"
     )
     print(
+        "# engines    : strata = XLA's collectives on strata's engine (libstrata_mpi.so); gloo ="
+        " JAX's gloo; mpi = XLA over Open MPI through MPIwrapper, MPI initialised"
+        " MPI_THREAD_MULTIPLE with every thread main (libstrata_mpi.so's STRATA_MPI_DELEGATE"
+        " mode: out of the box XLA over MPI fails this step, 'Communicator requested from a"
+        " thread that is not the one MPI was initialized from'), async dispatch off as"
+        " strata_jax.init() sets it for MPI"
+    )
+    print(
         f"# compared   : {', '.join(engines)} (the engine between processes), {a.procs} processes, "
         f"{a.rounds} round(s) alternated, {a.steps} timed steps after {a.warmup}; times are "
         "medians of the steps of a launch, then the median over rounds"
@@ -246,6 +254,16 @@ def parent(a, argv) -> int:
             cmd = [sys.executable, "-m", "strata_jax.launch", "-n", str(a.procs),
                    "--engine", engine, str(Path(__file__).resolve()), *argv]  # fmt: skip
             env = dict(os.environ, **{CHILD_ENV: "1", RESULT_ENV: str(note)})
+            if engine == "mpi":
+                # XLA over the real MPI fails this step on every rank out of the box ("MPI:
+                # Communicator requested from a thread that is not the one MPI was initialized
+                # from": XLA's executor runs the step's collectives on its pool threads).
+                # libstrata_mpi.so's delegate mode runs it over the same MPI with
+                # MPI_THREAD_MULTIPLE and every thread main (native/mpiabi/abi/delegate.h).
+                from strata_jax._src import engine as strata_engine
+
+                env["STRATA_MPI_DELEGATE"] = os.environ["MPITRAMPOLINE_LIB"]
+                env["MPITRAMPOLINE_LIB"] = strata_engine.library_path()
             r = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if r.returncode != 0:
                 rc = r.returncode

@@ -287,3 +287,21 @@ def test_compiled_collectives_are_read_from_any_hlo_form():
         ("collective-permute", ("s32",)),
         ("custom-call:strata_all_reduce", ()),
     ]
+
+
+def test_delegate_mode_runs_xla_over_a_real_mpi_with_the_thread_rule_lifted():
+    """STRATA_MPI_DELEGATE: libstrata_mpi.so forwards XLA's MPI calls to MPIwrapper (the
+    constants copied from it, MPI_THREAD_MULTIPLE, every thread main): a jit + sharding program
+    runs over Open MPI through it (benchmarks/gspmd_step.py's XLA-over-MPI baseline). Skipped
+    without MPIwrapper and mpirun."""
+    real = os.environ.get("MPITRAMPOLINE_LIB", "")
+    if not os.path.isfile(real) or mp.shutil.which("mpirun") is None:
+        pytest.skip("needs mpirun and MPITRAMPOLINE_LIB naming MPIwrapper's libmpiwrapper.so")
+    cmd = mp.launch_cmd(2, "engine_choice.py")
+    cmd.insert(cmd.index("--grace"), "--engine")
+    cmd.insert(cmd.index("--grace"), "mpi")
+    env = mp.job_env(MPITRAMPOLINE_LIB=_library(), STRATA_MPI_DELEGATE=real)
+    r = subprocess.run(cmd, env=env, cwd=mp.PKG_PARENT, capture_output=True, text=True, timeout=180)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "ENGINE mpi" in out and "on XLA MPI" in out and "TOTAL 1.0" in out, out[-3000:]

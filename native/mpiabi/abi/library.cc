@@ -35,6 +35,7 @@
 #include <atomic>
 #include <mutex>
 
+#include "mpiabi/abi/delegate.h"
 #include "mpiabi/engine_api.h"
 #include "xla/ffi/api/c_api.h"
 
@@ -110,50 +111,11 @@ extern "C" {
 
 #define STRATA_MPI_PTR(N, V) __attribute__((visibility("default"))) void* MPIABI_##N = V;
 #define STRATA_MPI_HANDLE(N, V) __attribute__((visibility("default"))) uintptr_t MPIABI_##N = V;
-// clang-format off
-STRATA_MPI_PTR(ARGV_NULL, nullptr)
-STRATA_MPI_PTR(ARGVS_NULL, nullptr)
-STRATA_MPI_PTR(BOTTOM, nullptr)
-STRATA_MPI_PTR(IN_PLACE, &g_sentinel[1])
-STRATA_MPI_PTR(ERRCODES_IGNORE, &g_sentinel[2])
-STRATA_MPI_PTR(UNWEIGHTED, &g_sentinel[3])
-STRATA_MPI_PTR(WEIGHTS_EMPTY, &g_sentinel[4])
-STRATA_MPI_PTR(STATUS_IGNORE, &g_sentinel[5])
-STRATA_MPI_PTR(STATUSES_IGNORE, &g_sentinel[6])
-STRATA_MPI_PTR(F_STATUS_IGNORE, &g_sentinel[7])
-STRATA_MPI_PTR(F_STATUSES_IGNORE, &g_sentinel[0])
-// Attribute and conversion callbacks (never called here).
-STRATA_MPI_PTR(COMM_DUP_FN, nullptr)
-STRATA_MPI_PTR(COMM_NULL_COPY_FN, nullptr)
-STRATA_MPI_PTR(COMM_NULL_DELETE_FN, nullptr)
-STRATA_MPI_PTR(DUP_FN, nullptr)
-STRATA_MPI_PTR(NULL_COPY_FN, nullptr)
-STRATA_MPI_PTR(NULL_DELETE_FN, nullptr)
-STRATA_MPI_PTR(CONVERSION_FN_NULL, nullptr)
-STRATA_MPI_PTR(TYPE_DUP_FN, nullptr)
-STRATA_MPI_PTR(TYPE_NULL_COPY_FN, nullptr)
-STRATA_MPI_PTR(TYPE_NULL_DELETE_FN, nullptr)
-STRATA_MPI_PTR(WIN_DUP_FN, nullptr)
-STRATA_MPI_PTR(WIN_NULL_COPY_FN, nullptr)
-STRATA_MPI_PTR(WIN_NULL_DELETE_FN, nullptr)
-STRATA_MPI_HANDLE(COMM_NULL, 0)
-STRATA_MPI_HANDLE(COMM_WORLD, kCommWorld)
-STRATA_MPI_HANDLE(COMM_SELF, kCommSelf)
-STRATA_MPI_HANDLE(ERRHANDLER_NULL, 0)
-STRATA_MPI_HANDLE(ERRORS_ARE_FATAL, 0x5f01)
-STRATA_MPI_HANDLE(ERRORS_RETURN, 0x5f02)
-STRATA_MPI_HANDLE(FILE_NULL, 0)
-STRATA_MPI_HANDLE(GROUP_NULL, 0)
-STRATA_MPI_HANDLE(GROUP_EMPTY, 0x6001)
-STRATA_MPI_HANDLE(INFO_NULL, 0)
-STRATA_MPI_HANDLE(INFO_ENV, 0x6101)
-STRATA_MPI_HANDLE(MESSAGE_NULL, 0)
-STRATA_MPI_HANDLE(MESSAGE_NO_PROC, 0x6201)
-STRATA_MPI_HANDLE(REQUEST_NULL, 0)
-STRATA_MPI_HANDLE(WIN_NULL, 0)
-// clang-format on
+#define STRATA_MPI_SENTINEL(i) (&g_sentinel[i])
+#include "mpiabi/abi/handles.inc"
 #undef STRATA_MPI_PTR
 #undef STRATA_MPI_HANDLE
+#undef STRATA_MPI_SENTINEL
 __attribute__((visibility("default"))) int64_t MPIABI_DISPLACEMENT_CURRENT = -54278278;
 
 // Versions MPItrampoline reads: the ABI (major 2, minor >= 9), and this library's own, which it
@@ -354,7 +316,9 @@ STRATA_EXPORT int strata_mpi_attach(const StrataMpiEngine* e) {
 
 // ---- start and end ----
 
-STRATA_EXPORT int MPIABI_Init_thread(int*, char***, int required, int* provided) {
+STRATA_EXPORT int MPIABI_Init_thread(int* argc, char*** argv, int required, int* provided) {
+  if (const strata_mpi::Real* r = strata_mpi::real())
+    return r->Init_thread(argc, argv, r->thread_multiple, provided);
   int rc = 0;
   const StrataMpiEngine* e = engine("MPI_Init_thread", &rc);
   if (!e) return rc;
@@ -372,11 +336,13 @@ STRATA_EXPORT int MPIABI_Init(int* argc, char*** argv) {
 }
 
 STRATA_EXPORT int MPIABI_Initialized(int* flag) {
+  if (const strata_mpi::Real* r = strata_mpi::real()) return r->Initialized(flag);
   *flag = g_initialized.load(std::memory_order_acquire) ? 1 : 0;
   return 0;
 }
 
 STRATA_EXPORT int MPIABI_Finalize() {
+  if (const strata_mpi::Real* r = strata_mpi::real()) return r->Finalize();
   TRACE("MPI_Finalize");
   g_finalized.store(true, std::memory_order_release);
   const StrataMpiEngine* e = g_engine.load(std::memory_order_acquire);
@@ -385,11 +351,13 @@ STRATA_EXPORT int MPIABI_Finalize() {
 }
 
 STRATA_EXPORT int MPIABI_Finalized(int* flag) {
+  if (const strata_mpi::Real* r = strata_mpi::real()) return r->Finalized(flag);
   *flag = g_finalized.load(std::memory_order_acquire) ? 1 : 0;
   return 0;
 }
 
 STRATA_EXPORT int MPIABI_Query_thread(int* provided) {
+  if (const strata_mpi::Real* r = strata_mpi::real()) return r->Query_thread(provided);
   *provided = MPIABI_THREAD_MULTIPLE;
   return 0;
 }
@@ -412,6 +380,8 @@ STRATA_EXPORT int MPIABI_Get_version(int* version, int* subversion) {
 }
 
 STRATA_EXPORT int MPIABI_Get_library_version(char* version, int* resultlen) {
+  if (const strata_mpi::Real* r = strata_mpi::real())
+    return r->Get_library_version(version, resultlen);
   const int n =
       snprintf(version, 8192, "strata_jax MPI engine (libstrata_mpi.so, MPI ABI %d.%d.%d)",
                mpiabi_version_major, mpiabi_version_minor, mpiabi_version_patch);
@@ -438,6 +408,7 @@ STRATA_EXPORT intptr_t MPIABI_Aint_add(intptr_t base, intptr_t disp) { return ba
 STRATA_EXPORT intptr_t MPIABI_Aint_diff(intptr_t a, intptr_t b) { return a - b; }
 
 STRATA_EXPORT int MPIABI_Error_class(int errorcode, int* errorclass) {
+  if (const strata_mpi::Real* r = strata_mpi::real()) return r->Error_class(errorcode, errorclass);
   if (errorcode >= kMsgCodeBase && errorcode < kMsgCodeBase + kMsgCodes) {
     Messages& m = messages();
     std::lock_guard<std::mutex> lock(m.mu);
@@ -449,6 +420,8 @@ STRATA_EXPORT int MPIABI_Error_class(int errorcode, int* errorclass) {
 }
 
 STRATA_EXPORT int MPIABI_Error_string(int errorcode, char* string, int* resultlen) {
+  if (const strata_mpi::Real* r = strata_mpi::real())
+    return r->Error_string(errorcode, string, resultlen);
   if (errorcode >= kMsgCodeBase && errorcode < kMsgCodeBase + kMsgCodes) {
     Messages& m = messages();
     std::lock_guard<std::mutex> lock(m.mu);
@@ -489,6 +462,7 @@ STRATA_EXPORT int MPIABI_Get_count(const void* status, Handle dt, int* count) {
 // ---- communicators ----
 
 STRATA_EXPORT int MPIABI_Comm_rank(Handle comm, int* rank) {
+  if (const strata_mpi::Real* r = strata_mpi::real()) return r->Comm_rank(comm, rank);
   int rc = 0;
   const StrataMpiEngine* e = engine("MPI_Comm_rank", &rc);
   if (!e) return rc;
@@ -496,6 +470,7 @@ STRATA_EXPORT int MPIABI_Comm_rank(Handle comm, int* rank) {
 }
 
 STRATA_EXPORT int MPIABI_Comm_size(Handle comm, int* size) {
+  if (const strata_mpi::Real* r = strata_mpi::real()) return r->Comm_size(comm, size);
   int rc = 0;
   const StrataMpiEngine* e = engine("MPI_Comm_size", &rc);
   if (!e) return rc;
@@ -503,6 +478,8 @@ STRATA_EXPORT int MPIABI_Comm_size(Handle comm, int* size) {
 }
 
 STRATA_EXPORT int MPIABI_Comm_split(Handle comm, int color, int key, Handle* newcomm) {
+  if (const strata_mpi::Real* r = strata_mpi::real())
+    return r->Comm_split(comm, color, key, newcomm);
   int rc = 0;
   const StrataMpiEngine* e = engine("MPI_Comm_split", &rc);
   if (!e) return rc;
@@ -515,6 +492,7 @@ STRATA_EXPORT int MPIABI_Comm_split(Handle comm, int color, int key, Handle* new
 }
 
 STRATA_EXPORT int MPIABI_Comm_free(Handle* comm) {
+  if (const strata_mpi::Real* r = strata_mpi::real()) return r->Comm_free(comm);
   const StrataMpiEngine* e = g_engine.load(std::memory_order_acquire);
   if (e && *comm != kCommWorld && *comm != kCommSelf && *comm != 0)
     e->comm_free(reinterpret_cast<StrataMpiComm*>(*comm));
@@ -525,6 +503,7 @@ STRATA_EXPORT int MPIABI_Comm_free(Handle* comm) {
 // ---- collectives ----
 
 STRATA_EXPORT int MPIABI_Barrier(Handle comm) {
+  if (const strata_mpi::Real* r = strata_mpi::real()) return r->Barrier(comm);
   int rc = 0;
   const StrataMpiEngine* e = engine("MPI_Barrier", &rc);
   if (!e) return rc;
@@ -533,6 +512,8 @@ STRATA_EXPORT int MPIABI_Barrier(Handle comm) {
 
 STRATA_EXPORT int MPIABI_Allreduce(const void* sendbuf, void* recvbuf, int count, Handle dt,
                                    Handle op, Handle comm) {
+  if (const strata_mpi::Real* r = strata_mpi::real())
+    return r->Allreduce(sendbuf, recvbuf, count, dt, op, comm);
   int rc = 0;
   const StrataMpiEngine* e = engine("MPI_Allreduce", &rc);
   if (!e) return rc;
@@ -554,6 +535,8 @@ STRATA_EXPORT int MPIABI_Allreduce(const void* sendbuf, void* recvbuf, int count
 
 STRATA_EXPORT int MPIABI_Allgather(const void* sendbuf, int sendcount, Handle sendtype,
                                    void* recvbuf, int recvcount, Handle recvtype, Handle comm) {
+  if (const strata_mpi::Real* r = strata_mpi::real())
+    return r->Allgather(sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm);
   int rc = 0;
   const StrataMpiEngine* e = engine("MPI_Allgather", &rc);
   if (!e) return rc;
@@ -603,11 +586,15 @@ int reduce_scatter(const char* fn, const void* sendbuf, void* recvbuf, int count
 
 STRATA_EXPORT int MPIABI_Reduce_scatter_block(const void* sendbuf, void* recvbuf, int recvcount,
                                               Handle dt, Handle op, Handle comm) {
+  if (const strata_mpi::Real* r = strata_mpi::real())
+    return r->Reduce_scatter_block(sendbuf, recvbuf, recvcount, dt, op, comm);
   return reduce_scatter("MPI_Reduce_scatter_block", sendbuf, recvbuf, recvcount, dt, op, comm);
 }
 
 STRATA_EXPORT int MPIABI_Reduce_scatter(const void* sendbuf, void* recvbuf, const int* recvcounts,
                                         Handle dt, Handle op, Handle comm) {
+  if (const strata_mpi::Real* r = strata_mpi::real())
+    return r->Reduce_scatter(sendbuf, recvbuf, recvcounts, dt, op, comm);
   int rc = 0;
   const StrataMpiEngine* e = engine("MPI_Reduce_scatter", &rc);
   if (!e) return rc;
@@ -681,19 +668,27 @@ int wait(Handle* request, void* status) {
 
 STRATA_EXPORT int MPIABI_Isend(const void* buf, int count, Handle dt, int dest, int tag,
                                Handle comm, Handle* request) {
+  if (const strata_mpi::Real* r = strata_mpi::real())
+    return r->Isend(buf, count, dt, dest, tag, comm, request);
   TRACE("MPI_Isend(%p, %d, to %d, tag %d)", buf, count, dest, tag);
   return isend("MPI_Isend", buf, count, dt, dest, tag, comm, request);
 }
 
 STRATA_EXPORT int MPIABI_Irecv(void* buf, int count, Handle dt, int source, int tag, Handle comm,
                                Handle* request) {
+  if (const strata_mpi::Real* r = strata_mpi::real())
+    return r->Irecv(buf, count, dt, source, tag, comm, request);
   TRACE("MPI_Irecv(%p, %d, from %d, tag %d)", buf, count, source, tag);
   return irecv("MPI_Irecv", buf, count, dt, source, tag, comm, request);
 }
 
-STRATA_EXPORT int MPIABI_Wait(Handle* request, void* status) { return wait(request, status); }
+STRATA_EXPORT int MPIABI_Wait(Handle* request, void* status) {
+  if (const strata_mpi::Real* r = strata_mpi::real()) return r->Wait(request, status);
+  return wait(request, status);
+}
 
 STRATA_EXPORT int MPIABI_Waitall(int count, Handle* requests, void* statuses) {
+  if (const strata_mpi::Real* r = strata_mpi::real()) return r->Waitall(count, requests, statuses);
   int first = 0;
   for (int i = 0; i < count; ++i) {
     void* st = ignored(statuses) ? nullptr : static_cast<Status*>(statuses) + i;
@@ -705,6 +700,8 @@ STRATA_EXPORT int MPIABI_Waitall(int count, Handle* requests, void* statuses) {
 
 STRATA_EXPORT int MPIABI_Send(const void* buf, int count, Handle dt, int dest, int tag,
                               Handle comm) {
+  if (const strata_mpi::Real* r = strata_mpi::real())
+    return r->Send(buf, count, dt, dest, tag, comm);
   Handle r = 0;
   const int rc = isend("MPI_Send", buf, count, dt, dest, tag, comm, &r);
   if (rc) return rc;
@@ -713,6 +710,8 @@ STRATA_EXPORT int MPIABI_Send(const void* buf, int count, Handle dt, int dest, i
 
 STRATA_EXPORT int MPIABI_Recv(void* buf, int count, Handle dt, int source, int tag, Handle comm,
                               void* status) {
+  if (const strata_mpi::Real* r = strata_mpi::real())
+    return r->Recv(buf, count, dt, source, tag, comm, status);
   Handle r = 0;
   const int rc = irecv("MPI_Recv", buf, count, dt, source, tag, comm, &r);
   if (rc) return rc;
@@ -723,6 +722,9 @@ STRATA_EXPORT int MPIABI_Recv(void* buf, int count, Handle dt, int source, int t
 STRATA_EXPORT int MPIABI_Sendrecv(const void* sendbuf, int sendcount, Handle sendtype, int dest,
                                   int sendtag, void* recvbuf, int recvcount, Handle recvtype,
                                   int source, int recvtag, Handle comm, void* status) {
+  if (const strata_mpi::Real* r = strata_mpi::real())
+    return r->Sendrecv(sendbuf, sendcount, sendtype, dest, sendtag, recvbuf, recvcount, recvtype,
+                       source, recvtag, comm, status);
   TRACE("MPI_Sendrecv(%p, %d, to %d; %p, %d, from %d)", sendbuf, sendcount, dest, recvbuf,
         recvcount, source);
   Handle s = 0, r = 0;
