@@ -47,9 +47,7 @@ _OPS = (
 # ``%name = <shape> <opcode>(operands), attributes``: the shape (a tuple for combined or async
 # collectives, possibly with ``/*index=5*/`` comments) lies between the first " = " and the
 # opcode, which a blank precedes and "(" follows (an operand reads ``%all-reduce.17``).
-_INSTR = re.compile(
-    r"\s(?P<op>" + "|".join(re.escape(o) for o in _OPS) + r")(?P<start>-start)?\("
-)
+_INSTR = re.compile(r"\s(?P<op>" + "|".join(re.escape(o) for o in _OPS) + r")(?P<start>-start)?\(")
 _CUSTOM = re.compile(r'custom_call_target="(?P<target>strata_[a-z0-9_]+)"')
 _DTYPE = re.compile(r"\b([a-z]+[0-9a-z]*)\[")
 
