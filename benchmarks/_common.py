@@ -314,7 +314,7 @@ def align_processes(tag: str) -> None:
 
     if jax.process_count() == 1:
         return
-    from jax._src import distributed
+    from strata_jax._src.jax_compat import distributed
 
     if distributed.global_state.client is None:  # processes not joined by jax.distributed
         return
@@ -732,6 +732,22 @@ def progress(total: int, desc: str = "", enable: bool = True) -> Any:
     return _NoBar()
 
 
+NO_MATPLOTLIB = "no plot: matplotlib is not installed (pip install '.[bench]')"
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend, or None when matplotlib is not installed (the
+    ``bench`` extra brings it); callers say so with :data:`NO_MATPLOTLIB`."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
 def plot_lines(
     path: Path,
     panels: dict[str, dict[str, tuple[Sequence[float], Sequence[float]]]],
@@ -745,12 +761,8 @@ def plot_lines(
 
     Uses matplotlib's Agg backend; returns False (and writes nothing) if matplotlib is missing.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     n = max(1, len(panels))
     ncols = min(n, 3)

@@ -225,12 +225,8 @@ def draw_panel(ax: Any, workload: str, name: str, points: list[dict[str, Any]]) 
 
 def plot(path: Path, workload: str, points: list[dict[str, Any]], title: str) -> bool:
     """One PNG for one workload: a panel per timed quantity (:func:`draw_panel`)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = C.pyplot()
+    if plt is None:
         return False
     names = [n for n, _ in PANELS[workload]]
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.4), squeeze=False)
@@ -294,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         if not js.exists():
             raise SystemExit(f"--plot-only: {js} does not exist (run the sweep first)")
         summary = _read_summary(js)
+        if C.pyplot() is None:
+            raise SystemExit(f"--plot-only: {C.NO_MATPLOTLIB}")
     else:
         info = C.machine_info()
         C.print_machine(info)
@@ -310,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# wrote {js}")
     for png in write_plots(summary, args.out, args.workloads):
         print(f"# wrote {png}")
+    if C.pyplot() is None:
+        print(f"# {C.NO_MATPLOTLIB}")
     failed = [p for p in summary["points"] if "failed" in p]
     return 1 if failed else 0
 

@@ -97,10 +97,11 @@ def child(a: argparse.Namespace) -> None:
     info = sj.init()
     import jax
     import jax.numpy as jnp
-    from jax._src import distributed
     from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
+
+    from strata_jax._src.jax_compat import distributed
 
     client = distributed.global_state.client
     n = jax.process_count()

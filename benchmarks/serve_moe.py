@@ -638,6 +638,8 @@ def main(argv: list[str] | None = None) -> int:
         png = args.out / "serve_moe.png"
         if _plot(png, runs):
             say(f"# wrote {png}")
+        else:
+            say(f"# {C.NO_MATPLOTLIB}")
         C.write_json(
             args.out / "serve_moe.json",
             dict(
@@ -690,13 +692,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(path: Path, runs: dict[str, dict[str, Any]]) -> bool:
-    try:
-        import matplotlib
+    import numpy as np
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import numpy as np
-    except ImportError:
+    plt = C.pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(8, 4.5))
     all_ms = np.concatenate([1e3 * np.asarray(r["steps"]) for r in runs.values()])

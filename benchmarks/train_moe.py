@@ -702,6 +702,8 @@ def main(argv: list[str] | None = None) -> int:
         png = args.out / "train_moe.png"
         if _plot(png, runs):
             say(f"# wrote {png}")
+        else:
+            say(f"# {C.NO_MATPLOTLIB}")
         js = args.out / "train_moe.json"
         C.write_json(
             js,
@@ -721,12 +723,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(path: Path, runs: dict[str, dict[str, Any]]) -> bool:
-    try:
-        import matplotlib
+    import _common as C
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = C.pyplot()
+    if plt is None:
         return False
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for k, r in runs.items():

@@ -608,6 +608,8 @@ def main(argv: list[str] | None = None) -> int:
         png = args.out / "train_recsys.png"
         if _plot(png, runs):
             say(f"# wrote {png}")
+        else:
+            say(f"# {C.NO_MATPLOTLIB}")
         js = args.out / "train_recsys.json"
         C.write_json(
             js,
@@ -638,12 +640,8 @@ def _in_order(arr: Any) -> list[Any]:
 
 
 def _plot(path: Path, runs: dict[str, dict[str, Any]]) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = C.pyplot()
+    if plt is None:
         return False
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for (k, r), style in zip(runs.items(), ("-", "--"), strict=False):

@@ -79,6 +79,7 @@ from strata_jax._src import allocator as _allocator  # noqa: E402
 _allocator.install()  # the pool serves XLA's buffers under any launcher (see allocator.py)
 
 from strata_jax import moe  # noqa: E402
+from strata_jax._src import jax_compat as _jax_compat  # noqa: E402
 from strata_jax._src.collectives import (  # noqa: E402
     all_gather,
     all_to_all,
@@ -106,6 +107,8 @@ from strata_jax._src.runtime import (  # noqa: E402
     set_two_shot_threshold,
 )
 from strata_jax._src.topology import topology  # noqa: E402
+
+_jax_compat.warn_if_untested()  # one warning on a JAX newer than the tested range
 
 __version__ = "0.2.0"  # the one place the version is written (pyproject.toml reads it)
 

@@ -99,7 +99,7 @@ def collect() -> dict:
 
 def _fabric_map(state: dict) -> list[str]:
     """Every process: host and fabric id, exchanged through jax.distributed's key-value store."""
-    from jax._src import distributed
+    from strata_jax._src.jax_compat import distributed
 
     client = distributed.global_state.client
     pid, n = state["process_id"], state["num_processes"]

@@ -122,7 +122,9 @@ def _fake_run(workload: str, share: float, strata_s: float) -> dict:
     return data
 
 
-def test_sweep_points_and_plots_from_fake_runs(tmp_path):
+def _fake_summary() -> dict:
+    """A regime_sweep.json summary of three fake runs per workload (communication shares 20%,
+    35%, 50%), checking each point's record on the way."""
     points = []
     for workload in regime_sweep.WORKLOADS:
         for i, share in enumerate((0.2, 0.35, 0.5)):
@@ -134,17 +136,11 @@ def test_sweep_points_and_plots_from_fake_runs(tmp_path):
                 assert pnl["strata_speedup"] == pytest.approx(0.2 / (0.2 - 0.01 * (i + 1)))
             assert len(rec["panels"]) == len(regime_sweep.PANELS[workload])
             points.append(rec)
-    summary = {"machine": {"date": "d", "commit": "c"}, "procs": 1, "points": points}
-    (tmp_path / "regime_sweep.json").write_text(json.dumps(summary))
-    only = tmp_path / "only"
-    only.mkdir()
-    (only / "regime_sweep.json").write_text(json.dumps(summary))
-    assert regime_sweep.main(["--plot-only", "--workload", "train_moe", "--out", str(only)]) == 0
-    assert sorted(p.name for p in only.glob("*.png")) == ["regime_train_moe.png"]
-    assert regime_sweep.main(["--plot-only", "--out", str(tmp_path)]) == 0
-    for workload in regime_sweep.WORKLOADS:
-        png = tmp_path / f"regime_{workload}.png"
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return {"machine": {"date": "d", "commit": "c"}, "procs": 1, "points": points}
+
+
+def test_sweep_points_and_docs_tables_from_fake_runs():
+    summary = _fake_summary()
     # the docs draw the same JSON: a table row per point and timed quantity, a panel per
     # workload and timed quantity
     sys.path.insert(0, str(BENCH.parent / "docs" / "_ext"))
@@ -159,6 +155,32 @@ def test_sweep_points_and_plots_from_fake_runs(tmp_path):
         "| train_moe | p1 (`--x 1`) | training step (median) | 35% | 1.11x faster | 1.54x faster |"
         in text
     )
+
+
+def test_plot_only_draws_each_workload(tmp_path):
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (the bench extra)")
+    summary = _fake_summary()
+    (tmp_path / "regime_sweep.json").write_text(json.dumps(summary))
+    only = tmp_path / "only"
+    only.mkdir()
+    (only / "regime_sweep.json").write_text(json.dumps(summary))
+    assert regime_sweep.main(["--plot-only", "--workload", "train_moe", "--out", str(only)]) == 0
+    assert sorted(p.name for p in only.glob("*.png")) == ["regime_train_moe.png"]
+    assert regime_sweep.main(["--plot-only", "--out", str(tmp_path)]) == 0
+    for workload in regime_sweep.WORKLOADS:
+        png = tmp_path / f"regime_{workload}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_only_without_matplotlib_fails_and_says_why(tmp_path, monkeypatch):
+    """Asked to plot without matplotlib: an error naming it and the extra, no silent 0."""
+    (tmp_path / "regime_sweep.json").write_text(json.dumps(_fake_summary()))
+    monkeypatch.setattr(_common, "pyplot", lambda: None)
+    with pytest.raises(
+        SystemExit, match=r"matplotlib is not installed \(pip install '\.\[bench\]'\)"
+    ):
+        regime_sweep.main(["--plot-only", "--out", str(tmp_path)])
+    assert not list(tmp_path.glob("*.png"))
 
 
 @pytest.mark.parametrize("text", ["{garbage", '{"points": 5}', "[]", '{"procs": 1, "points": [3]}'])

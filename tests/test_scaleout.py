@@ -647,7 +647,7 @@ def test_plan_layouts(two_fake_fabrics):
 
     class Ctx:  # just what plan() reads
         class module_context:
-            from jax._src.sharding_impls import SPMDAxisContext
+            from strata_jax._src.jax_compat import SPMDAxisContext
 
             axis_context = SPMDAxisContext(Mesh(np.array(devs).reshape(2, 2), ("h", "l")))
 

@@ -236,3 +236,21 @@ def test_startup_wait_messages(monkeypatch):
     for p in range(4):
         store.data[keys[p]] = str(p)
     assert fabric._Startup(store, 1, 4, 60).wait("x", keys) == {p: str(p) for p in range(4)}
+
+
+def test_an_mpirun_jax_cannot_read_fails_at_once_naming_the_cause():
+    """Open MPI 5's mpirun sets OMPI_COMM_WORLD_* but no ORTE URI, so JAX cannot find the
+    coordinator without mpi4py: init() fails at once with JAX's reason and what to install,
+    not after timeout_s as if a peer were late."""
+    env = {k: v for k, v in job_env().items() if not k.startswith(("OMPI_", "PMI", "SLURM_"))}
+    env.update(OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK="0", OMPI_VERSION="5.0.7")
+    code = "import strata_jax as sj; sj.init(timeout_s=60)"
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=PKG_PARENT, capture_output=True, text=True
+    )
+    took = time.monotonic() - t0
+    assert r.returncode != 0
+    assert "jax.distributed.initialize failed" in r.stderr, r.stderr[-2000:]
+    assert "mpi4py" in r.stderr and "Open MPI 5" in r.stderr, r.stderr[-2000:]
+    assert took < 30, took  # not the 60 s of a peer that never comes

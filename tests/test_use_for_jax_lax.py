@@ -489,3 +489,33 @@ def test_jax_lax_ragged_all_to_all_runs_on_strata(rng):
     np.testing.assert_array_equal(
         np.asarray(got).reshape(4, 4, 2).transpose(1, 0, 2), x.reshape(4, 4, 2)
     )
+
+
+def test_ppermute_named_out_of_mesh_order_follows_the_running_jax(rng):
+    """jax.lax.ppermute over ("b", "a") of an ("a", "b") mesh under use_for_jax_lax() does what
+    the running release's jax.lax does: JAX 0.10 indexes the group in mesh order, 0.11.1+
+    raises unless jax_raise_on_ppermute_sort_diff is off, then indexes it in the order named
+    (as strata_jax.ppermute always does)."""
+    from _util import ppermute_reference
+
+    from strata_jax._src import jax_compat
+
+    mesh = _mesh2x4()
+    perm = [(i, (i + 3) % 8) for i in range(7)]
+    x = jnp.asarray(rng.standard_normal((8, 5)).astype(np.float32))
+    spec = P(("a", "b"))
+    f = _smap(lambda v: jax.lax.ppermute(v, ("b", "a"), perm), mesh, spec, spec)
+    order = jax_compat.jax_ppermute_order()
+    if order == "mesh":
+        want, got, _, hlo_in = _both(f, x)
+        np.testing.assert_array_equal(got, want)
+        assert "strata_permute" in hlo_in
+        return
+    assert order == "raise"
+    with sj.use_for_jax_lax(), pytest.raises(RuntimeError, match="same order"):
+        f(x)
+    with jax_compat.config.raise_on_ppermute_sort_diff(False):
+        want, got, _, hlo_in = _both(f, x)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, ppermute_reference(np.asarray(x), ("b", "a"), perm))
+    assert "strata_permute" in hlo_in

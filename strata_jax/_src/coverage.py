@@ -14,9 +14,8 @@ import collections
 import dataclasses
 import threading
 
-from jax._src.interpreters import mlir
-
 from strata_jax._src import collectives, debug, ragged
+from strata_jax._src.jax_compat import lowering_rule, mlir
 
 _KEEP = 256
 _KEY = ("strata_jax", "coverage")
@@ -142,7 +141,7 @@ def _record_strata_operators() -> None:
         _dispatch.moe_ll_combine_p,
     ]
     for prim in prims:
-        rule = mlir._platform_specific_lowerings["cpu"][prim].rule
+        rule = lowering_rule(prim, "cpu")
 
         def recorded(ctx, *args, rule=rule, name=prim.name, **params):
             out = rule(ctx, *args, **params)

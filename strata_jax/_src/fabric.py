@@ -37,7 +37,7 @@ _state: dict | None = None
 
 
 def _distributed_client():
-    from jax._src import distributed
+    from strata_jax._src.jax_compat import distributed
 
     return distributed.global_state.client
 
@@ -144,7 +144,7 @@ def _skip_distributed_shutdown_if_broken() -> None:
     runtime.native().fabric_leave()
     if not why:
         return
-    from jax._src import distributed
+    from strata_jax._src.jax_compat import distributed
 
     st = distributed.global_state
     if st.client is None and st.service is None:
@@ -308,7 +308,7 @@ def _before_exit() -> None:
         st.announce_ending()
     if not _gave_up:
         return
-    from jax._src import distributed
+    from strata_jax._src.jax_compat import distributed
 
     gs = distributed.global_state
     if gs.service is None or gs.client is None:
@@ -377,7 +377,7 @@ def _connect_timed_out(timeout_s: float) -> StartupError:
     have registered and says to no one which are missing; so process 0 names all the others,
     and another process names process 0 when nothing listens at the coordinator's address.
     """
-    from jax._src import distributed
+    from strata_jax._src.jax_compat import distributed
 
     gs = distributed.global_state
     pid, n, where = gs.process_id, gs.num_processes, gs.coordinator_address or "?"
@@ -392,6 +392,16 @@ def _connect_timed_out(timeout_s: float) -> StartupError:
         f"{_procs(who)} to connect to jax.distributed (coordinator {where}){why}. "
         f"{_procs(who).capitalize()} did not reach strata_jax.init() in time: late, stuck or "
         "dead. If they only start slowly, raise the timeout: strata_jax.init(timeout_s=...)."
+    )
+
+
+def _is_connection_error(e: BaseException) -> bool:
+    """Whether ``jax.distributed.initialize`` failed to reach or hear from its peers (a late,
+    stuck or dead process), rather than on the cluster's description or its arguments."""
+    text = str(e)
+    return any(
+        k in text
+        for k in ("DEADLINE_EXCEEDED", "UNAVAILABLE", "timed out", "Barrier", "connect", "Socket")
     )
 
 
@@ -426,6 +436,19 @@ def _initialize_distributed(timeout_s: float, **kwargs) -> None:
         _connect_pending.append(t)
         raise _connect_timed_out(timeout_s)
     e = done.get("error")
+    if e is not None and not _is_connection_error(e):  # the cluster or the call is at fault
+        hint = ""
+        ompi5 = "OMPI_COMM_WORLD_SIZE" in os.environ and "OMPI_MCA_orte_hnp_uri" not in os.environ
+        if "mpi4py" in str(e) or ompi5:
+            hint = (
+                " This looks like Open MPI 5, whose mpirun gives JAX no coordinator address: "
+                "JAX finds it through mpi4py (pip install mpi4py, against this machine's "
+                "MPI), or start the job with python -m strata_jax.launch."
+            )
+        text = str(e).rstrip(". ")
+        raise StartupError(
+            f"strata_jax.init: jax.distributed.initialize failed: {text}.{hint}"
+        ) from e
     if e is not None:
         where = kwargs.get("coordinator_address") or "the address the cluster gives"
         raise StartupError(
@@ -554,7 +577,9 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
             mpi_engine.configure_before_backend()
         else:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        _initialize_distributed(timeout_s)
+        from strata_jax._src import jax_compat
+
+        _initialize_distributed(timeout_s, **jax_compat.cluster_detection_kwargs())
     if mpi_engine.selected() and jax.distributed.is_initialized():
         if not runtime._backend_initialized():
             # also where the user started jax.distributed by hand before init()

@@ -65,13 +65,9 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
-from jax._src.interpreters import mlir
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import hlo
-from jax._src.sharding_impls import SPMDAxisContext
 
 from strata_jax._src import lowering, mpi_engine, runtime, topology
+from strata_jax._src.jax_compat import SPMDAxisContext, core, hlo, ir, mlir
 
 # --------------------------------------------------------------------------------------
 # The plan: groups of the collective and how fabrics cut them

@@ -38,12 +38,22 @@ from collections.abc import Callable, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import config, core
-from jax._src.interpreters import mlir
-from jax._src.lax import parallel as lax_parallel
-from jax._src.sharding_impls import SPMDAxisContext
 
 from strata_jax._src import collectives, coverage, hierarchy, lowering, ragged, runtime
+from strata_jax._src.jax_compat import (
+    SPMDAxisContext,
+    config,
+    core,
+    is_closed,
+    is_jaxpr,
+    jax_ppermute_order,
+    lax_primitive,
+    lowering_rule,
+    map_closed,
+    mlir,
+    open_jaxpr,
+    shard_map_p,
+)
 
 _state = config.bool_state(
     "strata_use_for_jax_lax",
@@ -96,8 +106,7 @@ def _warn_once(op: str, cause: str) -> None:
 def _hook(prim, strata_rule: Callable, cause: Callable, may_run: bool = True) -> None:
     """Registers the CPU lowering of JAX's ``prim``: ``strata_rule`` while enabled and
     ``cause(ctx, **params)`` finds nothing against it, else JAX's own rule."""
-    entry = mlir._platform_specific_lowerings["cpu"].get(prim) or mlir._lowerings.get(prim)
-    jax_rule = entry.rule if entry is not None else None
+    jax_rule = lowering_rule(prim, "cpu")
 
     def rule(ctx, *args, **params):
         why = cause(ctx, **params)
@@ -275,6 +284,16 @@ def _all_to_all_rule(ctx, x, *, split_axis, concat_axis, axis_name, **_):
 def _ppermute_rule(ctx, x, *, axis_name, perm):
     axes = _axes(axis_name)
     shape, idx = lowering.mesh_placement(ctx, axes, "ppermute")
+    # As jax.lax.ppermute of the running release indexes a group named out of mesh order.
+    order = jax_ppermute_order()
+    if order == "raise" and list(idx) != sorted(idx):
+        raise RuntimeError(
+            "Make sure that the axis_name passed to jax.lax.ppermute is in the same order as "
+            "the axis_names declared on the mesh (JAX's own rule, kept under "
+            "strata_jax.use_for_jax_lax()). To allow a different order, turn the check off "
+            "(jax.config.update('jax_raise_on_ppermute_sort_diff', False)), or call "
+            "strata_jax.ppermute, which indexes the group in the order given."
+        )
     n = int(np.prod(shape[idx]))
     perm = tuple((int(s) % n, int(d) % n) for s, d in perm)
     (aval,) = ctx.avals_in
@@ -282,7 +301,11 @@ def _ppermute_rule(ctx, x, *, axis_name, perm):
     if win is not aval:
         x = mlir.convert_hlo(ctx, x, aval, win)
     (y,) = collectives._ppermute_lowering(
-        ctx.replace(avals_in=[win], avals_out=[win]), x, axes=axes, perm=perm
+        ctx.replace(avals_in=[win], avals_out=[win]),
+        x,
+        axes=axes,
+        perm=perm,
+        mesh_order=order == "mesh",
     )
     if win is not aval:
         y = mlir.convert_hlo(ctx, y, win, aval)
@@ -319,37 +342,67 @@ def _never(ctx, *args, **params):
     raise AssertionError("unreachable: _async_cause always names a cause")
 
 
-_p = lax_parallel
+def _unsupported_cause(what: str):
+    def cause(ctx, **_):
+        return what
+
+    return cause
+
+
+# jax.lax's collective primitives (by name: jax_compat.lax_primitive; a name the running JAX
+# release lacks is skipped), each with its rule and cause.
 _HOOKS = [
-    (_p.psum_p, _all_reduce_rule("psum"), _all_reduce_cause("psum")),
-    (_p.psum_invariant_p, _all_reduce_rule("psum"), _all_reduce_cause("psum")),
-    (_p.unreduced_psum_p, _all_reduce_rule("psum"), _all_reduce_cause("psum")),
-    (_p.pmax_p, _all_reduce_rule("pmax"), _all_reduce_cause("pmax")),
-    (_p.pmin_p, _all_reduce_rule("pmin"), _all_reduce_cause("pmin")),
-    (_p.all_gather_p, _all_gather_rule, _group_cause),
-    (_p.all_gather_invariant_p, _all_gather_rule, _group_cause),
-    (_p.all_gather_reduced_p, _all_gather_rule, _group_cause),
-    (_p.reduce_scatter_p, _reduce_scatter_rule, _reduce_scatter_cause),
-    (_p.unreduced_reduce_scatter_p, _reduce_scatter_rule, _reduce_scatter_cause),
-    (_p.all_to_all_p, _all_to_all_rule, _group_cause),
-    (_p.ppermute_p, _ppermute_rule, _group_cause),
-    (_p.pbroadcast_p, _pbroadcast_rule, _group_cause),
-    (_p.ragged_all_to_all_p, _ragged_rule, _ragged_cause),
+    (prim, rule, cause)
+    for name, rule, cause in (
+        ("psum", _all_reduce_rule("psum"), _all_reduce_cause("psum")),
+        ("psum_invariant", _all_reduce_rule("psum"), _all_reduce_cause("psum")),
+        ("unreduced_psum", _all_reduce_rule("psum"), _all_reduce_cause("psum")),
+        ("pmax", _all_reduce_rule("pmax"), _all_reduce_cause("pmax")),
+        ("pmin", _all_reduce_rule("pmin"), _all_reduce_cause("pmin")),
+        ("all_gather", _all_gather_rule, _group_cause),
+        ("all_gather_invariant", _all_gather_rule, _group_cause),
+        ("all_gather_reduced", _all_gather_rule, _group_cause),
+        ("reduce_scatter", _reduce_scatter_rule, _reduce_scatter_cause),
+        ("unreduced_reduce_scatter", _reduce_scatter_rule, _reduce_scatter_cause),
+        ("all_to_all", _all_to_all_rule, _group_cause),
+        ("ppermute", _ppermute_rule, _group_cause),
+        ("pbroadcast", _pbroadcast_rule, _group_cause),
+        ("ragged_all_to_all", _ragged_rule, _ragged_cause),
+    )
+    if (prim := lax_primitive(name)) is not None
+]
+# Collectives strata does not run, each with the reason coverage() records (JAX 0.11+ adds
+# the first five), and the asynchronous forms.
+_UNSUPPORTED = [
+    (prim, _unsupported_cause(why))
+    for name, why in (
+        ("pxor", "strata has no XOR reduction"),
+        ("pmax_scatter", "strata's psum_scatter has no max reduction"),
+        ("pmin_scatter", "strata's psum_scatter has no min reduction"),
+        ("unreduced_pmax", "strata does not run unreduced pmax"),
+        ("unreduced_pmin", "strata does not run unreduced pmin"),
+        (
+            "pbroadcast_dynamic",
+            "its source is a traced array (strata's pbroadcast takes a Python int)",
+        ),
+    )
+    if (prim := lax_primitive(name)) is not None
 ]
 _ASYNC = [
-    getattr(_p, name)
+    prim
     for name in (
-        "psum_start_p",
-        "psum_invariant_start_p",
-        "unreduced_psum_start_p",
-        "all_gather_start_p",
-        "all_gather_reduced_start_p",
-        "reduce_scatter_start_p",
-        "unreduced_reduce_scatter_start_p",
-        "all_to_all_start_p",
-        "ppermute_start_p",
+        "psum_start",
+        "psum_invariant_start",
+        "unreduced_psum_start",
+        "all_gather_start",
+        "all_gather_reduced_start",
+        "reduce_scatter_start",
+        "unreduced_reduce_scatter_start",
+        "all_to_all_start",
+        "ppermute_start",
+        "pbroadcast_start",
     )
-    if hasattr(_p, name)
+    if (prim := lax_primitive(name)) is not None
 ]
 
 
@@ -362,6 +415,8 @@ for _prim, _rule, _cause in _HOOKS:
     _hook(_prim, _rule, _cause)
 for _prim in _ASYNC:
     _hook(_prim, _never, _async_cause, may_run=False)
+for _prim, _cause in _UNSUPPORTED:
+    _hook(_prim, _never, _cause, may_run=False)
 
 
 def enable() -> None:
@@ -430,10 +485,10 @@ def use_for_jax_lax(enabled: bool = True) -> Iterator[None]:
 COMBINE_BYTES = 32 * 1024 * 1024
 
 _KIND = {
-    lax_parallel.psum_p: "psum",
-    lax_parallel.psum_invariant_p: "psum",
-    lax_parallel.pmax_p: "pmax",
-    lax_parallel.pmin_p: "pmin",
+    lax_primitive("psum"): "psum",
+    lax_primitive("psum_invariant"): "psum",
+    lax_primitive("pmax"): "pmax",
+    lax_primitive("pmin"): "pmin",
 }
 # Higher-order primitives whose jaxprs (params) are rewritten too: each body is combined on its
 # own (a run never crosses into or out of a nested jaxpr).
@@ -441,7 +496,9 @@ _NESTED = frozenset(
     {"jit", "closed_call", "call", "custom_jvp_call", "custom_vjp_call", "remat2", "while",
      "cond", "scan"}
 )  # fmt: skip
-_COLLECTIVES = frozenset(p for p, _, _ in _HOOKS) | frozenset(_ASYNC)
+_COLLECTIVES = (
+    frozenset(p for p, _, _ in _HOOKS) | frozenset(_ASYNC) | frozenset(p for p, _ in _UNSUPPORTED)
+)
 
 
 def combine_bytes() -> int:
@@ -501,7 +558,7 @@ def _combined_lowering(ctx, *xs, reduce, axes, members):
         return outs
     outs = []
     for k, (prim, params) in enumerate(_members(members)):
-        rule = mlir._platform_specific_lowerings["cpu"][prim].rule  # its _hook
+        rule = lowering_rule(prim, "cpu")  # its _hook
         sub = ctx.replace(primitive=prim, avals_in=[ctx.avals_in[k]], avals_out=[ctx.avals_out[k]])
         outs.extend(rule(sub, xs[k], **params))
     return outs
@@ -554,12 +611,13 @@ def _holds_collective(jaxpr: core.Jaxpr) -> bool:
 
 
 def _rewrite_param(v, limit: int):
-    if isinstance(v, core.ClosedJaxpr):
-        j = _combine_jaxpr(v.jaxpr, limit)
-        return v if j is v.jaxpr else core.ClosedJaxpr(j, v.consts)
-    if isinstance(v, core.Jaxpr):
-        return _combine_jaxpr(v, limit)
-    if isinstance(v, tuple) and v and all(isinstance(b, core.ClosedJaxpr | core.Jaxpr) for b in v):
+    if is_jaxpr(v):
+        inner = open_jaxpr(v)
+        j = _combine_jaxpr(inner, limit)
+        if j is inner:
+            return v
+        return map_closed(v, lambda _: j) if is_closed(v) else j
+    if isinstance(v, tuple) and v and all(is_jaxpr(b) for b in v):
         new = tuple(_rewrite_param(b, limit) for b in v)
         return v if all(a is b for a, b in zip(new, v, strict=True)) else new
     return v
@@ -670,22 +728,14 @@ def _combine_jaxpr(jaxpr: core.Jaxpr, limit: int) -> core.Jaxpr:
             )
         )
         new_eqns.extend(eqns[j] for j in moved)
-    return core.Jaxpr(
-        jaxpr.constvars, jaxpr.invars, jaxpr.outvars, new_eqns, jaxpr.effects, jaxpr.debug_info
-    )
+    return jaxpr.replace(eqns=new_eqns)
 
 
 def _combine_in_shard_map() -> None:
     """Registers the CPU lowering of ``shard_map`` that combines the all-reduces of an
     all-manual body (``_combine_jaxpr``) under use_for_jax_lax(), then lowers it with the rule
     registered before (lowering.py's, which chains the regions, around JAX's)."""
-    from jax._src import shard_map as sm
-
-    entry = (
-        mlir._platform_specific_lowerings["cpu"].get(sm.shard_map_p)
-        or mlir._lowerings[sm.shard_map_p]
-    )
-    rule = entry.rule
+    rule = lowering_rule(shard_map_p, "cpu")
 
     def shard_map_lowering(ctx, *in_nodes, jaxpr, mesh, **params):
         if _state.value:
@@ -702,7 +752,7 @@ def _combine_in_shard_map() -> None:
                 jaxpr = _combine_jaxpr(jaxpr, limit)
         return rule(ctx, *in_nodes, jaxpr=jaxpr, mesh=mesh, **params)
 
-    mlir.register_lowering(sm.shard_map_p, shard_map_lowering, platform="cpu", cacheable=False)
+    mlir.register_lowering(shard_map_p, shard_map_lowering, platform="cpu", cacheable=False)
 
 
 _combine_in_shard_map()

@@ -26,13 +26,31 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import config, core
-from jax._src.interpreters import mlir
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import hlo
-from jax._src.sharding_impls import SPMDAxisContext
 
 from strata_jax._src import runtime, topology
+from strata_jax._src.jax_compat import (
+    SPMDAxisContext,
+    UnspecifiedValue,
+    as_closed,
+    cond_p,
+    config,
+    core,
+    custom_jvp_call_p,
+    hlo,
+    ir,
+    ir_consts,
+    jit_p,
+    load_optional_modules,
+    lowering_rule,
+    map_closed,
+    mark_uncacheable,
+    mlir,
+    registered_primitives,
+    remat_p,
+    scan_p,
+    shard_map_p,
+    while_p,
+)
 
 AxisName = Any
 
@@ -88,9 +106,7 @@ def _number_branches_from_the_cond() -> None:
     and giving each branch a mark at both ends (``_branch_mark_p``), whose lowering moves the
     counter; the state stays in the module's cache (JAX's own functions are never swapped,
     which was not safe with several threads lowering at once: edge case 34)."""
-    from jax._src.lax.control_flow import conditionals
-
-    rule = conditionals._cond_lowering
+    rule = lowering_rule(cond_p)
 
     def cond_lowering(ctx, *args, **params):
         ordered = (
@@ -131,7 +147,7 @@ def _number_branches_from_the_cond() -> None:
             cache[_OP_COUNTER] = cache.pop((_COND_TOP, cond))
 
     # Not cacheable: JAX would lower two equal conds once and copy the ops, op ids included.
-    mlir.register_lowering(conditionals.cond_p, cond_lowering, cacheable=False)
+    mlir.register_lowering(cond_p, cond_lowering, cacheable=False)
 
 
 _COND_IDS = ("strata_jax", "conds")
@@ -157,14 +173,13 @@ def _branch_mark_lowering(ctx, *, end, start, cond):
 mlir.register_lowering(_branch_mark_p, _branch_mark_lowering, cacheable=False)
 
 
-def _with_branch_marks(branch: core.ClosedJaxpr, start: int, cond: int) -> core.ClosedJaxpr:
-    """``branch`` between the two marks of cond ``cond`` (op ids restart at ``start``)."""
-    j = branch.jaxpr
+def _with_branch_marks(branch, start: int, cond: int):
+    """``branch`` (a closed jaxpr) between the two marks of cond ``cond`` (op ids restart at
+    ``start``)."""
     mark = lambda end: core.new_jaxpr_eqn(  # noqa: E731
         [], [], _branch_mark_p, {"end": end, "start": start, "cond": cond}, core.no_effects
     )
-    eqns = [mark("in"), *j.eqns, mark("out")]
-    return core.ClosedJaxpr(j.replace(eqns=eqns), branch.consts)
+    return map_closed(branch, lambda j: j.replace(eqns=[mark("in"), *j.eqns, mark("out")]))
 
 
 def axis_tuple(axis_name: AxisName) -> tuple:
@@ -505,8 +520,6 @@ def _has_strata_call(jaxpr: core.Jaxpr) -> bool:
 def _nothing_to_constrain(ctx, params) -> bool:
     """Whether a nested jit outside a manual region (at the top, or in a partly manual
     shard_map) sets nothing that inlining would drop: no shardings or layouts of its own."""
-    from jax._src.sharding_impls import UnspecifiedValue
-
     shardings = (*params["in_shardings"], *params["out_shardings"])
     layouts = (*params["in_layouts"], *params["out_layouts"])
     return all(isinstance(s, UnspecifiedValue) for s in shardings) and all(
@@ -514,14 +527,15 @@ def _nothing_to_constrain(ctx, params) -> bool:
     )
 
 
-def _lower_inline(ctx, jaxpr: core.ClosedJaxpr, args, name: str | None = None):
-    """Lowers ``jaxpr`` applied to ``args`` into the current block (not as a function)."""
+def _lower_inline(ctx, jaxpr, args, name: str | None = None):
+    """Lowers ``jaxpr`` (a closed jaxpr) applied to ``args`` into the current block (not as a
+    function)."""
     out, tokens = mlir.jaxpr_subcomp(
         ctx.module_context,
         jaxpr.jaxpr,
         ctx.name_stack.extend(name) if name else ctx.name_stack,
         ctx.tokens_in,
-        mlir.ir_consts(jaxpr.consts, [v.aval for v in jaxpr.jaxpr.constvars]),
+        ir_consts(ctx, jaxpr.consts, [v.aval for v in jaxpr.jaxpr.constvars]),
         *args,
         dim_var_values=ctx.dim_var_values,
         const_lowering=ctx.const_lowering,
@@ -544,9 +558,7 @@ def _inline_jits_holding_strata_calls() -> None:
     shard_map), only when the jit sets no shardings or layouts (``_nothing_to_constrain``), so
     its shard_maps join the chain of the caller's regions (``_chain_shard_map_regions``).
     Jits without strata calls lower as JAX does. Done by wrapping JAX's jit lowering."""
-    from jax._src import pjit
-
-    rule = pjit._pjit_lowering
+    rule = lowering_rule(jit_p)
 
     def jit_lowering(ctx, *args, jaxpr, name, **params):
         if not (
@@ -556,16 +568,10 @@ def _inline_jits_holding_strata_calls() -> None:
             return rule(ctx, *args, jaxpr=jaxpr, name=name, **params)
         return _lower_inline(ctx, jaxpr, args, name)
 
-    mlir.register_lowering(pjit.jit_p, jit_lowering)
+    mlir.register_lowering(jit_p, jit_lowering)
     # A jax.custom_jvp function is lowered inline by the same rule as a custom_vjp one, but
     # cacheable: JAX then lowered it in a function of its own, outside the caller's chain.
-    from jax._src import custom_derivatives
-
-    mlir.register_lowering(
-        custom_derivatives.custom_jvp_call_p,
-        custom_derivatives._custom_jvp_vjp_call_lowering,
-        cacheable=False,
-    )
+    mark_uncacheable(custom_jvp_call_p)
 
 
 _inline_jits_holding_strata_calls()
@@ -612,10 +618,7 @@ def _order_control_flow() -> None:
     makes the lowerings of ``jax.checkpoint`` and ``scan`` uncacheable: JAX would lower two
     equal checkpointed calls once and copy the ops, op ids included, and lowers a cacheable
     primitive in a block of its own."""
-    from jax._src import ad_checkpoint
-    from jax._src.lax.control_flow import loops
-
-    rule = loops._while_lowering
+    rule = lowering_rule(while_p)
 
     def while_lowering(ctx, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts, **params):
         ordered = (
@@ -666,11 +669,11 @@ def _order_control_flow() -> None:
             _chain_to_result(ctx, outs)
         return outs
 
-    mlir.register_lowering(loops.while_p, while_lowering, cacheable=False)
-    mlir.register_lowering(ad_checkpoint.remat_p, ad_checkpoint._remat_lowering, cacheable=False)
+    mlir.register_lowering(while_p, while_lowering, cacheable=False)
+    mark_uncacheable(remat_p)
     # JAX lowers a cacheable primitive in a function of its own and inlines it, so a scan's
     # while loop would not see the block of the calls around it.
-    mlir.register_lowering(loops.scan_p, mlir._lowerings[loops.scan_p].rule, cacheable=False)
+    mark_uncacheable(scan_p)
 
 
 _order_control_flow()
@@ -720,10 +723,9 @@ def _chain_shard_map_regions() -> None:
     all manual, or over one device (no manual computation), and the bodies of two partly manual
     shard_maps. A loop or cond outside any shard_map whose body holds regions hands the token
     through (``_thread_region_token``)."""
-    from jax._src import shard_map as sm
     from jax.sharding import PartitionSpec
 
-    rule = mlir._lowerings[sm.shard_map_p].rule
+    rule = lowering_rule(shard_map_p)
 
     def shard_map_lowering(ctx, *in_nodes, jaxpr, mesh, in_specs, out_specs, **params):
         names, axes, n = region = _region_key(mesh, params["newly_manual_axes"])
@@ -767,7 +769,7 @@ def _chain_shard_map_regions() -> None:
         _region_chains(ctx)[key] = outs.pop()
         return outs
 
-    mlir.register_lowering(sm.shard_map_p, shard_map_lowering, cacheable=False)
+    mlir.register_lowering(shard_map_p, shard_map_lowering, cacheable=False)
 
 
 def _region_chains(ctx) -> dict:
@@ -842,17 +844,16 @@ def _with_token_ends(j: core.Jaxpr, aval, prim, params: dict, hand_on: bool = Tr
             core.new_jaxpr_eqn([mid], [last], prim, {**params, "end": "out"}, core.no_effects),
         ]
         outvars.append(last)
-    return core.Jaxpr(
-        j.constvars, [*j.invars, first], outvars, eqns, j.effects, j.debug_info.with_unknown_names()
-    )
+    return j.replace(invars=[*j.invars, first], outvars=outvars, eqns=eqns)
 
 
-def _with_block_token(jaxpr: core.ClosedJaxpr, key: tuple, hand_on: bool = True):
-    """A loop body or cond branch ``jaxpr`` taking the block's region token for ``key`` as one
-    more input, and, with ``hand_on``, returning it after its last region."""
+def _with_block_token(jaxpr, key: tuple, hand_on: bool = True):
+    """A loop body or cond branch ``jaxpr`` (closed) taking the block's region token for
+    ``key`` as one more input, and, with ``hand_on``, returning it after its last region."""
     aval = core.ShapedArray((key[2],), np.uint8)
-    body = _with_token_ends(jaxpr.jaxpr, aval, _block_token_p, {"key": key}, hand_on)
-    return core.ClosedJaxpr(body, jaxpr.consts)
+    return map_closed(
+        jaxpr, lambda j: _with_token_ends(j, aval, _block_token_p, {"key": key}, hand_on)
+    )
 
 
 def _at_top(ctx) -> bool:
@@ -895,29 +896,17 @@ _INLINE_HIGHER_ORDER = (
 
 
 def _lower_higher_order_primitives_inline() -> None:
-    import importlib
-
-    for module in ("jax._src.custom_batching", "jax._src.lax.control_flow.solves"):
-        try:
-            importlib.import_module(module)
-        except ImportError:  # another jax version; what exists is still covered below
-            pass
-    for prim in list(mlir._lowerings):
+    load_optional_modules()
+    for prim in registered_primitives():
         if prim.name in _INLINE_HIGHER_ORDER:
-            mlir._uncacheable_primitives.add(prim)
+            mark_uncacheable(prim)
     # closed_call (custom_vjp's forward with optimize_remat, named_call) and call always lower
     # as a function: inline them when they hold strata calls.
-    from jax._src.interpreters import partial_eval as pe
-
     for prim in (core.closed_call_p, core.call_p):
-        rule = mlir._lowerings[prim].rule
+        rule = lowering_rule(prim)
 
         def call_lowering(ctx, *args, call_jaxpr, rule=rule, **params):
-            closed = (
-                call_jaxpr
-                if isinstance(call_jaxpr, core.ClosedJaxpr)
-                else pe.close_jaxpr(call_jaxpr)
-            )
+            closed = as_closed(call_jaxpr)
             if not _has_strata_call(closed.jaxpr):
                 return rule(ctx, *args, call_jaxpr=call_jaxpr, **params)
             return _lower_inline(ctx, closed, args)

@@ -80,13 +80,9 @@ def _pool_threads(devices: int) -> int:
 
 
 def _register_backend_hook() -> None:
-    try:
-        from jax._src import xla_bridge
+    from strata_jax._src import jax_compat
 
-        if _on_backend_created not in xla_bridge._backend_initialization_hooks:
-            xla_bridge.register_backend_initialization_hook(_on_backend_created)
-    except Exception:  # pragma: no cover - private API moved: the lowering-time check remains
-        pass
+    jax_compat.on_backend_created(_on_backend_created)
 
 
 def _on_backend_created(backend) -> None:
@@ -166,12 +162,9 @@ def _check_launch_pool() -> None:
 
 
 def _backend_initialized() -> bool:
-    try:
-        from jax._src import xla_bridge
+    from strata_jax._src import jax_compat
 
-        return bool(getattr(xla_bridge, "_backends", {}))
-    except Exception:  # pragma: no cover - private API moved
-        return False
+    return jax_compat.backends_created()
 
 
 def env_bytes(name: str, default: int, example: str) -> int:

@@ -61,11 +61,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
-from jax._src.interpreters import ad, batching, mlir
 
 from strata_jax._src import hierarchy, lowering, topology
 from strata_jax._src.collectives import all_gather
+from strata_jax._src.jax_compat import ad, batching, core, mlir
 from strata_jax.moe._reference import sanitize_ids
 
 AxisName = Any

@@ -31,9 +31,10 @@ sj.init()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax._src import distributed  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from strata_jax._src.jax_compat import distributed  # noqa: E402
 
 sj.set_timeout(20)
 devs = sorted(jax.devices(), key=lambda d: d.id)
