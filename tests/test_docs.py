@@ -349,6 +349,39 @@ def test_readme_is_short():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
 
 
+# A guide page says what a user does and sees, and design.md how the code works: measurement logs
+# go to performance.md (generated) or to dated notes under docs/notes/, which these bounds keep
+# them from growing back into.
+GUIDE_MAX_LINES = 350
+DESIGN_MAX_LINES = 450
+
+
+def page_length_problems(pages: list[Path], limit: int, read=lambda p: p.read_text()) -> list[str]:
+    """The pages longer than `limit` lines, with their length."""
+    out = []
+    for page in pages:
+        n = len(read(page).splitlines())
+        if n > limit:
+            out.append(f"{_rel(page)}: {n} lines (at most {limit})")
+    return out
+
+
+def test_guides_and_design_stay_short():
+    guides = sorted((DOCS / "guide").glob("*.md"))
+    assert len(guides) >= 9  # the glob finds the guides
+    assert page_length_problems(guides, GUIDE_MAX_LINES) == []
+    assert page_length_problems([DOCS / "design.md"], DESIGN_MAX_LINES) == []
+
+
+def test_page_length_check_finds_a_long_page():
+    """The check above can fail: a page one line over the limit is named."""
+    page = DOCS / "guide" / "hosts.md"
+    assert page_length_problems([page], 3, read=lambda p: "a\nb\nc\nd\n") == [
+        "docs/guide/hosts.md: 4 lines (at most 3)"
+    ]
+    assert page_length_problems([page], 4, read=lambda p: "a\nb\nc\nd\n") == []
+
+
 def test_docstring_check_finds_a_missing_one(monkeypatch):
     """The check can fail: an undocumented public function, class and method are named."""
     import types
