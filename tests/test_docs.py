@@ -373,6 +373,50 @@ def test_guides_and_design_stay_short():
     assert page_length_problems([DOCS / "design.md"], DESIGN_MAX_LINES) == []
 
 
+def hand_typed_figures(text: str) -> list[str]:
+    """Lines of performance.md that hold figures typed by hand: a Markdown table other than the
+    list of benchmarks, or a decimal number outside code (the generated tables come from the
+    ``strata-perf`` directive and the README's headline from docs/_ext/strata_perf.py)."""
+    out = []
+    fence = False
+    table_ok = False
+    for n, line in enumerate(text.splitlines(), 1):
+        if FENCE_RE.match(line):
+            fence = not fence
+            continue
+        if fence:
+            continue
+        if line.startswith("|"):
+            if not line.startswith("|---"):
+                table_ok = table_ok or line.startswith("| command | what it compares |")
+            if not table_ok:
+                out.append(f"{n}: a table typed by hand: {line[:60]}")
+            continue
+        table_ok = False
+        if re.search(r"\d+\.\d+", re.sub(r"`[^`]*`", "", line)):
+            out.append(f"{n}: a figure typed by hand: {line[:60]}")
+    return out
+
+
+def test_performance_page_holds_no_figures_typed_by_hand():
+    """docs/performance.md says nothing on it is typed by hand; runs copied from a benchmark's
+    output by hand are dated notes under docs/notes/."""
+    assert hand_typed_figures((DOCS / "performance.md").read_text()) == []
+
+
+def test_hand_typed_figure_check_finds_them():
+    text = (
+        "| command | what it compares |\n|---|---|\n| `python b.py` | strata vs jax.lax |\n\n"
+        "strata was 1.37x faster (`--iters 1.5` is code)\n\n| placement | ratio |\n|---|---|\n"
+        "```text\n# 2.5 ms in a code block\n```\n"
+    )
+    assert hand_typed_figures(text) == [
+        "5: a figure typed by hand: strata was 1.37x faster (`--iters 1.5` is code)",
+        "7: a table typed by hand: | placement | ratio |",
+        "8: a table typed by hand: |---|---|",
+    ]
+
+
 def test_page_length_check_finds_a_long_page():
     """The check above can fail: a page one line over the limit is named."""
     page = DOCS / "guide" / "hosts.md"
