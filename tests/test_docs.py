@@ -417,6 +417,37 @@ def test_hand_typed_figure_check_finds_them():
     ]
 
 
+# What a reader of the repository cannot open: the team's outside lists and files.
+OUTSIDE_RE = re.compile(
+    r"\b(?:[Ee]dge case|[Ii]ssue) #?\d|\bDESIGN\.md\b|\.\./shared/|/work/shared"
+)
+
+
+def outside_references(text: str) -> list[str]:
+    """Lines that point at something outside the repository ("edge case 35", "issue 28",
+    DESIGN.md, ../shared/...) instead of saying what the case is."""
+    return [
+        f"{n}: {line.strip()[:80]}"
+        for n, line in enumerate(text.splitlines(), 1)
+        if OUTSIDE_RE.search(line)
+    ]
+
+
+def test_docs_refer_to_nothing_outside_the_repository():
+    files = doc_pages() + sorted((DOCS / "_ext").glob("*.py")) + [DOCS / "conf.py"]
+    found = {_rel(p): outside_references(p.read_text()) for p in files}
+    assert {k: v for k, v in found.items() if v} == {}
+
+
+def test_outside_reference_check_finds_them():
+    text = "a test (edge case 35)\nas issue 28 asks\nsee ../shared/DESIGN.md\nan issue with it\n"
+    assert outside_references(text) == [
+        "1: a test (edge case 35)",
+        "2: as issue 28 asks",
+        "3: see ../shared/DESIGN.md",
+    ]
+
+
 def test_page_length_check_finds_a_long_page():
     """The check above can fail: a page one line over the limit is named."""
     page = DOCS / "guide" / "hosts.md"
