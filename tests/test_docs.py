@@ -448,6 +448,61 @@ def test_outside_reference_check_finds_them():
     ]
 
 
+def toctree_entries(page: Path, docs: Path = DOCS) -> list[str]:
+    """The documents a page's ``{toctree}`` blocks name (glob patterns as written), relative to
+    docs/ and without the suffix."""
+    out = []
+    lines = page.read_text().splitlines()
+    base = page.parent.relative_to(docs)
+    for i, line in enumerate(lines):
+        if not line.strip().startswith("```{toctree}"):
+            continue
+        for entry in lines[i + 1 :]:
+            entry = entry.strip()
+            if entry.startswith("```"):
+                break
+            if entry and not entry.startswith(":"):
+                out.append(str((base / entry).as_posix()))
+    return out
+
+
+def unreachable_pages(docs: Path = DOCS) -> list[str]:
+    """Markdown pages under docs/ that no toctree reaches from docs/index.md (Sphinx warns about
+    them; this says which without building)."""
+    import fnmatch
+
+    pages = {
+        str(p.relative_to(docs).with_suffix("").as_posix())
+        for p in docs.rglob("*.md")
+        if not ({"_build", "_generated", "perf", "examples"} & set(p.relative_to(docs).parts))
+    }
+    seen, todo = {"index"}, ["index"]
+    while todo:
+        for pattern in toctree_entries(docs / f"{todo.pop()}.md", docs):
+            for name in sorted(n for n in pages if fnmatch.fnmatch(n, pattern)):
+                if name not in seen:
+                    seen.add(name)
+                    todo.append(name)
+    return sorted(pages - seen)
+
+
+def test_every_page_is_reached_from_the_index():
+    """Every guide, reference page and dated note is in a toctree under docs/index.md (the notes
+    through design.md's glob, so a new note is reached without editing a list)."""
+    assert "notes/*" in toctree_entries(DOCS / "design.md")
+    assert unreachable_pages() == []
+
+
+def test_reach_check_finds_an_orphan(tmp_path):
+    """The check above can fail: a page no toctree names is reported, a globbed note is not."""
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "index.md").write_text("# i\n\n```{toctree}\n:maxdepth: 1\n\ndesign\n```\n")
+    (tmp_path / "design.md").write_text("# d\n\n```{toctree}\n:glob:\n\nnotes/*\n```\n")
+    (tmp_path / "notes" / "2026-12-07-a.md").write_text("# a\n")
+    (tmp_path / "orphan.md").write_text("# o\n")
+    assert unreachable_pages(tmp_path) == ["orphan"]
+
+
 def test_page_length_check_finds_a_long_page():
     """The check above can fail: a page one line over the limit is named."""
     page = DOCS / "guide" / "hosts.md"
