@@ -501,7 +501,7 @@ def test_unbound_axis_is_name_error():
 def test_calls_are_chained_in_program_order(rng, monkeypatch, order):
     """By default (unset, here in one process) and with STRATA_PROGRAM_ORDER=1 each strata call
     gets one byte of extra result, and the next call (same block) takes it as its last operand,
-    so XLA runs a device's calls in program order (lowering.py: _program_order_chain). With 0
+    so XLA runs a device's calls in program order (program_order.py: chain). With 0
     nothing is chained. The values are the same."""
     monkeypatch.setenv("STRATA_PROGRAM_ORDER", order)
     chained = order != "0"
@@ -702,7 +702,7 @@ def test_shard_map_regions_are_chained_in_program_order(rng, steps):
     """Independent shard_map regions in one jit (some inside a nested jit, one called twice)
     deadlocked in one process before their calls were chained across regions (the first 50 of
     3,000 steps, in 4 of 4 runs: "rank 2: waiting in psum (op 1), another call of this same
-    program"). Each region now hands a token to the next (lowering.py:
+    program"). Each region now hands a token to the next (program_order.py:
     _chain_shard_map_regions): 300 steps, each equal to jax.lax's; in the lowered text every
     strata call has an op id of its own and each region takes the previous region's token.
     (50 steps by default, 300 behind -m slow.)"""
@@ -830,7 +830,7 @@ def test_calls_in_higher_order_primitives_join_the_chain(rng, case):
     """Strata calls inside custom_vmap, custom_linear_solve, custom_vjp(optimize_remat=True)
     under jax.grad outside the shard_map, and a nested jit of a shard_map called twice inside
     a partly manual shard_map: in the compiled program every strata call has an op id of its
-    own and a data path to every other (lowering.py: _lower_higher_order_primitives_inline,
+    own and a data path to every other (program_order.py: _lower_higher_order_primitives_inline,
     _chain_shard_map_regions); values equal jax.lax's."""
     a = random_array(rng, (64, 16), np.float32)
     b = random_array(rng, (64, 16), np.float32)
@@ -872,7 +872,7 @@ def _loops_around_regions(lib):
 def test_loops_and_conds_around_shard_maps_join_the_chain(rng):
     """A scan, a fori_loop and a cond outside any shard_map whose bodies hold strata shard_map
     regions, between independent regions: each takes the block's region token as one more
-    carry (operand) and hands it on (lowering.py: _thread_region_token), so in XLA's compiled
+    carry (operand) and hands it on (program_order.py: _thread_region_token), so in XLA's compiled
     program every pair of strata calls and loops holding them has a data path (before: 15
     unordered pairs), with no XLA collective added; values equal jax.lax's."""
     a = random_array(rng, (8 * 16, 32), np.float32)

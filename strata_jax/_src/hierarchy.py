@@ -66,7 +66,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax._src import lowering, mpi_engine, runtime, topology
+from strata_jax._src import lowering, mpi_engine, program_order, runtime, topology
 from strata_jax._src.jax_compat import SPMDAxisContext, core, hlo, ir, mlir
 
 # --------------------------------------------------------------------------------------
@@ -650,18 +650,18 @@ _check_p.def_abstract_eval(lambda x, descs, pid, **_: x)
 
 
 def _check_lowering(ctx, x, descs, pid, *, op, groups, who):
-    """The check as a link of the program-order chain of strata calls (lowering.py): it takes
+    """The check as a link of the program-order chain of strata calls (program_order.py): it takes
     the previous call's ``Done`` and gives its own, so the next strata call starts after it."""
     runtime.native()  # registers the FFI targets (this may be the program's first strata call)
     g = np.asarray(groups, np.int64)
     rule = jax.ffi.ffi_lowering("strata_check_across_fabrics", has_side_effect=True)
     w = np.asarray(who, np.int64)[g.ravel()]
-    ordered = lowering._keep_program_order()
-    chain = lowering._program_order_chain(ctx) if ordered else {}
+    ordered = program_order.keep_program_order()
+    chain = program_order.chain(ctx) if ordered else {}
     block = ir.InsertionPoint.current.block
     after = chain.get(block)
     extra = [after] if after is not None else []
-    done = [lowering._DONE_AVAL] if ordered else []
+    done = [program_order.DONE_AVAL] if ordered else []
     sub = ctx.replace(
         avals_in=[*ctx.avals_in, *(a for _, a in extra)], avals_out=[*ctx.avals_out, *done]
     )
@@ -681,7 +681,7 @@ def _check_lowering(ctx, x, descs, pid, *, op, groups, who):
         )
     )
     if done:
-        chain[block] = (results.pop(), lowering._DONE_AVAL)
+        chain[block] = (results.pop(), program_order.DONE_AVAL)
     return results
 
 

@@ -284,7 +284,7 @@ def as_closed(jaxpr: Any) -> Any:
     return pe.close_jaxpr(jaxpr)
 
 
-# --- the higher-order primitives whose lowerings strata wraps (program order: lowering.py) ----
+# --- the higher-order primitives whose lowerings strata wraps (program_order.py) ------------------
 
 cond_p = conditionals.cond_p
 while_p = loops.while_p

@@ -39,7 +39,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax._src import collectives, coverage, hierarchy, lowering, ragged, runtime
+from strata_jax._src import (
+    collectives,
+    coverage,
+    hierarchy,
+    lowering,
+    program_order,
+    ragged,
+    runtime,
+)
 from strata_jax._src.jax_compat import (
     SPMDAxisContext,
     config,
@@ -133,10 +141,10 @@ def _hook(prim, strata_rule: Callable, cause: Callable, may_run: bool = True) ->
             )
         return jax_rule(ctx, *args, **params)
 
-    # Not cacheable: JAX would lower equal applications once and share one op id (lowering.py).
+    # Not cacheable: JAX would lower equal applications once and share one op id (program_order.py).
     mlir.register_lowering(prim, rule, platform="cpu", cacheable=False)
-    if may_run:  # the program-order chain then counts it as a strata call (lowering.py)
-        lowering.lowers_to_strata(prim, is_enabled)
+    if may_run:  # the program-order chain then counts it as a strata call (program_order.py)
+        program_order.lowers_to_strata(prim, is_enabled)
 
 
 # --------------------------------------------------------------------------------------
@@ -566,7 +574,7 @@ def _combined_lowering(ctx, *xs, reduce, axes, members):
 
 _combined_p.def_effectful_abstract_eval(_combined_abstract_eval)
 mlir.register_lowering(_combined_p, _combined_lowering, platform="cpu", cacheable=False)
-lowering.lowers_to_strata(_combined_p, is_enabled)
+program_order.lowers_to_strata(_combined_p, is_enabled)
 
 
 def _combine_key(eqn) -> tuple | None:
@@ -734,7 +742,7 @@ def _combine_jaxpr(jaxpr: core.Jaxpr, limit: int) -> core.Jaxpr:
 def _combine_in_shard_map() -> None:
     """Registers the CPU lowering of ``shard_map`` that combines the all-reduces of an
     all-manual body (``_combine_jaxpr``) under use_for_jax_lax(), then lowers it with the rule
-    registered before (lowering.py's, which chains the regions, around JAX's)."""
+    registered before (program_order.py's, which chains the regions, around JAX's)."""
     rule = lowering_rule(shard_map_p, "cpu")
 
     def shard_map_lowering(ctx, *in_nodes, jaxpr, mesh, **params):
