@@ -93,7 +93,7 @@ from strata_jax._src.collectives import (  # noqa: E402
 )
 from strata_jax._src.coverage import ProgramCoverage, coverage  # noqa: E402
 from strata_jax._src.fabric import init, memory_stats  # noqa: E402
-from strata_jax._src.lax_compat import disable, enable, use_for_jax_lax  # noqa: E402
+from strata_jax._src.lax_hooks import disable, enable, use_for_jax_lax  # noqa: E402
 from strata_jax._src.ragged import empty, ragged_all_to_all  # noqa: E402
 from strata_jax._src.runtime import (  # noqa: E402
     COLLECTIVE_ERRORS,

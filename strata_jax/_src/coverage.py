@@ -2,7 +2,7 @@
 
 Every collective lowered for the CPU is recorded while its program is lowered: strata's own
 operators (``strata_jax.psum`` ..., MoE dispatch/combine) as on strata, JAX's collectives
-(``lax_compat.py``) as on strata or on XLA with the reason. One record per lowered program
+(``lax_hooks.py``) as on strata or on XLA with the reason. One record per lowered program
 (per MLIR module: ``jit_step``, ``pmap_f`` ...), kept for the last ``_KEEP`` programs of the
 process. ``STRATA_DEBUG=INFO`` also logs each collective that stays on XLA for a reason other
 than ``use_for_jax_lax()`` being off, as it is lowered.

@@ -224,7 +224,7 @@ def _in_manual_region(ctx) -> bool:
     return not manual or frozenset(manual) == frozenset(axis_ctx.mesh.axis_names)
 
 
-# Primitives of JAX that lower to a strata call while their predicate holds (lax_compat.py
+# Primitives of JAX that lower to a strata call while their predicate holds (lax_hooks.py
 # registers JAX's collectives, on while use_for_jax_lax() is): the chain counts them too.
 _STRATA_WHEN: dict[core.Primitive, Any] = {}
 
