@@ -79,6 +79,7 @@ from strata_jax._src import allocator as _allocator  # noqa: E402
 _allocator.install()  # the pool serves XLA's buffers under any launcher (see allocator.py)
 
 from strata_jax import moe  # noqa: E402
+from strata_jax._src import combiner as _combiner  # noqa: E402, F401  (hooks shard_map)
 from strata_jax._src import jax_compat as _jax_compat  # noqa: E402
 from strata_jax._src.collectives import (  # noqa: E402
     all_gather,
