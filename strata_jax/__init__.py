@@ -93,7 +93,6 @@ from strata_jax._src.collectives import (  # noqa: E402
     psum_scatter,
 )
 from strata_jax._src.coverage import ProgramCoverage, coverage  # noqa: E402
-from strata_jax._src.fabric import init, memory_stats  # noqa: E402
 from strata_jax._src.lax_hooks import disable, enable, use_for_jax_lax  # noqa: E402
 from strata_jax._src.ragged import empty, ragged_all_to_all  # noqa: E402
 from strata_jax._src.runtime import (  # noqa: E402
@@ -107,6 +106,7 @@ from strata_jax._src.runtime import (  # noqa: E402
     set_timeout,
     set_two_shot_threshold,
 )
+from strata_jax._src.startup import init, memory_stats  # noqa: E402
 from strata_jax._src.topology import topology  # noqa: E402
 
 _jax_compat.warn_if_untested()  # one warning on a JAX newer than the tested range

@@ -168,7 +168,7 @@ NB_MODULE(_strata, m) {
     return d;
   });
 
-  // ---- the shared-memory fabric (bootstrap driven by strata_jax/_src/fabric.py) ----
+  // ---- the shared-memory fabric (bootstrap driven by strata_jax/_src/startup.py) ----
   m.def(
       "fabric_listen",
       [](const std::string& dir, int proc) {

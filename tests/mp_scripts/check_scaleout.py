@@ -33,7 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from strata_jax._src.fabric import _distributed_client  # noqa: E402
+from strata_jax._src.startup import _distributed_client  # noqa: E402
 
 sj.set_timeout(60)
 topo = sj.topology()
