@@ -23,14 +23,14 @@ import serve_moe  # noqa: E402
 import train_moe  # noqa: E402
 import train_recsys  # noqa: E402
 
-from strata_jax import launch  # noqa: E402
+from strata_jax._src import launch_env  # noqa: E402
 
 SCRIPTS = {"train_moe": train_moe, "serve_moe": serve_moe, "train_recsys": train_recsys}
 LAUNCH_ENV = {
-    launch.ENV_COORDINATOR: "127.0.0.1:1",
-    launch.ENV_NUM_PROCESSES: "4",
-    launch.ENV_PROCESS_ID: "0",
-    launch.ENV_LOCAL_DEVICES: "1",
+    launch_env.ENV_COORDINATOR: "127.0.0.1:1",
+    launch_env.ENV_NUM_PROCESSES: "4",
+    launch_env.ENV_PROCESS_ID: "0",
+    launch_env.ENV_LOCAL_DEVICES: "1",
 }
 
 

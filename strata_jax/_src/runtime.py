@@ -101,15 +101,15 @@ def check_launcher_init() -> None:
     Without either, each rank creates a one-process JAX backend: every collective then runs over
     one process and returns its input (psum of one rank), a silently wrong result.
     """
-    from strata_jax import launch
+    from strata_jax._src import launch_env
 
-    env = launch.distributed_env()
+    env = launch_env.distributed_env()
     if env is not None:
         if env["num_processes"] < 2:
             return
         who = f"rank {env['process_id']} of {env['num_processes']} started by strata_jax.launch"
     else:
-        var, n, _ = launch.cluster_env()
+        var, n, _ = launch_env.cluster_env()
         if n < 2:
             return
         who = f"one of {n} processes started by a launcher such as mpirun or srun ({var}={n})"

@@ -44,9 +44,9 @@ def _distributed_client():
 
 def _cluster_size() -> int:
     """Number of processes a cluster launcher (OpenMPI, PMI/MPICH, Slurm) says we are."""
-    from strata_jax import launch
+    from strata_jax._src import launch_env
 
-    return launch.cluster_env()[1]
+    return launch_env.cluster_env()[1]
 
 
 INIT_AFTER_BACKEND = (  # under the launcher, mpirun and srun alike
@@ -537,9 +537,9 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
 
     import jax
 
-    from strata_jax import launch
+    from strata_jax._src import launch_env
 
-    env = launch.distributed_env()
+    env = launch_env.distributed_env()
     if env is not None:
         _install_exit_hooks()
     # init() starts jax.distributed (the launcher's, or mpirun/srun's): JAX's backend must not
@@ -655,9 +655,9 @@ def _connect_fabric(native, start: _Startup, pid: int, members: tuple[int, ...],
     member makes the control segment. Socket paths are exchanged through the key-value store,
     but only members read each other's: nothing of this fabric is looked up from another.
     """
-    from strata_jax import launch
+    from strata_jax._src import launch_env
 
-    run_dir = os.environ.get(launch.ENV_RUN_DIR)
+    run_dir = os.environ.get(launch_env.ENV_RUN_DIR)
     own_dir = None
     if not run_dir or not os.path.isdir(run_dir) or len(run_dir) > 90:
         # A private folder of our own (unix socket paths are limited to 107 bytes); removed
