@@ -30,7 +30,7 @@ ffi::Error OrderImpl(ffi::AnyBuffer x, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
-// The call descriptor of a hierarchical collective (strata_jax/_src/hierarchy.py:
+// The call descriptor of a hierarchical collective (strata_jax/_src/hierarchy/checks.py:
 // _descriptor): int32 words, self-describing so that a rank can print a peer's call: the
 // first operand's ndim, dims and dtype, the op name, a crc of the rest (kDescAttrs), then a
 // second operand's ndim (0: none), dims and dtype.

@@ -1,4 +1,4 @@
-// Handlers of the hierarchical collectives (strata_jax/_src/hierarchy.py): XLA's own
+// Handlers of the hierarchical collectives (strata_jax/_src/hierarchy/): XLA's own
 // collectives move the bytes between fabrics; this custom call, emitted next to each of them,
 // only counts what was handed over, so comm_stats() can split intra- from inter-fabric bytes.
 #pragma once

@@ -8,7 +8,7 @@ through the ``jax.distributed`` key-value store) that carries memfd file descrip
 control segment in shared memory, made by the first process of the fabric, that holds the
 collectives' rendezvous. From then on every strata collective whose group lies inside a fabric
 reads and writes the peers' own XLA buffers; a group that spans fabrics is lowered
-hierarchically (``hierarchy.py``: strata inside, XLA's own collectives between).
+hierarchically (``hierarchy/``: strata inside, XLA's own collectives between).
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ def _out_aval(like, shape, dtype, operands, axes):
 
 def _lower(target: str, api: str):
     def lower(ctx, *args, axes, **attrs):
-        # An expert axis that spans fabric domains: hierarchical collectives (hierarchy.py).
+        # An expert axis that spans fabric domains: hierarchical collectives (hierarchy/).
         split = hierarchy.lower_moe_across_fabrics(ctx, target, args, axes, attrs)
         if split is not None:
             return split
@@ -700,7 +700,7 @@ def _plan(idx, num_experts: int, capacity: int, axes: tuple):
 def _scoped(api: str, operands):
     """Names the ops of ``strata_jax.<api>`` (jax.named_scope ``strata.<api>``; with several
     fabrics, also the dtypes and shapes of ``operands(*args, **kwargs)`` as the user passed
-    them): an error of a step inside (the check across fabrics of hierarchy.py) then names this
+    them): an error of a step inside (the check across fabrics of hierarchy/) then names this
     call, not the inner collective."""
 
     def deco(f):
