@@ -124,7 +124,7 @@ def coverage() -> list[ProgramCoverage]:
 
 def _record_strata_operators() -> None:
     """Wraps the CPU lowering of strata's own operators so they are recorded too."""
-    from strata_jax.moe import _dispatch
+    from strata_jax.moe import _dispatch, _low_latency
 
     prims = [
         collectives.all_reduce_p,
@@ -137,8 +137,8 @@ def _record_strata_operators() -> None:
         _dispatch.moe_dispatch_p,
         _dispatch.moe_combine_p,
         _dispatch.moe_gather_p,
-        _dispatch.moe_ll_dispatch_p,
-        _dispatch.moe_ll_combine_p,
+        _low_latency.moe_ll_dispatch_p,
+        _low_latency.moe_ll_combine_p,
     ]
     for prim in prims:
         rule = lowering_rule(prim, "cpu")
