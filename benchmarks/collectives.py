@@ -81,10 +81,16 @@ else:
 import numpy as np
 
 try:
-    import _common as C
+    from _args import auto_iters, format_size, parse_list, parse_size, size_sweep
+    from _machine import machine_info, print_machine, reexec_with_allocator
+    from _report import Column, Table, plot_lines, progress, write_csv, write_json
+    from _timing import align_processes, median, stream_add_gbs, time_interleaved
 except ImportError:  # imported as a module from elsewhere
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import _common as C
+    from _args import auto_iters, format_size, parse_list, parse_size, size_sweep
+    from _machine import machine_info, print_machine, reexec_with_allocator
+    from _report import Column, Table, plot_lines, progress, write_csv, write_json
+    from _timing import align_processes, median, stream_add_gbs, time_interleaved
 
 AXIS = "x"
 IMPLS = ("strata", "xla", "mpi", "mpi4jax")
@@ -382,7 +388,7 @@ class Point:
     nbytes: int  # size in bytes (nccl-tests' size)
     iters: int  # timed samples
     warmup: int
-    batch: int = 1  # consecutive calls per timed sample (C.time_interleaved)
+    batch: int = 1  # consecutive calls per timed sample (time_interleaved)
 
 
 def sweep_points(
@@ -395,7 +401,7 @@ def sweep_points(
     batch: int = 1,
 ) -> list[Point]:
     """The points of one op and dtype. ``batch`` > 1: the point's ``iters`` calls (given, or
-    C.auto_iters) are timed as at least 3 samples of up to ``batch`` consecutive calls."""
+    auto_iters) are timed as at least 3 samples of up to ``batch`` consecutive calls."""
     spec = OPS[op]
     pts: list[Point] = []
     seen: set[int] = set()
@@ -407,7 +413,7 @@ def sweep_points(
             continue
         seen.add(count)
         nbytes = count * dtype.itemsize
-        it = iters if iters is not None else C.auto_iters(nbytes)
+        it = iters if iters is not None else auto_iters(nbytes)
         wu = warmup if warmup is not None else max(3, min(20, it // 10))
         b = max(1, min(batch, it))
         pts.append(Point(op, dtype, count, nbytes, max(3, -(-it // b)) if b > 1 else it, wu, b))
@@ -553,7 +559,7 @@ def run_sweep(
         # The memory floor: STREAM add of the same traffic on the same devices, measured now,
         # before this point's arrays exist (every process takes part, as in any jitted call).
         traffic = spec.min_traffic(pt.nbytes, ctx.n)
-        stream = C.stream_add_gbs(ctx.mesh, traffic)
+        stream = stream_add_gbs(ctx.mesh, traffic)
         link_s = ctx.link_seconds(spec, pt.nbytes)
         x, host = runner.make_input(pt, seed + k)
         amax = float(np.sqrt(2.0)) if pt.dtype.kind == "c" else 1.0
@@ -585,7 +591,7 @@ def run_sweep(
         firsts: dict[str, list[np.ndarray]] = {}
         inter: dict[str, int | None] = {}
         for impl in runner.impls:
-            tick(f"{pt.op} {C.format_size(pt.nbytes)} {impl}")
+            tick(f"{pt.op} {format_size(pt.nbytes)} {impl}")
             try:
                 fn = runner.prepare(impl, pt, x)
                 firsts[impl] = local_pieces(jax.block_until_ready(fn()))
@@ -605,8 +611,8 @@ def run_sweep(
         # Without it, a process that one call lets go early (a one-way exchange's sender) waits
         # in the next call, which may be the other implementation's: its time is then charged
         # to that one, and the interleaved medians compare skews, not collectives.
-        align = (lambda: C.align_processes("collectives")) if ctx.process_count > 1 else None
-        times, last = C.time_interleaved(
+        align = (lambda: align_processes("collectives")) if ctx.process_count > 1 else None
+        times, last = time_interleaved(
             fns,
             pt.iters,
             max(0, pt.warmup - 1),
@@ -615,8 +621,8 @@ def run_sweep(
             align=align,
             batch=pt.batch,
         )
-        wire_s = ctx.max_across(C.median(times[WIRE])) if WIRE in times else None
-        wire_cpu = ctx.sum_across(C.median(cpu[WIRE])) if WIRE in cpu else None
+        wire_s = ctx.max_across(median(times[WIRE])) if WIRE in times else None
+        wire_cpu = ctx.sum_across(median(cpu[WIRE])) if WIRE in cpu else None
         for impl, r in results.items():
             if impl in errors or impl not in fns:
                 r.update(time_us=None, algbw_gbs=None, busbw_gbs=None, wrong=None)
@@ -630,11 +636,11 @@ def run_sweep(
                 ]
                 wrong = max(w for w, _ in checks)
                 maxerr = max(e for _, e in checks)
-            t = ctx.max_across(C.median(times[impl]))
+            t = ctx.max_across(median(times[impl]))
             # CPU time of every process together per call, over the call's time: the cores the
             # call kept busy (this machine's core count bounds it; at that bound a faster
             # implementation is one that burns less CPU, not one that waits less).
-            cpu_s = ctx.sum_across(C.median(cpu[impl]))
+            cpu_s = ctx.sum_across(median(cpu[impl]))
             algbw = pt.nbytes / t / 1e9
             r.update(
                 time_us=t * 1e6,
@@ -706,45 +712,45 @@ def inter_fabric_bytes(impl: str, pt: Point, fn: Callable[[], Any], ctx: Context
 # --------------------------------------------------------------------------------------------------
 
 
-def make_table(impls: Sequence[str], link: bool = False) -> C.Table:
+def make_table(impls: Sequence[str], link: bool = False) -> Table:
     cols = [
-        C.Column("size(B)", 12),
-        C.Column("count", 11),
-        C.Column("dtype", 9),
-        C.Column("op", 12),
+        Column("size(B)", 12),
+        Column("count", 11),
+        Column("dtype", 9),
+        Column("op", 12),
     ]
     if link:
-        cols.append(C.Column("link(us)", 10, ".1f"))
-        cols.append(C.Column("wire(us)", 10, ".1f"))
-        cols.append(C.Column("wcpu(ms)", 8, ".1f"))
+        cols.append(Column("link(us)", 10, ".1f"))
+        cols.append(Column("wire(us)", 10, ".1f"))
+        cols.append(Column("wcpu(ms)", 8, ".1f"))
     groups: list[tuple[str, int]] = [("", len(cols))]
     for impl in impls:
         cols += [
-            C.Column("time(us)", 11, ".1f"),
-            C.Column("algbw", 7, ".2f"),
-            C.Column("busbw", 7, ".2f"),
-            C.Column("%mem", 5, ".0f"),
-            C.Column("#wrong", 7),
-            C.Column("inter(B)", 10),
-            C.Column("cores", 5, ".2f"),
+            Column("time(us)", 11, ".1f"),
+            Column("algbw", 7, ".2f"),
+            Column("busbw", 7, ".2f"),
+            Column("%mem", 5, ".0f"),
+            Column("#wrong", 7),
+            Column("inter(B)", 10),
+            Column("cores", 5, ".2f"),
         ]
         if link:
-            cols.append(C.Column("cpu(ms)", 7, ".1f"))
-            cols.append(C.Column("%link", 5, ".0f"))
-            cols.append(C.Column("%wire", 5, ".0f"))
+            cols.append(Column("cpu(ms)", 7, ".1f"))
+            cols.append(Column("%link", 5, ".0f"))
+            cols.append(Column("%wire", 5, ".0f"))
         groups.append((f" {impl} ", 10 if link else 7))
     others = [i for i in impls if i != "strata"] if "strata" in impls else []
     for o in others:
-        cols.append(C.Column(f"{o}/strata", max(12, len(o) + 7), ".2f"))
+        cols.append(Column(f"{o}/strata", max(12, len(o) + 7), ".2f"))
     if others:
         groups.append((" speedup ", len(others)))
-    cols.append(C.Column("stream", 7, ".2f"))
+    cols.append(Column("stream", 7, ".2f"))
     groups.append(("", 1))
-    return C.Table(cols, groups)
+    return Table(cols, groups)
 
 
 def table_row(
-    table: C.Table, pt: Point, results: dict[str, dict[str, Any]], link_us: float | None = None
+    table: Table, pt: Point, results: dict[str, dict[str, Any]], link_us: float | None = None
 ) -> str:
     link = link_us is not None
     wires = [r.get("wire_us") for r in results.values() if r.get("wire_us")]
@@ -816,7 +822,7 @@ def plot(path: Path, rows: Sequence[dict[str, Any]]) -> bool:
         xs, ys = panel.setdefault(r["impl"], ([], []))
         xs.append(r["size_bytes"])
         ys.append(r["busbw_gbs"])
-    return C.plot_lines(
+    return plot_lines(
         path,
         panels,
         xlabel="size per rank (bytes)",
@@ -848,11 +854,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     # nccl-tests' names: -b/--minbytes, -e/--maxbytes, -f/--stepfactor.
     p.add_argument(
-        "-b", "--min-bytes", "--minbytes", type=C.parse_size, default=8,
+        "-b", "--min-bytes", "--minbytes", type=parse_size, default=8,
         help="smallest size per rank (default 8)",
     )  # fmt: skip
     p.add_argument(
-        "-e", "--max-bytes", "--maxbytes", type=C.parse_size, default="64M",
+        "-e", "--max-bytes", "--maxbytes", type=parse_size, default="64M",
         help="largest size per rank (default 64M)",
     )  # fmt: skip
     p.add_argument(
@@ -915,9 +921,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     a = p.parse_args(argv)
     try:
-        a.ops = C.parse_list(a.op, list(OPS))
-        a.impls = C.parse_list(a.impl, IMPLS)
-        a.sizes = C.size_sweep(a.min_bytes, a.max_bytes, a.factor)
+        a.ops = parse_list(a.op, list(OPS))
+        a.impls = parse_list(a.impl, IMPLS)
+        a.sizes = size_sweep(a.min_bytes, a.max_bytes, a.factor)
     except ValueError as e:
         p.error(str(e))
     if not a.ops or not a.impls:
@@ -1047,7 +1053,7 @@ def print_engines(written: dict[str, Path], rate: float | None) -> None:
         wires = "/".join(ms(r.get(f"_wire[{e}]", {}).get("wire_us")) for e in ("gloo", "mpi"))
         wrong = sum(v.get("wrong") or 0 for k, v in r.items() if not k.startswith("_"))
         print(
-            f"| {op} | {C.format_size(size)} | {ms(bound)} | {wires} | {pct(sg, 'link_share')} |"
+            f"| {op} | {format_size(size)} | {ms(bound)} | {wires} | {pct(sg, 'link_share')} |"
             f" {pct(r.get('xla'), 'link_share')} | {ratio(r, 'xla', 'strata[gloo]')} |"
             f" {pct(sm, 'link_share')} | {pct(r.get('mpi'), 'link_share')} |"
             f" {ratio(r, 'mpi', 'strata[mpi]')} | {wrong} |"
@@ -1077,7 +1083,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if multi and not os.environ.get(CHILD_ENV) and not _under_mpi():
         return relaunch(args, argv)
     # In-process: the deployment's allocator, as the launcher sets it for --procs runs.
-    allocator = C.reexec_with_allocator(not args.no_preload and not multi)
+    allocator = reexec_with_allocator(not args.no_preload and not multi)
 
     if "strata" in args.impls and _strata is None:
         sys.exit(
@@ -1115,7 +1121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import jax.numpy as jnp
 
     try:
-        dtypes = [np.dtype(jnp.dtype(d)) for d in C.parse_list(args.dtype)]
+        dtypes = [np.dtype(jnp.dtype(d)) for d in parse_list(args.dtype)]
     except TypeError as e:
         sys.exit(f"error: bad --dtype {args.dtype!r}: {e}")
 
@@ -1137,10 +1143,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     main_proc = ctx.is_main
     write: Callable[[str], Any] = print if main_proc else (lambda s: None)
 
-    info = C.machine_info()
+    info = machine_info()
     info["strata_jax"] = "imported" if _strata is not None else f"unavailable: {_STRATA_ERROR!r}"
     write("# strata_jax collectives benchmark (nccl-tests style)")
-    C.print_machine(info, write)
+    print_machine(info, write)
     write(f"# strata_jax : {info['strata_jax']}")
     write(f"# allocator  : {allocator}")
     write(
@@ -1217,7 +1223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for dt in dtypes
         for pt in sweep_points(op, dt, args.sizes, ctx.n, args.iters, args.warmup, batch)
     ]
-    bar = C.progress(len(points), "collectives", enable=main_proc and not args.no_progress)
+    bar = progress(len(points), "collectives", enable=main_proc and not args.no_progress)
     out_write = bar.write if main_proc else (lambda s: None)
     table = make_table(args.impls, link=bool(ctx.link_gbit))
     state: dict[str, Any] = {"group": None}
@@ -1253,8 +1259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stem += f"_link{ctx.link_gbit:g}g" if ctx.link_gbit else ""
         stem += "_mpi" if multi and jax.config.jax_cpu_collectives_implementation == "mpi" else ""
         out: Path = args.out
-        C.write_csv(out / f"{stem}.csv", rows)
-        C.write_json(
+        write_csv(out / f"{stem}.csv", rows)
+        write_json(
             out / f"{stem}.json",
             {
                 "benchmark": "collectives",
