@@ -41,18 +41,13 @@ from typing import Any
 
 import numpy as np
 
-try:
-    from _args import format_size, parse_list, parse_size, size_sweep
-    from _machine import machine_info, print_machine
-    from _report import write_json
-    from _timing import time_interleaved
-except ImportError:  # imported as a module from elsewhere
+if str(Path(__file__).resolve().parent) not in sys.path:  # imported from elsewhere
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _args import format_size, parse_list, parse_size, size_sweep
-    from _machine import machine_info, print_machine
-    from _report import write_json
-    from _timing import time_interleaved
-from collectives import make_body  # noqa: E402  (the per-shard op, one definition)
+from _args import format_size, parse_list, parse_size, size_sweep  # noqa: E402
+from _collective_ops import make_body  # noqa: E402  (the per-shard op, one definition)
+from _machine import machine_info, print_machine  # noqa: E402
+from _report import write_json  # noqa: E402
+from _timing import time_interleaved  # noqa: E402
 
 CHILD_ENV = "STRATA_BENCH_CHILD"
 AXIS = "x"
