@@ -15,7 +15,7 @@ import numpy as np
 import strata_jax as sj
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from round2_common import moe_idle_expert_reference  # noqa: E402
+from two_shot_switch import moe_idle_expert_reference  # noqa: E402
 
 sj.init()
 

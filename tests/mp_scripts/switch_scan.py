@@ -14,7 +14,7 @@ import numpy as np
 import strata_jax as sj
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from round2_common import switch_scan  # noqa: E402  (tests/round2_common.py)
+from two_shot_switch import switch_scan  # noqa: E402  (tests/two_shot_switch.py)
 
 sj.init()
 

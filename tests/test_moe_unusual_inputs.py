@@ -18,7 +18,7 @@ import pytest
 from _mp_util import launch, procs_with
 from _util import mesh1d
 from jax.sharding import PartitionSpec as P
-from round2_common import SWITCH_THRESHOLD, switch_scan
+from two_shot_switch import SWITCH_THRESHOLD, switch_scan
 
 import strata_jax as sj
 
