@@ -1,10 +1,10 @@
-"""Bodies shared by the in-process round-2 cases and their multi-process scripts (mp_scripts/).
+"""Sizes alternating across the one-shot/two-shot switch, shared by tests/test_unusual_inputs.py
+(in one process) and mp_scripts/switch_scan.py (across processes).
 
-Case 24 of ../shared/cases/edge-cases.md: a jitted scan whose every step psums four arrays of
-4 B, 8 MiB, 1028 B and 3 MiB (f32), on both sides of the one-shot/two-shot switch. Step s on
-rank r holds a[i] = r + ((s + i) mod 5): small integers, so every sum is exact in f32 and each
-step's expected value, n(n-1)/2 + n ((s + i) mod 5), differs from its neighbours' (a result
-paired with another step's call would be counted as wrong).
+A jitted scan whose every step psums four arrays of 4 B, 8 MiB, 1028 B and 3 MiB (f32), on both
+sides of the one-shot/two-shot switch. Step s on rank r holds a[i] = r + ((s + i) mod 5): small
+integers, so every sum is exact in f32 and each step's expected value, n(n-1)/2 + n ((s + i) mod 5),
+differs from its neighbours' (a result paired with another step's call would be counted as wrong).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 SWITCH_SIZES = (1, 2 << 20, 257, 786432)  # f32 elements: 4 B, 8 MiB, 1028 B, 3 MiB
-SWITCH_THRESHOLD = 65536  # STRATA_TWO_SHOT_BYTES of the case
+SWITCH_THRESHOLD = 65536  # STRATA_TWO_SHOT_BYTES of the check
 
 
 def switch_scan(psum, mesh, steps: int):
@@ -36,14 +36,3 @@ def switch_scan(psum, mesh, steps: int):
         return wrong
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-
-
-def moe_idle_expert_reference(x, w, factor: float = 3.0):
-    """Case 28: every token routed to expert 0 (K=1), expert f(x) = factor x, capacity >= tokens
-    of all ranks: y = w x factor; dy/dx = w factor (summed loss); dy/dw = factor sum_h x."""
-    import numpy as np
-
-    x = np.asarray(x, np.float64)
-    w = np.asarray(w, np.float64)  # [T, 1]
-    y = w * factor * x
-    return y, np.broadcast_to(w * factor, x.shape), factor * x.sum(1, keepdims=True)

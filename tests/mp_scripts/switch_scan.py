@@ -1,4 +1,5 @@
-"""Case 24 across processes: a 200-step scan psumming 4 B, 8 MiB, 1028 B and 3 MiB per step.
+"""Sizes alternating across the one-shot/two-shot switch, across processes: a 200-step scan
+psumming 4 B, 8 MiB, 1028 B and 3 MiB per step.
 
 Run with ``STRATA_TWO_SHOT_BYTES=65536`` under ``launch -n 4``; argument: the number of steps.
 Prints ``OK switch <steps> steps wrong=0`` per rank, or exits 3 naming the wrong count.
