@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "coll/kernels.h"
+#include "common/settings.h"
 #include "fabric/inproc.h"
 #include "fabric/op_stats.h"
 #include "fabric/shm.h"
