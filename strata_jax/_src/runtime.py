@@ -185,7 +185,7 @@ def env_bytes(name: str, default: int, example: str) -> int:
     return int(digits) * scale
 
 
-# Byte settings the native library reads from the environment itself (native/fabric/env.cc,
+# Byte settings the native library reads from the environment itself (native/common/env.cc,
 # env_bytes): checked here at first use, so that a value it cannot read is an error instead of
 # a path silently turned off.
 _NATIVE_BYTE_SETTINGS = {
