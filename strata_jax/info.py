@@ -49,10 +49,9 @@ def collect() -> dict:
     import jaxlib
     import numpy as np
 
-    from strata_jax import launch
-    from strata_jax._src import runtime
+    from strata_jax._src import launch_env, runtime
 
-    under_launcher = launch.distributed_env() is not None
+    under_launcher = launch_env.distributed_env() is not None
     state = strata_jax.init() if under_launcher else None
     devices = jax.devices()
     runtime.native()  # loads the extension and records the launch pool (backend exists now)

@@ -1,4 +1,4 @@
-"""The workloads' ``--preset`` (benchmarks/_common.add_preset) and regime_sweep.py's plotting.
+"""The workloads' ``--preset`` (benchmarks/_args.add_preset) and regime_sweep.py's plotting.
 
 Argument parsing and plotting only (no jax program runs): a preset's values become the
 defaults, flags given on the command line win wherever they stand, the preset is picked by
@@ -17,20 +17,20 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-import _common  # noqa: E402
+import _args  # noqa: E402
 import regime_sweep  # noqa: E402
 import serve_moe  # noqa: E402
 import train_moe  # noqa: E402
 import train_recsys  # noqa: E402
 
-from strata_jax import launch  # noqa: E402
+from strata_jax._src import launch_env  # noqa: E402
 
 SCRIPTS = {"train_moe": train_moe, "serve_moe": serve_moe, "train_recsys": train_recsys}
 LAUNCH_ENV = {
-    launch.ENV_COORDINATOR: "127.0.0.1:1",
-    launch.ENV_NUM_PROCESSES: "4",
-    launch.ENV_PROCESS_ID: "0",
-    launch.ENV_LOCAL_DEVICES: "1",
+    launch_env.ENV_COORDINATOR: "127.0.0.1:1",
+    launch_env.ENV_NUM_PROCESSES: "4",
+    launch_env.ENV_PROCESS_ID: "0",
+    launch_env.ENV_LOCAL_DEVICES: "1",
 }
 
 
@@ -51,7 +51,7 @@ def test_preset_paper_sets_the_defaults_and_flags_win(name, one_process):
 
     args = mod.parse_args(["--preset", "paper"])
     assert args.preset == "paper" and args.preset_place == "one_process"
-    assert args.preset_flags == _common.preset_flags(values)
+    assert args.preset_flags == _args.preset_flags(values)
     assert {k: getattr(args, k) for k in values} == values
     key = next(iter(values))
     other = values[key] * 2
@@ -63,7 +63,7 @@ def test_preset_paper_sets_the_defaults_and_flags_win(name, one_process):
         assert getattr(args, key) == other, argv
         rest = {k: getattr(args, k) for k in values if k != key}
         assert rest == {k: v for k, v in values.items() if k != key}
-    line = _common.preset_line(args, mod.PRESETS)
+    line = _args.preset_line(args, mod.PRESETS)
     assert line.startswith("# preset     : paper (one process)")
     assert f"overridden on the command line: --{key.replace('_', '-')} {other}" in line
 
@@ -175,7 +175,7 @@ def test_plot_only_draws_each_workload(tmp_path):
 def test_plot_only_without_matplotlib_fails_and_says_why(tmp_path, monkeypatch):
     """Asked to plot without matplotlib: an error naming it and the extra, no silent 0."""
     (tmp_path / "regime_sweep.json").write_text(json.dumps(_fake_summary()))
-    monkeypatch.setattr(_common, "pyplot", lambda: None)
+    monkeypatch.setattr(regime_sweep, "pyplot", lambda: None)
     with pytest.raises(
         SystemExit, match=r"matplotlib is not installed \(pip install '\.\[bench\]'\)"
     ):

@@ -120,10 +120,10 @@ def test_closed_jaxprs_are_met_on_every_release():
 def test_every_jax_lax_collective_primitive_is_hooked_or_named():
     """Each collective primitive of the running release's jax.lax lowers through strata's
     hook (to strata, or to XLA with a recorded reason): none is silently JAX's alone."""
-    from strata_jax._src import lax_compat
+    from strata_jax._src import lax_hooks
 
-    hooked = {p for p, _, _ in lax_compat._HOOKS} | set(lax_compat._ASYNC)
-    hooked |= {p for p, _ in lax_compat._UNSUPPORTED}
+    hooked = {p for p, _, _ in lax_hooks._HOOKS} | set(lax_hooks._ASYNC)
+    hooked |= {p for p, _ in lax_hooks._UNSUPPORTED}
     parallel = jax_compat.lax_parallel
     # Not collectives of their own: the index, point-to-point halves, the *_done ends of the
     # asynchronous forms (their *_start is hooked) and the type casts.

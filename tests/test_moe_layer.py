@@ -454,7 +454,7 @@ def test_reference_two_dispatches_in_flight(rng):
 # All implementations in one process, as a user compares them: strata_ragged's independent
 # ragged_all_to_all calls, started in different orders on different devices while strata calls
 # were free in one process, timed out here in 2 of 17 runs and once in CI (fixed: calls are
-# chained in program order everywhere, lowering.py: _keep_program_order).
+# chained in program order everywhere, program_order.py: keep_program_order).
 # The slow variant repeats the run 25 times (about 5 minutes): before the fix a run timed out
 # with a probability of about 1 in 15.
 _ALL_IMPLS = "reference,xla,xla_sort,strata_ragged,nocomm" + (",strata" if NATIVE else "")

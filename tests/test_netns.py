@@ -263,7 +263,7 @@ def test_link_bound_counts_the_bytes_a_host_must_receive(hosts, per_host):
     reductions, with 2 hosts: one partial sum per output position of its ranks)."""
     sys.path.insert(0, str(HERE.parent / "benchmarks"))
     try:
-        import collectives as B
+        import _collective_ops as B
     finally:
         sys.path.pop(0)
     n = hosts * per_host
@@ -335,7 +335,7 @@ def test_wire_floor_ring_crosses_one_way(hosts, per_host):
     ranks exchange both ways (a gloo connection carrying both directions takes turns)."""
     sys.path.insert(0, str(HERE.parent / "benchmarks"))
     try:
-        import collectives as B
+        import _sweep as B
     finally:
         sys.path.pop(0)
     n = hosts * per_host

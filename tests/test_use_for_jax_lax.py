@@ -2,7 +2,7 @@
 
 Oracle: the same function lowered without the context (XLA's collectives) on the same fresh
 random input. The lowered HLO shows strata's custom calls inside the context and none outside.
-The hook is the CPU lowering of JAX's collective primitives (lax_compat.py), so the jaxpr is
+The hook is the CPU lowering of JAX's collective primitives (lax_hooks.py), so the jaxpr is
 JAX's own and collectives JAX emits itself, or that were bound to other names, are caught too.
 """
 
@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import strata_jax as sj
-from strata_jax._src import lax_compat
+from strata_jax._src import lax_hooks
 
 
 def _mesh1d():
@@ -148,7 +148,7 @@ def test_strata_all_gather_takes_to_keyword(rng):
 
 
 def _fallback(f, *args, cause: str):
-    lax_compat._warned.discard(next((c for c in lax_compat._warned if cause in c), ""))
+    lax_hooks._warned.discard(next((c for c in lax_hooks._warned if cause in c), ""))
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         want, got, _, hlo_in = _both(f, *args)
@@ -213,13 +213,13 @@ def test_enable_disable_and_nesting(rng):
     f = _smap(_mean_grad, out_specs=P())
     try:
         sj.enable()
-        assert lax_compat.is_enabled() and "strata_" in _hlo(f, x)
+        assert lax_hooks.is_enabled() and "strata_" in _hlo(f, x)
         with sj.use_for_jax_lax(False):
             assert "strata_" not in _hlo(f, x)
         assert "strata_" in _hlo(f, x)
     finally:
         sj.disable()
-    assert not lax_compat.is_enabled() and "strata_" not in _hlo(f, x)
+    assert not lax_hooks.is_enabled() and "strata_" not in _hlo(f, x)
 
 
 def test_constants_and_names_bound_before():

@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "coll/kernels.h"
+#include "common/settings.h"
 #include "fabric/inproc.h"
 #include "fabric/op_stats.h"
 #include "fabric/shm.h"
@@ -168,7 +169,7 @@ NB_MODULE(_strata, m) {
     return d;
   });
 
-  // ---- the shared-memory fabric (bootstrap driven by strata_jax/_src/fabric.py) ----
+  // ---- the shared-memory fabric (bootstrap driven by strata_jax/_src/startup.py) ----
   m.def(
       "fabric_listen",
       [](const std::string& dir, int proc) {

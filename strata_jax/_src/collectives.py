@@ -9,7 +9,7 @@ The native handlers read and write the participants' own XLA buffers (zero-copy)
 rank sits in a collective is computed at run time from its partition id, an operand emitted
 by the program itself, and the mesh shape, so groups over any subset of a multi-axis mesh work.
 A group whose devices span several fabric domains (hosts) is lowered hierarchically instead:
-strata inside each fabric, XLA's own collectives between (``hierarchy.py``).
+strata inside each fabric, XLA's own collectives between (``hierarchy/``).
 """
 
 from __future__ import annotations
@@ -389,7 +389,7 @@ def _all_reduce_lowering(ctx, *xs, axes, reduce, invariant):
         api = "pmean" if reduce == "mean" else "psum"
         return _ffi_call_lowering("strata_all_reduce", api)(ctx, xs[0], axes=axes, reduce=code)
     if hierarchy.plan(ctx, axes) is not None:
-        # Across fabrics: the hierarchical all-reduce (hierarchy.py) takes one operand; each
+        # Across fabrics: the hierarchical all-reduce (hierarchy/) takes one operand; each
         # leaf is lowered as its own call there.
         def per_leaf(*vs):
             return [
@@ -586,7 +586,7 @@ def _rows_lowering(target: str, api: str, dim0_target: str):
     non-leading dimension goes to ``target``, which works in place with strided rows
     (collectives.h: all_gather_rows, reduce_scatter_rows), and the leading one to
     ``dim0_target``: no transpose, reshape or copy in the program either way (an untiled call
-    inserts or drops the axis itself). Across fabrics the hierarchical form (hierarchy.py)
+    inserts or drops the axis itself). Across fabrics the hierarchical form (hierarchy/)
     takes the tiled form over the leading dimension, so the dimension is moved to the front
     around it there."""
 

@@ -25,7 +25,7 @@ What moved between the ends of the range, and how it is met:
   release lacks.
 - ``jax_use_rgv3`` (0.11.0, on): jax.lax's own psum/all_gather/psum_scatter/all_to_all lower
   with a mesh-axes replica-group attribute; strata builds its own XLA collectives
-  (``hierarchy.py``) with dense replica groups, which every release accepts.
+  (``hierarchy/``) with dense replica groups, which every release accepts.
 - ``jax_raise_on_ppermute_sort_diff`` (0.11.1, on): ``jax.lax.ppermute`` over several axes in an
   order other than the mesh's raises (it used to sort the group into mesh order, which JAX
   calls a wrong answer). ``strata_jax.ppermute`` accepts any order and indexes the group in
@@ -284,7 +284,7 @@ def as_closed(jaxpr: Any) -> Any:
     return pe.close_jaxpr(jaxpr)
 
 
-# --- the higher-order primitives whose lowerings strata wraps (program order: lowering.py) ----
+# --- the higher-order primitives whose lowerings strata wraps (program_order.py) ------------------
 
 cond_p = conditionals.cond_p
 while_p = loops.while_p

@@ -8,7 +8,7 @@ through the ``jax.distributed`` key-value store) that carries memfd file descrip
 control segment in shared memory, made by the first process of the fabric, that holds the
 collectives' rendezvous. From then on every strata collective whose group lies inside a fabric
 reads and writes the peers' own XLA buffers; a group that spans fabrics is lowered
-hierarchically (``hierarchy.py``: strata inside, XLA's own collectives between).
+hierarchically (``hierarchy/``: strata inside, XLA's own collectives between).
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ def _distributed_client():
 
 def _cluster_size() -> int:
     """Number of processes a cluster launcher (OpenMPI, PMI/MPICH, Slurm) says we are."""
-    from strata_jax import launch
+    from strata_jax._src import launch_env
 
-    return launch.cluster_env()[1]
+    return launch_env.cluster_env()[1]
 
 
 INIT_AFTER_BACKEND = (  # under the launcher, mpirun and srun alike
@@ -537,9 +537,9 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
 
     import jax
 
-    from strata_jax import launch
+    from strata_jax._src import launch_env
 
-    env = launch.distributed_env()
+    env = launch_env.distributed_env()
     if env is not None:
         _install_exit_hooks()
     # init() starts jax.distributed (the launcher's, or mpirun/srun's): JAX's backend must not
@@ -655,9 +655,9 @@ def _connect_fabric(native, start: _Startup, pid: int, members: tuple[int, ...],
     member makes the control segment. Socket paths are exchanged through the key-value store,
     but only members read each other's: nothing of this fabric is looked up from another.
     """
-    from strata_jax import launch
+    from strata_jax._src import launch_env
 
-    run_dir = os.environ.get(launch.ENV_RUN_DIR)
+    run_dir = os.environ.get(launch_env.ENV_RUN_DIR)
     own_dir = None
     if not run_dir or not os.path.isdir(run_dir) or len(run_dir) > 90:
         # A private folder of our own (unix socket paths are limited to 107 bytes); removed
@@ -690,55 +690,3 @@ def _connect_fabric(native, start: _Startup, pid: int, members: tuple[int, ...],
         native.fabric_unlink()
         if own_dir is not None:
             shutil.rmtree(own_dir, ignore_errors=True)
-
-
-def memory_stats() -> dict:
-    """Registration, zero-copy and allocator counters of this process.
-
-    Returns:
-      dict with (bytes are bytes, seconds are seconds, counts are per process):
-
-      - ``fabric``: ``"shm"`` (connected across processes) or ``"inproc"``;
-        ``registration``: the mode in effect (``"none"`` in-process; ``"staging"`` when the
-        allocator does not serve XLA's buffers, whatever mode was asked for).
-      - ``registered_segments`` / ``registered_bytes``: live segments of this process exported
-        to every peer (allocator segments and bounce buffers).
-      - ``peer_segments_mapped`` / ``peer_bytes_mapped``: peers' segments mapped here.
-      - ``registrations_critical`` / ``registrations_critical_s``: registrations a collective
-        had to do itself or wait for (on the critical path), and the time they took.
-      - ``registrations_offpath`` / ``registrations_offpath_s``: registrations done by the
-        allocator's background thread (off the critical path).
-      - ``zero_copy_bytes``: bytes collectives read from / wrote to peers' own buffers.
-      - ``staged_bytes``: bytes copied into / out of bounce buffers; ``staged_calls``: calls
-        that staged at least one buffer; ``peer_bounce_bytes``: bytes moved between peers
-        through bounce buffers; ``bounce_buffer_bytes``: size of this process's bounce buffers.
-      - ``allocator``: whether libstrata_alloc serves XLA's buffers in this process;
-        ``allocator_mode``: how (``"preload"``: LD_PRELOAD, by ``strata_jax.launch`` or
-        ``strata-run``; ``"hook"``: hooked into jaxlib at ``import strata_jax``, the default
-        under any other launcher; ``"off"``); ``pool_segments``,
-        ``pool_segment_bytes``, ``pool_bytes_in_use``, ``pool_bytes_cached``, ``pool_allocs``,
-        ``pool_threshold`` from ``strata_alloc_stats`` (zeros without the allocator).
-      - ``intra_fabric_bytes``: bytes strata moved between devices of this fabric (zero-copy
-        plus through peers' bounce buffers); ``inter_fabric_bytes``: bytes the inter-fabric
-        steps of hierarchical collectives handed to XLA's own collectives (gloo/MPI).
-      - ``fabric``/``fabric_index``/``fabric_id``: this process's fabric domain;
-        ``fabric_peers``: one dict per process of this fabric connected through shared memory
-        (``process``: jax process index, ``fabric_id``, ``os_pid``: the pid at the other end
-        of the link as the kernel attests it (SO_PEERCRED; 0 for this process),
-        ``segments_mapped`` / ``bytes_mapped``: that process's segments mapped here). Every
-        peer segment mapped here is listed under its owner, so this shows that no memory of
-        another fabric is mapped.
-    """
-    d = dict(runtime.native().memory_stats())
-    d["allocator_mode"] = allocator.state["mode"] if d.get("allocator") else "off"
-    fmap = topology.fabric_map()
-    members = fmap.members(fmap.own)
-    d["fabric_index"] = fmap.own
-    d["fabric_id"] = fmap.ids[fmap.process]
-    peers = []
-    for e in d.get("fabric_peers", []):
-        e = dict(e)
-        p = members[e.pop("fabric_rank")]
-        peers.append({"process": p, "fabric_id": fmap.ids[p], **e})
-    d["fabric_peers"] = peers
-    return d
