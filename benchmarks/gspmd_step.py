@@ -38,11 +38,12 @@ import numpy as np
 
 import strata_jax as sj  # before jax: the engine between processes is chosen at its import
 
-try:
-    import _common as C
-except ImportError:
+if str(Path(__file__).resolve().parent) not in sys.path:  # imported from elsewhere
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import _common as C
+from _args import parse_list  # noqa: E402
+from _machine import machine_info, print_machine  # noqa: E402
+from _report import write_json  # noqa: E402
+from _timing import align_processes  # noqa: E402
 
 CHILD_ENV = "STRATA_BENCH_CHILD"
 RESULT_ENV = "STRATA_BENCH_RESULT"
@@ -67,8 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("bench_out"))
     p.add_argument("--no-progress", action="store_true", help="(accepted; nothing to show)")
     a = p.parse_args(argv)
-    a.layouts = C.parse_list(a.layout, ["dp", "tp"])
-    a.engine_list = C.parse_list(a.engines, list(ENGINES))
+    a.layouts = parse_list(a.layout, ["dp", "tp"])
+    a.engine_list = parse_list(a.engines, list(ENGINES))
     return a
 
 
@@ -183,7 +184,7 @@ def child(a) -> None:
         losses, times = [], []
         for i in range(a.warmup + a.steps):
             tokens = put(data[i], bspec)
-            C.align_processes(f"gspmd-{layout}-{i}")
+            align_processes(f"gspmd-{layout}-{i}")
             t = time.perf_counter()
             loss, params = step(params, tokens)
             jax.block_until_ready((loss, params))
@@ -221,11 +222,11 @@ def parent(a, argv) -> int:
         if reason:
             print(f"# XLA over MPI left out: {reason}")
             engines.remove("mpi")
-    info = C.machine_info()
+    info = machine_info()
     print(
         "# strata_jax GSPMD step benchmark (jit + NamedSharding; XLA's partitioner's collectives)"
     )
-    C.print_machine(info)
+    print_machine(info)
     print(
         f"# model      : byte-level decoder, {a.layers} layers, d_model {a.d_model}, "
         f"{a.heads} heads, dense MLP d_ff {a.d_ff}, seq {a.seq}; batch {a.batch} sequences per "
@@ -305,7 +306,7 @@ def parent(a, argv) -> int:
         rows.append({"layout": layout, "median_ms": med, "losses": eq})
         if not same:
             rc = rc or 1
-    C.write_json(
+    write_json(
         a.out / f"gspmd_step_p{a.procs}.json",
         {"benchmark": "gspmd_step", "machine": info, "args": vars(a) | {"out": str(a.out)},
          "rows": rows, "launches": results},

@@ -41,12 +41,13 @@ from typing import Any
 
 import numpy as np
 
-try:
-    import _common as C
-except ImportError:  # imported as a module from elsewhere
+if str(Path(__file__).resolve().parent) not in sys.path:  # imported from elsewhere
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import _common as C
-from collectives import make_body  # noqa: E402  (the per-shard op, one definition)
+from _args import format_size, parse_list, parse_size, size_sweep  # noqa: E402
+from _collective_ops import make_body  # noqa: E402  (the per-shard op, one definition)
+from _machine import machine_info, print_machine  # noqa: E402
+from _report import write_json  # noqa: E402
+from _timing import time_interleaved  # noqa: E402
 
 CHILD_ENV = "STRATA_BENCH_CHILD"
 AXIS = "x"
@@ -83,7 +84,7 @@ def child(args: argparse.Namespace) -> int:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    impls = C.parse_list(args.impl, IMPLS)
+    impls = parse_list(args.impl, IMPLS)
     if "engine" in impls and "xla" in impls:
         sys.exit("error: --impl xla (gloo) and engine cannot share a run (one engine a process)")
     if "mpi" in impls:
@@ -102,9 +103,9 @@ def child(args: argparse.Namespace) -> int:
     mesh = Mesh(np.array(devs), (AXIS,))
     main = jax.process_index() == 0
     write = print if main else (lambda *a, **k: None)
-    info = C.machine_info()
+    info = machine_info()
     write("# strata_jax small-message latency across processes (benchmarks/latency.py)")
-    C.print_machine(info, write)
+    print_machine(info, write)
     write(
         f"# setup      : {jax.process_count()} processes x {jax.local_device_count()} device, "
         f"mesh axis '{AXIS}' of {n}; {', '.join(impls)} (xla: jax.lax over gloo, mpi: jax.lax "
@@ -126,8 +127,8 @@ def child(args: argparse.Namespace) -> int:
     rmesh = Mesh(np.array(devs[::-1]), (AXIS,))
     impls = impls + (["general"] if args.general else [])
     rows = []
-    for op in C.parse_list(args.op, OPS):
-        for nbytes in C.size_sweep(args.min_bytes, args.max_bytes, args.factor):
+    for op in parse_list(args.op, OPS):
+        for nbytes in size_sweep(args.min_bytes, args.max_bytes, args.factor):
             count = max(n, nbytes // 4)
             count -= count % n
             per = count if op not in ("all_gather",) else count // n
@@ -166,18 +167,18 @@ def child(args: argparse.Namespace) -> int:
             for _ in range(args.rounds):
                 if args.interleave == "call":
                     multihost_utils.sync_global_devices("latency round")
-                    t, _o = C.time_interleaved(fns, args.iters, warmup=args.warmup)
+                    t, _o = time_interleaved(fns, args.iters, warmup=args.warmup)
                     for k in impls:
                         times[k] += t[k]
                     continue
                 for k in impls:  # blocks: each impl's calls back to back, then the next
                     multihost_utils.sync_global_devices("latency block")
-                    t, _o = C.time_interleaved({k: fns[k]}, args.iters, warmup=args.warmup)
+                    t, _o = time_interleaved({k: fns[k]}, args.iters, warmup=args.warmup)
                     times[k] += t[k]
             pct = {k: _percentiles(v) for k, v in times.items()}
             p50s = multihost_utils.process_allgather(np.array([pct[k][1] for k in impls]))
             p50max = np.asarray(p50s).reshape(-1, len(impls)).max(axis=0)
-            size = C.format_size(count * 4)
+            size = format_size(count * 4)
             for i, k in enumerate(impls):
                 p10, p50, p99 = pct[k]
                 write(
@@ -217,7 +218,7 @@ def child(args: argparse.Namespace) -> int:
                     f"{'met' if min(g0, gmax) >= 20 else 'not met'})"
                 )
     if main and args.json:
-        C.write_json(Path(args.json), {"machine": info, "rows": rows})
+        write_json(Path(args.json), {"machine": info, "rows": rows})
     return 0
 
 
@@ -225,8 +226,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--procs", type=int, default=4, help="processes (one device each)")
     ap.add_argument("--op", default="psum", help=f"comma list of {OPS} or 'all'")
-    ap.add_argument("-b", "--min-bytes", type=C.parse_size, default=4096)
-    ap.add_argument("-e", "--max-bytes", type=C.parse_size, default=65536)
+    ap.add_argument("-b", "--min-bytes", type=parse_size, default=4096)
+    ap.add_argument("-e", "--max-bytes", type=parse_size, default=65536)
     ap.add_argument("-f", "--factor", type=int, default=4)
     ap.add_argument("--iters", type=int, default=100, help="calls per round of each impl")
     ap.add_argument("--rounds", type=int, default=5, help="alternations (each after a sync)")

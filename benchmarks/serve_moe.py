@@ -18,10 +18,10 @@ fixed seed). MoE implementations, stepped in turns (prefill of each, then step i
   index gathers and ``jax.lax.all_to_all``;
 * ``xla``: ``moe_mlp(impl="xla")``, GShard (one-hot einsums and ``jax.lax.all_to_all``);
 * ``nocomm``: ``xla_sort``'s programs with every exchange replaced by identity
-  (``_common.no_exchange``): wrong bytes by design, never compared; its times are the bound that
+  (``_nocomm.no_exchange``): wrong bytes by design, never compared; its times are the bound that
   no faster exchange can beat at these sizes (the ``# bound`` line);
 * ``meet`` (not run by default): ``nocomm`` whose exchanges still make the ranks meet (a
-  1-element strata psum each: ``_common.no_exchange(meet=True)``): with it the communication
+  1-element strata psum each: ``_nocomm.no_exchange(meet=True)``): with it the communication
   lines split the exchange time into waiting for the slowest rank and moving the bytes.
 
 None drops a token (capacity = every token of every rank), so with greedy decoding all
@@ -61,8 +61,12 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import _common as C  # noqa: E402
 import train_moe  # noqa: E402
+from _args import add_expert_chunk_args, add_preset, parse_list, preset_line, processes_env  # noqa: E402
+from _machine import allocator_for_script, machine_info, print_machine  # noqa: E402
+from _nocomm import no_exchange  # noqa: E402
+from _report import NO_MATPLOTLIB, Column, Table, communication_share, progress, pyplot, write_json  # noqa: E402
+from _timing import align_processes, slowest_process  # noqa: E402
 from moe_model import attention_cached, load_params, rms  # noqa: E402
 
 IMPLS = ("strata", "xla_sort", "xla", "nocomm", "meet")
@@ -136,7 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(TTFT p50 1.22-1.24x xla_sort against 1.10-1.13x) and within noise under launch -n 4 "
         "(1.30x against 1.31-1.35x)",
     )
-    C.add_expert_chunk_args(p)
+    add_expert_chunk_args(p)
     p.add_argument(
         "--devices",
         type=int,
@@ -175,10 +179,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--experts", type=int, default=None, help="default: train_moe.py's")
     g.add_argument("--top-k", type=int, default=None, help="default: train_moe.py's")
     g.add_argument("--d-ff", type=int, default=None, help="default: train_moe.py's")
-    C.add_preset(p, PRESETS, argv, PRESET_WHY)
+    add_preset(p, PRESETS, argv, PRESET_WHY)
     args = p.parse_args(argv)
     try:
-        args.impls = C.parse_list(args.impl, IMPLS)
+        args.impls = parse_list(args.impl, IMPLS)
     except ValueError as e:
         p.error(f"--impl: {e}")
     if not args.impls:
@@ -222,7 +226,7 @@ def ensure_checkpoint(args: argparse.Namespace) -> tuple[Path, str]:
     path = (args.ckpt_dir or args.out) / f"serve_moe_params{tag}.npz"
     if path.exists():
         return path, f"{path} (trained earlier by this script)"
-    denv = C.processes_env()
+    denv = processes_env()
     if denv is None or denv["process_id"] == 0:
         tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}.npz")
         # A one-process training run: none of the launchers' variables (mpirun's, srun's too).
@@ -356,7 +360,7 @@ def make_programs(cfg: dict[str, Any], impl: str, axis: str, nranks: int, args):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # The deployment's allocator in one process, as strata_jax.launch sets it for its processes.
-    allocator = C.allocator_for_script(args.preload, argv, __file__)
+    allocator = allocator_for_script(args.preload, argv, __file__)
     ckpt, ckpt_note = ensure_checkpoint(args)
     strata_jax, jax = train_moe.start_runtime(args)
     import jax.numpy as jnp
@@ -421,13 +425,13 @@ def main(argv: list[str] | None = None) -> int:
     key = put(np.asarray(jax.random.key_data(jax.random.key(args.seed))), P())
     positions = [put(np.asarray(Pn + i, np.int32), P()) for i in range(G)]
 
-    info = C.machine_info()
-    C.print_machine(info, say)
+    info = machine_info()
+    print_machine(info, say)
     n_dense = sum(a.size for a in jax.tree.leaves(dense_np))
     n_exp = sum(a.size for a in jax.tree.leaves(experts_np))
     say(f"# allocator  : {allocator}")
-    if C.preset_line(args, PRESETS):
-        say(C.preset_line(args, PRESETS))
+    if preset_line(args, PRESETS):
+        say(preset_line(args, PRESETS))
     say(f"# data       : {corpus_name}, {corpus.size:,} bytes; prompts cut at random offsets")
     say(
         f"# experts    : MLPs in chunks of {args.expert_chunk} rows (baselines: "
@@ -486,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         pr0 = put(prompts_np[0], P(axis))
         t0 = time.perf_counter()
         # Traced (and cached by jit) here, on the first call; later calls have the same types.
-        with C.no_exchange(meet=impl == "meet") if impl in FREE else contextlib.nullcontext():
+        with no_exchange(meet=impl == "meet") if impl in FREE else contextlib.nullcontext():
             tok, cache = f_pre(dense, experts, pr0, key)
             jax.block_until_ready(f_dec(dense, experts, cache, tok, positions[0], key))
         what = {
@@ -505,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         runs[impl] = dict(pre=f_pre, dec=f_dec, ttft=[], steps=[], tokens=[])
 
     names = list(runs)
-    bar = C.progress(args.requests * G, desc="serve", enable=args.progress and lead)
+    bar = progress(args.requests * G, desc="serve", enable=args.progress and lead)
     for r in range(args.requests):
         # Nothing else may still be running when a timed call starts (the prompt transfer,
         # the previous request's token stacking), and no impl is always the first one after
@@ -515,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         state = {}
         for impl in order:
             run = runs[impl]
-            C.align_processes("serve_moe")  # several processes: start each call together
+            align_processes("serve_moe")  # several processes: start each call together
             t0 = time.perf_counter()
             tok, cache = run["pre"](dense, experts, prompts, key)
             jax.block_until_ready(tok)
@@ -526,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
             for impl in order:
                 run = runs[impl]
                 tok, cache, out = state[impl]
-                C.align_processes("serve_moe")
+                align_processes("serve_moe")
                 t0 = time.perf_counter()
                 tok, cache = run["dec"](dense, experts, cache, tok, positions[i], key)
                 jax.block_until_ready(tok)
@@ -539,8 +543,8 @@ def main(argv: list[str] | None = None) -> int:
             run["tokens"].append(jax.block_until_ready(jnp.stack(state[impl][2], axis=1)))
     bar.close()
     for run in runs.values():  # several processes: each call's time is the slowest process's
-        run["ttft"] = C.slowest_process(run["ttft"])
-        run["steps"] = C.slowest_process(run["steps"])
+        run["ttft"] = slowest_process(run["ttft"])
+        run["steps"] = slowest_process(run["steps"])
 
     # ---- generated bytes: identical across impls (greedy), one sample each ----------------------
     gen = {
@@ -589,14 +593,14 @@ def main(argv: list[str] | None = None) -> int:
                 tokens_per_s=args.requests * B * G / total,
             )
         )
-    table = C.Table(
+    table = Table(
         [
-            C.Column("impl", 24),
-            C.Column("TTFT p50 ms", 11, ".2f"),
-            C.Column("TTFT p99 ms", 11, ".2f"),
-            C.Column("step p50 ms", 11, ".2f"),
-            C.Column("step p99 ms", 11, ".2f"),
-            C.Column("tokens/s", 10, ",.0f"),
+            Column("impl", 24),
+            Column("TTFT p50 ms", 11, ".2f"),
+            Column("TTFT p99 ms", 11, ".2f"),
+            Column("step p50 ms", 11, ".2f"),
+            Column("step p99 ms", 11, ".2f"),
+            Column("tokens/s", 10, ",.0f"),
         ]
     )
     say("")
@@ -626,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
     if {"strata", "xla_sort", "nocomm"} <= set(runs):
         by = {r["impl"]: r for r in rows}
         for key, what in (("step_p50_ms", "decode step (p50)"), ("ttft_p50_ms", "TTFT (p50)")):
-            lines, communication[key[:-3]] = C.communication_share(
+            lines, communication[key[:-3]] = communication_share(
                 *(1e-3 * by[i][key] for i in ("xla_sort", "strata", "nocomm")), "xla_sort", what,
                 t_meet=1e-3 * by["meet"][key] if "meet" in by else None,
             )  # fmt: skip
@@ -638,7 +642,9 @@ def main(argv: list[str] | None = None) -> int:
         png = args.out / "serve_moe.png"
         if _plot(png, runs):
             say(f"# wrote {png}")
-        C.write_json(
+        else:
+            say(f"# {NO_MATPLOTLIB}")
+        write_json(
             args.out / "serve_moe.json",
             dict(
                 args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -690,13 +696,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(path: Path, runs: dict[str, dict[str, Any]]) -> bool:
-    try:
-        import matplotlib
+    import numpy as np
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import numpy as np
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(8, 4.5))
     all_ms = np.concatenate([1e3 * np.asarray(r["steps"]) for r in runs.values()])

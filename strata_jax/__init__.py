@@ -90,6 +90,8 @@ if _engine.state["library"]:  # jaxlib loaded libstrata_mpi.so: hand it strata's
     _engine.after_jax_import(_importlib.import_module("strata_jax._strata"))
 
 from strata_jax import moe  # noqa: E402
+from strata_jax._src import combiner as _combiner  # noqa: E402, F401  (hooks shard_map)
+from strata_jax._src import jax_compat as _jax_compat  # noqa: E402
 from strata_jax._src.collectives import (  # noqa: E402
     all_gather,
     all_to_all,
@@ -102,21 +104,22 @@ from strata_jax._src.collectives import (  # noqa: E402
     psum_scatter,
 )
 from strata_jax._src.coverage import ProgramCoverage, coverage  # noqa: E402
-from strata_jax._src.fabric import init, memory_stats  # noqa: E402
-from strata_jax._src.lax_compat import disable, enable, use_for_jax_lax  # noqa: E402
+from strata_jax._src.lax_hooks import disable, enable, use_for_jax_lax  # noqa: E402
 from strata_jax._src.ragged import empty, ragged_all_to_all  # noqa: E402
 from strata_jax._src.runtime import (  # noqa: E402
     COLLECTIVE_ERRORS,
-    comm_stats,
     get_low_latency_threshold,
     get_timeout,
     get_two_shot_threshold,
-    reset_stats,
     set_low_latency_threshold,
     set_timeout,
     set_two_shot_threshold,
 )
+from strata_jax._src.startup import init  # noqa: E402
+from strata_jax._src.stats import comm_stats, memory_stats, reset_stats  # noqa: E402
 from strata_jax._src.topology import topology  # noqa: E402
+
+_jax_compat.warn_if_untested()  # one warning on a JAX newer than the tested range
 
 __version__ = "0.2.0"  # the one place the version is written (pyproject.toml reads it)
 

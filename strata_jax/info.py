@@ -49,10 +49,9 @@ def collect() -> dict:
     import jaxlib
     import numpy as np
 
-    from strata_jax import launch
-    from strata_jax._src import runtime
+    from strata_jax._src import launch_env, runtime
 
-    under_launcher = launch.distributed_env() is not None
+    under_launcher = launch_env.distributed_env() is not None
     state = strata_jax.init() if under_launcher else None
     devices = jax.devices()
     runtime.native()  # loads the extension and records the launch pool (backend exists now)
@@ -99,7 +98,7 @@ def collect() -> dict:
 
 def _fabric_map(state: dict) -> list[str]:
     """Every process: host and fabric id, exchanged through jax.distributed's key-value store."""
-    from jax._src import distributed
+    from strata_jax._src.jax_compat import distributed
 
     client = distributed.global_state.client
     pid, n = state["process_id"], state["num_processes"]

@@ -7,7 +7,9 @@ launcher runs from the package's parent folder, never the source root, which wou
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -165,6 +167,23 @@ def results(text: str, tag: str = "RESULT ") -> list:
         out.append(obj)
         i = text.find(tag, end)
     return out
+
+
+def mpirun_skip_reason() -> str | None:
+    """Why jobs started by plain mpirun (strata_jax.init() finding the job as JAX does) cannot
+    run here, or None: no mpirun, or Open MPI 5 without mpi4py (its mpirun gives JAX no
+    coordinator address; JAX finds it through mpi4py)."""
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        return "Open MPI's mpirun not installed (apt-get install openmpi-bin)"
+    out = subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"Open MPI\)? (\d+)\.", out)
+    if m and int(m.group(1)) >= 5 and importlib.util.find_spec("mpi4py") is None:
+        return (
+            f"Open MPI {m.group(1)}'s mpirun gives jax.distributed no coordinator address "
+            "without mpi4py (pip install mpi4py)"
+        )
+    return None
 
 
 def mpirun_cmd(nproc: int, *cmd: str) -> list[str]:

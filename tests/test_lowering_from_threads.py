@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _util import mesh1d
-from jax._src.interpreters import mlir
 from jax.sharding import PartitionSpec as P
 
 import strata_jax as sj
+from strata_jax._src.jax_compat import mlir
 
 JAXPR_SUBCOMP = mlir.jaxpr_subcomp  # JAX's own, as imported before any lowering here
 

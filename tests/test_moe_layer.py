@@ -454,7 +454,7 @@ def test_reference_two_dispatches_in_flight(rng):
 # All implementations in one process, as a user compares them: strata_ragged's independent
 # ragged_all_to_all calls, started in different orders on different devices while strata calls
 # were free in one process, timed out here in 2 of 17 runs and once in CI (fixed: calls are
-# chained in program order everywhere, lowering.py: _keep_program_order).
+# chained in program order everywhere, program_order.py: keep_program_order).
 # The slow variant repeats the run 25 times (about 5 minutes): before the fix a run timed out
 # with a probability of about 1 in 15.
 _ALL_IMPLS = "reference,xla,xla_sort,strata_ragged,nocomm" + (",strata" if NATIVE else "")
@@ -613,7 +613,9 @@ def test_expert_mlp_counts_past_int32(rng):
     counts = np.array([3_000_000_000, 0], np.uint32)
     got = strata_jax.moe.expert_mlp(x, w1, w2, recv_counts=counts, chunk=2)
     full = strata_jax.moe.expert_mlp(x, w1, w2)
-    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(full[0]), rtol=1e-6, atol=1e-6)
+    # chunked and whole matmuls round differently (a 1e-6 absolute miss was seen at atol 1e-6);
+    # skipping every row would give zeros, far outside this
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(full[0]), rtol=1e-5, atol=1e-5)
     assert not np.asarray(got[1]).any()
 
 

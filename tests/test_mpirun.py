@@ -16,12 +16,20 @@ import subprocess
 import sys
 
 import pytest
-from _mp_util import FORGOT_INIT, MISUSE_CASES, PKG_PARENT, SCRIPTS, job_env, mpirun_cmd, results
+from _mp_util import (
+    FORGOT_INIT,
+    MISUSE_CASES,
+    PKG_PARENT,
+    SCRIPTS,
+    job_env,
+    mpirun_cmd,
+    mpirun_skip_reason,
+    results,
+)
 
 MPIRUN = shutil.which("mpirun")
-pytestmark = pytest.mark.skipif(
-    MPIRUN is None, reason="Open MPI's mpirun not installed (apt-get install openmpi-bin)"
-)
+SKIP = mpirun_skip_reason()
+pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 
 
 def _run(cmd: list[str], timeout: float = 240, **extra: str):

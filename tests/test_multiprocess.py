@@ -133,7 +133,7 @@ def _part(job: dict[str, str], script: str) -> str:
 
 
 def test_benchmark_step_clock_across_processes(job_2x2):
-    """The workloads' step clock under the launcher (benchmarks/_common.py): every timed step
+    """The workloads' step clock under the launcher (benchmarks/_timing.py): every timed step
     starts after a barrier, and a step's time is the slowest process's (``nocomm`` used to be
     timed on rank 0 alone, which finished early with no exchange to wait for)."""
     out = _part(job_2x2, "check_bench_timing.py")

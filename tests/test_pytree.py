@@ -305,7 +305,7 @@ def test_fsdp_tp_step_is_bitwise_equal_to_jax_lax(rng):
 
 
 def test_pytree_psum_across_fake_fabrics_falls_back_per_leaf(monkeypatch, rng):
-    """A group that spans fabric domains takes the hierarchical all-reduce (hierarchy.py), one
+    """A group that spans fabric domains takes the hierarchical all-reduce (hierarchy/), one
     leaf at a time: values as jax.lax, with gradients."""
     from jax.sharding import Mesh
 

@@ -11,7 +11,7 @@
 
 #include "coll/elem.h"
 #include "coll/reduce_impl.h"
-#include "fabric/env.h"
+#include "common/env.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace strata {

@@ -210,13 +210,4 @@ class InProcFabric {
   std::unordered_map<CallKey, std::string, CallKeyHash> failed_;  // bounded (see .cc)
 };
 
-// Global settings (atomics: read on every call, written rarely from Python).
-struct Settings {
-  std::atomic<int64_t> timeout_ms{300'000};
-  // Measured with benchmarks/allreduce_switch.py on 8 in-process devices (2 cores): two-shot
-  // wins at every size from 1 KiB per rank; below it the two are equal within noise.
-  std::atomic<int64_t> two_shot_bytes{1024};
-};
-Settings& settings();
-
 }  // namespace strata

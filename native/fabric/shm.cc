@@ -12,7 +12,7 @@
 #include <sstream>
 
 #include "coll/kernels.h"
-#include "fabric/inproc.h"
+#include "common/settings.h"
 #include "fabric/stats.h"
 
 namespace strata {

@@ -65,7 +65,7 @@
 #include <vector>
 
 #include "alloc/strata_alloc.h"
-#include "fabric/env.h"
+#include "common/env.h"
 #include "fabric/team.h"
 #include "sync/wait.h"
 

@@ -14,8 +14,8 @@
 #include <unordered_map>
 
 #include "coll/kernels.h"
-#include "fabric/env.h"
-#include "fabric/inproc.h"
+#include "common/env.h"
+#include "common/settings.h"
 #include "fabric/stats.h"
 
 namespace strata {

@@ -305,7 +305,7 @@ ffi::Error AllGatherRowsImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pi
 }
 
 // Whether `place` (nb entries) is a permutation of [0, nb). The placement tables are written by
-// hierarchy.py and checked anyway: a wrong one would read or write outside the buffers.
+// hierarchy/ and checked anyway: a wrong one would read or write outside the buffers.
 bool is_permutation(const int64_t* place, size_t len, int64_t nb) {
   if (static_cast<int64_t>(len) != nb) return false;
   std::vector<char> seen(nb, 0);
@@ -387,7 +387,7 @@ ffi::Error reduce_scatter_impl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer 
       });
 }
 
-// The two-fabric psum_scatter (strata_jax/_src/hierarchy.py): the partner fabric's sub-block,
+// The two-fabric psum_scatter (strata_jax/_src/hierarchy/): the partner fabric's sub-block,
 // divert[p] for partition p, goes to `y2`, which XLA's collective-permute sends as it is.
 ffi::Error ReduceScatterPlacedDivertImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
                                          After, ffi::Result<ffi::AnyBuffer> y,
@@ -459,7 +459,7 @@ ffi::Error AllGatherPlacedImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer 
 // One sub-block of an all_gather whose output is `parts` sub-blocks per member: member j's input
 // x lands at output block placement[j * parts + part] (blocks of x's size) of every member's
 // output, and the other blocks are left as they are: unwritten (`base` null), or `base`'s, which
-// the output aliases. The two-fabric all_gather (strata_jax/_src/hierarchy.py) writes the own
+// the output aliases. The two-fabric all_gather (strata_jax/_src/hierarchy/) writes the own
 // fabric's blocks (part 0) before its ring crossing and the blocks that crossed (part 1, into
 // the same output) after it, so the first half overlaps the crossing and nothing is copied twice.
 ffi::Error all_gather_part_impl(ffi::RunId run, ffi::AnyBuffer x, const ffi::AnyBuffer* base,
@@ -520,12 +520,12 @@ ffi::Error AllGatherPartIntoImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffe
 constexpr size_t kPackedShardBytes = 512 * 1024;
 
 // y = all_gather(x op z) over the group: the last two steps of a two-fabric all-reduce
-// (strata_jax/_src/hierarchy.py), where z is the partner fabric's shard. `z_first[p]` (per
+// (strata_jax/_src/hierarchy/), where z is the partner fabric's shard. `z_first[p]` (per
 // partition) puts z before x so that both partners combine the two shards in the same order and
 // hold the same bits (pmax of +0 and -0, the sign of a NaN). `x_from[p]` (per partition; -1:
 // p itself) names the partition whose x pairs with p's z: the two-fabric ring psum, where the
 // member that receives the partner fabric's shard k is not the one holding the own shard k
-// (hierarchy.py: _all_reduce); that pair's result goes to the x holder's output block.
+// (hierarchy/algorithms.py: all_reduce); that pair's result goes to the x holder's output block.
 ffi::Error AllGatherReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer z,
                                ffi::AnyBuffer pid, After, ffi::Result<ffi::AnyBuffer> y, Done,
                                int64_t op_id, I64s groups, int64_t group_size, I64s device_ids,
@@ -535,7 +535,7 @@ ffi::Error AllGatherReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer 
   if (auto e = check_dtype(name, x, true, op); e.failure()) return e;
   if (op == ReduceOp::kMean)  // a pair of shards: dividing by 2 would not be the group's mean
     return to_error(std::string("strata_jax ") + name +
-                    ": internal error: all_gather_reduce takes no mean (hierarchy.py divides)");
+                    ": internal error: all_gather_reduce takes no mean (hierarchy/ divides)");
   if (z.element_type() != x.element_type() || z.size_bytes() != x.size_bytes())
     return to_error(std::string("strata_jax ") + name +
                     ": internal error: the two shards of an all_gather_reduce differ");
@@ -606,7 +606,7 @@ ffi::Error AllGatherReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer 
 
 // `divert` (per partition; empty: none): index divert[p] of the output's `divert_axis` goes to
 // `y2` instead, and the output is laid out with that axis at `move_to` (collectives.h: Divert).
-// The two-fabric all_to_all (strata_jax/_src/hierarchy.py) hands y2, the partner fabric's
+// The two-fabric all_to_all (strata_jax/_src/hierarchy/) hands y2, the partner fabric's
 // aggregate, to XLA's collective-permute and puts what comes back into y in place.
 ffi::Error all_to_all_impl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
                            ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,

@@ -30,7 +30,7 @@ ffi::Error OrderImpl(ffi::AnyBuffer x, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
-// The call descriptor of a hierarchical collective (strata_jax/_src/hierarchy.py:
+// The call descriptor of a hierarchical collective (strata_jax/_src/hierarchy/checks.py:
 // _descriptor): int32 words, self-describing so that a rank can print a peer's call: the
 // first operand's ndim, dims and dtype, the op name, a crc of the rest (kDescAttrs), then a
 // second operand's ndim (0: none), dims and dtype.
@@ -69,7 +69,7 @@ std::string call_text(const int32_t* d) {
 
 // strata_check_across_fabrics(x, descs s32[F, kDescWords], partition id[, after]) -> x
 // (aliased)[, done]: `after`/`done` put it in the program-order chain of strata calls
-// (lowering.py), so that the next strata call of the computation starts after it.
+// (program_order.py), so that the next strata call of the computation starts after it.
 // descs: every member's descriptor of the call, gathered across fabrics by XLA's collective
 // (in the order of the member's row of `groups`). Fails, on every member alike (they all hold
 // the same rows), when two members describe different calls, naming each member and its call.

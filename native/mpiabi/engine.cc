@@ -17,7 +17,7 @@
 
 #include "coll/collectives.h"
 #include "coll/kernels.h"
-#include "fabric/inproc.h"
+#include "common/settings.h"
 #include "fabric/op_stats.h"
 #include "fabric/shm.h"
 #include "fabric/shm_ll.h"

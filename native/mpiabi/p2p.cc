@@ -10,7 +10,7 @@
 #include <sstream>
 
 #include "coll/kernels.h"
-#include "fabric/inproc.h"
+#include "common/settings.h"
 #include "fabric/stats.h"
 #include "sync/wait.h"
 

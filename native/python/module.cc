@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "coll/kernels.h"
+#include "common/settings.h"
 #include "fabric/inproc.h"
 #include "fabric/op_stats.h"
 #include "fabric/shm.h"
@@ -40,8 +41,20 @@ void FinalizeMpiAtExit() {
 }
 }  // namespace
 
+#ifndef STRATA_BUILT_JAXLIB
+#define STRATA_BUILT_JAXLIB "unknown"
+#endif
+
 NB_MODULE(_strata, m) {
   m.doc() = "strata_jax native core: XLA FFI handlers of the collectives";
+  // The jaxlib whose XLA FFI headers the handlers were built against, and their API version:
+  // a jaxlib older than that API refuses the handlers (extension.load() checks the pair).
+  m.def("build_info", [] {
+    nb::dict d;
+    d["jaxlib"] = STRATA_BUILT_JAXLIB;
+    d["ffi_api"] = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+    return d;
+  });
   // XLA's MPI collectives register MPI_Finalize with Python's atexit, which runs before the
   // interpreter drops the CPU client: its communicators are then freed after MPI_Finalize and
   // Open MPI aborts the process ("MPI_Comm_free() ... after MPI_FINALIZE"). Py_AtExit functions
@@ -189,7 +202,7 @@ NB_MODULE(_strata, m) {
     return d;
   });
 
-  // ---- the shared-memory fabric (bootstrap driven by strata_jax/_src/fabric.py) ----
+  // ---- the shared-memory fabric (bootstrap driven by strata_jax/_src/startup.py) ----
   m.def(
       "fabric_listen",
       [](const std::string& dir, int proc) {

@@ -9,7 +9,7 @@ The native handlers read and write the participants' own XLA buffers (zero-copy)
 rank sits in a collective is computed at run time from its partition id, an operand emitted
 by the program itself, and the mesh shape, so groups over any subset of a multi-axis mesh work.
 A group whose devices span several fabric domains (hosts) is lowered hierarchically instead:
-strata inside each fabric, XLA's own collectives between (``hierarchy.py``).
+strata inside each fabric, XLA's own collectives between (``hierarchy/``).
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
-from jax._src.interpreters import ad, batching, mlir
 
 from strata_jax._src import debug, hierarchy, lowering, topology
+from strata_jax._src.jax_compat import ad, batching, core, mlir
 
 AxisName = Any
 
@@ -390,7 +389,7 @@ def _all_reduce_lowering(ctx, *xs, axes, reduce, invariant):
         api = "pmean" if reduce == "mean" else "psum"
         return _ffi_call_lowering("strata_all_reduce", api)(ctx, xs[0], axes=axes, reduce=code)
     if hierarchy.plan(ctx, axes) is not None:
-        # Across fabrics: the hierarchical all-reduce (hierarchy.py) takes one operand; each
+        # Across fabrics: the hierarchical all-reduce (hierarchy/) takes one operand; each
         # leaf is lowered as its own call there.
         def per_leaf(*vs):
             return [
@@ -587,7 +586,7 @@ def _rows_lowering(target: str, api: str, dim0_target: str):
     non-leading dimension goes to ``target``, which works in place with strided rows
     (collectives.h: all_gather_rows, reduce_scatter_rows), and the leading one to
     ``dim0_target``: no transpose, reshape or copy in the program either way (an untiled call
-    inserts or drops the axis itself). Across fabrics the hierarchical form (hierarchy.py)
+    inserts or drops the axis itself). Across fabrics the hierarchical form (hierarchy/)
     takes the tiled form over the leading dimension, so the dimension is moved to the front
     around it there."""
 
@@ -904,8 +903,11 @@ def ppermute(x, axis_name: AxisName, perm: Sequence[tuple[int, int]]):
       x: array or pytree, any shape and dtype.
       axis_name: mesh axis name or tuple of names.
       perm: pairs ``(source, destination)`` of indices along ``axis_name`` (modulo the group
-        size; a multi-axis group is indexed in mesh order, as jax.lax); no source or
-        destination may repeat. A rank that is no destination gets zeros.
+        size; a group over several axes is indexed in the order they are named, the first
+        one major, as ``jax.lax.axis_index`` counts, whatever the mesh's order); no source or
+        destination may repeat. A rank that is no destination gets zeros. (jax.lax.ppermute
+        of JAX 0.10 indexed such a group in the mesh's order; from 0.11.1 it refuses an order
+        other than the mesh's.)
 
     Raises:
       ValueError: a source or destination repeated.
@@ -956,11 +958,13 @@ def _ppermute_batcher(axis_data, vals_in, dims_in, *, axes, perm):
     return jnp.where(mask, taken, jnp.zeros_like(taken)), d
 
 
-def _ppermute_lowering(ctx, x, *, axes, perm):
-    # jax.lax.ppermute indexes a multi-axis group in mesh order, whatever the tuple order.
+def _ppermute_lowering(ctx, x, *, axes, perm, mesh_order=False):
+    # A multi-axis group is indexed in the order of ``axes`` (as axis_index counts), or, with
+    # ``mesh_order``, in the mesh's order (what jax.lax.ppermute of JAX 0.10 does: the hook).
     mesh_shape, idx = lowering.mesh_placement(ctx, axes, "ppermute")
-    names = ctx.module_context.axis_context.mesh.axis_names
-    axes = tuple(sorted(axes, key=names.index))
+    if mesh_order:
+        names = ctx.module_context.axis_context.mesh.axis_names
+        axes = tuple(sorted(axes, key=names.index))
     sources = np.full(int(np.prod(mesh_shape[idx])), -1, np.int64)
     for s, d in perm:
         sources[d] = s

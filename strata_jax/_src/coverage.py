@@ -2,7 +2,7 @@
 
 Every collective lowered for the CPU is recorded while its program is lowered: strata's own
 operators (``strata_jax.psum`` ..., MoE dispatch/combine) as on strata, JAX's collectives
-(``lax_compat.py``) as on strata or on XLA with the reason. One record per lowered program
+(``lax_hooks.py``) as on strata or on XLA with the reason. One record per lowered program
 (per MLIR module: ``jit_step``, ``pmap_f`` ...), kept for the last ``_KEEP`` programs of the
 process. ``STRATA_DEBUG=INFO`` also logs each collective that stays on XLA for a reason other
 than ``use_for_jax_lax()`` being off, as it is lowered.
@@ -18,9 +18,8 @@ import collections
 import dataclasses
 import threading
 
-from jax._src.interpreters import mlir
-
 from strata_jax._src import collectives, compiled_coverage, debug, ragged
+from strata_jax._src.jax_compat import lowering_rule, mlir
 
 _KEEP = 256
 _KEY = ("strata_jax", "coverage")
@@ -180,7 +179,7 @@ def coverage() -> list[ProgramCoverage]:
 
 def _record_strata_operators() -> None:
     """Wraps the CPU lowering of strata's own operators so they are recorded too."""
-    from strata_jax.moe import _dispatch
+    from strata_jax.moe import _dispatch, _low_latency
 
     prims = [
         collectives.all_reduce_p,
@@ -193,11 +192,11 @@ def _record_strata_operators() -> None:
         _dispatch.moe_dispatch_p,
         _dispatch.moe_combine_p,
         _dispatch.moe_gather_p,
-        _dispatch.moe_ll_dispatch_p,
-        _dispatch.moe_ll_combine_p,
+        _low_latency.moe_ll_dispatch_p,
+        _low_latency.moe_ll_combine_p,
     ]
     for prim in prims:
-        rule = mlir._platform_specific_lowerings["cpu"][prim].rule
+        rule = lowering_rule(prim, "cpu")
 
         def recorded(ctx, *args, rule=rule, name=prim.name, **params):
             out = rule(ctx, *args, **params)

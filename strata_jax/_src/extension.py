@@ -11,6 +11,8 @@ is reported once, at ``import strata_jax``, by the package's ``__init__``.
 from __future__ import annotations
 
 import importlib
+import os
+import re
 from types import ModuleType
 
 NAME = "strata_jax._strata"
@@ -18,13 +20,48 @@ NAME = "strata_jax._strata"
 _module: ModuleType | None = None
 
 
+def _installed_ffi_api() -> tuple[int, int] | None:
+    """The XLA FFI API version of the running jaxlib, read from its own headers."""
+    import jax
+
+    try:
+        text = open(os.path.join(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h")).read()
+    except OSError:
+        return None
+    found = [re.search(rf"#define XLA_FFI_API_{k}\s+(\d+)", text) for k in ("MAJOR", "MINOR")]
+    return (int(found[0].group(1)), int(found[1].group(1))) if all(found) else None
+
+
+def check_build(module: ModuleType) -> None:
+    """ImportError when the extension was built against a newer XLA FFI API than the running
+    jaxlib's (it would refuse every handler at the first call): what to rebuild."""
+    import jaxlib
+
+    info = module.build_info()
+    built, running = tuple(info["ffi_api"]), _installed_ffi_api()
+    if running is not None and built > running:
+        raise ImportError(
+            f"strata_jax's native extension was built against jaxlib {info['jaxlib']}'s XLA FFI "
+            f"headers (API {built[0]}.{built[1]}), newer than this jaxlib {jaxlib.__version__} "
+            f"(API {running[0]}.{running[1]}), which refuses its handlers. Rebuild it against "
+            "the jaxlib installed now: pip install --no-cache-dir --force-reinstall --no-deps "
+            "<strata_jax source> (the build takes the FFI headers of the installed jaxlib)."
+        )
+
+
 def load() -> ModuleType:
-    """The extension module, imported and its FFI handlers registered on first call."""
+    """The extension module, imported and its FFI handlers registered on first call.
+
+    Raises:
+      ImportError: the extension was built against a newer jaxlib's FFI API
+        (:func:`check_build`).
+    """
     global _module
     if _module is None:
         import jax
 
         module = importlib.import_module(NAME)
+        check_build(module)
         for name, capsule in module.handlers().items():
             jax.ffi.register_ffi_target(name, capsule, platform="cpu", api_version=1)
         _module = module

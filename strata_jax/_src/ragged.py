@@ -26,12 +26,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
-from jax._src.interpreters import ad, batching, mlir
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import hlo
 
 from strata_jax._src import lowering
+from strata_jax._src.jax_compat import ad, batching, core, hlo, ir, mlir
 
 AxisName = Any
 

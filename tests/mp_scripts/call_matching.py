@@ -31,9 +31,10 @@ sj.init()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax._src import distributed  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from strata_jax._src.jax_compat import distributed  # noqa: E402
 
 sj.set_timeout(20)
 devs = sorted(jax.devices(), key=lambda d: d.id)
@@ -134,7 +135,7 @@ except sj.COLLECTIVE_ERRORS as e:
 
 # ---- case 18b: one rank's array is empty ----
 # XLA removes a computation whose results are all empty, but the shard_map region's
-# program-order token (lowering.py: _chain_shard_map_regions) is not empty, so rank 0's empty
+# program-order token (program_order.py: _chain_shard_map_regions) is not empty, so rank 0's empty
 # call runs and meets rank 1's: they differ (f32[0] vs f32[5]) and both fail at once, naming
 # both. (Before the token, rank 0's empty call ran nothing and its next call, f32[3], met
 # rank 1's; a rank that does not reach that next call never fails.)

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "coll/collectives.h"
+#include "common/settings.h"
 #include "fabric/inproc.h"
 
 using namespace strata;
