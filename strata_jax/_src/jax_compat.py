@@ -143,7 +143,9 @@ def warn_if_untested() -> None:
                 stacklevel=3,
             )
             return
-    newer = {name: v for name, v in found.items() if _version(v)[:2] > newest[:2]}
+    # Any release after the newest tested one, a patch release too: JAX's x.y.z releases
+    # break things as well (0.11.1's ppermute rule, 0.11.2's XLA crash, 0.12.1's lowering).
+    newer = {name: v for name, v in found.items() if _version(v) > newest}
     if newer:
         what = ", ".join(f"{name} {v}" for name, v in newer.items())
         warnings.warn(
