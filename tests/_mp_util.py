@@ -121,6 +121,38 @@ def shm_names() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
+def shm_left_behind(before: set[str]) -> list[str]:
+    """The /dev/shm entries new since ``before`` (:func:`shm_names`) that a job may have left
+    behind: made by this user and held (open or mapped) by no live process. The machine's
+    other programs make entries of their own meanwhile (a browser, an Open MPI job's
+    vader_segment files, the other pytest-xdist worker's mpirun tests); those are someone
+    else's, in use, or gone again."""
+    uid = os.geteuid()
+    new = set()
+    for name in shm_names() - before:
+        try:
+            if os.lstat(f"/dev/shm/{name}").st_uid == uid:
+                new.add(name)
+        except OSError:  # removed meanwhile
+            pass
+    if not new:
+        return []
+    held = set()
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            text = Path(f"/proc/{p}/maps").read_text()
+            links = [os.readlink(f"/proc/{p}/fd/{fd}") for fd in os.listdir(f"/proc/{p}/fd")]
+        except OSError:  # gone, or not ours to read
+            continue
+        for name in new:
+            path = f"/dev/shm/{name}"
+            if path in text or any(link.startswith(path) for link in links):
+                held.add(name)
+    return sorted(n for n in new - held if os.path.lexists(f"/dev/shm/{n}"))
+
+
 def procs_with(token: str) -> list[int]:
     """Pids of live processes whose command line contains `token` (zombies excluded)."""
     out = []

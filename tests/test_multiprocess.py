@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _mp_util import shm_left_behind, shm_names
 
 import strata_jax
 
@@ -231,7 +232,7 @@ def test_timeout_then_sigkill_leaves_nothing():
     import tempfile
 
     tmp = Path(tempfile.mkdtemp(prefix="strata-t-", dir="/tmp"))  # short: socket paths
-    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    shm_before = shm_names()
     try:
         r = _launch(2, "timeout_then_kill.py", tmpdir=tmp, timeout=120)
         out = r.stdout + r.stderr
@@ -242,8 +243,7 @@ def test_timeout_then_sigkill_leaves_nothing():
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     assert left == [], f"left behind: {left}"
-    shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    assert shm_after <= shm_before, f"left in /dev/shm: {shm_after - shm_before}"
+    assert not shm_left_behind(shm_before), f"left in /dev/shm: {shm_left_behind(shm_before)}"
 
 
 @pytest.mark.slow  # out of the default run for its 6-minute budget (8-14 s here)
@@ -328,8 +328,26 @@ def test_calls_meet_by_communicator_not_call_site(job_2x2):
     assert out.count("OK all") == 2, out[-3000:]
 
 
-def _shm() -> set:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm here")
+def test_shm_check_tells_a_leftover_from_another_programs_segment():
+    """What the /dev/shm checks count: an entry nobody holds (left behind), not one another
+    program has open meanwhile (an Open MPI job's vader_segment; it failed this file's check
+    when a job started during the test)."""
+    before = shm_names()
+    left = f"/dev/shm/strata-test-left-{os.getpid()}"
+    used = f"/dev/shm/strata-test-used-{os.getpid()}"
+    code = "import sys, time; f = open(sys.argv[1], 'w'); print('open', flush=True); time.sleep(60)"
+    other = subprocess.Popen([sys.executable, "-c", code, used], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline() == "open\n"
+        Path(left).write_bytes(b"x")
+        assert shm_left_behind(before) == [Path(left).name]
+    finally:
+        other.kill()
+        other.wait()
+        for path in (left, used):
+            Path(path).unlink(missing_ok=True)
+    assert shm_left_behind(before) == []
 
 
 def test_sigkilled_rank_ends_the_job_fast_and_a_rerun_passes(tmp_path):
@@ -340,7 +358,7 @@ def test_sigkilled_rank_ends_the_job_fast_and_a_rerun_passes(tmp_path):
     import time
 
     _require_allocator()
-    shm_before = _shm()
+    shm_before = shm_names()
     # The launcher's default grace (5 s): the kill must not wait for it.
     r = _launch(3, "failure_modes.py", "kill", str(tmp_path), timeout=120, grace=None)
     ended = time.time()
@@ -352,7 +370,7 @@ def test_sigkilled_rank_ends_the_job_fast_and_a_rerun_passes(tmp_path):
     assert gone_after < 4.0, f"survivors lived {gone_after:.2f} s after the kill"  # 2 s unloaded
     for pid_file in tmp_path.glob("pid-*"):
         assert not Path(f"/proc/{pid_file.read_text()}").exists(), f"{pid_file.name} alive"
-    assert _shm() <= shm_before, f"left in /dev/shm: {_shm() - shm_before}"
+    assert not shm_left_behind(shm_before), f"left in /dev/shm: {shm_left_behind(shm_before)}"
     rerun = tmp_path / "rerun"
     rerun.mkdir()
     r = _launch(2, "failure_modes.py", "none", str(rerun), timeout=120)
