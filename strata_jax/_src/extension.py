@@ -47,7 +47,10 @@ def check_build(module: ModuleType) -> None:
             f"headers (API {built[0]}.{built[1]}), newer than this jaxlib {jaxlib.__version__} "
             f"(API {running[0]}.{running[1]}), which refuses its handlers. Rebuild it against "
             "the jaxlib installed now: pip install --no-cache-dir --force-reinstall --no-deps "
-            "<strata_jax source> (the build takes the FFI headers of the installed jaxlib)."
+            "<strata_jax source> (the build takes the FFI headers of the installed jaxlib; where "
+            "that jaxlib is outside the environment's own site-packages, as in a venv made with "
+            "--system-site-packages, add --no-build-isolation after `pip install "
+            "scikit-build-core nanobind`: pip's isolated build does not see it)."
         )
 
 
