@@ -215,8 +215,8 @@ def test_combine_order_same_as_normal_mode(rng, dtype, k):
 
 def test_not_differentiable_says_what_to_do():
     """grad through the low-latency pair names the public function and the normal mode (not
-    JAX's stock "Differentiation rule for 'strata_moe_ll_dispatch' not implemented"); inputs
-    passed through stop_gradient need no rule."""
+    JAX's stock "Differentiation rule for 'strata_moe_low_latency_dispatch' not implemented");
+    inputs passed through stop_gradient need no rule."""
     n, e, t = 2, 4, 3
     idx = jnp.zeros((n * t, 2), jnp.int32).at[:, 1].set(3)
     w = jnp.ones((n * t, 2), jnp.float32)

@@ -509,7 +509,7 @@ def test_ppermute_named_out_of_mesh_order_follows_the_running_jax(rng):
     if order == "mesh":
         want, got, _, hlo_in = _both(f, x)
         np.testing.assert_array_equal(got, want)
-        assert "strata_permute" in hlo_in
+        assert "strata_ppermute" in hlo_in
         return
     assert order == "raise"
     with sj.use_for_jax_lax(), pytest.raises(RuntimeError, match="same order"):
@@ -518,4 +518,4 @@ def test_ppermute_named_out_of_mesh_order_follows_the_running_jax(rng):
         want, got, _, hlo_in = _both(f, x)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got, ppermute_reference(np.asarray(x), ("b", "a"), perm))
-    assert "strata_permute" in hlo_in
+    assert "strata_ppermute" in hlo_in

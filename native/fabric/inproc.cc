@@ -271,8 +271,8 @@ std::string InProcTeam::check_desc(const OpDesc& desc, int j) const {
      << desc.name << ", dtype " << dtype_name(desc.dtype) << ", " << desc.in_bytes << " B in, "
      << desc.out_bytes << " B out; rank " << j << ": " << o.name << ", dtype "
      << dtype_name(o.dtype) << ", " << o.in_bytes << " B in, " << o.out_bytes << " B out";
-  if (o.aux != desc.aux)
-    os << "; their parameters differ (" << desc.aux << " vs " << o.aux
+  if (o.params != desc.params)
+    os << "; their parameters differ (" << desc.params.describe() << " vs " << o.params.describe()
        << "): e.g. ppermute's permutation (hashed) or pbroadcast's root";
   os << "). Every rank of a group must call the same collective with the same shape, dtype "
         "and parameters.";
@@ -418,7 +418,7 @@ std::string InProcTeam::arrive_multi(const OpDesc& desc, const BufRef* bufs, int
 }
 
 std::string InProcTeam::arrive_list(const OpDesc& desc, const OperandRef* ops, int nops) {
-  (void)nops;  // the descriptors' signature (OpDesc::aux) makes every rank's count the same
+  (void)nops;  // the descriptors' signature (OpParams::signature) makes every rank's count the same
   slot_->peers[rank_].ops = ops;
   // arrive()'s barrier (acq_rel) publishes the array pointer stored above to every peer.
   return arrive(desc, nullptr, nullptr);

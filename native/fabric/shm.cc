@@ -336,7 +336,7 @@ void ShmTeam::publish_desc(const OpDesc& desc) {
   me.kind = desc.kind;
   me.dtype = desc.dtype;
   me.reduce = desc.reduce;
-  me.aux = desc.aux;
+  me.params = desc.params.digest();
   me.algo = desc.algo;
   me.in_bytes = desc.in_bytes;
   me.out_bytes = desc.out_bytes;
@@ -349,15 +349,23 @@ std::string ShmTeam::check_peers(const OpDesc& desc) const {
     const ShmPeer& o = slot_->peers[j];
     if (j == rank_ || o.reached.load(std::memory_order_acquire) < 1) continue;  // not yet here
     differ = o.kind != desc.kind || o.dtype != desc.dtype || o.reduce != desc.reduce ||
-             o.aux != desc.aux || o.in_bytes != desc.in_bytes || o.out_bytes != desc.out_bytes;
+             o.params != desc.params.digest() || o.in_bytes != desc.in_bytes ||
+             o.out_bytes != desc.out_bytes;
   }
   if (!differ) return {};
-  auto describe = [](std::ostringstream& os, int j, const ShmPeer& o) {
+  // The parameters' digests are shown only when they are part of the disagreement.
+  bool params_differ = false;
+  for (int j = 0; j < size_; ++j) {
+    const ShmPeer& o = slot_->peers[j];
+    if (j != rank_ && o.reached.load(std::memory_order_acquire) >= 1)
+      params_differ |= o.params != desc.params.digest();
+  }
+  auto describe = [params_differ](std::ostringstream& os, int j, const ShmPeer& o) {
     const int es = dtype_size(o.dtype);
     os << "rank " << j << " (device " << o.device << "): " << o.name << " " << dtype_name(o.dtype)
        << "[" << (es ? o.in_bytes / es : 0) << "] (" << o.in_bytes << " B in, " << o.out_bytes
        << " B out";
-    if (o.aux) os << ", parameters " << o.aux;
+    if (params_differ) os << ", parameters " << std::hex << o.params << std::dec;
     os << ")";
   };
   std::ostringstream os;
@@ -632,7 +640,7 @@ std::string ShmTeam::arrive_list(const OpDesc& desc, const OperandRef* ops, int 
       if (!tab) return fail(std::string("strata_jax ") + op_name_ + ": " + err);
     }
     for (int i = 0; i < nb; ++i) {
-      // Every rank's operands have this rank's sizes: the descriptors' signature (aux) agrees.
+      // Every rank's operands have this rank's sizes: the descriptors' signature agrees.
       const uint64_t bytes = buf_of(i).second;
       if (!bytes) continue;
       const ListEntry e = tab[i];

@@ -33,12 +33,11 @@
 //    per device over 1000 chained calls of 4 programs dispatched ahead), so counting
 //    executions is well defined; a call that overlaps another execution's call on its device
 //    fails loudly instead of risking a wrong pairing (ffi/common.h).
-//    At arrival every rank publishes its descriptor (op, dtype, bytes, reduce, root/aux) and
-//    compares it with those already published: the first rank to see a disagreement fails the
-//    slot naming every rank's op, dtype and size, and waiting ranks see the failure flag at
-//    once (never the timeout).
-//    Out of scope, by nature: an extra identical execution on one rank pairs with its peers'
-//    next identical one (NCCL and gloo behave the same).
+//    At arrival every rank publishes its descriptor (op, dtype, bytes, reduce, a digest of its
+//    parameters) and compares it with those already published: the first rank to see a disagreement
+//    fails the slot naming every rank's op, dtype and size, and waiting ranks see the failure flag
+//    at once (never the timeout). Out of scope, by nature: an extra identical execution on one rank
+//    pairs with its peers' next identical one (NCCL and gloo behave the same).
 //  - The low-latency path (shm_ll.h): calls of at most STRATA_LL_BYTES per rank skip the slot
 //    and both barriers; the data travels with its key through per-rank slot rings in the region
 //    after the control block, under the same keys and with the same checks.
@@ -102,7 +101,7 @@ constexpr uint64_t kBounceIdBit = uint64_t{1} << 62;
 struct ShmPeer {
   int32_t proc;  // process index of the rank
   int32_t kind, dtype, reduce;
-  int64_t aux;
+  uint64_t params;  // OpParams::digest() of the call
   uint64_t in_bytes, out_bytes;
   uint64_t in_seg, in_off, out_seg, out_off;  // where peers find the buffers (seg 0: none)
   uint64_t in_ptr, out_ptr;                   // the same, as addresses in the owner process

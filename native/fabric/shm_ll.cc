@@ -411,7 +411,7 @@ std::string ShmLlTeam::publish_and_wait(const OpDesc& desc, const BufRef* bufs, 
   me->kind = desc.kind;
   me->dtype = desc.dtype;
   me->reduce = desc.reduce;
-  me->aux = desc.aux;
+  me->params = desc.params.digest();
   me->proc = f_->proc();
   me->device = device_;
   me->in_bytes = desc.in_bytes;
@@ -447,8 +447,8 @@ std::string ShmLlTeam::publish_and_wait(const OpDesc& desc, const BufRef* bufs, 
         same_bufs = same_bufs && e->buf_bytes[i] == (i < nbufs ? bufs[i].bytes : 0);
       if (failed_.empty() &&
           (e->kind != desc.kind || e->dtype != desc.dtype || e->reduce != desc.reduce ||
-           e->aux != desc.aux || e->in_bytes != desc.in_bytes || e->out_bytes != desc.out_bytes ||
-           !same_bufs)) {
+           e->params != desc.params.digest() || e->in_bytes != desc.in_bytes ||
+           e->out_bytes != desc.out_bytes || !same_bufs)) {
         failed_ = mismatch(desc);
         notify(&ch_->epoch, &ch_->sleepers);  // waiters see it now, not at their next slice
       }
@@ -539,6 +539,10 @@ std::string ShmLlTeam::mismatch(const OpDesc& desc) const {
   os << "strata_jax " << op_name_ << ": ranks disagree on a collective call (execution #" << exec_
      << " on their communicator, op " << op_ << ", occurrence " << occ_ << ", group of " << size_
      << "): ";
+  // The parameters' digests are shown only when they are part of the disagreement.
+  bool params_differ = false;
+  for (int j = 0; j < size_; ++j)
+    if (found_[j]) params_differ |= found_[j]->params != desc.params.digest();
   int shown = 0;
   for (int j = 0; j < size_; ++j) {
     const LlEntry* o = found_[j];
@@ -552,10 +556,9 @@ std::string ShmLlTeam::mismatch(const OpDesc& desc) const {
     os << "rank " << j << " (device " << o->device << "): " << o->name << " "
        << dtype_name(o->dtype) << "[" << (es ? o->in_bytes / es : 0) << "] (" << o->in_bytes
        << " B in, " << o->out_bytes << " B out";
-    if (o->aux) os << ", parameters " << o->aux;
+    if (params_differ) os << ", parameters " << std::hex << o->params << std::dec;
     os << ")";
   }
-  (void)desc;
   os << ". Every rank of a group must make the same sequence of collective calls with the same "
         "op, shape, dtype and parameters (e.g. ppermute's permutation, hashed, or pbroadcast's "
         "root).";

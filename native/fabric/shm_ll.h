@@ -20,12 +20,12 @@
 //
 // Keys: exactly the general path's (communicator, execution number on it, op index,
 // occurrence) from ShmFabric::next_seq, hashed into the stamp; the slot also holds the exact
-// key and the descriptor (op, dtype, sizes, reduce, aux), compared with every peer's when
-// found: a disagreement fails every rank that sees it at once, naming each rank's op, dtype
-// and size. Ranks that disagree on the path itself (sizes straddling the threshold: one rank in
-// the general rendezvous, one here) are found by the waiting LL rank in the control segment's
-// slot table, which fails both with the same message. A dead peer's process is detected while
-// waiting (the links close) and named; otherwise the call times out naming the missing ranks.
+// key and the descriptor (op, dtype, sizes, reduce, a digest of the parameters), compared with
+// every peer's when found: a disagreement fails every rank that sees it at once, naming each rank's
+// op, dtype and size. Ranks that disagree on the path itself (sizes straddling the threshold: one
+// rank in the general rendezvous, one here) are found by the waiting LL rank in the control
+// segment's slot table, which fails both with the same message. A dead peer's process is detected
+// while waiting (the links close) and named; otherwise the call times out naming the missing ranks.
 //
 // Waiting: spin, yield, then sleep on the channel's futex word `epoch`, counted in `sleepers`
 // so that the waker makes the system call only when someone sleeps; only the last rank to
@@ -91,7 +91,8 @@ struct LlEntry {
   std::atomic<uint32_t> claim;
   uint64_t exec, op, occ;  // the exact key (the stamp is its hash)
   int32_t kind, dtype, reduce, proc;
-  int64_t aux, device;
+  uint64_t params;  // OpParams::digest() of the call
+  int64_t device;
   uint64_t in_bytes, out_bytes;
   // Staged form: the data's place in the owner's bounce buffer (data_seg 0: inside the slot);
   // data_ptr is the owner's own address of it (for ranks of the same process).

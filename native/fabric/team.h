@@ -8,16 +8,18 @@
 #include <string>
 #include <vector>
 
+#include "common/ops.h"
+
 namespace strata {
 
 // What every participant of one collective call must agree on. Checked at arrival so that a
 // mismatch (different op, dtype or size on some rank) fails loudly instead of corrupting memory.
 struct OpDesc {
   const char* name = "";   // user-facing op name, e.g. "psum"
-  int32_t kind = 0;        // OpKind
+  int32_t kind = 0;        // the operator (Op of common/ops.h)
   int32_t dtype = 0;       // xla::ffi::DataType
   int32_t reduce = 0;      // ReduceOp for reductions
-  int64_t aux = 0;         // op-specific (root rank, ...)
+  OpParams params;         // the operator's own parameters (root rank, axes, form ...)
   int32_t algo = 0;        // algorithm choice; not compared: every rank follows rank 0's
   uint64_t in_bytes = 0;   // per-rank input bytes
   uint64_t out_bytes = 0;  // per-rank output bytes
@@ -27,7 +29,7 @@ struct OpDesc {
   // only its own output, and one-shot costs it no more than otherwise.
   bool may_stage = false;
   bool same_as(const OpDesc& o) const {
-    return kind == o.kind && dtype == o.dtype && reduce == o.reduce && aux == o.aux &&
+    return kind == o.kind && dtype == o.dtype && reduce == o.reduce && params == o.params &&
            in_bytes == o.in_bytes && out_bytes == o.out_bytes;
   }
 };

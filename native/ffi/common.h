@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "coll/kernels.h"
@@ -61,6 +62,43 @@ struct GroupAttrs {
 // The same attributes in a handler's binding (after its results): `.STRATA_GROUP_ATTRS`.
 #define STRATA_GROUP_ATTRS \
   Attr<int64_t>("op_id").Attr<I64s>("groups").Attr<int64_t>("group_size").Attr<I64s>("device_ids")
+
+namespace bind {
+// N >= 1 buffer arguments (results) appended to binding b. Every step returns the next stage as
+// a prvalue: a Binding cannot be moved from outside XLA's own code.
+template <int N, class B>
+auto args(B&& b) {
+  if constexpr (N == 1)
+    return std::move(b).template Arg<xla::ffi::AnyBuffer>();
+  else
+    return args<N - 1>(std::move(b).template Arg<xla::ffi::AnyBuffer>());
+}
+template <int N, class B>
+auto rets(B&& b) {
+  if constexpr (N == 1)
+    return std::move(b).template Ret<xla::ffi::AnyBuffer>();
+  else
+    return rets<N - 1>(std::move(b).template Ret<xla::ffi::AnyBuffer>());
+}
+// The binding of a call that meets its peers (lowering.lower_strata_call): the run id,
+// `kOperands` buffers, the partition id and the optional After, then `kResults` results and the
+// optional Done, then the group attributes (STRATA_GROUP_ATTRS); the handler's own attributes
+// follow.
+template <int kOperands, int kResults>
+auto call() {
+  using xla::ffi::AnyBuffer;
+  return rets<kResults>(args<kOperands + 1>(xla::ffi::Ffi::Bind().Ctx<xla::ffi::RunId>())
+                            .template OptionalArg<AnyBuffer>())
+      .template OptionalRet<AnyBuffer>()
+      .template Attr<int64_t>("op_id")
+      .template Attr<I64s>("groups")
+      .template Attr<int64_t>("group_size")
+      .template Attr<I64s>("device_ids");
+}
+}  // namespace bind
+// bind::call<kOperands, kResults>() as XLA_FFI_DEFINE_HANDLER_SYMBOL takes a binding (in
+// parentheses, so that its comma does not split the macro's arguments).
+#define STRATA_BIND_CALL(operands, results) (::strata::bind::call<operands, results>())
 
 // Where this device sits in the collective: from its partition id (an operand computed by
 // the program itself, so it is right for any device assignment) and the groups.

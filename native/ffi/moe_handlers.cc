@@ -1,5 +1,5 @@
-#include "ffi/moe_handlers.h"
-
+// XLA FFI handlers of MoE dispatch/combine (native/moe/): decode buffers and attributes, join
+// the call on the fabric as the collectives do (ffi/common.h), move the rows, leave.
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -8,20 +8,13 @@
 #include "fabric/inproc.h"
 #include "fabric/stats.h"
 #include "ffi/common.h"
+#include "ffi/handlers.h"
 #include "moe/moe.h"
 
 namespace ffi = xla::ffi;
 
 namespace strata {
 namespace {
-
-enum MoeOpKind : int32_t {
-  kMoeDispatch = 101,
-  kMoeCombine,
-  kMoeGather,
-  kMoeLowLatencyDispatch,
-  kMoeLowLatencyCombine
-};
 
 ffi::Error invalid(const char* name, const std::string& what) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument,
@@ -84,9 +77,11 @@ ffi::Error MoeDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer weig
   if (weighted)
     bufs[moe::kDispWeights] = BufRef{weights.untyped_data(), weights.size_bytes(), false};
   OpDesc d;
-  d.kind = kMoeDispatch;
+  d.kind = static_cast<int32_t>(Op::moe_dispatch);
+  d.params.form = Target::moe_dispatch;
+  d.params.weighted = weighted;
+  d.params.topk = s.topk;
   d.dtype = dt;
-  d.aux = weighted * 1'000'000 + s.topk;
   d.in_bytes = x.size_bytes();
   d.out_bytes = out->size_bytes();
   return run_moe(name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d, bufs,
@@ -137,9 +132,10 @@ ffi::Error MoeCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyBuffer weig
   bufs[moe::kCombExpertY] = BufRef{ey.untyped_data(), ey.size_bytes(), false};
   bufs[moe::kCombSlots] = BufRef{slots.untyped_data(), slots.size_bytes(), false};
   OpDesc d;
-  d.kind = kMoeCombine;
+  d.kind = static_cast<int32_t>(Op::moe_combine);
+  d.params.form = Target::moe_combine;
+  d.params.topk = s.topk;
   d.dtype = dt;
-  d.aux = s.topk;
   d.in_bytes = ey.size_bytes();
   d.out_bytes = y->size_bytes();
   d.may_stage = true;  // every rank reads its tokens' rows from the peers' expert_y
@@ -244,7 +240,8 @@ ffi::Error MoeGatherImpl(ffi::RunId run, ffi::AnyBuffer values, ffi::AnyBuffer s
   bufs[moe::kGathValues] = BufRef{values.untyped_data(), values.size_bytes(), false};
   bufs[moe::kGathSlots] = BufRef{slots.untyped_data(), slots.size_bytes(), false};
   OpDesc d;
-  d.kind = kMoeGather;
+  d.kind = static_cast<int32_t>(Op::moe_gather);
+  d.params.form = Target::moe_gather;
   d.dtype = s.dtype;
   d.in_bytes = values.size_bytes();
   d.out_bytes = out->size_bytes();
@@ -293,9 +290,12 @@ ffi::Error MoeLowLatencyDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyB
   bufs[moe::kLLIdx] = BufRef{idx.untyped_data(), idx.size_bytes(), false};
   bufs[moe::kLLRecv] = BufRef{recv->untyped_data(), push ? recv->size_bytes() : 0, true};
   OpDesc d;
-  d.kind = kMoeLowLatencyDispatch;
+  d.kind = static_cast<int32_t>(Op::moe_low_latency_dispatch);
+  d.params.form = Target::moe_low_latency_dispatch;
+  d.params.push = push;
+  d.params.topk = s.topk;
+  d.params.max_tokens = max_tokens;
   d.dtype = dt;
-  d.aux = (push * 1'000'000 + s.topk) * 1'000'000 + max_tokens;
   d.algo = static_cast<int32_t>(push);
   d.in_bytes = x.size_bytes();
   d.out_bytes = recv->size_bytes();
@@ -349,9 +349,11 @@ ffi::Error MoeLowLatencyCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyB
   BufRef bufs[moe::kLLCombBufs];
   bufs[moe::kLLExpertY] = BufRef{ey.untyped_data(), ey.size_bytes(), false};
   OpDesc d;
-  d.kind = kMoeLowLatencyCombine;
+  d.kind = static_cast<int32_t>(Op::moe_low_latency_combine);
+  d.params.form = Target::moe_low_latency_combine;
+  d.params.topk = s.topk;
+  d.params.max_tokens = max_tokens;
   d.dtype = dt;
-  d.aux = s.topk * 1'000'000 + max_tokens;
   d.in_bytes = ey.size_bytes();
   d.out_bytes = y->size_bytes();
   d.may_stage = true;  // every rank reads its tokens' rows from the peers' expert_y
@@ -376,30 +378,8 @@ ffi::Error MoeLowLatencyCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyB
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeDispatchHandler, MoeDispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .OptionalArg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .OptionalRet<ffi::AnyBuffer>()
-                                  .STRATA_GROUP_ATTRS.Attr<int64_t>("weighted"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeCombineHandler, MoeCombineImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .OptionalArg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .OptionalRet<ffi::AnyBuffer>()
-                                  .STRATA_GROUP_ATTRS);
+                              STRATA_BIND_CALL(4, 1).Attr<int64_t>("weighted"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeCombineHandler, MoeCombineImpl, STRATA_BIND_CALL(4, 2));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePlanHandler, MoePlanImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
@@ -409,41 +389,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePlanHandler, MoePlanImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("capacity"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGatherHandler, MoeGatherImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .OptionalArg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .OptionalRet<ffi::AnyBuffer>()
-                                  .STRATA_GROUP_ATTRS);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeLowLatencyDispatchHandler, MoeLowLatencyDispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .OptionalArg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .OptionalRet<ffi::AnyBuffer>()
-                                  .STRATA_GROUP_ATTRS.Attr<int64_t>("max_tokens")
-                                  .Attr<int64_t>("push"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGatherHandler, MoeGatherImpl, STRATA_BIND_CALL(3, 1));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MoeLowLatencyDispatchHandler, MoeLowLatencyDispatchImpl,
+    STRATA_BIND_CALL(2, 3).Attr<int64_t>("max_tokens").Attr<int64_t>("push"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeLowLatencyCombineHandler, MoeLowLatencyCombineImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .OptionalArg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .OptionalRet<ffi::AnyBuffer>()
-                                  .STRATA_GROUP_ATTRS.Attr<int64_t>("max_tokens"));
+                              STRATA_BIND_CALL(4, 1).Attr<int64_t>("max_tokens"));
 
 }  // namespace strata

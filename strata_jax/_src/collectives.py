@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax._src import debug, hierarchy, lowering, topology
+from strata_jax._src import debug, hierarchy, lowering, operators, topology
 from strata_jax._src.jax_compat import ad, batching, core, mlir
 
 AxisName = Any
@@ -163,7 +163,7 @@ def _typed_unreduced_or_reduced(v) -> bool:
 # all-reduce: psum / pmax / pmin (and pmean)
 # --------------------------------------------------------------------------------------
 
-_REDUCE_CODES = {"sum": 0, "max": 1, "min": 2, "mean": 3}
+_REDUCE_CODES = operators.REDUCE_CODES_BY_KIND  # sum 0, max 1, min 2, mean 3
 # The dtypes whose pmean the native reduction divides itself (kernels.h ReduceOp::kMean); every
 # other dtype is psum'd and then divided by XLA, as jax.lax.pmean does.
 _MEAN_DTYPES = frozenset(np.dtype(t) for t in (np.float16, jnp.bfloat16, np.float32, np.float64))
@@ -544,7 +544,7 @@ def _all_gather_abstract_eval(aval, *, axes, axis_size, dimension, tiled):
 
 def _all_gather_transpose(ct, x, *, axes, axis_size, dimension, tiled):
     return [
-        reduce_scatter_p.bind(ct, axes=axes, axis_size=axis_size, dimension=dimension, tiled=tiled)
+        psum_scatter_p.bind(ct, axes=axes, axis_size=axis_size, dimension=dimension, tiled=tiled)
     ]
 
 
@@ -582,7 +582,7 @@ def _all_gather_batcher(axis_data, vals_in, dims_in, *, axes, axis_size, dimensi
 
 
 def _rows_lowering(target: str, api: str, dim0_target: str):
-    """Lowering of all_gather_p / reduce_scatter_p over ``dimension``. In one fabric, a
+    """Lowering of all_gather_p / psum_scatter_p over ``dimension``. In one fabric, a
     non-leading dimension goes to ``target``, which works in place with strided rows
     (collectives.h: all_gather_rows, reduce_scatter_rows), and the leading one to
     ``dim0_target``: no transpose, reshape or copy in the program either way (an untiled call
@@ -596,7 +596,7 @@ def _rows_lowering(target: str, api: str, dim0_target: str):
         if hierarchy.plan(ctx, axes) is not None:
             if dimension == 0 and tiled:
                 return _ffi_call_lowering(dim0_target, api)(ctx, x, axes=axes, **attrs)
-            prim = all_gather_p if gather else reduce_scatter_p
+            prim = all_gather_p if gather else psum_scatter_p
 
             def moved(v):
                 if gather and not tiled:
@@ -640,7 +640,7 @@ batching.fancy_primitive_batchers[all_gather_p] = _all_gather_batcher
 # psum_scatter (primitive scatters dimension 0, tiled)
 # --------------------------------------------------------------------------------------
 
-reduce_scatter_p = core.Primitive("strata_reduce_scatter")
+psum_scatter_p = core.Primitive("strata_psum_scatter")
 
 
 @_profiled("psum_scatter")
@@ -697,7 +697,7 @@ def psum_scatter(
         v, dt = _widen(lowering.pvary_missing(v, axes), "psum_scatter")
         # Scattered in place along `d` (untiled: the call itself drops it): no transpose,
         # reshape or copy before or after.
-        y = reduce_scatter_p.bind(v, axes=axes, axis_size=n, dimension=d, tiled=tiled)
+        y = psum_scatter_p.bind(v, axes=axes, axis_size=n, dimension=d, tiled=tiled)
         return _narrow(y, dt)
 
     return _tree_map(leaf, x)
@@ -731,23 +731,23 @@ def _reduce_scatter_batcher(axis_data, vals_in, dims_in, *, axes, axis_size, dim
             "the batch dimension."
         )
     if d is None:
-        return reduce_scatter_p.bind(
+        return psum_scatter_p.bind(
             v, axes=axes, axis_size=axis_size, dimension=dimension, tiled=tiled
         ), None
     # The batch dimension stays in place (no transpose); the scattered one shifts past it.
     dim, out_d = _batched_dimension(d, dimension, tiled, -1)
-    y = reduce_scatter_p.bind(v, axes=axes, axis_size=axis_size, dimension=dim, tiled=tiled)
+    y = psum_scatter_p.bind(v, axes=axes, axis_size=axis_size, dimension=dim, tiled=tiled)
     return y, out_d
 
 
 _reduce_scatter_lowering = functools.partial(
-    _rows_lowering("strata_reduce_scatter_rows", "psum_scatter", "strata_reduce_scatter"),
+    _rows_lowering("strata_psum_scatter_rows", "psum_scatter", "strata_psum_scatter"),
     reduce=np.int32(0),
 )
-mlir.register_lowering(reduce_scatter_p, _reduce_scatter_lowering, platform="cpu", cacheable=False)
-reduce_scatter_p.def_effectful_abstract_eval(_reduce_scatter_abstract_eval)
-ad.deflinear2(reduce_scatter_p, _reduce_scatter_transpose)
-batching.fancy_primitive_batchers[reduce_scatter_p] = _reduce_scatter_batcher
+mlir.register_lowering(psum_scatter_p, _reduce_scatter_lowering, platform="cpu", cacheable=False)
+psum_scatter_p.def_effectful_abstract_eval(_reduce_scatter_abstract_eval)
+ad.deflinear2(psum_scatter_p, _reduce_scatter_transpose)
+batching.fancy_primitive_batchers[psum_scatter_p] = _reduce_scatter_batcher
 
 
 # --------------------------------------------------------------------------------------
@@ -968,7 +968,7 @@ def _ppermute_lowering(ctx, x, *, axes, perm, mesh_order=False):
     sources = np.full(int(np.prod(mesh_shape[idx])), -1, np.int64)
     for s, d in perm:
         sources[d] = s
-    return _ffi_call_lowering("strata_permute", "ppermute")(ctx, x, axes=axes, sources=sources)
+    return _ffi_call_lowering("strata_ppermute", "ppermute")(ctx, x, axes=axes, sources=sources)
 
 
 ppermute_p.def_effectful_abstract_eval(_ppermute_abstract_eval)
@@ -1051,7 +1051,7 @@ ad.deflinear2(pbroadcast_p, _pbroadcast_transpose)
 batching.fancy_primitive_batchers[pbroadcast_p] = _pbroadcast_batcher
 mlir.register_lowering(
     pbroadcast_p,
-    lambda ctx, x, *, axes, source: _ffi_call_lowering("strata_broadcast", "pbroadcast")(
+    lambda ctx, x, *, axes, source: _ffi_call_lowering("strata_pbroadcast", "pbroadcast")(
         ctx, x, axes=axes, root=int(source)
     ),
     platform="cpu",

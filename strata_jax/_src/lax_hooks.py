@@ -41,6 +41,7 @@ from strata_jax._src import (
     collectives,
     coverage,
     lowering,
+    operators,
     program_order,
     ragged,
 )
@@ -178,7 +179,7 @@ def _axes(axis_name) -> tuple:
     return lowering.axis_tuple(axis_name)
 
 
-REDUCE_CODES = {"psum": 0, "pmax": 1, "pmin": 2}
+REDUCE_CODES = operators.REDUCE_CODES
 _LOCAL = {"psum": jax.lax.reduce_sum, "pmax": jax.lax.reduce_max, "pmin": jax.lax.reduce_min}
 
 
@@ -313,7 +314,7 @@ def _ppermute_rule(ctx, x, *, axis_name, perm):
 def _pbroadcast_rule(ctx, x, *, axis_name, source):
     (aval,) = ctx.avals_in
     y = _call(
-        ctx, "strata_broadcast", "pbroadcast", x, aval, aval, _axes(axis_name), root=int(source)
+        ctx, "strata_pbroadcast", "pbroadcast", x, aval, aval, _axes(axis_name), root=int(source)
     )
     return [y]
 
@@ -347,26 +348,25 @@ def _unsupported_cause(what: str):
     return cause
 
 
+# The rule and the cause of each operator that runs jax.lax primitives, by its name in the
+# operator table (operators.py); the table says which jax.lax primitives each one runs.
+RULES = {
+    "psum": (_all_reduce_rule("psum"), _all_reduce_cause("psum")),
+    "pmax": (_all_reduce_rule("pmax"), _all_reduce_cause("pmax")),
+    "pmin": (_all_reduce_rule("pmin"), _all_reduce_cause("pmin")),
+    "all_gather": (_all_gather_rule, _group_cause),
+    "psum_scatter": (_reduce_scatter_rule, _reduce_scatter_cause),
+    "all_to_all": (_all_to_all_rule, _group_cause),
+    "ppermute": (_ppermute_rule, _group_cause),
+    "pbroadcast": (_pbroadcast_rule, _group_cause),
+    "ragged_all_to_all": (_ragged_rule, _ragged_cause),
+}
 # jax.lax's collective primitives (by name: jax_compat.lax_primitive; a name the running JAX
-# release lacks is skipped), each with its rule and cause.
+# release lacks is skipped), each with its operator's rule and cause.
 _HOOKS = [
-    (prim, rule, cause)
-    for name, rule, cause in (
-        ("psum", _all_reduce_rule("psum"), _all_reduce_cause("psum")),
-        ("psum_invariant", _all_reduce_rule("psum"), _all_reduce_cause("psum")),
-        ("unreduced_psum", _all_reduce_rule("psum"), _all_reduce_cause("psum")),
-        ("pmax", _all_reduce_rule("pmax"), _all_reduce_cause("pmax")),
-        ("pmin", _all_reduce_rule("pmin"), _all_reduce_cause("pmin")),
-        ("all_gather", _all_gather_rule, _group_cause),
-        ("all_gather_invariant", _all_gather_rule, _group_cause),
-        ("all_gather_reduced", _all_gather_rule, _group_cause),
-        ("reduce_scatter", _reduce_scatter_rule, _reduce_scatter_cause),
-        ("unreduced_reduce_scatter", _reduce_scatter_rule, _reduce_scatter_cause),
-        ("all_to_all", _all_to_all_rule, _group_cause),
-        ("ppermute", _ppermute_rule, _group_cause),
-        ("pbroadcast", _pbroadcast_rule, _group_cause),
-        ("ragged_all_to_all", _ragged_rule, _ragged_cause),
-    )
+    (prim, *RULES[op.id])
+    for op in operators.OPERATORS
+    for name in op.lax
     if (prim := lax_primitive(name)) is not None
 ]
 # Collectives strata does not run, each with the reason coverage() records (JAX 0.11+ adds
