@@ -268,3 +268,14 @@ def print_machine(info: dict[str, Any], write: Callable[[str], Any] = print) -> 
     env = info["env"]
     envs = " ".join(f"{k}={v}" for k, v in env.items()) if env else "(none set)"
     write(f"# env        : {envs}")
+
+
+def print_header(write: Callable[[str], Any], *lines: str | None) -> dict[str, Any]:
+    """Prints what a run is measured on (:func:`print_machine`) and then the run's own header
+    ``lines`` (a None line is left out); returns the :func:`machine_info` it printed."""
+    info = machine_info()
+    print_machine(info, write)
+    for line in lines:
+        if line is not None:
+            write(line)
+    return info

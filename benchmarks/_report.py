@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -277,3 +277,39 @@ def plot_lines(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def args_record(args: Any) -> dict[str, Any]:
+    """A run's arguments as its JSON records them (paths as strings)."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+
+
+def write_results(
+    out: Path,
+    name: str,
+    record: dict[str, Any],
+    say: Callable[[str], Any],
+    plot: Callable[[Any], Any] | None = None,
+) -> None:
+    """The files a workload writes at the end of a run, under ``out``: ``<name>.png``, the figure
+    ``plot(plt)`` returns (pyplot; without matplotlib a line says so), and ``<name>.json``, the
+    ``record``; ``say`` names each file written."""
+    out.mkdir(parents=True, exist_ok=True)
+    if plot is not None:
+        plt = pyplot()
+        if plt is None:
+            say(f"# {NO_MATPLOTLIB}")
+        else:
+            png = out / f"{name}.png"
+            fig = plot(plt)
+            for ax in fig.axes:
+                ax.grid(True, alpha=0.3)
+                if ax.get_legend_handles_labels()[0]:
+                    ax.legend()
+            fig.tight_layout()
+            fig.savefig(png, dpi=110)
+            plt.close(fig)
+            say(f"# wrote {png}")
+    js = out / f"{name}.json"
+    write_json(js, record)
+    say(f"# wrote {js}")

@@ -47,7 +47,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _args import format_size, parse_list  # noqa: E402
-from _machine import machine_info, print_machine, reexec_with_allocator  # noqa: E402
+from _machine import print_header, reexec_with_allocator  # noqa: E402
 from _report import Column, Table, write_csv, write_json  # noqa: E402
 from _timing import median, stream_add_step, time_interleaved  # noqa: E402
 
@@ -285,9 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for k in range(K):
         ref += (wf[:, k] * sc[idx_host[:, k]])[:, None] * xs
 
-    info = machine_info()
-    print_machine(info)
-    print(f"# allocator  : {args.allocator}")
+    info = print_header(print, f"# allocator  : {args.allocator}")
     print(
         f"# moe        : R={R} T={T}/rank H={H} E={E} K={K} dtype={dt.name} "
         f"capacity={cap} per expert (= R * {cs}, cf {args.capacity_factor}), "
@@ -430,9 +428,7 @@ def low_latency(args: argparse.Namespace) -> int:
     def smap(body, in_specs, out_specs):
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
 
-    info = machine_info()
-    print_machine(info)
-    print(f"# allocator  : {args.allocator}")
+    info = print_header(print, f"# allocator  : {args.allocator}")
     print(
         f"# moe ll     : R={R} H={H} E={E} K={K} dtype={dt.name}, T per rank {tokens}; "
         f"receive buffer [E/R, R*T, H] for every impl; {args.ll_iters} timed calls per "

@@ -63,9 +63,16 @@ sys.path.insert(0, str(HERE))
 
 import train_moe  # noqa: E402
 from _args import add_expert_chunk_args, add_preset, parse_list, preset_line, processes_env  # noqa: E402
-from _machine import allocator_for_script, machine_info, print_machine  # noqa: E402
+from _machine import allocator_for_script, print_header  # noqa: E402
 from _nocomm import no_exchange  # noqa: E402
-from _report import NO_MATPLOTLIB, Column, Table, communication_share, progress, pyplot, write_json  # noqa: E402
+from _report import (  # noqa: E402
+    Column,
+    Table,
+    args_record,
+    communication_share,
+    progress,
+    write_results,
+)
 from _timing import align_processes, slowest_process  # noqa: E402
 from moe_model import attention_cached, load_params, rms  # noqa: E402
 
@@ -425,13 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     key = put(np.asarray(jax.random.key_data(jax.random.key(args.seed))), P())
     positions = [put(np.asarray(Pn + i, np.int32), P()) for i in range(G)]
 
-    info = machine_info()
-    print_machine(info, say)
+    info = print_header(say, f"# allocator  : {allocator}", preset_line(args, PRESETS))
     n_dense = sum(a.size for a in jax.tree.leaves(dense_np))
     n_exp = sum(a.size for a in jax.tree.leaves(experts_np))
-    say(f"# allocator  : {allocator}")
-    if preset_line(args, PRESETS):
-        say(preset_line(args, PRESETS))
     say(f"# data       : {corpus_name}, {corpus.size:,} bytes; prompts cut at random offsets")
     say(
         f"# experts    : MLPs in chunks of {args.expert_chunk} rows (baselines: "
@@ -638,28 +641,19 @@ def main(argv: list[str] | None = None) -> int:
                 say(line)
 
     if lead:
-        args.out.mkdir(parents=True, exist_ok=True)
-        png = args.out / "serve_moe.png"
-        if _plot(png, runs):
-            say(f"# wrote {png}")
-        else:
-            say(f"# {NO_MATPLOTLIB}")
-        write_json(
-            args.out / "serve_moe.json",
-            dict(
-                args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                machine=info,
-                checkpoint=str(ckpt),
-                results=rows,
-                strata_speedup=ratios,
-                communication=communication,
-                differing_bytes=same,
-                distinct_generated_bytes=distinct,
-                ttft_s={k: r["ttft"] for k, r in runs.items()},
-                step_s={k: r["steps"] for k, r in runs.items()},
-            ),
+        record = dict(
+            args=args_record(args),
+            machine=info,
+            checkpoint=str(ckpt),
+            results=rows,
+            strata_speedup=ratios,
+            communication=communication,
+            differing_bytes=same,
+            distinct_generated_bytes=distinct,
+            ttft_s={k: r["ttft"] for k, r in runs.items()},
+            step_s={k: r["steps"] for k, r in runs.items()},
         )
-        say(f"# wrote {args.out / 'serve_moe.json'}")
+        write_results(args.out, "serve_moe", record, say, lambda plt: _plot(plt, runs))
 
     if "nocomm" in runs and "xla_sort" in runs:
         bound = next(r for r in rows if r["impl"] == "nocomm")
@@ -695,12 +689,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-def _plot(path: Path, runs: dict[str, dict[str, Any]]) -> bool:
+def _plot(plt: Any, runs: dict[str, dict[str, Any]]) -> Any:
+    """The decode step latencies of every impl, as histograms with their p50 and p99."""
     import numpy as np
 
-    plt = pyplot()
-    if plt is None:
-        return False
     fig, ax = plt.subplots(figsize=(8, 4.5))
     all_ms = np.concatenate([1e3 * np.asarray(r["steps"]) for r in runs.values()])
     bins = np.geomspace(all_ms.min() * 0.9, all_ms.max() * 1.1, 60)
@@ -716,12 +708,7 @@ def _plot(path: Path, runs: dict[str, dict[str, Any]]) -> bool:
         ylabel="steps",
         title="serve_moe: per-step decode latency",
     )
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return fig
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _mp_util import job_env
 
 import strata_jax
 
@@ -310,9 +311,9 @@ def test_low_latency_staged_form(job_2x2):
 
 
 def test_calls_meet_by_communicator_not_call_site(job_2x2):
-    """2 processes x 2 devices (local and remote peers in one group). Case 17: the same
-    function called from two source lines returns the sum on every rank. Case 18: ranks
-    disagree on the size: all raise within a second naming psum and both sizes (20 s timeout).
+    """2 processes x 2 devices (local and remote peers in one group). The same function called
+    from two source lines returns the sum on every rank. Ranks that disagree on the size all
+    raise within a second naming psum and both sizes (20 s timeout), also when one is empty.
     Independent collectives inside one program (XLA runs them at once on a device; equal ones,
     psum(v) and psum(sin v), once paired wrongly across processes when JAX shared one lowering
     and so one op id between them) and dispatch-ahead of several programs: right values, never
@@ -320,9 +321,9 @@ def test_calls_meet_by_communicator_not_call_site(job_2x2):
     permutations: all fail at once. The exception types a failed collective raises
     (strata_jax.COLLECTIVE_ERRORS)."""
     out = _part(job_2x2, "call_matching.py")
-    assert out.count("OK case 17 two call sites [4.0, 4.0, 4.0, 4.0]") == 2, out[-3000:]
-    assert out.count("OK case 18 mismatch raised") == 2, out[-3000:]
-    assert out.count("OK case 18b empty on one rank raised") == 2, out[-3000:]
+    assert out.count("OK two call sites [4.0, 4.0, 4.0, 4.0]") == 2, out[-3000:]
+    assert out.count("OK sizes differ mismatch raised") == 2, out[-3000:]
+    assert out.count("OK empty on one rank raised") == 2, out[-3000:]
     assert out.count("OK ppermute permutations differ raised") == 2, out[-3000:]
     assert out.count("OK errors") == 1, out[-3000:]
     assert out.count("OK all") == 2, out[-3000:]
@@ -401,14 +402,7 @@ def _start_by_hand(script: str, nproc: int, *args: str, strata_timeout: float = 
     jax.distributed.initialize itself (coordinator address and rank on its command line)."""
     from strata_jax import launch
 
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("STRATA_", "XLA_FLAGS", "JAX_", "LD_PRELOAD"))
-    }
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # as tests/_mp_util.TEST_XLA_FLAGS
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PKG_PARENT, env.get("PYTHONPATH")]))
-    env["STRATA_TIMEOUT_S"] = str(strata_timeout)
+    env = job_env(STRATA_TIMEOUT_S=str(strata_timeout))
     lib = launch.alloc_library_path()
     if lib:
         env["LD_PRELOAD"] = lib

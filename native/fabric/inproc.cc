@@ -214,12 +214,9 @@ std::string InProcTeam::wait_word(std::atomic<uint32_t>* word, uint32_t target, 
   for (int j = 0; j < size_; ++j)
     if (slot_->peers[j].reached.load(std::memory_order_acquire) < barriers_) missing.push_back(j);
   std::ostringstream os;
-  os << "strata_jax " << op_name_ << ": timed out after " << settings().timeout_ms.load() / 1000.0
-     << " s in phase '" << phase << "' waiting for rank(s) [";
-  for (size_t i = 0; i < missing.size(); ++i) os << (i ? ", " : "") << missing[i];
-  os << "] of a group of " << size_ << " (group " << key_.group << ", op " << key_.op_id << ", run "
-     << static_cast<uint64_t>(key_.run_id) << "); reported by rank " << rank_ << " (partition "
-     << partition_ << "). ";
+  os << timed_out_waiting(op_name_, phase, missing) << " of a group of " << size_ << " (group "
+     << key_.group << ", op " << key_.op_id << ", run " << static_cast<uint64_t>(key_.run_id)
+     << "); reported by rank " << rank_ << " (partition " << partition_ << "). ";
   // What the missing ranks do, ranks doing the same thing named together.
   std::vector<std::pair<std::string, std::vector<int>>> doing_what;
   for (int j : missing) {

@@ -275,12 +275,10 @@ std::string ShmTeam::barrier(const char* phase) {
   for (int j = 0; j < size_; ++j)
     if (slot_->peers[j].reached.load(std::memory_order_acquire) < barriers_) missing.push_back(j);
   std::ostringstream os;
-  os << "strata_jax " << op_name_ << ": timed out after " << settings().timeout_ms.load() / 1000.0
-     << " s in phase '" << phase << "' waiting for rank(s) [";
-  for (size_t i = 0; i < missing.size(); ++i) os << (i ? ", " : "") << missing[i];
-  os << "] of a group of " << size_ << " (execution #" << slot_->exec << " on communicator "
-     << std::hex << slot_->comm << std::dec << "); reported by rank " << rank_ << " (partition "
-     << partition_ << ", process " << f_->proc() << ")";
+  os << timed_out_waiting(op_name_, phase, missing) << " of a group of " << size_ << " (execution #"
+     << slot_->exec << " on communicator " << std::hex << slot_->comm << std::dec
+     << "); reported by rank " << rank_ << " (partition " << partition_ << ", process "
+     << f_->proc() << ")";
   std::string dead = f_->dead_peers();
   if (!dead.empty()) os << "; process(es) " << dead << " disconnected (exited or killed)";
   os << ". A peer never reached this collective: check that every device executes the same "

@@ -619,12 +619,10 @@ std::string ShmLlTeam::straddler(const OpDesc& desc) {
 
 std::string ShmLlTeam::missing_message(const char* phase, const std::vector<int>& missing) const {
   std::ostringstream os;
-  os << "strata_jax " << op_name_ << ": timed out after " << settings().timeout_ms.load() / 1000.0
-     << " s in phase '" << phase << "' waiting for rank(s) [";
-  for (size_t i = 0; i < missing.size(); ++i) os << (i ? ", " : "") << missing[i];
-  os << "] of a group of " << size_ << " (execution #" << exec_ << " on communicator " << std::hex
-     << comm_ << std::dec << ", low-latency path); reported by rank " << rank_ << " (partition "
-     << partition_ << ", process " << f_->proc() << ")";
+  os << timed_out_waiting(op_name_, phase, missing) << " of a group of " << size_ << " (execution #"
+     << exec_ << " on communicator " << std::hex << comm_ << std::dec
+     << ", low-latency path); reported by rank " << rank_ << " (partition " << partition_
+     << ", process " << f_->proc() << ")";
   std::string dead = f_->dead_peers();
   if (!dead.empty()) os << "; process(es) " << dead << " disconnected (exited or killed)";
   if (std::strcmp(phase, "reuse") == 0)

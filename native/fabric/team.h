@@ -106,4 +106,9 @@ std::string place_in_groups(int64_t partition, const int64_t* groups, size_t gro
                             int64_t group_size, const int64_t* device_ids, size_t num_devices,
                             Placement* out);
 
+// The words every fabric's timeout message starts with: "strata_jax <op>: timed out after <s> s
+// in phase '<phase>' waiting for rank(s) [<missing>]"; each fabric goes on with where the call
+// was and what the missing ranks do.
+std::string timed_out_waiting(const char* op, const char* phase, const std::vector<int>& missing);
+
 }  // namespace strata

@@ -64,21 +64,19 @@ struct GroupAttrs {
   Attr<int64_t>("op_id").Attr<I64s>("groups").Attr<int64_t>("group_size").Attr<I64s>("device_ids")
 
 namespace bind {
-// N >= 1 buffer arguments (results) appended to binding b. Every step returns the next stage as
-// a prvalue: a Binding cannot be moved from outside XLA's own code.
-template <int N, class B>
-auto args(B&& b) {
-  if constexpr (N == 1)
-    return std::move(b).template Arg<xla::ffi::AnyBuffer>();
+// N >= 1 buffer arguments (kResults: results) appended to binding b. Every step returns the next
+// stage as a prvalue: a Binding cannot be moved from outside XLA's own code.
+template <int N, bool kResults, class B>
+auto buffers(B&& b) {
+  using xla::ffi::AnyBuffer;
+  if constexpr (N == 1 && kResults)
+    return std::move(b).template Ret<AnyBuffer>();
+  else if constexpr (N == 1)
+    return std::move(b).template Arg<AnyBuffer>();
+  else if constexpr (kResults)
+    return buffers<N - 1, true>(std::move(b).template Ret<AnyBuffer>());
   else
-    return args<N - 1>(std::move(b).template Arg<xla::ffi::AnyBuffer>());
-}
-template <int N, class B>
-auto rets(B&& b) {
-  if constexpr (N == 1)
-    return std::move(b).template Ret<xla::ffi::AnyBuffer>();
-  else
-    return rets<N - 1>(std::move(b).template Ret<xla::ffi::AnyBuffer>());
+    return buffers<N - 1, false>(std::move(b).template Arg<AnyBuffer>());
 }
 // The binding of a call that meets its peers (lowering.lower_strata_call): the run id,
 // `kOperands` buffers, the partition id and the optional After, then `kResults` results and the
@@ -87,8 +85,9 @@ auto rets(B&& b) {
 template <int kOperands, int kResults>
 auto call() {
   using xla::ffi::AnyBuffer;
-  return rets<kResults>(args<kOperands + 1>(xla::ffi::Ffi::Bind().Ctx<xla::ffi::RunId>())
-                            .template OptionalArg<AnyBuffer>())
+  return buffers<kResults, true>(
+             buffers<kOperands + 1, false>(xla::ffi::Ffi::Bind().Ctx<xla::ffi::RunId>())
+                 .template OptionalArg<AnyBuffer>())
       .template OptionalRet<AnyBuffer>()
       .template Attr<int64_t>("op_id")
       .template Attr<I64s>("groups")
@@ -99,6 +98,18 @@ auto call() {
 // bind::call<kOperands, kResults>() as XLA_FFI_DEFINE_HANDLER_SYMBOL takes a binding (in
 // parentheses, so that its comma does not split the macro's arguments).
 #define STRATA_BIND_CALL(operands, results) (::strata::bind::call<operands, results>())
+
+// The descriptor of one call of operator `op` through target `form`: its element type and its
+// bytes per rank in and out (the operator's parameters and reduction are the caller's to add).
+inline OpDesc make_desc(Op op, Target form, int32_t dtype, uint64_t in_bytes, uint64_t out_bytes) {
+  OpDesc d;
+  d.kind = static_cast<int32_t>(op);
+  d.params.form = form;
+  d.dtype = dtype;
+  d.in_bytes = in_bytes;
+  d.out_bytes = out_bytes;
+  return d;
+}
 
 // Where this device sits in the collective: from its partition id (an operand computed by
 // the program itself, so it is right for any device assignment) and the groups.

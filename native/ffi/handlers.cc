@@ -42,12 +42,8 @@ ffi::Error AllReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, A
   if (auto e = check_dtype(name, x, true, op); e.failure()) return e;
   const int32_t dt = static_cast<int32_t>(x.element_type());
   const size_t count = x.element_count();
-  OpDesc d;
-  d.kind = static_cast<int32_t>(kind);
-  d.params.form = Target::all_reduce;
-  d.dtype = dt;
+  OpDesc d = make_desc(kind, Target::all_reduce, dt, x.size_bytes(), x.size_bytes());
   d.reduce = reduce;
-  d.in_bytes = d.out_bytes = x.size_bytes();
   d.algo = use_two_shot(x.size_bytes()) ? 1 : 0;
   return run_collective(
       name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d, x.untyped_data(),
@@ -109,14 +105,10 @@ ffi::Error AllReduceListImpl(ffi::RunId run, ffi::RemainingArgs args, ffi::Remai
   std::string err = placement(*pid, GroupAttrs{groups, group_size, device_ids}, &pl);
   if (!err.empty()) return to_error(std::string("strata_jax ") + name + ": " + err);
   if (total == 0 && !ShmFabric::active()) return ffi::Error::Success();
-  OpDesc d;
+  OpDesc d = make_desc(kind, Target::all_reduce_list, meta[0].dtype, total, total);
   d.name = name;
-  d.kind = static_cast<int32_t>(kind);
-  d.params.form = Target::all_reduce_list;
-  d.dtype = meta[0].dtype;
   d.reduce = reduce;
   d.params.signature = sig;
-  d.in_bytes = d.out_bytes = total;
   d.algo = use_two_shot(total) ? 1 : 0;
   stats().calls.fetch_add(1, std::memory_order_relaxed);
   OpTimer timer(name, total, d.algo);  // comm_stats()["ops"] (fabric/op_stats.h)
@@ -198,14 +190,10 @@ ffi::Error PsumScatterRowsImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer 
   const ReduceOp op = static_cast<ReduceOp>(reduce);
   if (auto e = check_dtype("psum_scatter", x, true, op); e.failure()) return e;
   const int32_t dt = static_cast<int32_t>(x.element_type());
-  OpDesc d;
-  d.kind = static_cast<int32_t>(Op::psum_scatter);
-  d.params.form = Target::psum_scatter_rows;
+  OpDesc d =
+      make_desc(Op::psum_scatter, Target::psum_scatter_rows, dt, x.size_bytes(), y->size_bytes());
   d.params.dimension = dimension;
-  d.dtype = dt;
   d.reduce = reduce;
-  d.in_bytes = x.size_bytes();
-  d.out_bytes = y->size_bytes();
   return run_collective(
       "psum_scatter", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
       x.untyped_data(), y->untyped_data(), [&](Team& t, const Placement&) -> std::string {
@@ -225,13 +213,9 @@ ffi::Error AllGatherRowsImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pi
                              ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
                              int64_t group_size, I64s device_ids, int64_t dimension) {
   if (auto e = check_dtype("all_gather", x, false, ReduceOp::kSum); e.failure()) return e;
-  OpDesc d;
-  d.kind = static_cast<int32_t>(Op::all_gather);
-  d.params.form = Target::all_gather_rows;
+  OpDesc d = make_desc(Op::all_gather, Target::all_gather_rows,
+                       static_cast<int32_t>(x.element_type()), x.size_bytes(), y->size_bytes());
   d.params.dimension = dimension;
-  d.dtype = static_cast<int32_t>(x.element_type());
-  d.in_bytes = x.size_bytes();
-  d.out_bytes = y->size_bytes();
   const int es = dtype_size(d.dtype);
   return run_collective(
       "all_gather", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
@@ -302,14 +286,9 @@ ffi::Error psum_scatter_impl(Target form, ffi::RunId run, ffi::AnyBuffer x, ffi:
   if (auto e = check_dtype("psum_scatter", x, true, op); e.failure()) return e;
   const int32_t dt = static_cast<int32_t>(x.element_type());
   const int parts = placement_parts(placement, groups, group_size);
-  OpDesc d;
-  d.kind = static_cast<int32_t>(Op::psum_scatter);
-  d.params.form = form;
+  OpDesc d = make_desc(Op::psum_scatter, form, dt, x.size_bytes(), y->size_bytes());
   d.params.parts = parts;
-  d.dtype = dt;
   d.reduce = reduce;
-  d.in_bytes = x.size_bytes();
-  d.out_bytes = y->size_bytes();
   const size_t out_count = y->element_count();
   return run_collective(
       "psum_scatter", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
@@ -344,13 +323,9 @@ ffi::Error all_gather_impl(Target form, ffi::RunId run, ffi::AnyBuffer x, ffi::A
                            int64_t group_size, I64s device_ids, I64s placement) {
   if (auto e = check_dtype("all_gather", x, false, ReduceOp::kSum); e.failure()) return e;
   const int parts = placement_parts(placement, groups, group_size);
-  OpDesc d;
-  d.kind = static_cast<int32_t>(Op::all_gather);
-  d.params.form = form;
+  OpDesc d = make_desc(Op::all_gather, form, static_cast<int32_t>(x.element_type()), x.size_bytes(),
+                       y->size_bytes());
   d.params.parts = parts;
-  d.dtype = static_cast<int32_t>(x.element_type());
-  d.in_bytes = x.size_bytes();
-  d.out_bytes = y->size_bytes();
   return run_collective(
       "all_gather", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
       x.untyped_data(), y->untyped_data(), [&](Team& t, const Placement& pl) -> std::string {
@@ -379,18 +354,14 @@ ffi::Error all_to_all_impl(Target form, ffi::RunId run, ffi::AnyBuffer x, ffi::A
                            void* y2, size_t y2_bytes, I64s divert_dest) {
   if (auto e = check_dtype("all_to_all", x, false, ReduceOp::kSum); e.failure()) return e;
   const bool diverted = divert.size() != 0;
-  OpDesc d;
-  d.kind = static_cast<int32_t>(Op::all_to_all);
-  d.params.form = form;
+  OpDesc d = make_desc(Op::all_to_all, form, static_cast<int32_t>(x.element_type()), x.size_bytes(),
+                       y->size_bytes());
   d.params.split_axis = split_axis;
   d.params.concat_axis = concat_axis;
   if (diverted) {
     d.params.divert_axis = divert_axis;
     d.params.move_to = move_to;
   }
-  d.dtype = static_cast<int32_t>(x.element_type());
-  d.in_bytes = x.size_bytes();
-  d.out_bytes = y->size_bytes();
   auto dims = x.dimensions();
   std::vector<int64_t> shape(dims.begin(), dims.end());
   const int es = dtype_size(d.dtype);
@@ -460,11 +431,8 @@ ffi::Error PpermuteImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, Af
                         ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
                         int64_t group_size, I64s device_ids, I64s sources) {
   if (auto e = check_dtype("ppermute", x, false, ReduceOp::kSum); e.failure()) return e;
-  OpDesc d;
-  d.kind = static_cast<int32_t>(Op::ppermute);
-  d.params.form = Target::ppermute;
-  d.dtype = static_cast<int32_t>(x.element_type());
-  d.in_bytes = d.out_bytes = x.size_bytes();
+  OpDesc d = make_desc(Op::ppermute, Target::ppermute, static_cast<int32_t>(x.element_type()),
+                       x.size_bytes(), x.size_bytes());
   // The permutation is compared across the group like the shape: ranks that reach a ppermute
   // with different permutations (a rank-dependent branch) fail instead of each following its
   // own. FNV-1a of the source table.
@@ -489,12 +457,9 @@ ffi::Error PbroadcastImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, 
                           ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
                           int64_t group_size, I64s device_ids, int64_t root) {
   if (auto e = check_dtype("pbroadcast", x, false, ReduceOp::kSum); e.failure()) return e;
-  OpDesc d;
-  d.kind = static_cast<int32_t>(Op::pbroadcast);
-  d.params.form = Target::pbroadcast;
+  OpDesc d = make_desc(Op::pbroadcast, Target::pbroadcast, static_cast<int32_t>(x.element_type()),
+                       x.size_bytes(), x.size_bytes());
   d.params.root = root;
-  d.dtype = static_cast<int32_t>(x.element_type());
-  d.in_bytes = d.out_bytes = x.size_bytes();
   return run_collective(
       "pbroadcast", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
       x.untyped_data(), y->untyped_data(), [&](Team& t, const Placement&) -> std::string {

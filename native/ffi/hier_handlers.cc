@@ -181,14 +181,11 @@ ffi::Error all_gather_part_impl(ffi::RunId run, ffi::AnyBuffer x, const ffi::Any
     if (base->untyped_data() != y->untyped_data() && y->size_bytes() > 0)
       std::memcpy(y->untyped_data(), base->untyped_data(), y->size_bytes());
   }
-  OpDesc d;
-  d.kind = static_cast<int32_t>(Op::all_gather);
-  d.params.form = base ? Target::all_gather_part_into : Target::all_gather_part;
+  OpDesc d =
+      make_desc(Op::all_gather, base ? Target::all_gather_part_into : Target::all_gather_part,
+                static_cast<int32_t>(x.element_type()), x.size_bytes(), y->size_bytes());
   d.params.parts = parts;
   d.params.part = part;
-  d.dtype = static_cast<int32_t>(x.element_type());
-  d.in_bytes = x.size_bytes();
-  d.out_bytes = y->size_bytes();
   return run_collective(
       "all_gather", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
       x.untyped_data(), y->untyped_data(), [&](Team& t, const Placement& pl) -> std::string {
@@ -258,13 +255,9 @@ ffi::Error AllGatherReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer 
       std::memcpy(pair.data() + bytes, z.untyped_data(), bytes);
     }
   }
-  OpDesc d;
-  d.kind = static_cast<int32_t>(kind);
-  d.params.form = Target::all_gather_reduce;
-  d.dtype = dt;
+  OpDesc d =
+      make_desc(kind, Target::all_gather_reduce, dt, packed ? 2 * bytes : bytes, y->size_bytes());
   d.reduce = reduce;
-  d.in_bytes = packed ? 2 * bytes : bytes;
-  d.out_bytes = y->size_bytes();
   auto order = [&](int64_t partition) -> int {  // 1: z first, -1: no order given
     if (partition < 0 || static_cast<size_t>(partition) >= z_first.size()) return -1;
     return z_first[partition] != 0 ? 1 : 0;

@@ -72,14 +72,10 @@ ffi::Error RaggedAllToAllImpl(ffi::RunId run, ffi::AnyBuffer operand, ffi::AnyBu
     err = ragged_all_to_all(self, s, res);
     return err.empty() ? ffi::Error::Success() : invalid(err);
   }
-  OpDesc d;
+  OpDesc d = make_desc(Op::ragged_all_to_all, Target::ragged_all_to_all, dt, operand.size_bytes(),
+                       output.size_bytes());
   d.name = "ragged_all_to_all";
-  d.kind = static_cast<int32_t>(Op::ragged_all_to_all);
-  d.params.form = Target::ragged_all_to_all;
   d.params.slices = s.slices;
-  d.dtype = dt;
-  d.in_bytes = operand.size_bytes();
-  d.out_bytes = output.size_bytes();
   BufRef bufs[kRaggedBufs];
   bufs[kRaggedOperand] = BufRef{operand.untyped_data(), operand.size_bytes(), false};
   bufs[kRaggedPlan] = BufRef{plan.untyped_data(), plan.size_bytes(), false};

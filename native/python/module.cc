@@ -5,6 +5,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <stdexcept>
+#include <utility>
 
 #include "coll/collectives.h"
 #include "coll/kernels.h"
@@ -150,26 +151,29 @@ NB_MODULE(_strata, m) {
   m.def("set_ll_stage_bytes", [](int64_t b) { strata::set_ll_stage_bytes(b); });
   m.def("get_ll_stage_bytes", [] { return strata::get_ll_stage_bytes(); });
   m.def("comm_stats", [] {
-    auto& s = strata::stats();
+    const auto& s = strata::stats();
+    // Its counters (fabric/stats.h) by the name comm_stats() gives them.
+    const std::pair<const char*, const std::atomic<uint64_t>*> counters[] = {
+        {"calls", &s.calls},
+        {"zero_copy_bytes", &s.zero_copy_bytes},
+        {"staged_bytes", &s.staged_bytes},
+        {"one_shot_all_reduce", &s.one_shot},
+        {"two_shot_all_reduce", &s.two_shot},
+        {"timeouts", &s.timeouts},
+        {"moe_calls", &s.moe_calls},
+        {"inter_fabric_calls", &s.inter_fabric_calls},
+        {"inter_fabric_bytes", &s.inter_fabric_bytes},
+        {"max_calls_in_flight_per_device", &s.max_calls_in_flight},
+        {"max_runs_in_flight_per_device", &s.max_runs_in_flight},
+        {"mismatches", &s.mismatches},
+        {"low_latency_calls", &s.low_latency_calls},
+        {"lead_calls", &s.lead_calls},
+        {"pair_calls", &s.pair_calls},
+        {"failures", &s.failures}};
     nb::dict d;
-    d["calls"] = s.calls.load(std::memory_order_relaxed);
-    d["zero_copy_bytes"] = s.zero_copy_bytes.load(std::memory_order_relaxed);
-    d["staged_bytes"] = s.staged_bytes.load(std::memory_order_relaxed);
-    d["one_shot_all_reduce"] = s.one_shot.load(std::memory_order_relaxed);
-    d["two_shot_all_reduce"] = s.two_shot.load(std::memory_order_relaxed);
-    d["timeouts"] = s.timeouts.load(std::memory_order_relaxed);
-    d["moe_calls"] = s.moe_calls.load(std::memory_order_relaxed);
+    for (const auto& [name, counter] : counters) d[name] = counter->load(std::memory_order_relaxed);
     d["intra_fabric_bytes"] = s.zero_copy_bytes.load(std::memory_order_relaxed) +
                               s.peer_bounce_bytes.load(std::memory_order_relaxed);
-    d["inter_fabric_calls"] = s.inter_fabric_calls.load(std::memory_order_relaxed);
-    d["inter_fabric_bytes"] = s.inter_fabric_bytes.load(std::memory_order_relaxed);
-    d["max_calls_in_flight_per_device"] = s.max_calls_in_flight.load(std::memory_order_relaxed);
-    d["max_runs_in_flight_per_device"] = s.max_runs_in_flight.load(std::memory_order_relaxed);
-    d["mismatches"] = s.mismatches.load(std::memory_order_relaxed);
-    d["low_latency_calls"] = s.low_latency_calls.load(std::memory_order_relaxed);
-    d["lead_calls"] = s.lead_calls.load(std::memory_order_relaxed);
-    d["pair_calls"] = s.pair_calls.load(std::memory_order_relaxed);
-    d["failures"] = s.failures.load(std::memory_order_relaxed);
     return d;
   });
 

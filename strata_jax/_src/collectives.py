@@ -23,24 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax._src import debug, hierarchy, lowering, operators, topology
-from strata_jax._src.jax_compat import ad, batching, core, mlir
+from strata_jax._src.jax_compat import ad, core, mlir
 
 AxisName = Any
 
 # jax.lax's own collectives, bound before strata_jax.enable() can redirect the jax.lax names.
 _LAX = {n: getattr(jax.lax, n) for n in ("psum", "pmax", "pmin", "all_gather")}
 
-__all__ = [
-    "psum",
-    "pmean",
-    "pmax",
-    "pmin",
-    "all_gather",
-    "psum_scatter",
-    "all_to_all",
-    "ppermute",
-    "pbroadcast",
-]
 
 # --------------------------------------------------------------------------------------
 # Helpers of the collectives here (the ones every primitive shares: lowering.py)
@@ -429,11 +418,14 @@ def _all_reduce_jvp(primals, tangents, *, axes, reduce, invariant):
     return outs, t_out
 
 
-all_reduce_p.def_effectful_abstract_eval(_all_reduce_abstract_eval)
-ad.deflinear2(all_reduce_p, _all_reduce_transpose)
-ad.primitive_jvps[all_reduce_p] = _all_reduce_jvp
-batching.fancy_primitive_batchers[all_reduce_p] = _all_reduce_batcher
-mlir.register_lowering(all_reduce_p, _all_reduce_lowering, platform="cpu", cacheable=False)
+lowering.register(
+    all_reduce_p,
+    _all_reduce_abstract_eval,
+    _all_reduce_lowering,
+    linear_transpose=_all_reduce_transpose,
+    jvp=_all_reduce_jvp,
+    batcher=_all_reduce_batcher,
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -629,11 +621,13 @@ def _rows_lowering(target: str, api: str, dim0_target: str):
     return lower
 
 
-_all_gather_lowering = _rows_lowering("strata_all_gather_rows", "all_gather", "strata_all_gather")
-mlir.register_lowering(all_gather_p, _all_gather_lowering, platform="cpu", cacheable=False)
-all_gather_p.def_effectful_abstract_eval(_all_gather_abstract_eval)
-ad.deflinear2(all_gather_p, _all_gather_transpose)
-batching.fancy_primitive_batchers[all_gather_p] = _all_gather_batcher
+lowering.register(
+    all_gather_p,
+    _all_gather_abstract_eval,
+    _rows_lowering("strata_all_gather_rows", "all_gather", "strata_all_gather"),
+    linear_transpose=_all_gather_transpose,
+    batcher=_all_gather_batcher,
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -740,14 +734,16 @@ def _reduce_scatter_batcher(axis_data, vals_in, dims_in, *, axes, axis_size, dim
     return y, out_d
 
 
-_reduce_scatter_lowering = functools.partial(
-    _rows_lowering("strata_psum_scatter_rows", "psum_scatter", "strata_psum_scatter"),
-    reduce=np.int32(0),
+lowering.register(
+    psum_scatter_p,
+    _reduce_scatter_abstract_eval,
+    functools.partial(
+        _rows_lowering("strata_psum_scatter_rows", "psum_scatter", "strata_psum_scatter"),
+        reduce=np.int32(0),
+    ),
+    linear_transpose=_reduce_scatter_transpose,
+    batcher=_reduce_scatter_batcher,
 )
-mlir.register_lowering(psum_scatter_p, _reduce_scatter_lowering, platform="cpu", cacheable=False)
-psum_scatter_p.def_effectful_abstract_eval(_reduce_scatter_abstract_eval)
-ad.deflinear2(psum_scatter_p, _reduce_scatter_transpose)
-batching.fancy_primitive_batchers[psum_scatter_p] = _reduce_scatter_batcher
 
 
 # --------------------------------------------------------------------------------------
@@ -859,17 +855,15 @@ def _all_to_all_batcher(axis_data, vals_in, dims_in, *, axes, split_axis, concat
     ), 0
 
 
-mlir.register_lowering(
+lowering.register(
     all_to_all_p,
+    _all_to_all_abstract_eval,
     lambda ctx, x, *, axes, split_axis, concat_axis, axis_size: _ffi_call_lowering(
         "strata_all_to_all", "all_to_all"
     )(ctx, x, axes=axes, split_axis=int(split_axis), concat_axis=int(concat_axis)),
-    platform="cpu",
-    cacheable=False,
+    linear_transpose=_all_to_all_transpose,
+    batcher=_all_to_all_batcher,
 )
-all_to_all_p.def_effectful_abstract_eval(_all_to_all_abstract_eval)
-ad.deflinear2(all_to_all_p, _all_to_all_transpose)
-batching.fancy_primitive_batchers[all_to_all_p] = _all_to_all_batcher
 
 
 # --------------------------------------------------------------------------------------
@@ -971,10 +965,13 @@ def _ppermute_lowering(ctx, x, *, axes, perm, mesh_order=False):
     return _ffi_call_lowering("strata_ppermute", "ppermute")(ctx, x, axes=axes, sources=sources)
 
 
-ppermute_p.def_effectful_abstract_eval(_ppermute_abstract_eval)
-ad.deflinear2(ppermute_p, _ppermute_transpose)
-batching.fancy_primitive_batchers[ppermute_p] = _ppermute_batcher
-mlir.register_lowering(ppermute_p, _ppermute_lowering, platform="cpu", cacheable=False)
+lowering.register(
+    ppermute_p,
+    _ppermute_abstract_eval,
+    _ppermute_lowering,
+    linear_transpose=_ppermute_transpose,
+    batcher=_ppermute_batcher,
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -1046,14 +1043,12 @@ def _pbroadcast_batcher(axis_data, vals_in, dims_in, *, axes, source):
     return jnp.take(v, np.full(axis_data.size, source), axis=d), d
 
 
-pbroadcast_p.def_effectful_abstract_eval(_pbroadcast_abstract_eval)
-ad.deflinear2(pbroadcast_p, _pbroadcast_transpose)
-batching.fancy_primitive_batchers[pbroadcast_p] = _pbroadcast_batcher
-mlir.register_lowering(
+lowering.register(
     pbroadcast_p,
+    _pbroadcast_abstract_eval,
     lambda ctx, x, *, axes, source: _ffi_call_lowering("strata_pbroadcast", "pbroadcast")(
         ctx, x, axes=axes, root=int(source)
     ),
-    platform="cpu",
-    cacheable=False,
+    linear_transpose=_pbroadcast_transpose,
+    batcher=_pbroadcast_batcher,
 )

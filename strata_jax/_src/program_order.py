@@ -8,8 +8,8 @@ buffers they share, so this module makes the order explicit while a program is l
   call's rendezvous key); the branches of a ``cond`` restart from the id at the cond, so ranks
   that take different branches meet at the same id;
 - the chain: each strata call takes the previous call's ``Done`` byte as one more operand
-  (:func:`chain`, :data:`DONE_AVAL`, used by ``lowering.lower_strata_call`` and the
-  hierarchical steps), and a ``cond`` or ``while`` loop holding strata calls joins the chain of
+  (:func:`chained`, which ``lowering.lower_strata_call`` and the check across fabrics emit
+  their calls with), and a ``cond`` or ``while`` loop holding strata calls joins the chain of
   the block around it;
 - shard_map regions: consecutive regions of one block hand a token from one to the next;
 - inline lowering: nested jits and other higher-order primitives whose bodies hold strata
@@ -163,6 +163,32 @@ def _with_branch_marks(branch, start: int, cond: int):
 DONE_AVAL = core.ShapedArray((1,), np.uint8)
 
 _CHAIN = ("strata_jax", "program_order_chain")
+
+
+def chained(ctx, rule, operands, avals_in, **attrs) -> list:
+    """Emits ``rule`` (a ``jax.ffi.ffi_lowering``) on ``operands`` (of ``avals_in``) giving
+    ``ctx.avals_out`` as a link of its block's chain of strata calls: it takes the block's last
+    strata call's Done as one more operand, and, with calls chained, has a Done of its own, one
+    byte never written, for the next call to take (``chain``). Returns its real results.
+
+    Every call takes the previous one's Done, also a call that reads the previous call's
+    results: XLA's simplifier may remove that path (a p * 0 of integers, a full overwrite),
+    leaving the two calls unordered in the compiled program. Its own Done is one byte, not a real
+    result, whose buffer would then stay alive until the next call; it also orders a call whose
+    results are all empty."""
+    ordered = keep_program_order()
+    links = chain(ctx) if ordered else {}
+    block = ir.InsertionPoint.current.block
+    after = links.get(block)
+    extra = [after] if after is not None else []
+    done = [DONE_AVAL] if ordered else []
+    sub = ctx.replace(
+        avals_in=[*avals_in, *(a for _, a in extra)], avals_out=[*ctx.avals_out, *done]
+    )
+    results = list(rule(sub, *operands, *(v for v, _ in extra), **attrs))
+    if done:
+        links[block] = (results.pop(), DONE_AVAL)
+    return results
 
 
 def keep_program_order() -> bool:
