@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from ragged_reference import ragged_reference, random_plan
+from ragged_reference import ragged_grad_reference, ragged_reference, random_plan
 
 import strata_jax as sj
 
@@ -111,14 +111,7 @@ def test_grad_against_numpy(rng):
         return jnp.sum(_ragged(mesh, a, b, *plan) * w)
 
     ga, gb = jax.grad(loss, argnums=(0, 1))(operand, output)
-    want_a = np.zeros_like(operand)
-    want_b = np.array(w, copy=True)
-    per = io.shape[1] // n
-    for j in range(n):
-        for i in range(io.shape[1]):
-            d, s, o, c = i // per, io[j, i], oo[j, i], ss[j, i]
-            want_a[j, s : s + c] = w[d, o : o + c]
-            want_b[d, o : o + c] = 0
+    want_a, want_b = ragged_grad_reference(operand, w, io, ss, oo, n)
     np.testing.assert_allclose(np.asarray(ga), want_a)
     np.testing.assert_allclose(np.asarray(gb), want_b)
 

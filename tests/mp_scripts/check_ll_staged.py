@@ -34,11 +34,11 @@ sj.init()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mp_checks import expect_fast_failure, local_ones  # noqa: E402  (tests/mp_checks.py)
+import mp_checks  # noqa: E402  (tests/mp_checks.py)
+from mp_checks import expect_fast_failure, fail, local_ones  # noqa: E402
 
 sj.set_timeout(30)
 native().set_ll_stage_bytes(16 << 20)
@@ -46,22 +46,9 @@ devs = sorted(jax.devices(), key=lambda d: d.id)
 devs = devs[1:] + devs[:1]  # a communicator of this script's own
 N = len(devs)
 rank = jax.process_index()
-mesh = Mesh(np.array(devs), ("x",))
+mesh, sm, global_array = mp_checks.on_devices(devs)
 spec = P("x")
 checks = 0
-
-
-def fail(msg: str) -> None:
-    print(f"FAIL rank {rank}: {msg}", flush=True)
-    sys.exit(3)
-
-
-def sm(body):
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
-
-
-def global_array(x: np.ndarray):
-    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i: x[i])
 
 
 def data(seed: int, shape, dtype="float32") -> np.ndarray:
