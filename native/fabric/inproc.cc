@@ -95,15 +95,7 @@ void InProcFabric::record_failure(const CallKey& key, const std::string& msg) {
 
 InProcTeam::InProcTeam(std::shared_ptr<CallSlot> slot, const CallKey& key, const Placement& pl,
                        const char* op_name)
-    : slot_(std::move(slot)),
-      key_(key),
-      rank_(pl.rank),
-      size_(pl.size),
-      partition_(pl.partition),
-      device_(pl.device),
-      member_parts_(pl.member_parts),
-      device_ids_(pl.device_ids),
-      op_name_(op_name) {
+    : SeatedTeam(pl, op_name), slot_(std::move(slot)), key_(key) {
   Doing& d = doing_of(device_);
   d.device.store(device_, std::memory_order_relaxed);
   d.run.store(key_.run_id, std::memory_order_relaxed);

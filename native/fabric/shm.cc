@@ -197,15 +197,9 @@ void ShmFabric::release_bounce(Bounce* b) {
 // ---- the team ----
 
 ShmTeam::ShmTeam(ShmFabric* f, ShmSlot* slot, const Placement& pl, const char* op_name)
-    : f_(f),
+    : SeatedTeam(pl, op_name),
+      f_(f),
       slot_(slot),
-      rank_(pl.rank),
-      size_(pl.size),
-      partition_(pl.partition),
-      device_(pl.device),
-      member_parts_(pl.member_parts),
-      device_ids_(pl.device_ids),
-      op_name_(op_name),
       in_(pl.size, nullptr),
       out_(pl.size, nullptr),
       bufs_(static_cast<size_t>(pl.size) * kMaxBufs, nullptr) {}

@@ -142,12 +142,10 @@ class ShmFabric;
 // The hash of a call's key (comm, exec, op, occ); never 0 (0 marks a free slot).
 uint64_t slot_tag(uint64_t comm, uint64_t exec, uint64_t op, uint64_t occ);
 
-class ShmTeam final : public Team {
+class ShmTeam final : public SeatedTeam {
  public:
   ShmTeam(ShmFabric* f, ShmSlot* slot, const Placement& pl, const char* op_name);
   ~ShmTeam() override;
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
   const void* peer_in(int j) const override { return in_[j]; }
   void* peer_out(int j) const override { return out_[j]; }
   const void* peer_buf(int j, int i) const override { return bufs_[j * kMaxBufs + i]; }
@@ -192,15 +190,10 @@ class ShmTeam final : public Team {
                       uint64_t* ptr);
   ShmFabric* f_;
   ShmSlot* slot_;
-  int rank_, size_;
   int local_ranks_ = 1;  // ranks of this call in this process (set at arrival)
-  int64_t partition_, device_;
-  const int64_t* member_parts_;  // Placement::member_parts/device_ids (valid during the call)
-  const int64_t* device_ids_;
   // The missing ranks whose process has disconnected: "" if none (checked while waiting).
   std::string dead_members() const;
   uint32_t barriers_ = 0;
-  const char* op_name_;
   const OpDesc* arriving_ = nullptr;  // set while in the arrival barrier: checked while waiting
   std::vector<const void*> in_;
   std::vector<void*> out_;

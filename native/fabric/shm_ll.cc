@@ -179,16 +179,10 @@ std::unique_ptr<ShmLlTeam> ShmLlTeam::join(ShmFabric* f, const Placement& pl, in
 
 ShmLlTeam::ShmLlTeam(ShmFabric* f, LlChannel* ch, char* region, const Placement& pl,
                      const char* op_name)
-    : f_(f),
+    : SeatedTeam(pl, op_name),
+      f_(f),
       ch_(ch),
       region_(region),
-      rank_(pl.rank),
-      size_(pl.size),
-      partition_(pl.partition),
-      device_(pl.device),
-      member_parts_(pl.member_parts),
-      device_ids_(pl.device_ids),
-      op_name_(op_name),
       in_(pl.size, nullptr),
       bufs_(static_cast<size_t>(pl.size) * kMaxBufs, nullptr),
       found_(pl.size, nullptr) {}

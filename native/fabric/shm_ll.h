@@ -143,7 +143,7 @@ int64_t get_ll_bytes();
 void set_ll_stage_bytes(int64_t bytes);
 int64_t get_ll_stage_bytes();
 
-class ShmLlTeam final : public Team {
+class ShmLlTeam final : public SeatedTeam {
  public:
   // The low-latency team for this call, or nullptr when the call takes the general path (too
   // large, no channel): then *err is empty and nothing was consumed (next_seq not called).
@@ -158,8 +158,6 @@ class ShmLlTeam final : public Team {
   static uint64_t multi_bytes(const BufRef* bufs, int nbufs, bool* eligible);
   ShmLlTeam(ShmFabric* f, LlChannel* ch, char* region, const Placement& pl, const char* op_name);
   ~ShmLlTeam() override;  // marks the peers' slots read if depart() did not (a failed call)
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
   const void* peer_in(int j) const override { return in_[j]; }
   // Only this rank's own output is reachable: every operator on this path writes its own.
   void* peer_out(int j) const override { return j == rank_ ? out_ : nullptr; }
@@ -196,11 +194,6 @@ class ShmLlTeam final : public Team {
   ShmFabric* f_;
   LlChannel* ch_;
   char* region_;
-  int rank_, size_;
-  int64_t partition_, device_;
-  const int64_t* member_parts_;
-  const int64_t* device_ids_;
-  const char* op_name_;
   uint64_t comm_ = 0, tag_ = 0, exec_ = 0, op_ = 0, occ_ = 0;
   std::string failed_;  // set by a failed check inside wait()
   bool read_marked_ = false;

@@ -99,6 +99,31 @@ struct Placement {
   int64_t member_device(int r) const { return device_ids[member_parts[r]]; }
 };
 
+// What every fabric's team keeps of where its rank sits in the call (its Placement: the member
+// arrays stay valid while the handler runs, which the team never outlives) and of the call's
+// name (for messages), with Team's rank() and size().
+class SeatedTeam : public Team {
+ public:
+  SeatedTeam(const Placement& pl, const char* op_name)
+      : rank_(pl.rank),
+        size_(pl.size),
+        partition_(pl.partition),
+        device_(pl.device),
+        member_parts_(pl.member_parts),
+        device_ids_(pl.device_ids),
+        op_name_(op_name) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+ protected:
+  int rank_, size_;
+  int64_t partition_, device_;
+  // The members' global device ids (Placement::member_device).
+  const int64_t* member_parts_;
+  const int64_t* device_ids_;
+  const char* op_name_;
+};
+
 // Computes the placement of `partition` in explicit groups: `groups` holds `num_groups` rows
 // of `group_size` partition indices (row-major), rank = position in the row; `device_ids[p]`
 // is partition p's global device id. Returns an error if the partition is in no row.

@@ -42,7 +42,7 @@ def _canon_axis(axis: int, ndim: int, what: str) -> int:
     return axis % ndim
 
 
-def _ffi_call_lowering(target: str, api: str):
+def ffi_call_lowering(target: str, api: str):
     """Lowering over mesh axes: operands (x, partition_id), groups as jax.lax forms them."""
 
     def lower(ctx, x, *, axes, **attrs):
@@ -95,7 +95,7 @@ def _profiled(api: str):
 # uint2/uint4, the float8 and float4 families) travels widened: floats as float32 (so sums
 # accumulate in float32 and round once, like bfloat16), integers as int32/uint32 (sums wrap
 # when cast back, as in jax.lax). Moving data widened is exact both ways.
-_NATIVE_DTYPES = frozenset(
+NATIVE_DTYPES = frozenset(
     np.dtype(t)
     for t in (
         np.bool_,
@@ -117,10 +117,10 @@ _NATIVE_DTYPES = frozenset(
 )
 
 
-def _widen(v, api: str):
+def widen(v, api: str):
     """Returns (v in a dtype the native kernels handle, the dtype to cast back to or None)."""
     dt = np.dtype(v.dtype)
-    if dt in _NATIVE_DTYPES:
+    if dt in NATIVE_DTYPES:
         return v, None
     if jnp.issubdtype(dt, jnp.floating):
         wide = np.float32
@@ -129,7 +129,7 @@ def _widen(v, api: str):
     elif jnp.issubdtype(dt, jnp.unsignedinteger):
         wide = np.uint32
     else:
-        names = ", ".join(sorted(str(d) for d in _NATIVE_DTYPES))
+        names = ", ".join(sorted(str(d) for d in NATIVE_DTYPES))
         raise TypeError(
             f"strata_jax.{api} does not support dtype {dt}; supported: {names}, and the narrow "
             "int/uint/float types (int4, float8_e4m3fn, ...), which travel widened."
@@ -187,7 +187,7 @@ def _all_reduce(x, axis_name, axis_index_groups, reduce: str, api: str):
         if jnp.issubdtype(v.dtype, jnp.complexfloating) and reduce != "sum":
             raise TypeError(f"strata_jax.{api} does not order complex numbers; got {v.dtype}.")
         lowering.check_axis_names(axes, api)
-        v, dt = _widen(lowering.pvary_missing(v, axes), api)
+        v, dt = widen(lowering.pvary_missing(v, axes), api)
         operands.append((i, v, dt))
     if operands:
         ys = all_reduce_p.bind(
@@ -376,7 +376,7 @@ def _all_reduce_lowering(ctx, *xs, axes, reduce, invariant):
     if len(xs) == 1:
         # One result either way (the call's, or the hierarchical lowering's).
         api = "pmean" if reduce == "mean" else "psum"
-        return _ffi_call_lowering("strata_all_reduce", api)(ctx, xs[0], axes=axes, reduce=code)
+        return ffi_call_lowering("strata_all_reduce", api)(ctx, xs[0], axes=axes, reduce=code)
     if hierarchy.plan(ctx, axes) is not None:
         # Across fabrics: the hierarchical all-reduce (hierarchy/) takes one operand; each
         # leaf is lowered as its own call there.
@@ -491,7 +491,7 @@ def all_gather(
                 "or reshape x to (1,) first."
             )
         ax = _canon_axis(axis, v.ndim if tiled else v.ndim + 1, "axis")
-        v, dt = _widen(lowering.pvary_missing(v, axes), "all_gather")
+        v, dt = widen(lowering.pvary_missing(v, axes), "all_gather")
         n = lowering.axis_size(axes)
         # Gathered in place along `ax` (untiled: the new axis is made by the call itself): no
         # transpose, reshape or copy before or after.
@@ -587,7 +587,7 @@ def _rows_lowering(target: str, api: str, dim0_target: str):
     def lower(ctx, x, *, axes, axis_size, dimension, tiled, **attrs):
         if hierarchy.plan(ctx, axes) is not None:
             if dimension == 0 and tiled:
-                return _ffi_call_lowering(dim0_target, api)(ctx, x, axes=axes, **attrs)
+                return ffi_call_lowering(dim0_target, api)(ctx, x, axes=axes, **attrs)
             prim = all_gather_p if gather else psum_scatter_p
 
             def moved(v):
@@ -621,10 +621,11 @@ def _rows_lowering(target: str, api: str, dim0_target: str):
     return lower
 
 
+all_gather_lowering = _rows_lowering("strata_all_gather_rows", "all_gather", "strata_all_gather")
 lowering.register(
     all_gather_p,
     _all_gather_abstract_eval,
-    _rows_lowering("strata_all_gather_rows", "all_gather", "strata_all_gather"),
+    all_gather_lowering,
     linear_transpose=_all_gather_transpose,
     batcher=_all_gather_batcher,
 )
@@ -688,7 +689,7 @@ def psum_scatter(
                 f"{v.shape[d]} but must equal the axis size {n}; pass "
                 "tiled=True to scatter blocks."
             )
-        v, dt = _widen(lowering.pvary_missing(v, axes), "psum_scatter")
+        v, dt = widen(lowering.pvary_missing(v, axes), "psum_scatter")
         # Scattered in place along `d` (untiled: the call itself drops it): no transpose,
         # reshape or copy before or after.
         y = psum_scatter_p.bind(v, axes=axes, axis_size=n, dimension=d, tiled=tiled)
@@ -734,13 +735,14 @@ def _reduce_scatter_batcher(axis_data, vals_in, dims_in, *, axes, axis_size, dim
     return y, out_d
 
 
+psum_scatter_lowering = functools.partial(
+    _rows_lowering("strata_psum_scatter_rows", "psum_scatter", "strata_psum_scatter"),
+    reduce=np.int32(0),
+)
 lowering.register(
     psum_scatter_p,
     _reduce_scatter_abstract_eval,
-    functools.partial(
-        _rows_lowering("strata_psum_scatter_rows", "psum_scatter", "strata_psum_scatter"),
-        reduce=np.int32(0),
-    ),
+    psum_scatter_lowering,
     linear_transpose=_reduce_scatter_transpose,
     batcher=_reduce_scatter_batcher,
 )
@@ -800,7 +802,7 @@ def all_to_all(
                     f"all_to_all: split_axis {s} of size {v.shape[s]} is not "
                     f"divisible by the axis size {n}."
                 )
-            v, dt = _widen(lowering.pvary_missing(v, axes), "all_to_all")
+            v, dt = widen(lowering.pvary_missing(v, axes), "all_to_all")
             y = all_to_all_p.bind(v, axes=axes, split_axis=s, concat_axis=c, axis_size=n)
             return _narrow(y, dt)
         if v.shape[s] != n:
@@ -811,7 +813,7 @@ def all_to_all(
         # Untiled = tiled on x with a unit axis inserted where the new axis will appear.
         ins = c if c <= s else c + 1
         s2 = s + 1 if c <= s else s
-        v, dt = _widen(lowering.pvary_missing(jnp.expand_dims(v, ins), axes), "all_to_all")
+        v, dt = widen(lowering.pvary_missing(jnp.expand_dims(v, ins), axes), "all_to_all")
         y = all_to_all_p.bind(v, axes=axes, split_axis=s2, concat_axis=ins, axis_size=n)
         return _narrow(jnp.squeeze(y, s2), dt)
 
@@ -858,7 +860,7 @@ def _all_to_all_batcher(axis_data, vals_in, dims_in, *, axes, split_axis, concat
 lowering.register(
     all_to_all_p,
     _all_to_all_abstract_eval,
-    lambda ctx, x, *, axes, split_axis, concat_axis, axis_size: _ffi_call_lowering(
+    lambda ctx, x, *, axes, split_axis, concat_axis, axis_size: ffi_call_lowering(
         "strata_all_to_all", "all_to_all"
     )(ctx, x, axes=axes, split_axis=int(split_axis), concat_axis=int(concat_axis)),
     linear_transpose=_all_to_all_transpose,
@@ -917,7 +919,7 @@ def ppermute(x, axis_name: AxisName, perm: Sequence[tuple[int, int]]):
         v = jnp.asarray(v)
         lowering.check_axis_names(axes, "ppermute")
         p = _check_perm(perm, lowering.axis_size(axes))
-        v, dt = _widen(lowering.pvary_missing(v, axes), "ppermute")
+        v, dt = widen(lowering.pvary_missing(v, axes), "ppermute")
         return _narrow(ppermute_p.bind(v, axes=axes, perm=p), dt)
 
     return _tree_map(leaf, x)
@@ -952,7 +954,7 @@ def _ppermute_batcher(axis_data, vals_in, dims_in, *, axes, perm):
     return jnp.where(mask, taken, jnp.zeros_like(taken)), d
 
 
-def _ppermute_lowering(ctx, x, *, axes, perm, mesh_order=False):
+def ppermute_lowering(ctx, x, *, axes, perm, mesh_order=False):
     # A multi-axis group is indexed in the order of ``axes`` (as axis_index counts), or, with
     # ``mesh_order``, in the mesh's order (what jax.lax.ppermute of JAX 0.10 does: the hook).
     mesh_shape, idx = lowering.mesh_placement(ctx, axes, "ppermute")
@@ -962,13 +964,13 @@ def _ppermute_lowering(ctx, x, *, axes, perm, mesh_order=False):
     sources = np.full(int(np.prod(mesh_shape[idx])), -1, np.int64)
     for s, d in perm:
         sources[d] = s
-    return _ffi_call_lowering("strata_ppermute", "ppermute")(ctx, x, axes=axes, sources=sources)
+    return ffi_call_lowering("strata_ppermute", "ppermute")(ctx, x, axes=axes, sources=sources)
 
 
 lowering.register(
     ppermute_p,
     _ppermute_abstract_eval,
-    _ppermute_lowering,
+    ppermute_lowering,
     linear_transpose=_ppermute_transpose,
     batcher=_ppermute_batcher,
 )
@@ -1010,7 +1012,7 @@ def pbroadcast(x, axis_name: AxisName, source: int):
         n = lowering.axis_size(axes)
         if not 0 <= int(source) < n:
             raise ValueError(f"pbroadcast: source {source} is outside [0, {n}).")
-        v, dt = _widen(lowering.pvary_missing(v, axes), "pbroadcast")
+        v, dt = widen(lowering.pvary_missing(v, axes), "pbroadcast")
         return _narrow(pbroadcast_p.bind(v, axes=axes, source=int(source)), dt)
 
     return _tree_map(leaf, x)
@@ -1046,7 +1048,7 @@ def _pbroadcast_batcher(axis_data, vals_in, dims_in, *, axes, source):
 lowering.register(
     pbroadcast_p,
     _pbroadcast_abstract_eval,
-    lambda ctx, x, *, axes, source: _ffi_call_lowering("strata_pbroadcast", "pbroadcast")(
+    lambda ctx, x, *, axes, source: ffi_call_lowering("strata_pbroadcast", "pbroadcast")(
         ctx, x, axes=axes, root=int(source)
     ),
     linear_transpose=_pbroadcast_transpose,

@@ -144,12 +144,12 @@ def _hook(prim, strata_rule: Callable, cause: Callable, may_run: bool = True) ->
 
 
 def _native(aval) -> bool:
-    return np.dtype(aval.dtype) in collectives._NATIVE_DTYPES
+    return np.dtype(aval.dtype) in collectives.NATIVE_DTYPES
 
 
 def wide(aval):
     """``aval`` in the dtype strata's kernels use for it (narrow types travel widened, as in
-    ``collectives._widen``)."""
+    ``collectives.widen``)."""
     if _native(aval):
         return aval
     dt = np.dtype(aval.dtype)
@@ -169,7 +169,7 @@ def _call(ctx, target: str, api: str, x, aval_in, aval_out, axes: tuple, **attrs
     if win is not aval_in:
         x = mlir.convert_hlo(ctx, x, aval_in, win)
     sub = ctx.replace(avals_in=[win], avals_out=[wout])
-    (y,) = collectives._ffi_call_lowering(target, api)(sub, x, axes=axes, **attrs)
+    (y,) = collectives.ffi_call_lowering(target, api)(sub, x, axes=axes, **attrs)
     if wout is not aval_out:
         y = mlir.convert_hlo(ctx, y, wout, aval_out)
     return y
@@ -214,8 +214,8 @@ def _all_reduce_cause(reduce: str):
 
 
 def _rows_call(ctx, lower, x, *, axis_name, axis_size, dimension, tiled):
-    """strata's all_gather / psum_scatter lowering (``collectives._all_gather_lowering``,
-    ``_reduce_scatter_lowering``) over ``dimension``, in place: no transpose or reshape around
+    """strata's all_gather / psum_scatter lowering (``collectives.all_gather_lowering``,
+    ``psum_scatter_lowering``) over ``dimension``, in place: no transpose or reshape around
     it (issue 24 section 4); narrow dtypes widened as in ``_call``."""
     (aval,), (out,) = ctx.avals_in, ctx.avals_out
     win, wout = wide(aval), wide(out)
@@ -238,7 +238,7 @@ def _rows_call(ctx, lower, x, *, axis_name, axis_size, dimension, tiled):
 def _all_gather_rule(ctx, x, *, all_gather_dimension, axis_name, axis_size, tiled, **_):
     return _rows_call(
         ctx,
-        collectives._all_gather_lowering,
+        collectives.all_gather_lowering,
         x,
         axis_name=axis_name,
         axis_size=axis_size,
@@ -250,7 +250,7 @@ def _all_gather_rule(ctx, x, *, all_gather_dimension, axis_name, axis_size, tile
 def _reduce_scatter_rule(ctx, x, *, scatter_dimension, axis_name, axis_size, tiled, **_):
     return _rows_call(
         ctx,
-        collectives._reduce_scatter_lowering,
+        collectives.psum_scatter_lowering,
         x,
         axis_name=axis_name,
         axis_size=axis_size,
@@ -299,7 +299,7 @@ def _ppermute_rule(ctx, x, *, axis_name, perm):
     win = wide(aval)
     if win is not aval:
         x = mlir.convert_hlo(ctx, x, aval, win)
-    (y,) = collectives._ppermute_lowering(
+    (y,) = collectives.ppermute_lowering(
         ctx.replace(avals_in=[win], avals_out=[win]),
         x,
         axes=axes,

@@ -436,7 +436,7 @@ def broadcast(x, p: Plan, root: int):
 
 
 def lower_across_fabrics(ctx, x, target: str, axes: tuple, attrs: dict):
-    """The hook of ``collectives._ffi_call_lowering``: lowers ``target`` hierarchically when
+    """The hook of ``collectives.ffi_call_lowering``: lowers ``target`` hierarchically when
     its groups span fabrics; returns None when every group lies inside one fabric."""
     p = plan(ctx, axes)
     if p is None:
