@@ -98,12 +98,10 @@ ENV_VARS = (
 
 def _cpu_model() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        from strata_jax.info import cpu_model  # the description strata's bug reports give
+    except Exception:  # noqa: BLE001 - strata_jax not importable (only --impl xla needs none)
+        return platform.processor() or platform.machine()
+    return cpu_model()
 
 
 def _mem_total() -> str:

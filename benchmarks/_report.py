@@ -56,6 +56,18 @@ class Table:
         lines.append("#" + self.sep.join(c.header.rjust(c.width) for c in self.columns))
         return lines
 
+    @classmethod
+    def of(cls, spec: str) -> Table:
+        """A table from ``"impl 13 | first loss 10 .4f | ..."``: each column's header, its width
+        and, for numbers, its format spec, columns separated by ``|``."""
+        columns = []
+        for part in spec.split("|"):
+            words = part.split()
+            fmt = words.pop() if words[-1][0] in ".," else ""
+            width = int(words.pop())
+            columns.append(Column(" ".join(words), width, fmt))
+        return cls(columns)
+
     def row(self, values: Sequence[Any]) -> str:
         return " " + self.sep.join(
             self._cell(c, v) for c, v in zip(self.columns, values, strict=True)
@@ -313,3 +325,10 @@ def write_results(
     js = out / f"{name}.json"
     write_json(js, record)
     say(f"# wrote {js}")
+
+
+def lead_print() -> Callable[..., Any]:
+    """``print`` in process 0 of the job, a no-op in the others: the lines a run prints once."""
+    import jax
+
+    return print if jax.process_index() == 0 else (lambda *a, **k: None)

@@ -62,11 +62,16 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import train_moe  # noqa: E402
-from _args import add_expert_chunk_args, add_preset, parse_list, preset_line, processes_env  # noqa: E402
+from _args import (  # noqa: E402
+    add_expert_chunk_args,
+    add_preset,
+    impl_list,
+    preset_line,
+    processes_env,
+)
 from _machine import allocator_for_script, print_header  # noqa: E402
 from _nocomm import no_exchange  # noqa: E402
 from _report import (  # noqa: E402
-    Column,
     Table,
     args_record,
     communication_share,
@@ -188,12 +193,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--d-ff", type=int, default=None, help="default: train_moe.py's")
     add_preset(p, PRESETS, argv, PRESET_WHY)
     args = p.parse_args(argv)
-    try:
-        args.impls = parse_list(args.impl, IMPLS)
-    except ValueError as e:
-        p.error(f"--impl: {e}")
-    if not args.impls:
-        p.error(f"--impl: name at least one of {IMPLS}")
+    args.impls = impl_list(p, args.impl, IMPLS)
     if args.gen < 2 or args.prompt < 1 or args.requests < 1:
         p.error("need --gen >= 2, --prompt >= 1, --requests >= 1")
     if args.batch < 1 or args.devices < 1 or args.train_steps < 2:
@@ -432,9 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     key = put(np.asarray(jax.random.key_data(jax.random.key(args.seed))), P())
     positions = [put(np.asarray(Pn + i, np.int32), P()) for i in range(G)]
 
-    info = print_header(say, f"# allocator  : {allocator}", preset_line(args, PRESETS))
     n_dense = sum(a.size for a in jax.tree.leaves(dense_np))
     n_exp = sum(a.size for a in jax.tree.leaves(experts_np))
+    info = print_header(say, f"# allocator  : {allocator}", preset_line(args, PRESETS))
     say(f"# data       : {corpus_name}, {corpus.size:,} bytes; prompts cut at random offsets")
     say(
         f"# experts    : MLPs in chunks of {args.expert_chunk} rows (baselines: "
@@ -596,15 +596,9 @@ def main(argv: list[str] | None = None) -> int:
                 tokens_per_s=args.requests * B * G / total,
             )
         )
-    table = Table(
-        [
-            Column("impl", 24),
-            Column("TTFT p50 ms", 11, ".2f"),
-            Column("TTFT p99 ms", 11, ".2f"),
-            Column("step p50 ms", 11, ".2f"),
-            Column("step p99 ms", 11, ".2f"),
-            Column("tokens/s", 10, ",.0f"),
-        ]
+    table = Table.of(
+        "impl 24 | TTFT p50 ms 11 .2f | TTFT p99 ms 11 .2f | step p50 ms 11 .2f | "
+        "step p99 ms 11 .2f | tokens/s 10 ,.0f"
     )
     say("")
     say(

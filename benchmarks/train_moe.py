@@ -452,7 +452,6 @@ def main(argv: list[str] | None = None) -> int:
     from _machine import allocator_for_script, print_header
     from _nocomm import no_exchange
     from _report import (
-        Column,
         Table,
         args_record,
         bound_sentence,
@@ -588,19 +587,10 @@ def main(argv: list[str] | None = None) -> int:
     # ---- results -------------------------------------------------------------------------------
     base = next((b for b in XLA_IMPLS if b in runs), None)
     rows = []
-    table = Table(
-        [
-            Column("impl", 13),
-            Column("steps", 6),
-            Column("first loss", 10, ".4f"),
-            Column("final loss", 10, ".4f"),
-            Column("tokens/s", 10, ",.0f"),
-            Column("median ms", 10, ".1f"),
-            Column("p10 ms", 8, ".1f"),
-            Column("p90 ms", 8, ".1f"),
-            Column("compile s", 9, ".1f"),
-            Column(f"{base} ms/this" if base else "vs base", 16, ".2f"),
-        ]
+    last = f"{base} ms/this" if base else "vs base"
+    table = Table.of(
+        f"impl 13 | steps 6 | first loss 10 .4f | final loss 10 .4f | tokens/s 10 ,.0f | "
+        f"median ms 10 .1f | p10 ms 8 .1f | p90 ms 8 .1f | compile s 9 .1f | {last} 16 .2f"
     )
     for r in runs.values():
         r["times"] = slowest_process(r["times"])  # several processes: the slowest one's

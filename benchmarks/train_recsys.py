@@ -59,11 +59,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import recsys_model as rm  # noqa: E402
-from _args import add_preset, parse_list, preset_line  # noqa: E402
+from _args import add_preset, impl_list, parse_list, preset_line  # noqa: E402
 from _machine import print_header  # noqa: E402
 from _nocomm import no_exchange  # noqa: E402
 from _report import (  # noqa: E402
-    Column,
     Table,
     args_record,
     bound_sentence,
@@ -185,12 +184,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_preset(p, PRESETS, argv, PRESET_WHY)
     args = p.parse_args(argv)
-    try:
-        args.impls = parse_list(args.impl, IMPLS)
-    except ValueError as e:
-        p.error(f"--impl: {e}")
-    if not args.impls:
-        p.error("--impl: empty")
+    args.impls = impl_list(p, args.impl, IMPLS)
     for name in ("batch", "eval_every", "dim", "tables"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -459,22 +453,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- results -------------------------------------------------------------------------------
     base = "xla" if "xla" in runs else None
-    table = Table(
-        [
-            Column("impl", 8),
-            Column("steps", 6),
-            Column("first loss", 10, ".4f"),
-            Column("final loss", 10, ".4f"),
-            Column("final AUC", 9, ".4f"),
-            Column("drops", 8),
-            Column("samples/s", 10, ",.0f"),
-            Column("median ms", 10, ".1f"),
-            Column("p10 ms", 8, ".1f"),
-            Column("p90 ms", 8, ".1f"),
-            Column("cpu ms", 8, ".1f"),
-            Column("compile s", 9, ".1f"),
-            Column("xla/this", 8, ".2f"),
-        ]
+    table = Table.of(
+        "impl 8 | steps 6 | first loss 10 .4f | final loss 10 .4f | final AUC 9 .4f | drops 8 | "
+        "samples/s 10 ,.0f | median ms 10 .1f | p10 ms 8 .1f | p90 ms 8 .1f | cpu ms 8 .1f | "
+        "compile s 9 .1f | xla/this 8 .2f"
     )
     rows = []
     for impl, r in runs.items():

@@ -216,7 +216,7 @@ def _all_reduce_cause(reduce: str):
 def _rows_call(ctx, lower, x, *, axis_name, axis_size, dimension, tiled):
     """strata's all_gather / psum_scatter lowering (``collectives.all_gather_lowering``,
     ``psum_scatter_lowering``) over ``dimension``, in place: no transpose or reshape around
-    it (issue 24 section 4); narrow dtypes widened as in ``_call``."""
+    it; narrow dtypes widened as in ``_call``."""
     (aval,), (out,) = ctx.avals_in, ctx.avals_out
     win, wout = wide(aval), wide(out)
     if win is not aval:
@@ -235,28 +235,26 @@ def _rows_call(ctx, lower, x, *, axis_name, axis_size, dimension, tiled):
     return [y]
 
 
-def _all_gather_rule(ctx, x, *, all_gather_dimension, axis_name, axis_size, tiled, **_):
-    return _rows_call(
-        ctx,
-        collectives.all_gather_lowering,
-        x,
-        axis_name=axis_name,
-        axis_size=axis_size,
-        dimension=all_gather_dimension,
-        tiled=tiled,
-    )
+def _rows_rule(lower, dimension_param: str):
+    """The rule of jax.lax's all_gather (``dimension_param`` all_gather_dimension) or
+    reduce_scatter (scatter_dimension): strata's ``lower`` over that dimension, in place."""
+
+    def rule(ctx, x, *, axis_name, axis_size, tiled, **params):
+        return _rows_call(
+            ctx,
+            lower,
+            x,
+            axis_name=axis_name,
+            axis_size=axis_size,
+            dimension=params[dimension_param],
+            tiled=tiled,
+        )
+
+    return rule
 
 
-def _reduce_scatter_rule(ctx, x, *, scatter_dimension, axis_name, axis_size, tiled, **_):
-    return _rows_call(
-        ctx,
-        collectives.psum_scatter_lowering,
-        x,
-        axis_name=axis_name,
-        axis_size=axis_size,
-        dimension=scatter_dimension,
-        tiled=tiled,
-    )
+_all_gather_rule = _rows_rule(collectives.all_gather_lowering, "all_gather_dimension")
+_reduce_scatter_rule = _rows_rule(collectives.psum_scatter_lowering, "scatter_dimension")
 
 
 def _group_cause(ctx, *, axis_name, axis_index_groups=None, **_):

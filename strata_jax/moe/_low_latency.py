@@ -254,18 +254,13 @@ def low_latency_combine(expert_y, handle: LowLatencyHandle, topk_weights):
     One arrival publishes expert_y; each token's rank pulls its K rows straight from the
     expert ranks' buffers and applies its own weights, so there is no partial-sum phase.
     """
-    if not isinstance(handle, LowLatencyHandle):
-        raise ValueError(
-            "strata_jax.moe.low_latency_combine: handle must be the LowLatencyHandle returned "
-            f"by strata_jax.moe.low_latency_dispatch, got {type(handle).__name__}."
-        )
     axes, expert_y, topk_weights = check_combine(
         "low_latency_combine",
-        handle.axis_name,
-        handle.num_experts,
+        handle,
+        LowLatencyHandle,
+        "low_latency_dispatch",
         lambda r: r * handle.max_tokens_per_rank,
         "R * max_tokens_per_rank",
-        handle.topk_idx,
         expert_y,
         topk_weights,
     )
