@@ -287,7 +287,7 @@ def test_all_gather_sizes(rng, shape):
 def test_psum_scatter(rng, dtype, dim, tiled):
     shape = (8, 16, 8) if tiled else (8, 8, 8)
     x = random_array(rng, (8, *shape[1:]), dtype)
-    # jax.lax.psum_scatter rejects negative dimensions on CPU; strata accepts them (case 8).
+    # jax.lax.psum_scatter rejects negative dimensions on CPU; strata accepts them.
     compare(
         lambda impl: (
             lambda v: impl.psum_scatter(

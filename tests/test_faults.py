@@ -1,4 +1,4 @@
-"""Fault campaign across processes (issue 8 section 5) and a second user (section 6).
+"""Fault campaign across processes, and a second user on the same host.
 
 Every job runs under the launcher with a private TMPDIR (so its run dir is ours to check) and a
 short STRATA_TIMEOUT_S. After each case: no process of the job left, the run dir gone, nothing

@@ -1,4 +1,4 @@
-"""Case 34 of ../shared/cases/edge-cases.md (issue 26): lowering from several threads.
+"""Lowering from several threads.
 
 strata's lowering keeps its state in the module being lowered and swaps nothing of JAX's, so
 programs lowered and compiled at the same time by several threads are each what they are when

@@ -266,7 +266,7 @@ def test_wide_ids_do_not_wrap():
 
 @pytest.mark.parametrize("algo", ["pull", "push"])
 def test_one_bad_row_poisons_nothing_else(rng, algo):
-    """Issue 26 case 37's kind on serving's decode path (route, low_latency_dispatch, chunked
+    """A bad row on serving's decode path (route, low_latency_dispatch, chunked
     expert MLP, low_latency_combine): a NaN or infinite row leaves every other row's output
     bitwise unchanged, and NaN written into the receive rows no token uses (past the counts)
     is never read by the combine."""

@@ -351,11 +351,11 @@ def test_across_processes(mode):
     assert r.stdout.count("OK ragged") == 2, r.stdout[-2000:]
 
 
-# ---- empty slices: moved nothing, wherever their offsets point (edge case 33) ----------------
+# ---- empty slices: moved nothing, wherever their offsets point ----------------------------
 
 
 def _case33(idx_dtype=jnp.int32):
-    """Edge case 33's exact values: rank 0 sends 2 rows to rank 1; every other slice is empty,
+    """Exact values: rank 0 sends 2 rows to rank 1; every other slice is empty,
     with offsets past the operand's or output's end (as size truncation leaves them)."""
     operand = jnp.array([[1, 2, 3, 4], [11, 12, 13, 14]], jnp.float32)[..., None]
     output = jnp.full((2, 4, 1), -1, jnp.float32)
@@ -474,7 +474,7 @@ def test_vmap_slice_stays_inside_its_batch_element():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(a))
 
 
-# ---- large calls in one process: the pairs path (issue 28) ---------------------------------
+# ---- large calls in one process: the pairs path ---------------------------------------------
 
 
 def _large_case(rng, n, dtype):

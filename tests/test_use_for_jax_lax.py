@@ -398,7 +398,7 @@ def test_gradients_of_collectives_bitwise_with_check_vma(rng):
 
 def test_gradient_through_all_gather_of_a_non_leading_dimension_bitwise(rng):
     """all_gather(axis=1) before a dot: its transpose is psum_scatter(scatter_dimension=1),
-    which strata runs in place (no transpose for XLA to fold into the dot: issue 24 sec. 4)."""
+    which strata runs in place (no transpose for XLA to fold into the dot)."""
     w = jnp.asarray(rng.standard_normal((12, 8)).astype(np.float32))
 
     def loss(p, v):

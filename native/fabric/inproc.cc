@@ -180,19 +180,14 @@ std::string InProcTeam::wait_arrivals(uint32_t target, const char* phase) {
 std::string InProcTeam::wait_word(std::atomic<uint32_t>* word, uint32_t target, const char* phase) {
   static const int cores = static_cast<int>(std::thread::hardware_concurrency());
   auto deadline = Clock::now() + std::chrono::milliseconds(settings().timeout_ms.load());
-  // Spin only where every rank can have a CPU (a peer may then answer within a microsecond);
+  // Spin only where every rank can have a CPU (a peer may then answer within a microsecond):
   // with more ranks than CPUs a spinning waiter holds the CPU that the ranks it waits for need
-  // (8 devices on 2 cores at load 27, two alternated runs of all_gather, psum and ppermute at
-  // 4-64 KiB against jax.lax: 1.01-1.24x without the spin, 0.93-1.16x with 64 pauses).
-  // Then sleep: no sched_yield. Under EEVDF (Linux 6.6+) every sched_yield pushes the caller's
-  // deadline one slice later, and the push lasts until the thread has run that long or sleeps.
-  // These are XLA's device threads, so a yielding waiter left them behind every other runnable
-  // thread of the machine for the rest of the call and for the XLA work after it. Measured with
-  // 8 devices on a loaded machine: pinned to one core beside 4 busy loops, pmax 256 KiB took
-  // 15.9 ms with 16 yields against 0.74 ms without (jax.lax: 0.99 and 0.73 ms); on 2 cores at
-  // load 11-13, a jax.lax psum of 4 KiB interleaved with strata calls took 580 us after
-  // yielding ones and 420 us after sleeping ones, while strata's own 4 KiB call was within
-  // noise either way (354-407 us against 374-379 us).
+  // (8 devices on 2 cores: 0.93-1.16x jax.lax's speed with 64 pauses, 1.01-1.24x without).
+  // Then sleep, never sched_yield: under EEVDF (Linux 6.6+) each sched_yield pushes the caller's
+  // deadline one slice later until it has run that long or sleeps, and these are XLA's device
+  // threads, so a yielding waiter falls behind every other runnable thread for the rest of the
+  // call and the XLA work after it (pmax 256 KiB on one busy core: 15.9 ms with 16 yields,
+  // 0.74 ms sleeping).
   bool ok = wait_until(
       word, [&] { return word->load(std::memory_order_acquire) >= target; },
       [&] { return slot_->failed.load(std::memory_order_acquire); }, deadline, /*shared=*/false,

@@ -23,7 +23,7 @@
 //    of the lowered module (collectives.py: next_op_id), and the occurrence counts the call's
 //    executions inside this execution (loops). XLA's RunId cannot key calls across
 //    processes: it derives from the executable's fingerprint, which includes source locations,
-//    so one jitted function called from two call sites gets two run ids (edge case 17 hung).
+//    so one jitted function called from two call sites gets two run ids.
 //    Why not a plain per-call sequence number: measured with InFlight (fabric/inflight.h) on
 //    8 in-process devices, XLA CPU runs independent strata calls of ONE execution at once on
 //    a device (2 in flight: psum(v) + pmax(2v) + ... in one program), so their start order

@@ -5,8 +5,8 @@
 // publishes buffer addresses, passes an arrival barrier, runs the algorithm on the peers' own
 // buffers and passes a departure barrier before anyone may reuse them. Two barriers are two
 // rounds of sleeping and waking every process; with 4 processes on 2 cores each round costs a
-// context switch per process. Measured on main (4 processes, 2 cores, loaded): 4 KiB psum
-// handler p50 420 us, 67% of it waiting, against a jitted no-op launch of 52-70 us.
+// context switch per process: with 4 processes on 2 cores a 4 KiB psum on the general path
+// spends 420 us (p50) in its handler, 67% of it waiting, against a jitted no-op's 52-70 us.
 //
 // What: below a threshold (STRATA_LL_BYTES, default 64 KiB of input per rank) a call copies its
 // input into a slot of its own in shared memory and publishes it with one store of the call's
@@ -50,11 +50,10 @@
 // ranks that had finished their copy wait for a descheduled peer (measured under launch -n 4 on
 // 2 cores, train_recsys's 8 MiB all_to_alls: 1-32 ms per call in the departure barrier for
 // 0.7-1.8 ms of copying). What it costs: one copy of the input per call, and an all-reduce runs
-// one-shot (every rank reads every peer's whole input). Default: off. It was 1 MiB when processes
-// outnumbered cores until calls timed back to back (collectives.py --batch, mpirun -n 4 on 2
-// cores) showed it 1.2-2.4x slower than the general path at 256 KiB-1 MiB for every operator,
-// while train_moe, serve_moe and train_recsys (--preset paper, launch -n 4, alternated with it
-// off) were no faster with it (docs/design.md, the staged form).
+// one-shot (every rank reads every peer's whole input). Default: off: calls timed back to back
+// (collectives.py --batch, mpirun -n 4 on 2 cores) run 1.2-2.4x slower staged than on the
+// general path at 256 KiB-1 MiB for every operator, and train_moe, serve_moe and train_recsys
+// (--preset paper, launch -n 4) are no faster with it (docs/design.md, the staged form).
 #pragma once
 
 #include <atomic>

@@ -1,4 +1,4 @@
-"""strata_jax with XLA's MPI collectives as JAX's engine, under mpirun (issue 25, section 2).
+"""strata_jax with XLA's MPI collectives as JAX's engine, under mpirun.
 
 Run as ``mpirun -n P -x MPITRAMPOLINE_LIB -x JAX_CPU_COLLECTIVES_IMPLEMENTATION=mpi python
 mpi_engine.py [HOSTS]``. With HOSTS > 1 each rank sets ``STRATA_FABRIC_ID=host<rank*HOSTS//P>``
