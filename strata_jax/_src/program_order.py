@@ -639,7 +639,8 @@ _chain_shard_map_regions()
 # Other higher-order primitives that JAX lowers cacheably, as a function of its own, which would
 # leave the strata calls inside custom_vmap, custom_linear_solve and
 # custom_vjp(optimize_remat=True) outside the chain: lowered inline instead, so their calls join
-# the chain of the block around them. By name, since some live in modules that ``import jax`` need not load.
+# the chain of the block around them. By name, since some live in modules that ``import jax``
+# need not load.
 _INLINE_HIGHER_ORDER = (
     "custom_linear_solve",
     "custom_vmap_call",
