@@ -614,7 +614,9 @@ def test_expert_mlp_counts_past_int32(rng):
     counts = np.array([3_000_000_000, 0], np.uint32)
     got = strata_jax.moe.expert_mlp(x, w1, w2, recv_counts=counts, chunk=2)
     full = strata_jax.moe.expert_mlp(x, w1, w2)
-    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(full[0]), rtol=1e-6, atol=1e-6)
+    # chunked and whole matmuls round differently (a 1e-6 absolute miss was seen at atol 1e-6);
+    # skipping every row would give zeros, far outside this
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(full[0]), rtol=1e-5, atol=1e-5)
     assert not np.asarray(got[1]).any()
 
 
