@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import strata_jax as sj
-from strata_jax._src import collectives, coverage, lax_hooks, operators, runtime
+from strata_jax._src import collectives, coverage, hierarchy, lax_hooks, operators, runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,9 +56,18 @@ def test_coverage_records_every_operator_primitive():
 
 
 def test_reduction_codes_follow_the_table():
-    assert operators.REDUCE_CODES == {"psum": 0, "pmax": 1, "pmin": 2, "pmean": 3}
-    assert collectives._REDUCE_CODES == {"sum": 0, "max": 1, "min": 2, "mean": 3}
+    """Each reduction's code is its row in STRATA_REDUCTIONS, under its kind and under the
+    public name of the operator that computes it."""
+    by_kind = {r.kind: r.code for r in operators.REDUCTION_ROWS}
+    assert {"sum": 0, "max": 1, "min": 2, "mean": 3}.items() <= by_kind.items()
+    assert collectives._REDUCE_CODES == by_kind
+    assert operators.REDUCE_CODES == {f"p{kind}": code for kind, code in by_kind.items()}
     assert lax_hooks.REDUCE_CODES["pmax"] == 1
+    rows = operators.REDUCTION_ROWS
+    assert [r.code for r in rows] == list(range(len(rows)))
+    assert {op.reduce for op in operators.OPERATORS} - {-1} <= {r.code for r in rows}
+    assert hierarchy.steps.REDUCERS["max"] is jax.lax.max_p
+    assert hierarchy.steps.REDUCERS["sum"] is hierarchy.steps.REDUCERS["mean"] is jax.lax.add_p
 
 
 def test_comm_stats_counts_under_the_table_names(rng):

@@ -9,13 +9,14 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/ops.h"
+
 namespace strata {
 
-// kMean: the sum over the n sources divided by n (pmean), on floating types only: the sum is
-// rounded to the element type, then multiplied by 1/n (and rounded again), bitwise what psum
-// followed by XLA CPU's divide gives, but inside the reduction's own pass over the output
-// instead of in one more.
-enum class ReduceOp : int32_t { kSum = 0, kMax = 1, kMin = 2, kMean = 3 };
+// The reductions (ReduceOp) are rows of common/ops.h's STRATA_REDUCTIONS. kMean: the sum over
+// the n sources divided by n (pmean), on floating types only: the sum is rounded to the element
+// type, then multiplied by 1/n (and rounded again), bitwise what psum followed by XLA CPU's
+// divide gives, but inside the reduction's own pass over the output instead of in one more.
 
 // Element types as XLA FFI numbers them (xla::ffi::DataType).
 int dtype_size(int32_t dtype);  // bytes per element, 0 if unsupported

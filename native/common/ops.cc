@@ -9,7 +9,7 @@ namespace {
 constexpr OpInfo kNone{Op::none, "", "", "", "", "", "", -1};
 constexpr OpInfo kTable[] = {
 #define STRATA_OP_ROW(id, api, lax, target, stats, algorithms, reduce) \
-  {Op::id, #id, api, lax, target, stats, algorithms, reduce},
+  {Op::id, #id, api, lax, target, stats, algorithms, reduce_code::reduce},
     STRATA_OPERATORS(STRATA_OP_ROW)
 #undef STRATA_OP_ROW
 };
@@ -31,6 +31,16 @@ const OpInfo* op_table(int* count) {
 const OpInfo& op_info(Op op) {
   const int i = static_cast<int>(op);
   return i >= 1 && i <= kCount ? kTable[i - 1] : kNone;
+}
+
+const ReductionInfo* reduction_table(int* count) {
+  static constexpr ReductionInfo kReductionRows[] = {
+#define STRATA_REDUCTION_ROW(kind, name, element) {ReduceOp::name, #kind, #element},
+      STRATA_REDUCTIONS(STRATA_REDUCTION_ROW)
+#undef STRATA_REDUCTION_ROW
+  };
+  *count = kReductions;
+  return kReductionRows;
 }
 
 Op op_of_reduce(int32_t reduce) {

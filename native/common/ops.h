@@ -12,12 +12,19 @@
 //   stats       its name in comm_stats()["ops"]
 //   algorithms  what comm_stats() splits its calls by: "one_shot two_shot" (the all-reduce's
 //               algorithm, chosen per call) or "direct"
-//   reduce      ReduceOp of coll/kernels.h for a reduction (psum 0, pmax 1, pmin 2, pmean 3),
-//               -1 otherwise
+//   reduce      the reduction it computes (a kind of STRATA_REDUCTIONS), none otherwise
 // The extension hands the table to Python (strata_jax._strata.operators(), read by
 // strata_jax/_src/operators.py), which registers the FFI targets, hooks jax.lax, records
 // coverage and lists the operators in the docs from it; here it becomes the kinds (enum Op) and
 // the names comm_stats() counts under (fabric/op_stats.cc). A new operator is a row here.
+//
+// STRATA_REDUCTIONS(X) lists the reductions the all-reduce and psum_scatter kernels compute, one
+// row each, in the order of their codes (ReduceOp, from 0: the `reduce` attribute of a call):
+//   X(kind, name, element)
+//   kind     its name in the operator rows and in the JAX primitives' `reduce` parameter
+//   name     its ReduceOp enumerator (the kernels of coll/ switch on it)
+//   element  the jax.lax primitive that combines two elements (<element>_p), which the
+//            hierarchical forms apply between fabrics
 //
 // STRATA_TARGETS(X) lists every FFI target with its handler (what XLA calls):
 //   X(target, handler)   registered as "strata_<target>" (native/python/module.cc)
@@ -32,26 +39,33 @@
 // clang-format off
 #define STRATA_OPERATORS(X)                                                                        \
   X(psum, "psum", "psum psum_invariant unreduced_psum", "all_reduce", "psum",                      \
-    "one_shot two_shot", 0)                                                                        \
-  X(pmax, "pmax", "pmax", "all_reduce", "pmax", "one_shot two_shot", 1)                            \
-  X(pmin, "pmin", "pmin", "all_reduce", "pmin", "one_shot two_shot", 2)                            \
-  X(pmean, "pmean", "", "all_reduce", "pmean", "one_shot two_shot", 3)                             \
+    "one_shot two_shot", sum)                                                                      \
+  X(pmax, "pmax", "pmax", "all_reduce", "pmax", "one_shot two_shot", max)                          \
+  X(pmin, "pmin", "pmin", "all_reduce", "pmin", "one_shot two_shot", min)                          \
+  X(pmean, "pmean", "", "all_reduce", "pmean", "one_shot two_shot", mean)                          \
   X(all_gather, "all_gather", "all_gather all_gather_invariant all_gather_reduced", "all_gather",  \
-    "all_gather", "direct", -1)                                                                    \
+    "all_gather", "direct", none)                                                                  \
   X(psum_scatter, "psum_scatter", "reduce_scatter unreduced_reduce_scatter", "psum_scatter",       \
-    "psum_scatter", "direct", -1)                                                                  \
-  X(all_to_all, "all_to_all", "all_to_all", "all_to_all", "all_to_all", "direct", -1)              \
-  X(ppermute, "ppermute", "ppermute", "ppermute", "ppermute", "direct", -1)                        \
-  X(pbroadcast, "pbroadcast", "pbroadcast", "pbroadcast", "pbroadcast", "direct", -1)              \
+    "psum_scatter", "direct", none)                                                                \
+  X(all_to_all, "all_to_all", "all_to_all", "all_to_all", "all_to_all", "direct", none)            \
+  X(ppermute, "ppermute", "ppermute", "ppermute", "ppermute", "direct", none)                      \
+  X(pbroadcast, "pbroadcast", "pbroadcast", "pbroadcast", "pbroadcast", "direct", none)            \
   X(ragged_all_to_all, "ragged_all_to_all", "ragged_all_to_all", "ragged_all_to_all",              \
-    "ragged_all_to_all", "direct", -1)                                                             \
-  X(moe_dispatch, "moe.dispatch", "", "moe_dispatch", "moe.dispatch", "direct", -1)                \
-  X(moe_combine, "moe.combine", "", "moe_combine", "moe.combine", "direct", -1)                    \
-  X(moe_gather, "moe.combine", "", "moe_gather", "moe.combine (weights cotangent)", "direct", -1)  \
+    "ragged_all_to_all", "direct", none)                                                           \
+  X(moe_dispatch, "moe.dispatch", "", "moe_dispatch", "moe.dispatch", "direct", none)              \
+  X(moe_combine, "moe.combine", "", "moe_combine", "moe.combine", "direct", none)                  \
+  X(moe_gather, "moe.combine", "", "moe_gather", "moe.combine (weights cotangent)", "direct",      \
+    none)                                                                                          \
   X(moe_low_latency_dispatch, "moe.low_latency_dispatch", "", "moe_low_latency_dispatch",          \
-    "moe.low_latency_dispatch", "direct", -1)                                                      \
+    "moe.low_latency_dispatch", "direct", none)                                                    \
   X(moe_low_latency_combine, "moe.low_latency_combine", "", "moe_low_latency_combine",             \
-    "moe.low_latency_combine", "direct", -1)
+    "moe.low_latency_combine", "direct", none)
+
+#define STRATA_REDUCTIONS(X) \
+  X(sum, kSum, add)          \
+  X(max, kMax, max)          \
+  X(min, kMin, min)          \
+  X(mean, kMean, add)
 
 #define STRATA_TARGETS(X)                                             \
   X(all_reduce, AllReduceHandler)                                     \
@@ -85,6 +99,29 @@
 
 namespace strata {
 
+// The reductions, in table order from 0 (kMean: the sum over the n sources divided by n, on
+// floating types only; coll/kernels.h says how it rounds).
+enum class ReduceOp : int32_t {
+#define STRATA_REDUCE_ENUM(kind, name, element) name,
+  STRATA_REDUCTIONS(STRATA_REDUCE_ENUM)
+#undef STRATA_REDUCE_ENUM
+};
+constexpr int32_t kReductions = 0
+#define STRATA_REDUCE_COUNT(kind, name, element) +1
+    STRATA_REDUCTIONS(STRATA_REDUCE_COUNT)
+#undef STRATA_REDUCE_COUNT
+    ;
+// The code of a reduction by its kind (reduce_code::max is ReduceOp::kMax's), as the operator
+// rows name it; reduce_code::none (-1) for an operator that does not reduce.
+namespace reduce_code {
+enum : int32_t {
+  none = -1,
+#define STRATA_REDUCE_CODE(kind, name, element) kind = static_cast<int32_t>(ReduceOp::name),
+  STRATA_REDUCTIONS(STRATA_REDUCE_CODE)
+#undef STRATA_REDUCE_CODE
+};
+}  // namespace reduce_code
+
 // The operators' kinds, in table order from 1 (0: none).
 enum class Op : int32_t {
   none = 0,
@@ -110,12 +147,20 @@ struct OpInfo {
   const char* target;
   const char* stats;
   const char* algorithms;
-  int32_t reduce;
+  int32_t reduce;  // a ReduceOp code, -1: none
 };
 // Every operator, in table order; `count` receives their number.
 const OpInfo* op_table(int* count);
 // The row of `op` (the row of Op::none is all empty strings).
 const OpInfo& op_info(Op op);
+// The row of a reduction, as STRATA_REDUCTIONS spells it.
+struct ReductionInfo {
+  ReduceOp op;
+  const char* kind;
+  const char* element;
+};
+// Every reduction, in code order; `count` receives their number.
+const ReductionInfo* reduction_table(int* count);
 // The all-reduce operator of a ReduceOp code (psum for 0 ...); Op::none for another code.
 Op op_of_reduce(int32_t reduce);
 

@@ -106,6 +106,20 @@ NB_MODULE(_strata, m) {
     }
     return out;
   });
+  // The reductions (common/ops.h), one dict per reduction in code order.
+  m.def("reductions", [] {
+    nb::list out;
+    int count = 0;
+    const strata::ReductionInfo* rows = strata::reduction_table(&count);
+    for (int i = 0; i < count; ++i) {
+      nb::dict d;
+      d["code"] = static_cast<int>(rows[i].op);
+      d["kind"] = rows[i].kind;
+      d["element"] = rows[i].element;
+      out.append(d);
+    }
+    return out;
+  });
   m.def(
       "set_timeout", [](double s) { strata::settings().timeout_ms.store(int64_t(s * 1000)); },
       nb::arg("seconds"));

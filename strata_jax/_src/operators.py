@@ -43,6 +43,21 @@ class Operator:
     reduce: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """One reduction the all-reduce kernels compute (``STRATA_REDUCTIONS``).
+
+    Attributes:
+      code: its number in the native kernels (``ReduceOp``), what a call's ``reduce`` carries.
+      kind: its name in the JAX primitives' ``reduce`` parameter (``"sum"``, ``"max"``...).
+      element: the jax.lax primitive that combines two elements (``jax.lax.<element>_p``).
+    """
+
+    code: int
+    kind: str
+    element: str
+
+
 def _read() -> tuple[Operator, ...]:
     rows = importlib.import_module(NAME).operators()
     return tuple(
@@ -61,14 +76,20 @@ def _read() -> tuple[Operator, ...]:
 
 
 OPERATORS: tuple[Operator, ...] = _read()
+REDUCTION_ROWS: tuple[Reduction, ...] = tuple(
+    Reduction(code=int(r["code"]), kind=r["kind"], element=r["element"])
+    for r in importlib.import_module(NAME).reductions()
+)
 BY_ID = {op.id: op for op in OPERATORS}
 BY_STATS = {op.stats: op for op in OPERATORS}
 
 # The reductions' codes by public name (psum 0, pmax 1, pmin 2, pmean 3), and by the name the
-# all-reduce primitive's ``reduce`` parameter uses (sum, max, min, mean).
+# all-reduce primitive's ``reduce`` parameter uses (sum, max, min, mean); the public name of each
+# code; the jax.lax primitive that combines two elements of each kind.
 REDUCE_CODES = {op.api: op.reduce for op in OPERATORS if op.reduce >= 0}
-REDUCE_CODES_BY_KIND = {api.removeprefix("p"): code for api, code in REDUCE_CODES.items()}
+REDUCE_CODES_BY_KIND = {r.kind: r.code for r in REDUCTION_ROWS}
 REDUCTIONS = {code: api for api, code in REDUCE_CODES.items()}
+ELEMENT_OPS = {r.kind: r.element for r in REDUCTION_ROWS}
 
 
 def targets() -> frozenset[str]:

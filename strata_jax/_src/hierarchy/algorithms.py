@@ -147,7 +147,7 @@ def _xla_all_reduce(x, groups, reduce: str):
     -0.0 and +0.0 gives +0.0 for max and -0.0 for min (IEEE-754 maximum/minimum). Same bytes,
     one collective.
     """
-    if reduce == "sum" or not jnp.issubdtype(x.dtype, jnp.floating):
+    if reduce not in ("max", "min") or not jnp.issubdtype(x.dtype, jnp.floating):
         return step(x, "all_reduce", "xla", groups, reduce=reduce)
     key_t = _KEY_TYPES[jnp.dtype(x.dtype).itemsize]
     flip = jnp.array(jnp.iinfo(key_t).max, key_t)  # every bit but the sign

@@ -142,7 +142,8 @@ def _channel():
     return hlo.ChannelHandle.get(mlir.COLLECTIVE_CHANNEL_ID, mlir.DEVICE_TO_DEVICE_TYPE)
 
 
-REDUCERS = {"sum": jax.lax.add_p, "max": jax.lax.max_p, "min": jax.lax.min_p}
+# The element operation of each reduction (jax.lax.add_p for "sum"...), from the operator table.
+REDUCERS = {kind: getattr(jax.lax, f"{e}_p") for kind, e in operators.ELEMENT_OPS.items()}
 
 
 def _add_reducer(ctx, op, dtype, reduce: str) -> None:
@@ -377,7 +378,7 @@ def _rs_divert_lowering(ctx, x, *, groups, reduce, placement, divert):
     return lowering.lower_strata_call(
         ctx,
         "strata_psum_scatter_placed_divert",
-        {"sum": "psum_scatter", "max": "pmax", "min": "pmin"}[reduce],
+        "psum_scatter" if reduce == "sum" else operators.REDUCTIONS[_REDUCE_CODES[reduce]],
         [x],
         np.asarray(groups, np.int64),
         reduce=np.int32(_REDUCE_CODES[reduce]),
