@@ -156,7 +156,7 @@ def test_two_processes_every_collective(digests, job_2x2, mode):
         r = _launch(2, "check_collectives.py", str(digests), devices=2, mode=mode)
         out = r.stdout + r.stderr
         assert r.returncode == 0, out[-6000:]
-    assert out.count(f"OK 110 checks, mode {mode}") == 2, out[-3000:]
+    assert out.count(f"OK 128 checks, mode {mode}") == 2, out[-3000:]
 
 
 def test_modes_give_the_same_bits(digests):

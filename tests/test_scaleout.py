@@ -181,6 +181,10 @@ def test_hierarchical_in_process(two_fake_fabrics, rng, order, one_way, monkeypa
         "psum": (lambda v: sj.psum(v, "x"), lambda v: jax.lax.psum(v, "x")),
         "psum_odd": (lambda v: sj.psum(v[:3, :3], "x"), lambda v: jax.lax.psum(v[:3, :3], "x")),
         "pmax": (lambda v: sj.pmax(v, "x"), lambda v: jax.lax.pmax(v, "x")),
+        "pprod": (
+            lambda v: sj.pprod(v, "x"),
+            lambda v: jnp.prod(jax.lax.all_gather(v, "x"), axis=0),
+        ),
         "all_gather": (
             lambda v: sj.all_gather(v, "x", axis=1, tiled=True),
             lambda v: jax.lax.all_gather(v, "x", axis=1, tiled=True),

@@ -43,6 +43,7 @@
   X(pmax, "pmax", "pmax", "all_reduce", "pmax", "one_shot two_shot", max)                          \
   X(pmin, "pmin", "pmin", "all_reduce", "pmin", "one_shot two_shot", min)                          \
   X(pmean, "pmean", "", "all_reduce", "pmean", "one_shot two_shot", mean)                          \
+  X(pprod, "pprod", "", "all_reduce", "pprod", "one_shot two_shot", prod)                          \
   X(all_gather, "all_gather", "all_gather all_gather_invariant all_gather_reduced", "all_gather",  \
     "all_gather", "direct", none)                                                                  \
   X(psum_scatter, "psum_scatter", "reduce_scatter unreduced_reduce_scatter", "psum_scatter",       \
@@ -65,7 +66,8 @@
   X(sum, kSum, add)          \
   X(max, kMax, max)          \
   X(min, kMin, min)          \
-  X(mean, kMean, add)
+  X(mean, kMean, add)        \
+  X(prod, kProd, mul)
 
 #define STRATA_TARGETS(X)                                             \
   X(all_reduce, AllReduceHandler)                                     \

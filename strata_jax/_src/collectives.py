@@ -31,6 +31,20 @@ AxisName = Any
 _LAX = {n: getattr(jax.lax, n) for n in ("psum", "pmax", "pmin", "all_gather")}
 
 
+def _constant_pprod(v, axis_name):
+    """pprod of a value that is the same on every rank (jax.lax has no pprod): its n-th power
+    for a group of n, multiplied out in rank order as the kernels do."""
+    n = lowering.axis_size(lowering.axis_tuple(axis_name))
+    v = jnp.asarray(v)
+    out = v
+    for _ in range(n - 1):
+        out = out * v
+    return out
+
+
+_LAX["pprod"] = _constant_pprod
+
+
 # --------------------------------------------------------------------------------------
 # Helpers of the collectives here (the ones every primitive shares: lowering.py)
 # --------------------------------------------------------------------------------------
@@ -149,10 +163,10 @@ def _typed_unreduced_or_reduced(v) -> bool:
 
 
 # --------------------------------------------------------------------------------------
-# all-reduce: psum / pmax / pmin (and pmean)
+# all-reduce: psum / pmax / pmin / pprod (and pmean)
 # --------------------------------------------------------------------------------------
 
-_REDUCE_CODES = operators.REDUCE_CODES_BY_KIND  # sum 0, max 1, min 2, mean 3
+_REDUCE_CODES = operators.REDUCE_CODES_BY_KIND  # sum 0, max 1, min 2, mean 3, prod 4
 # The dtypes whose pmean the native reduction divides itself (kernels.h ReduceOp::kMean); every
 # other dtype is psum'd and then divided by XLA, as jax.lax.pmean does.
 _MEAN_DTYPES = frozenset(np.dtype(t) for t in (np.float16, jnp.bfloat16, np.float32, np.float64))
@@ -184,6 +198,11 @@ def _all_reduce(x, axis_name, axis_index_groups, reduce: str, api: str):
             continue
         if reduce == "sum" and v.dtype == np.bool_:
             v = v.astype(np.int32)
+        if jnp.issubdtype(v.dtype, jnp.complexfloating) and reduce == "prod":
+            raise TypeError(
+                f"strata_jax.pprod multiplies real numbers only; got {v.dtype}. Multiply complex "
+                "numbers with jnp.prod(jax.lax.all_gather(x, axis_name), axis=0)."
+            )
         if jnp.issubdtype(v.dtype, jnp.complexfloating) and reduce != "sum":
             raise TypeError(f"strata_jax.{api} does not order complex numbers; got {v.dtype}.")
         lowering.check_axis_names(axes, api)
@@ -294,6 +313,40 @@ def pmean(x, axis_name: AxisName, *, axis_index_groups=None):
     return jax.tree_util.tree_unflatten(tree, outs)
 
 
+@_profiled("pprod")
+def pprod(x, axis_name: AxisName, *, axis_index_groups=None):
+    """All-reduce product of ``x`` over ``axis_name`` (jax.lax has no pprod).
+
+    The all-reduce with NCCL's ``ncclProd`` and MPI's ``MPI_PROD``: every rank gets
+    ``x_0 * x_1 * ... * x_{n-1}``, multiplied in rank order whatever the rank, so bitwise the
+    same on every rank and equal to ``jnp.prod(jax.lax.all_gather(x, axis_name), axis=0)`` up to
+    that order.
+
+    Args:
+      x: array or pytree of arrays, any shape (0-d and zero-size included); real dtypes
+        (complex raises TypeError). bool multiplies as logical AND (numpy's ``np.multiply``)
+        and stays bool. Narrow types (int4, float8_*, ...) multiply in int32/uint32/float32
+        and are cast back once.
+      axis_name: a mesh axis name or a tuple of them, as :func:`psum`.
+      axis_index_groups: not supported (raises NotImplementedError).
+
+    Returns:
+      The product over the group, same shape and dtype as ``x``. Integer products wrap (as
+      numpy's); float16/bfloat16 multiply in float32 and round once.
+
+    Raises:
+      NameError: an axis name is not bound by an enclosing shard_map.
+      NotImplementedError: ``axis_index_groups`` given, or not inside shard_map; under
+        differentiation (as mpi4jax's allreduce, only sums differentiate: differentiate
+        ``jnp.prod(jax.lax.all_gather(x, axis_name), axis=0)`` instead).
+      TypeError: a complex ``x``.
+
+    Algorithm: the all-reduce of :func:`psum` (one-shot or two-shot, StrataCL, Hu et al. 2026)
+    with multiplication as its reduction.
+    """
+    return _all_reduce(x, axis_name, axis_index_groups, "prod", "pprod")
+
+
 def _all_reduce_abstract_eval(*avals, axes, reduce, invariant):
     api = "pmean" if reduce == "mean" else "psum"
     lowering.check_axis_names(axes, api)
@@ -330,6 +383,8 @@ def _all_reduce_transpose(cts, *xs, axes, reduce, invariant):
 def _local_reduce(v, d, reduce):
     if reduce == "sum":
         return jax.lax.reduce(v, np.zeros((), v.dtype), jax.lax.add, (d,))
+    if reduce == "prod":
+        return jax.lax.reduce(v, np.ones((), v.dtype), jax.lax.mul, (d,))
     if reduce == "max":
         return jnp.max(v, axis=d)
     return jnp.min(v, axis=d)
@@ -353,7 +408,11 @@ def _all_reduce_batcher(axis_data, vals_in, dims_in, *, axes, reduce, invariant)
     outs = []
     for v, d in zip(vals_in, dims_in, strict=True):
         if d is None:
-            outs.append(v * np.asarray(axis_data.size, v.dtype) if reduce == "sum" else v)
+            if reduce == "sum":
+                v = v * np.asarray(axis_data.size, v.dtype)
+            elif reduce == "prod":  # the same value on each of the batched ranks
+                v = functools.reduce(jax.lax.mul, [v] * axis_data.size)
+            outs.append(v)
         else:
             outs.append(_local_reduce(v, d, reduce))
     if rest:
@@ -398,6 +457,11 @@ def _all_reduce_lowering(ctx, *xs, axes, reduce, invariant):
 
 
 def _all_reduce_jvp(primals, tangents, *, axes, reduce, invariant):
+    if reduce == "prod":
+        raise NotImplementedError(
+            "Differentiation rule for strata_jax.pprod is not implemented; differentiate "
+            "jnp.prod(jax.lax.all_gather(x, axis_name), axis=0) instead."
+        )
     if reduce not in ("sum", "mean"):
         raise NotImplementedError(
             f"Differentiation rule for strata_jax.p{reduce} is not implemented (jax.lax.p{reduce} "
