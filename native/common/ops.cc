@@ -33,16 +33,6 @@ const OpInfo& op_info(Op op) {
   return i >= 1 && i <= kCount ? kTable[i - 1] : kNone;
 }
 
-const ReductionInfo* reduction_table(int* count) {
-  static constexpr ReductionInfo kReductionRows[] = {
-#define STRATA_REDUCTION_ROW(kind, name, element) {ReduceOp::name, #kind, #element},
-      STRATA_REDUCTIONS(STRATA_REDUCTION_ROW)
-#undef STRATA_REDUCTION_ROW
-  };
-  *count = kReductions;
-  return kReductionRows;
-}
-
 Op op_of_reduce(int32_t reduce) {
   for (const OpInfo& r : kTable)
     if (r.reduce >= 0 && r.reduce == reduce) return r.op;

@@ -155,14 +155,6 @@ struct OpInfo {
 const OpInfo* op_table(int* count);
 // The row of `op` (the row of Op::none is all empty strings).
 const OpInfo& op_info(Op op);
-// The row of a reduction, as STRATA_REDUCTIONS spells it.
-struct ReductionInfo {
-  ReduceOp op;
-  const char* kind;
-  const char* element;
-};
-// Every reduction, in code order; `count` receives their number.
-const ReductionInfo* reduction_table(int* count);
 // The all-reduce operator of a ReduceOp code (psum for 0 ...); Op::none for another code.
 Op op_of_reduce(int32_t reduce);
 

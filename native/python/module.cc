@@ -109,15 +109,16 @@ NB_MODULE(_strata, m) {
   // The reductions (common/ops.h), one dict per reduction in code order.
   m.def("reductions", [] {
     nb::list out;
-    int count = 0;
-    const strata::ReductionInfo* rows = strata::reduction_table(&count);
-    for (int i = 0; i < count; ++i) {
+    auto row = [&out](strata::ReduceOp op, const char* kind, const char* element) {
       nb::dict d;
-      d["code"] = static_cast<int>(rows[i].op);
-      d["kind"] = rows[i].kind;
-      d["element"] = rows[i].element;
+      d["code"] = static_cast<int>(op);
+      d["kind"] = kind;
+      d["element"] = element;
       out.append(d);
-    }
+    };
+#define STRATA_REDUCTION_ROW(kind, name, element) row(strata::ReduceOp::name, #kind, #element);
+    STRATA_REDUCTIONS(STRATA_REDUCTION_ROW)
+#undef STRATA_REDUCTION_ROW
     return out;
   });
   m.def(
