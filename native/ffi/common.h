@@ -126,7 +126,7 @@ inline std::string placement(xla::ffi::AnyBuffer pid, const GroupAttrs& g, Place
 // (InProcTeam::arrive_lead), as XLA's in-process collectives do; larger calls run each rank's
 // part on its own thread between an arrival and a departure barrier. With 8 devices on 2 cores
 // the second barrier's round of sleeps and wake-ups cost more than the parts of a small call
-// (measured in docs/design.md, "Small calls in one process").
+// (measured in docs/notes/2026-12-03-in-process-collectives.md, "Small calls in one process").
 constexpr uint64_t kLeadBytes = 256 * 1024;
 inline bool lead_in_process(const OpDesc& d, int n) {
   return n > 1 && d.in_bytes <= kLeadBytes && d.out_bytes <= kLeadBytes;
