@@ -89,6 +89,7 @@ from strata_jax._src.collectives import (  # noqa: E402
     pmean,
     pmin,
     ppermute,
+    pprod,
     psum,
     psum_scatter,
 )
@@ -121,6 +122,7 @@ __all__ = [
     "pmean",
     "pmax",
     "pmin",
+    "pprod",
     "all_gather",
     "psum_scatter",
     "all_to_all",

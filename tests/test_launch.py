@@ -11,11 +11,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
+from _mp_util import environ_without_settings, run_python, write_script
 from alloc_helpers.common import LAUNCH_PY, ROOT, find_or_build_alloc_library, launch_module
 
 
@@ -25,34 +25,19 @@ def alloc_lib(tmp_path_factory) -> str:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("STRATA_", "XLA_FLAGS", "LD_PRELOAD", "JAX_"))
-    }
-    env.update(extra)
-    return env
+    return environ_without_settings(**extra)
 
 
 def _launch(args: list[str], env: dict[str, str] | None = None, timeout: float = 60, module=False):
     """Runs the launcher (as a module or as the source file) and returns the CompletedProcess."""
-    head = (
-        [sys.executable, "-m", "strata_jax.launch"] if module else [sys.executable, str(LAUNCH_PY)]
-    )
-    return subprocess.run(
-        head + args,
-        env=env if env is not None else _env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+    head = ["-m", "strata_jax.launch"] if module else [str(LAUNCH_PY)]
+    return run_python(
+        head + args, env=env if env is not None else _env(), cwd=ROOT, timeout=timeout
     )
 
 
 def _script(tmp_path: Path, body: str, name: str = "rank.py") -> str:
-    p = tmp_path / name
-    p.write_text(textwrap.dedent(body))
-    return str(p)
+    return write_script(tmp_path, body, name)
 
 
 REPORT = """

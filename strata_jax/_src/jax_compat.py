@@ -342,8 +342,11 @@ def mark_uncacheable(prim: core.Primitive) -> None:
     mlir._uncacheable_primitives.add(prim)
 
 
-def registered_primitives() -> list[core.Primitive]:
-    """Every primitive that has a lowering rule for all platforms."""
+def registered_primitives(platform: str | None = None) -> list[core.Primitive]:
+    """Every primitive that has a lowering rule for all platforms, or with ``platform`` one for
+    that platform (``mlir._platform_specific_lowerings``, the same in every release)."""
+    if platform is not None:
+        return list(mlir._platform_specific_lowerings.get(platform, {}))
     return list(mlir._lowerings)
 
 
