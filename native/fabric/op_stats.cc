@@ -4,18 +4,21 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common/ops.h"
+
 namespace strata {
 namespace {
 
-// The operators the FFI handlers name (ffi/handlers.cc) and the MPI engine's calls; the last
+// The operators' names in comm_stats() (common/ops.h), then the MPI engine's calls; the last
 // slot takes any other name.
 constexpr const char* kNames[] = {
-    "psum", "pmean", "pmax", "pmin", "psum_scatter", "all_gather", "all_to_all", "ppermute",
-    "pbroadcast", "ragged_all_to_all", "moe.dispatch", "moe.combine",
-    "moe.combine (weights cotangent)", "moe.low_latency_dispatch", "moe.low_latency_combine",
-    // strata's engine for XLA's MPI collectives (mpiabi/engine.cc)
-    "engine.all_reduce", "engine.all_gather", "engine.reduce_scatter", "engine.sendrecv",
-    "engine.send", "engine.recv", "engine.barrier", "engine.comm_split", "other"};
+#define STRATA_STATS_NAME(id, api, lax, target, stats, algorithms, reduce) stats,
+    STRATA_OPERATORS(STRATA_STATS_NAME)
+#undef STRATA_STATS_NAME
+#define STRATA_ENGINE_STATS_NAME(id, mpi, stats) stats,
+        STRATA_ENGINE_CALLS(STRATA_ENGINE_STATS_NAME)
+#undef STRATA_ENGINE_STATS_NAME
+            "other"};
 constexpr int kSlots = sizeof(kNames) / sizeof(kNames[0]);
 
 OpStats* slots() {

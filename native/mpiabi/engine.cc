@@ -12,11 +12,11 @@
 #include <mutex>
 #include <sstream>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "coll/collectives.h"
 #include "coll/kernels.h"
+#include "common/ops.h"
 #include "common/settings.h"
 #include "fabric/op_stats.h"
 #include "fabric/shm.h"
@@ -55,15 +55,9 @@ namespace strata {
 namespace mpiabi {
 namespace {
 
-// Op kinds of the engine's calls, apart from the custom calls' (ffi/handlers.cc, moe): ranks
-// compare them at arrival.
-enum EngineKind : int32_t {
-  kEngAllReduce = 1001,
-  kEngAllGather,
-  kEngReduceScatter,
-  kEngBarrier,
-  kEngSplit,
-};
+// The kind of an engine call (common/ops.h's STRATA_ENGINE_CALLS), which ranks compare at
+// arrival.
+constexpr int32_t kind_of(EngineCall call) { return static_cast<int32_t>(call); }
 
 struct State {
   std::mutex mu;
@@ -164,111 +158,46 @@ struct Scratch {
   Scratch& operator=(const Scratch&) = delete;
 };
 
-// Every rank reduces the whole product into its own output, folding the ranks in order 0..n-1
-// (as strata's other reductions: every rank gets bitwise the same result). `first`/`count`:
-// the output's elements within the inputs.
+// A complex product, which strata's reduce kernels do not compute (their complex types sum
+// only): every rank reduces the whole product into its own output, folding the ranks in order
+// 0..n-1 (as the kernels do: every rank gets bitwise the same result). `first`/`count`: the
+// output's elements within the inputs.
 template <class T>
-void prod_fold(Team& t, size_t first, size_t count) {
+void complex_prod_fold(Team& t, size_t first, size_t count) {
   T* out = static_cast<T*>(t.peer_out(t.rank()));
-  const int n = t.size();
-  constexpr size_t kTile = 1024;
-  for (size_t b = 0; b < count; b += kTile) {
-    const size_t e = b + kTile < count ? b + kTile : count;
-    const T* s0 = static_cast<const T*>(t.peer_in(0)) + first;
-    for (size_t i = b; i < e; ++i) out[i] = s0[i];
-    for (int j = 1; j < n; ++j) {
-      const T* sj = static_cast<const T*>(t.peer_in(j)) + first;
-      for (size_t i = b; i < e; ++i) {
-        if constexpr (std::is_integral_v<T>) {  // wraps, like XLA's integer multiply
-          using U = std::make_unsigned_t<T>;
-          out[i] = static_cast<T>(static_cast<U>(out[i]) * static_cast<U>(sj[i]));
-        } else {
-          out[i] = out[i] * sj[i];
-        }
-      }
-    }
+  const T* s0 = static_cast<const T*>(t.peer_in(0)) + first;
+  for (size_t i = 0; i < count; ++i) out[i] = s0[i];
+  for (int j = 1; j < t.size(); ++j) {
+    const T* sj = static_cast<const T*>(t.peer_in(j)) + first;
+    for (size_t i = 0; i < count; ++i) out[i] = out[i] * sj[i];
   }
 }
 
-bool prod_supported(int32_t dtype) {
-  switch (dtype) {
-    case XLA_FFI_DataType_PRED:
-    case XLA_FFI_DataType_S8:
-    case XLA_FFI_DataType_S16:
-    case XLA_FFI_DataType_S32:
-    case XLA_FFI_DataType_S64:
-    case XLA_FFI_DataType_U8:
-    case XLA_FFI_DataType_U16:
-    case XLA_FFI_DataType_U32:
-    case XLA_FFI_DataType_U64:
-    case XLA_FFI_DataType_F32:
-    case XLA_FFI_DataType_F64:
-    case XLA_FFI_DataType_C64:
-    case XLA_FFI_DataType_C128:
-      return true;
-    default:
-      return false;
-  }
+bool is_complex(int32_t dtype) {
+  return dtype == XLA_FFI_DataType_C64 || dtype == XLA_FFI_DataType_C128;
 }
 
-std::string prod_reduce(Team& t, int32_t dtype, size_t first, size_t count) {
-  switch (dtype) {
-    case XLA_FFI_DataType_PRED:
-    case XLA_FFI_DataType_U8:
-      prod_fold<uint8_t>(t, first, count);
-      break;
-    case XLA_FFI_DataType_S8:
-      prod_fold<int8_t>(t, first, count);
-      break;
-    case XLA_FFI_DataType_S16:
-      prod_fold<int16_t>(t, first, count);
-      break;
-    case XLA_FFI_DataType_U16:
-      prod_fold<uint16_t>(t, first, count);
-      break;
-    case XLA_FFI_DataType_S32:
-      prod_fold<int32_t>(t, first, count);
-      break;
-    case XLA_FFI_DataType_U32:
-      prod_fold<uint32_t>(t, first, count);
-      break;
-    case XLA_FFI_DataType_S64:
-      prod_fold<int64_t>(t, first, count);
-      break;
-    case XLA_FFI_DataType_U64:
-      prod_fold<uint64_t>(t, first, count);
-      break;
-    case XLA_FFI_DataType_F32:
-      prod_fold<float>(t, first, count);
-      break;
-    case XLA_FFI_DataType_F64:
-      prod_fold<double>(t, first, count);
-      break;
-    case XLA_FFI_DataType_C64:
-      prod_fold<std::complex<float>>(t, first, count);
-      break;
-    case XLA_FFI_DataType_C128:
-      prod_fold<std::complex<double>>(t, first, count);
-      break;
-    default:
-      return "internal error: product of an unsupported type";
-  }
+// The product of complex elements (complex_prod_fold), for the all-reduce (first 0) and the
+// reduce-scatter (first: this rank's block).
+std::string complex_prod(Team& t, int32_t dtype, size_t first, size_t count) {
+  if (dtype == XLA_FFI_DataType_C64)
+    complex_prod_fold<std::complex<float>>(t, first, count);
+  else
+    complex_prod_fold<std::complex<double>>(t, first, count);
   return {};
 }
 
-// A reduction's element type and op are ones this engine reduces; 0, or the error.
+// A reduction's element type and op (a ReduceOp code of common/ops.h; MPI has no mean) are
+// ones this engine reduces; 0, or the error.
 int check_reduce(const char* name, int32_t dtype, int32_t op) {
-  if (op == kEngineProd) {
-    if (prod_supported(dtype)) return 0;
-  } else if (op == kEngineSum || op == kEngineMax || op == kEngineMin) {
-    if (dtype_size(dtype) && reduce_supported(dtype, static_cast<ReduceOp>(op))) return 0;
-  } else {
+  if (op < 0 || op >= kReductions || op == reduce_code::mean)
     return fail(kEngineErrArg, std::string("strata_jax ") + name + ": unsupported reduction op " +
                                    std::to_string(op));
-  }
+  if (op == reduce_code::prod && is_complex(dtype)) return 0;
+  if (dtype_size(dtype) && reduce_supported(dtype, static_cast<ReduceOp>(op))) return 0;
   return fail(kEngineErrArg, std::string("strata_jax ") + name + ": cannot reduce elements of " +
                                  (dtype ? dtype_name(dtype) : "an untyped datatype") +
-                                 (op == kEngineProd ? " by product" : ""));
+                                 (op == reduce_code::prod ? " by product" : ""));
 }
 
 bool peers_publish_outputs(const Team& t) {
@@ -366,7 +295,7 @@ int e_comm_split(StrataMpiComm* parent, int color, int key, StrataMpiComm** out)
   } else {
     int32_t mine[2] = {color, key};
     OpDesc d;
-    d.kind = kEngSplit;
+    d.kind = kind_of(EngineCall::comm_split);
     d.dtype = XLA_FFI_DataType_S32;
     d.in_bytes = sizeof(mine);
     d.out_bytes = sizeof(mine) * n;
@@ -434,18 +363,19 @@ int e_all_reduce(StrataMpiComm* c, const void* in, void* out, uint64_t count, in
     in = copy->p;
   }
   OpDesc d;
-  d.kind = kEngAllReduce;
+  d.kind = kind_of(EngineCall::all_reduce);
   d.dtype = dtype;
   d.reduce = op;
   d.in_bytes = d.out_bytes = bytes;
-  d.algo = op != kEngineProd && use_two_shot(bytes) ? 1 : 0;
+  const bool complex_prod_call = op == reduce_code::prod && is_complex(dtype);
+  d.algo = !complex_prod_call && use_two_shot(bytes) ? 1 : 0;
   d.may_stage = bytes <= kLlMaxBytes;
   return run(c, name, d, in, out, true, [&](Team& t) -> std::string {
     (t.zero_copy() ? stats().zero_copy_bytes : stats().peer_bounce_bytes)
         .fetch_add(bytes * (t.size() - 1), std::memory_order_relaxed);
-    if (op == kEngineProd) {
+    if (complex_prod_call) {
       stats().one_shot.fetch_add(1, std::memory_order_relaxed);
-      return prod_reduce(t, dtype, 0, count);
+      return complex_prod(t, dtype, 0, count);
     }
     // Every rank follows rank 0's choice (as AllReduceImpl does).
     const bool two =
@@ -472,7 +402,7 @@ int e_all_gather(StrataMpiComm* c, const void* in, void* out, uint64_t count, in
     in = copy->p;
   }
   OpDesc d;
-  d.kind = kEngAllGather;
+  d.kind = kind_of(EngineCall::all_gather);
   d.dtype = dtype ? dtype : XLA_FFI_DataType_U8;
   d.in_bytes = bytes;
   d.out_bytes = bytes * c->size;
@@ -503,7 +433,7 @@ int e_reduce_scatter(StrataMpiComm* c, const void* in, void* out, uint64_t count
     in = copy->p;
   }
   OpDesc d;
-  d.kind = kEngReduceScatter;
+  d.kind = kind_of(EngineCall::reduce_scatter);
   d.dtype = dtype;
   d.reduce = op;
   d.in_bytes = in_bytes;
@@ -512,7 +442,8 @@ int e_reduce_scatter(StrataMpiComm* c, const void* in, void* out, uint64_t count
   return run(c, name, d, in, out, true, [&](Team& t) -> std::string {
     (t.zero_copy() ? stats().zero_copy_bytes : stats().peer_bounce_bytes)
         .fetch_add(out_bytes * (t.size() - 1), std::memory_order_relaxed);
-    if (op == kEngineProd) return prod_reduce(t, dtype, count * t.rank(), count);
+    if (op == reduce_code::prod && is_complex(dtype))
+      return complex_prod(t, dtype, count * t.rank(), count);
     return reduce_scatter(t, dtype, static_cast<ReduceOp>(op), count);
   });
 }
@@ -522,7 +453,7 @@ int e_barrier(StrataMpiComm* c) {
   if (!c) return ready(c, name);
   if (c->size == 1) return 0;
   OpDesc d;
-  d.kind = kEngBarrier;
+  d.kind = kind_of(EngineCall::barrier);
   d.dtype = XLA_FFI_DataType_U8;
   d.may_stage = true;
   return run(c, name, d, nullptr, nullptr, true, [](Team&) { return std::string(); });

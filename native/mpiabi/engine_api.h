@@ -24,7 +24,7 @@ extern "C" {
 #endif
 
 // Bumped on any change of the table below: the library refuses an engine of another version.
-#define STRATA_MPI_ENGINE_VERSION 1
+#define STRATA_MPI_ENGINE_VERSION 2
 
 enum StrataMpiErrorClass {
   kEngineOk = 0,
@@ -35,9 +35,9 @@ enum StrataMpiErrorClass {
   kEngineErrUnsupported = 5,
 };
 
-// Reduction ops: strata's ReduceOp (coll/kernels.h) for sum/max/min, and the product, which the
-// engine reduces itself (XLA lowers an all-reduce whose computation multiplies to MPI_PROD).
-enum StrataMpiOp { kEngineSum = 0, kEngineMax = 1, kEngineMin = 2, kEngineProd = 100 };
+// Reduction ops are the codes of strata's reductions (ReduceOp, common/ops.h's
+// STRATA_REDUCTIONS): the library maps MPI_SUM, MPI_MAX, MPI_MIN and MPI_PROD to them (XLA
+// lowers an all-reduce whose computation multiplies to MPI_PROD).
 
 typedef struct StrataMpiComm StrataMpiComm;  // opaque
 typedef struct StrataMpiRequest StrataMpiRequest;
@@ -56,7 +56,7 @@ typedef struct StrataMpiEngine {
   int (*comm_split)(StrataMpiComm* parent, int color, int key, StrataMpiComm** out);
   int (*comm_free)(StrataMpiComm* comm);
   // Collectives. `dtype`: the XLA FFI element type (XLA_FFI_DataType_*, INVALID for bytes);
-  // `count` elements of `elem_bytes` each; `op`: StrataMpiOp. in == out is allowed.
+  // `count` elements of `elem_bytes` each; `op`: a ReduceOp code. in == out is allowed.
   int (*all_reduce)(StrataMpiComm* comm, const void* in, void* out, uint64_t count, int32_t dtype,
                     int32_t elem_bytes, int32_t op);
   int (*all_gather)(StrataMpiComm* comm, const void* in, void* out, uint64_t count, int32_t dtype,

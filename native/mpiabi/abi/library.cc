@@ -35,6 +35,7 @@
 #include <atomic>
 #include <mutex>
 
+#include "common/ops.h"
 #include "mpiabi/abi/delegate.h"
 #include "mpiabi/engine_api.h"
 #include "xla/ffi/api/c_api.h"
@@ -253,12 +254,12 @@ const char* op_name(Handle h) {
   return h >= kOpBase && i < static_cast<Handle>(kNumOps) ? kOps[i] : "an unknown op";
 }
 
-// The engine's op for an MPI op handle, or -1.
+// The engine's op for an MPI op handle (a reduction of common/ops.h), or -1.
 int engine_op(Handle h) {
-  if (h == MPIABI_SUM) return kEngineSum;
-  if (h == MPIABI_MAX) return kEngineMax;
-  if (h == MPIABI_MIN) return kEngineMin;
-  if (h == MPIABI_PROD) return kEngineProd;
+  if (h == MPIABI_SUM) return strata::reduce_code::sum;
+  if (h == MPIABI_MAX) return strata::reduce_code::max;
+  if (h == MPIABI_MIN) return strata::reduce_code::min;
+  if (h == MPIABI_PROD) return strata::reduce_code::prod;
   return -1;
 }
 
