@@ -21,9 +21,9 @@ where it runs and why:
   over MPI. A RuntimeWarning at compile time names the op and the fix.
 
 How: ``jax._src.compiler.compile_or_get_cached`` (JAX's one entry to XLA compilation, used by
-jit, pmap and shard_map programs alike) is wrapped at import; the executable's
-``hlo_modules()`` text is parsed for collective instructions (the ``-start`` half of async
-pairs). ``STRATA_DEBUG=INFO`` logs one line per compiled program holding XLA's collectives.
+jit, pmap and shard_map programs alike) is wrapped at import (jax_compat.on_compiled); the
+executable's ``hlo_modules()`` text is parsed for collective instructions (the ``-start`` half
+of async pairs). ``STRATA_DEBUG=INFO`` logs one line per compiled program holding XLA's collectives.
 """
 
 from __future__ import annotations
@@ -144,28 +144,24 @@ def record_compiled(program: str, hlo_text: str, processes: int) -> None:
 
 
 def install() -> None:
-    """Wraps JAX's compile entry once (see the module doc)."""
+    """Has every compilation from now on inspected (see the module doc) once."""
     global _installed
     with _lock:
         if _installed:
             return
-        from jax._src import compiler
+        from strata_jax._src.jax_compat import on_compiled
 
-        real = compiler.compile_or_get_cached
-
-        def compile_or_get_cached(backend, computation, devices, *args, **kwargs):
-            executable = real(backend, computation, devices, *args, **kwargs)
-            try:
-                _inspect(executable, computation, devices)
-            except Warning:
-                raise
-            except Exception:  # noqa: BLE001 - coverage must never break a compilation
-                pass
-            return executable
-
-        compile_or_get_cached.__wrapped__ = real
-        compiler.compile_or_get_cached = compile_or_get_cached
+        on_compiled(_after_compile)
         _installed = True
+
+
+def _after_compile(executable, computation, devices) -> None:
+    try:
+        _inspect(executable, computation, devices)
+    except Warning:
+        raise
+    except Exception:  # noqa: BLE001 - coverage must never break a compilation
+        pass
 
 
 def _inspect(executable, computation, devices) -> None:

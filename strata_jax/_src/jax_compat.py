@@ -54,7 +54,16 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-from jax._src import ad_checkpoint, config, core, custom_derivatives, distributed, pjit, xla_bridge
+from jax._src import (
+    ad_checkpoint,
+    compiler,
+    config,
+    core,
+    custom_derivatives,
+    distributed,
+    pjit,
+    xla_bridge,
+)
 from jax._src import shard_map as _shard_map
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
@@ -99,6 +108,7 @@ __all__ = [
     "lowering_rule",
     "map_closed",
     "on_backend_created",
+    "on_compiled",
     "open_jaxpr",
     "mlir",
     "pe",
@@ -210,6 +220,29 @@ def on_backend_created(callback: Callable[[Any], None]) -> None:
 
     factory._strata_callback = callback
     reg.factory = factory
+
+
+def on_compiled(callback: Callable[[Any, Any, Any], None]) -> None:
+    """Calls ``callback(executable, computation, devices)`` after every XLA compilation from
+    now on: the loaded executable, the MLIR module it came from and the devices (an array of
+    them) it runs on. The callback's exceptions reach the compiling caller.
+
+    Through ``jax._src.compiler.compile_or_get_cached``, JAX's one entry to XLA compilation
+    (0.10.2 through 0.12.x; pxla calls it through the module, so replacing the attribute reaches
+    every compilation). Registering the same callback twice calls it once.
+    """
+    current = compiler.compile_or_get_cached
+    if getattr(current, "_strata_callback", None) is callback:
+        return
+
+    def compile_or_get_cached(backend, computation, devices, *args, **kwargs):
+        executable = current(backend, computation, devices, *args, **kwargs)
+        callback(executable, computation, devices)
+        return executable
+
+    compile_or_get_cached._strata_callback = callback
+    compile_or_get_cached.__wrapped__ = current
+    compiler.compile_or_get_cached = compile_or_get_cached
 
 
 def cpu_async_dispatch() -> bool:

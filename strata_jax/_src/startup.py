@@ -689,7 +689,7 @@ def _engine_before_backend(native, timeout_s: float):
     can run (one fabric: every process shares memory with every other), then its world is
     configured; else XLA's collectives fall back to gloo, one stderr line saying why.
     Returns (start, ids) for init() to go on with, or None (nothing exchanged)."""
-    from jax._src import distributed
+    from strata_jax._src.jax_compat import distributed
 
     gs = distributed.global_state
     if not _engine.active() or gs.client is None or (gs.num_processes or 1) < 2:
