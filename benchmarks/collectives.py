@@ -267,6 +267,7 @@ def relaunch(args: argparse.Namespace, argv: Sequence[str]) -> int:
             print(f"# jax.lax over MPI left out: {reason}", flush=True)
     import json
 
+    info = machine_info()  # the load as the run starts (the table prints it as it ends)
     rc = 0
     # One launch per link rate (the links are shaped when the launcher makes them), engine and
     # round (--rounds: the launches alternate, round after round); the child reads its own rate
@@ -297,15 +298,26 @@ def relaunch(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 print_engines(written, rate)
             rounds.append({e: json.loads(p.read_text())["rows"] for e, p in written.items()})
         if "strata" in (rounds[0] if rounds else {}):
-            print_engine_table(rounds, args.procs)
+            rows = print_engine_table(rounds, args.procs)
+            stem = f"engine_collectives_p{args.procs}" + (f"_link{rate:g}g" if rate else "")
+            write_json(
+                args.out / f"{stem}.json",
+                {"benchmark": "engine_collectives", "machine": info,
+                 "args": {k: v for k, v in vars(args).items()},
+                 "load_end": list(os.getloadavg()), "rounds": len(rounds), "rows": rows},
+            )  # fmt: skip
+            print(f"# wrote {args.out / (stem + '.json')}", flush=True)
     return rc
 
 
-def print_engine_table(rounds: list[dict[str, list[dict[str, Any]]]], procs: int) -> None:
+def print_engine_table(
+    rounds: list[dict[str, list[dict[str, Any]]]], procs: int
+) -> list[dict[str, Any]]:
     """jax.lax through strata's engine against XLA over MPI, gloo and strata's own custom call:
     per point the median over --rounds of each implementation's median time (the engine and
     strata's call interleaved call by call in one launch; the other engines in their own
-    launches, which alternate round by round)."""
+    launches, which alternate round by round). Returns the table's rows (op, dtype, size_bytes,
+    and per implementation its median time in us and its time in each round)."""
     times: dict[tuple[str, str, int], dict[str, list[float]]] = {}
     for rnd in rounds:
         for engine, rows in rnd.items():
@@ -337,13 +349,19 @@ def print_engine_table(rounds: list[dict[str, list[dict[str, Any]]]], procs: int
     )
     print("|---|---|---|---|---|---|---|---|---|")
     us = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
-    for (op, _dt, size), d in sorted(med.items()):
+    rows = []
+    for (op, dt, size), d in sorted(med.items()):
+        rows.append(
+            {"op": op, "dtype": dt, "size_bytes": size, "median_us": d,
+             "round_us": times[(op, dt, size)]}
+        )  # fmt: skip
         print(
             f"| {op} | {format_size(size)} | {us(d.get('engine'))} |"
             f" {us(d.get('strata[strata]'))} | {us(d.get('mpi'))} | {us(d.get('xla'))} |"
             f" {ratio(d, 'mpi', 'engine')} | {ratio(d, 'xla', 'engine')} |"
             f" {ratio(d, 'engine', 'strata[strata]')} |"
         )
+    return rows
 
 
 def print_engines(written: dict[str, Path], rate: float | None) -> None:

@@ -254,6 +254,26 @@ def test_several_devices_per_process_fall_back_to_gloo_and_say_why():
     assert "TOTAL 6.0" in out
 
 
+def test_several_hosts_fall_back_to_gloo_and_say_what_to_install():
+    """Processes on two fabrics (launch --hosts 2): strata's engine moves bytes inside one
+    fabric only, so XLA's collectives run over gloo with the right value; asked for by name, one
+    stderr line says so, and init() and coverage() give the reason with what to install for XLA
+    over a real MPI between hosts."""
+    cmd = mp.launch_cmd(2, "engine_choice.py")
+    at = cmd.index("--grace")
+    cmd[at:at] = ["--hosts", "2", "--engine", "strata"]
+    r = subprocess.run(
+        cmd, cwd=mp.PKG_PARENT, capture_output=True, text=True, timeout=180, env=mp.job_env()
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "ENGINE gloo" in out and "TOTAL 1.0" in out, out[-3000:]
+    why = next(line for line in r.stdout.splitlines() if "WHY" in line)
+    assert "on 2 fabrics (hosts)" in why and "--engine mpi" in why and "MPIwrapper" in why, why
+    assert re.search(r"all-reduce 1 on XLA gloo: .*on 2 fabrics \(hosts\)", out), out[-3000:]
+    assert "XLA's collectives between processes run over gloo, not strata's engine" in r.stderr
+
+
 @pytest.mark.skipif(mp.shutil.which("mpirun") is None, reason="Open MPI's mpirun not installed")
 def test_under_mpirun_the_engine_is_strata_and_wrap_runs_an_unmodified_script():
     cmd = mp.mpirun_cmd(2, sys.executable, "-m", "strata_jax.wrap")

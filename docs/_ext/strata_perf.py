@@ -475,11 +475,64 @@ def render_regime(d: dict[str, Any], stem: str) -> tuple[str, list[Callable[[Any
     return t, panels
 
 
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a and b else "-"
+
+
+def render_engine_collectives(
+    d: dict[str, Any], stem: str
+) -> tuple[str, list[Callable[[Any], None]]]:
+    """collectives.py --impl strata,engine,mpi,xla --rounds R: jax.lax through strata's engine
+    against XLA over MPI, gloo and strata's own custom call, medians over the rounds."""
+    names = {"engine": "engine", "strata[strata]": "strata call", "mpi": "XLA over MPI"}
+    names["xla"] = "gloo"
+    header = ["op", "size/rank", *(f"{n} us" for n in names.values())]
+    header += ["mpi / engine", "gloo / engine", "engine / strata call"]
+    body = []
+    for r in d["rows"]:
+        m = r["median_us"]
+        cells = [fmt(m.get(k), ".0f") for k in names]
+        e = m.get("engine")
+        body.append(
+            [r["op"], size_str(r["size_bytes"]), *cells, _ratio(m.get("mpi"), e),
+             _ratio(m.get("xla"), e), _ratio(e, m.get("strata[strata]"))]
+        )  # fmt: skip
+    end = d.get("load_end")
+    note = (
+        f"\n\nMedians over {d.get('rounds', '?')} rounds (launches alternated) of each launch's "
+        "median; mpi / engine and gloo / engine above 1: the engine is faster; engine / strata "
+        "call: the engine's time over strata's custom call in the same launch."
+        + (f" Load average at the end: {'/'.join(f'{x:.1f}' for x in end)}." if end else "")
+    )
+    return table(header, body) + note, []
+
+
+def render_gspmd(d: dict[str, Any], stem: str) -> tuple[str, list[Callable[[Any], None]]]:
+    """gspmd_step.py: one jit + sharding training step per layout over each engine."""
+    engines = list(dict.fromkeys(e for r in d["rows"] for e in r["median_ms"]))
+    header = ["layout", *(f"{e} ms" for e in engines)]
+    header += [f"{e} / strata" for e in engines if e != "strata"] + ["losses"]
+    body = []
+    for r in d["rows"]:
+        m = r["median_ms"]
+        line = [r["layout"], *(fmt(m.get(e)) for e in engines)]
+        line += [_ratio(m.get(e), m.get("strata")) for e in engines if e != "strata"]
+        body.append([*line, r["losses"]])
+    rounds = (d.get("args") or {}).get("rounds", "?")
+    note = (
+        f"\n\nStep times: medians over {rounds} rounds (launches alternated) of each launch's "
+        "median step; a ratio above 1: strata's engine is faster."
+    )
+    return table(header, body) + note, []
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any], str], tuple[str, list[Callable[[Any], None]]]]] = {
     "train_moe": render_train,
     "train_recsys": render_train,
     "serve_moe": render_serve,
     "collectives": render_collectives,
+    "engine_collectives": render_engine_collectives,
+    "gspmd_step": render_gspmd,
     "moe": render_moe,
     "latency": render_latency,
     "registration": render_registration,

@@ -48,6 +48,16 @@ if want collectives; then
   run python benchmarks/collectives.py --procs 4 --hosts 2 \
     --op psum,all_gather,psum_scatter,all_to_all -b 4K -e 4M -f 4 --out $P/collectives_hosts2
 fi
+if want engine; then  # XLA's collectives on strata's engine; XLA over MPI needs MPITRAMPOLINE_LIB
+  E="${TMPDIR:-/tmp}/strata_docs_engine"
+  for n in 2 4; do
+    run python benchmarks/collectives.py --procs $n --impl strata,engine,mpi,xla \
+      --op psum,all_gather,psum_scatter,all_to_all -b 4K -e 64M -f 4 --rounds 3 --out "$E/p$n"
+    mkdir -p $P/engine_collectives
+    cp "$E/p$n/engine_collectives_p$n.json" $P/engine_collectives/
+    run python benchmarks/gspmd_step.py --procs $n --rounds 3 --out $P/gspmd_step
+  done
+fi
 if want moe; then
   run python benchmarks/moe.py --iters 10 --out $P/moe
   run python benchmarks/moe.py --mode low_latency --ll-iters 50 --out $P/moe

@@ -709,7 +709,12 @@ def _engine_before_backend(native, timeout_s: float):
     if fabrics > 1:
         _engine.fall_back_before_backend(
             f"the {n} processes are on {fabrics} fabrics (hosts), and strata's engine moves "
-            "bytes only inside one"
+            "bytes only inside one (it does not yet hand the bytes that cross hosts to a real "
+            "MPI): XLA's collectives run over gloo, and give the same values. For XLA over a real "
+            "MPI between hosts, start the job with `--engine mpi` (mpirun, and MPITRAMPOLINE_LIB "
+            "naming a libmpiwrapper.so built from https://github.com/eschnett/MPIwrapper "
+            "against that MPI); strata's own operators (strata_jax.psum ..., use_for_jax_lax()) "
+            "cross hosts hierarchically either way"
         )
     else:
         _engine.before_backend(native, pid, n)
