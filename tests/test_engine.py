@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from strata_jax import launch
 from tests import _mp_util as mp
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -254,14 +255,18 @@ def test_several_devices_per_process_fall_back_to_gloo_and_say_why():
     assert "TOTAL 6.0" in out
 
 
-def test_several_hosts_fall_back_to_gloo_and_say_what_to_install():
-    """Processes on two fabrics (launch --hosts 2): strata's engine moves bytes inside one
-    fabric only, so XLA's collectives run over gloo with the right value; asked for by name, one
-    stderr line says so, and init() and coverage() give the reason with what to install for XLA
-    over a real MPI between hosts."""
+@pytest.mark.parametrize("netns", [False, True], ids=["hosts", "netns"])
+def test_several_hosts_fall_back_to_gloo_and_say_what_to_install(netns):
+    """Processes on two fabrics (launch --hosts 2, and with --netns each simulated host with its
+    own network, /tmp and /dev/shm): strata's engine moves bytes inside one fabric only, so XLA's
+    collectives run over gloo with the right value; asked for by name, one stderr line says so,
+    and init() and coverage() give the reason with what to install for XLA over a real MPI
+    between hosts."""
+    if netns and (reason := launch.netns_unavailable_reason(1.0)) is not None:
+        pytest.skip(reason)
     cmd = mp.launch_cmd(2, "engine_choice.py")
     at = cmd.index("--grace")
-    cmd[at:at] = ["--hosts", "2", "--engine", "strata"]
+    cmd[at:at] = ["--hosts", "2", "--engine", "strata", *(["--netns"] if netns else [])]
     r = subprocess.run(
         cmd, cwd=mp.PKG_PARENT, capture_output=True, text=True, timeout=180, env=mp.job_env()
     )
