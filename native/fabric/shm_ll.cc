@@ -30,6 +30,9 @@ std::atomic<int64_t> g_ll_bytes{
 // or set_ll_stage_bytes(); -1 (unset): 0, the form off.
 std::atomic<int64_t> g_stage_bytes{env_bytes("STRATA_LL_STAGE_BYTES", -1)};
 
+// Whether channels this process creates give larger arrive() calls the direct form.
+std::atomic<bool> g_direct{env_int("STRATA_LL_DIRECT", 1) != 0};
+
 uint64_t stage_limit() {
   const int64_t v = g_stage_bytes.load(std::memory_order_relaxed);
   return v > 0 ? static_cast<uint64_t>(v) : 0;
@@ -119,6 +122,7 @@ LlChannel* channel_for(ShmFabric* f, uint64_t comm, int size) {
       ch->data_bytes = fits ? static_cast<uint32_t>(data) : 0;  // 0: general path only
       ch->entry_bytes = entry;
       ch->stage_bytes = fits ? stage_limit() : 0;
+      ch->direct = size <= 64 && g_direct.load(std::memory_order_relaxed) ? 1 : 0;
       ch->offset = table + reg->used;
       if (fits) reg->used += need;
       ch->comm = comm;  // the slots are fresh memfd pages: stamps, claims and bits all 0
@@ -137,6 +141,8 @@ void set_ll_stage_bytes(int64_t bytes) {
   g_stage_bytes.store(bytes < 0 ? -1 : bytes, std::memory_order_relaxed);
 }
 int64_t get_ll_stage_bytes() { return static_cast<int64_t>(stage_limit()); }
+void set_ll_direct(bool on) { g_direct.store(on, std::memory_order_relaxed); }
+bool get_ll_direct() { return g_direct.load(std::memory_order_relaxed); }
 
 // ---- joining ----
 
@@ -152,14 +158,22 @@ uint64_t ShmLlTeam::multi_bytes(const BufRef* bufs, int nbufs, bool* eligible) {
 
 std::unique_ptr<ShmLlTeam> ShmLlTeam::join(ShmFabric* f, const Placement& pl, int64_t run_id,
                                            int64_t op_id, const OpDesc& desc, uint64_t bytes,
-                                           const char* op_name, std::string* err) {
+                                           const char* op_name, std::string* err, bool slot_ok,
+                                           bool direct_ok) {
   if (pl.size < 2 || pl.size > 64) return nullptr;
   LlChannel* ch = channel_for(f, pl.comm, pl.size);
   if (!ch || ch->data_bytes == 0) return nullptr;
-  // Every rank of a matching call decides alike: the channel's limits are shared, may_stage
-  // derives from the op and its sizes.
-  const bool staged = bytes > ch->data_bytes;
-  if (staged && (!desc.may_stage || bytes > ch->stage_bytes)) return nullptr;
+  // Every rank of a matching call decides alike: the channel's limits are shared, may_stage,
+  // slot_ok and direct_ok derive from the op and its sizes.
+  bool staged = false, direct = false;
+  if (!slot_ok || bytes > ch->data_bytes) {
+    if (slot_ok && desc.may_stage && bytes <= ch->stage_bytes)
+      staged = true;
+    else if (direct_ok && ch->direct)
+      direct = true;
+    else
+      return nullptr;
+  }
   if (ch->size != pl.size) {
     *err = std::string("strata_jax ") + op_name + ": ranks disagree on the group size (" +
            std::to_string(ch->size) + " vs " + std::to_string(pl.size) + ")";
@@ -173,7 +187,9 @@ std::unique_ptr<ShmLlTeam> ShmLlTeam::join(ShmFabric* f, const Placement& pl, in
   t->occ_ = seq.occ;
   t->tag_ = slot_tag(pl.comm, seq.exec, seq.op, seq.occ);
   t->staged_ = staged;
-  stats().low_latency_calls.fetch_add(1, std::memory_order_relaxed);
+  t->direct_ = direct;
+  (direct ? stats().direct_calls : stats().low_latency_calls)
+      .fetch_add(1, std::memory_order_relaxed);
   return t;
 }
 
@@ -193,7 +209,13 @@ ShmLlTeam::ShmLlTeam(ShmFabric* f, LlChannel* ch, char* region, const Placement&
       bufs_(static_cast<size_t>(pl.size) * kMaxBufs, nullptr),
       found_(pl.size, nullptr) {}
 
-ShmLlTeam::~ShmLlTeam() { mark_read(); }
+ShmLlTeam::~ShmLlTeam() {
+  mark_read();
+  // A bounce buffer of the direct form is reused only once every peer is known to be done with
+  // it (depart() waited for them); after a failed call a peer might still use it, so it stays
+  // busy (leaked) instead, as on the general path.
+  if (bounce_ && release_bounce_) f_->release_bounce(bounce_);
+}
 
 LlEntry* ShmLlTeam::entry(int rank, uint32_t pos) const {
   const size_t ring = static_cast<size_t>(kLlEntries) * ch_->entry_bytes;
@@ -369,6 +391,56 @@ std::string ShmLlTeam::arrive(const OpDesc& desc, const void* in, void* out) {
   return publish_and_wait(desc, &buf, 1);
 }
 
+std::string ShmLlTeam::prepare_direct(const OpDesc& desc, const void* in, void* out,
+                                      uint64_t pub[6]) {
+  const auto& api = ShmFabric::alloc();
+  const bool staging = f_->mode() == RegMode::kStaging;
+  strata_seg_info in_seg{}, out_seg{};
+  const bool in_ok =
+      desc.in_bytes == 0 || (!staging && api.lookup && api.lookup(in, desc.in_bytes, &in_seg));
+  const bool out_ok =
+      desc.out_bytes == 0 || (!staging && api.lookup && api.lookup(out, desc.out_bytes, &out_seg));
+  std::string err;
+  // on_use mode: the segments go to the peers now (on_alloc: the allocator's thread did it).
+  if (in_ok && desc.in_bytes)
+    err = f_->export_segment(in_seg.segment_id, in_seg.fd, in_seg.size, true);
+  if (err.empty() && out_ok && desc.out_bytes &&
+      !(desc.in_bytes && in_seg.segment_id == out_seg.segment_id))
+    err = f_->export_segment(out_seg.segment_id, out_seg.fd, out_seg.size, true);
+  if (!err.empty()) return std::string("strata_jax ") + op_name_ + ": " + err;
+  pub[0] = in_ok && desc.in_bytes ? in_seg.segment_id : 0;
+  pub[1] = in_ok && desc.in_bytes ? in_seg.offset : 0;
+  pub[2] = reinterpret_cast<uintptr_t>(in);
+  pub[3] = out_ok && desc.out_bytes ? out_seg.segment_id : 0;
+  pub[4] = out_ok && desc.out_bytes ? out_seg.offset : 0;
+  pub[5] = reinterpret_cast<uintptr_t>(out);
+  if (in_ok && out_ok) return {};
+  // Staging, as the general path does (ShmTeam::arrive): the buffer that cannot be shared goes
+  // through a bounce buffer every peer has mapped; a staged output is copied back at departure.
+  const size_t in_room = in_ok ? 0 : round_up(desc.in_bytes, 64);
+  bounce_ = f_->acquire_bounce(in_room + (out_ok ? 0 : desc.out_bytes), true, &err);
+  if (!bounce_) return std::string("strata_jax ") + op_name_ + ": " + err;
+  release_bounce_ = true;  // until published: nobody else knows it
+  stats().staged_calls.fetch_add(1, std::memory_order_relaxed);
+  if (!in_ok) {
+    copy_bytes(bounce_->base, in, desc.in_bytes);
+    copy_fence();  // the streaming stores, before the stamp's release
+    stats().staged_bytes.fetch_add(desc.in_bytes, std::memory_order_relaxed);
+    pub[0] = bounce_->id;
+    pub[1] = 0;
+    pub[2] = reinterpret_cast<uintptr_t>(bounce_->base);
+  }
+  if (!out_ok) {
+    user_out_ = out;
+    out_room_ = in_room;
+    out_bytes_ = desc.out_bytes;
+    pub[3] = bounce_->id;
+    pub[4] = in_room;
+    pub[5] = reinterpret_cast<uintptr_t>(bounce_->base + in_room);
+  }
+  return {};
+}
+
 std::string ShmLlTeam::arrive_multi(const OpDesc& desc, const BufRef* bufs, int nbufs) {
   if (nbufs > kMaxBufs)
     return std::string("strata_jax ") + op_name_ + ": internal error: too many buffers";
@@ -384,6 +456,11 @@ std::string ShmLlTeam::publish_and_wait(const OpDesc& desc, const BufRef* bufs, 
   }
   // Staged form: the data goes into a bounce buffer every peer has mapped (before claiming the
   // slot, so that a failure here leaves the ring as it was).
+  uint64_t pub[6] = {};  // the direct form's (segment, offset, address) of input and output
+  if (direct_) {
+    std::string derr = prepare_direct(desc, bufs[0].ptr, out_, pub);
+    if (!derr.empty()) return derr;
+  }
   Bounce* stage = nullptr;
   if (staged_ && total) {
     std::string serr;
@@ -421,11 +498,21 @@ std::string ShmLlTeam::publish_and_wait(const OpDesc& desc, const BufRef* bufs, 
   me->data_seg = stage ? stage->id : 0;
   me->data_off = 0;
   me->data_ptr = stage ? reinterpret_cast<uintptr_t>(stage->base) : 0;
+  me->out_seg = me->out_off = me->out_ptr = 0;
+  me->algo = desc.algo;
+  if (direct_) {
+    me->data_seg = pub[0];
+    me->data_off = pub[1];
+    me->data_ptr = pub[2];
+    me->out_seg = pub[3];
+    me->out_off = pub[4];
+    me->out_ptr = pub[5];
+  }
   for (int i = 0; i < kMaxBufs; ++i) {
     me->buf_off[i] = i < nbufs ? off[i] : 0;
     me->buf_bytes[i] = i < nbufs ? bufs[i].bytes : 0;
   }
-  if (!stage) {
+  if (!stage && !direct_) {
     for (int i = 0; i < nbufs; ++i)  // regular stores, no fence
       if (bufs[i].bytes) std::memcpy(data_of(me) + off[i], bufs[i].ptr, bufs[i].bytes);
   }
@@ -477,7 +564,37 @@ std::string ShmLlTeam::publish_and_wait(const OpDesc& desc, const BufRef* bufs, 
   if (!err.empty()) {
     if (err.find("disagree") != std::string::npos)
       stats().mismatches.fetch_add(1, std::memory_order_relaxed);
+    if (direct_) release_bounce_ = false;  // a peer may still come and use it
     return err;
+  }
+  local_ranks_ = 0;
+  for (int j = 0; j < size_; ++j)
+    if (found_[j]->proc == f_->proc()) ++local_ranks_;
+  descs_.assign(size_, desc);
+  if (direct_) {
+    // Every rank's own buffers (or its bounce buffer), mapped here unless this process's own.
+    release_bounce_ = false;  // from here on a peer may be using it: depart() waits for them
+    outs_.assign(size_, nullptr);
+    for (int j = 0; j < size_; ++j) {
+      const LlEntry* e = found_[j];
+      descs_[j].algo = e->algo;
+      if ((e->data_seg | e->out_seg) & kBounceIdBit) any_staged_ = true;
+      const bool local = e->proc == f_->proc();
+      char* in = reinterpret_cast<char*>(e->data_ptr);
+      char* out = reinterpret_cast<char*>(e->out_ptr);
+      if (!local && e->in_bytes) {
+        in = f_->translate(e->proc, e->data_seg, e->data_off, e->in_bytes, deadline, &err);
+        if (!in) return std::string("strata_jax ") + op_name_ + ": " + err;
+      }
+      if (!local && e->out_bytes) {
+        out = f_->translate(e->proc, e->out_seg, e->out_off, e->out_bytes, deadline, &err);
+        if (!out) return std::string("strata_jax ") + op_name_ + ": " + err;
+      }
+      in_[j] = in;
+      outs_[j] = out;
+    }
+    arrived_ = true;
+    return {};
   }
   // Where each rank's data is: in its slot, or (staged form; every rank of an agreeing call is
   // staged alike) in its bounce buffer, mapped here unless it is this process's own.
@@ -497,7 +614,6 @@ std::string ShmLlTeam::publish_and_wait(const OpDesc& desc, const BufRef* bufs, 
       bufs_[static_cast<size_t>(j) * kMaxBufs + i] =
           e->buf_bytes[i] ? base + e->buf_off[i] : nullptr;
   }
-  descs_.assign(size_, desc);
   for (OpDesc& d : descs_) d.algo = 0;  // one-shot: each rank reads the slots, writes its own
   return {};
 }
@@ -526,6 +642,30 @@ void ShmLlTeam::mark_read() {
 
 std::string ShmLlTeam::depart() {
   mark_read();
+  if (!direct_ || !arrived_) return {};
+  // The direct form: the peers read this rank's own input (and may write its output) until
+  // they mark its slot read; the caller may reuse both as soon as this returns.
+  LlEntry* me = found_[rank_];
+  const uint64_t others = others_mask(size_, rank_);
+  const auto deadline = Clock::now() + std::chrono::milliseconds(settings().timeout_ms.load());
+  std::string err = wait(
+      &ch_->freed, &ch_->free_sleepers,
+      // acquire: the peers' reads and writes of this rank's buffers happen before the return.
+      [&] { return (me->read_by.load(std::memory_order_acquire) & others) == others; },
+      [&] {
+        std::vector<int> m;
+        const uint64_t bits = me->read_by.load(std::memory_order_acquire);
+        for (int j = 0; j < size_; ++j)
+          if (j != rank_ && !(bits >> j & 1)) m.push_back(j);
+        return m;
+      },
+      "depart", deadline, nullptr);
+  if (!err.empty()) return err;  // bounce_ stays busy: a peer may still use it
+  if (user_out_) {
+    copy_bytes(user_out_, bounce_->base + out_room_, out_bytes_);
+    stats().staged_bytes.fetch_add(out_bytes_, std::memory_order_relaxed);
+  }
+  release_bounce_ = true;
   return {};
 }
 
@@ -626,6 +766,8 @@ std::string ShmLlTeam::missing_message(const char* phase, const std::vector<int>
   if (!dead.empty()) os << "; process(es) " << dead << " disconnected (exited or killed)";
   if (std::strcmp(phase, "reuse") == 0)
     os << ". These peers never finished reading an earlier call of this rank.";
+  else if (std::strcmp(phase, "depart") == 0)
+    os << ". These peers never finished this collective.";
   else
     os << ". A peer never reached this collective: check that every device executes the same "
           "sequence of collectives, or raise strata_jax.set_timeout().";

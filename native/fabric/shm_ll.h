@@ -99,6 +99,10 @@ struct LlEntry {
   // arrive_multi's buffers: offset of each in the data (64-byte aligned) and bytes (0: none).
   uint64_t buf_off[kMaxBufs], buf_bytes[kMaxBufs];
   char name[32];
+  // Direct form: data_seg/off/ptr say where the input is (the caller's own buffer, or a bounce
+  // buffer of the owner's when the allocator does not own it), these where the output is.
+  uint64_t out_seg, out_off, out_ptr;
+  int32_t algo;  // the rank's algorithm proposal (OpDesc::algo); everyone follows rank 0's
 };
 constexpr size_t kLlHeaderBytes = 256;
 static_assert(sizeof(LlEntry) <= kLlHeaderBytes, "LlEntry header too large");
@@ -112,6 +116,7 @@ struct LlChannel {
   uint64_t offset;       // of rank 0's ring from the region start
   uint64_t entry_bytes;  // header + data room, multiple of 64
   uint64_t stage_bytes;  // largest input of the staged form (0: none; see above)
+  uint32_t direct;       // 1: larger arrive() calls take the direct form (see above)
   // Futex words and their sleeper counts: `epoch` for waiters of peers' data, `freed` for an
   // owner waiting until its peers finished reading a slot it wants to reuse (rare). A notifier
   // changes the condition with a seq_cst store, then loads the count (seq_cst) and bumps the
@@ -141,6 +146,10 @@ int64_t get_ll_bytes();
 // above. set_ll_stage_bytes(-1): back to that default.
 void set_ll_stage_bytes(int64_t bytes);
 int64_t get_ll_stage_bytes();
+// Whether a channel this process creates gives larger calls the direct form: set_ll_direct(),
+// else STRATA_LL_DIRECT (default 1; 0: they take the general path, for A/B measurements).
+void set_ll_direct(bool on);
+bool get_ll_direct();
 
 class ShmLlTeam final : public Team {
  public:
@@ -149,9 +158,14 @@ class ShmLlTeam final : public Team {
   // nullptr with *err set: the call failed.
   // `bytes`: what the call publishes (the input, or arrive_multi's buffers each rounded up to
   // 64 bytes), which decides between a slot, the staged form and the general path.
+  // `slot_ok`: the call may take a slot or the staged form (its algorithm reads peer_in() or
+  // peer_buf() and writes only its own output). `direct_ok`: the caller publishes with
+  // arrive(desc, in, out), so the call may take the direct form when it is larger than a slot
+  // (or whatever its size when !slot_ok). Every rank of a matching call passes the same.
   static std::unique_ptr<ShmLlTeam> join(ShmFabric* f, const Placement& pl, int64_t run_id,
                                          int64_t op_id, const OpDesc& desc, uint64_t bytes,
-                                         const char* op_name, std::string* err);
+                                         const char* op_name, std::string* err,
+                                         bool slot_ok = true, bool direct_ok = false);
   // The bytes arrive_multi publishes for these buffers; 0 when one is `written` (the path
   // holds copies of inputs only, so such a call takes the general path).
   static uint64_t multi_bytes(const BufRef* bufs, int nbufs, bool* eligible);
@@ -160,22 +174,29 @@ class ShmLlTeam final : public Team {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   const void* peer_in(int j) const override { return in_[j]; }
-  // Only this rank's own output is reachable: every operator on this path writes its own.
-  void* peer_out(int j) const override { return j == rank_ ? out_ : nullptr; }
+  // A slot or the staged form: only this rank's own output is reachable (every operator taking
+  // them writes its own). The direct form publishes every rank's output.
+  void* peer_out(int j) const override { return direct_ ? outs_[j] : (j == rank_ ? out_ : nullptr); }
   const void* peer_buf(int j, int i) const override {
     return i >= 0 && i < kMaxBufs ? bufs_[static_cast<size_t>(j) * kMaxBufs + i] : nullptr;
   }
   const OpDesc& peer_desc(int j) const override { return descs_[j]; }
   std::string barrier(const char* phase) override;
-  bool zero_copy() const override { return false; }  // the data goes through the slots
+  // A slot or the staged form: the data goes through copies. The direct form: unless a rank's
+  // buffer had to be staged.
+  bool zero_copy() const override { return direct_ && !any_staged_; }
+  int local_ranks() const override { return local_ranks_; }
   // Copies `in` into this rank's slot, publishes it, waits for every peer's slot of this call
   // and checks that all agree. The algorithm then reads peer_in(j) (the peers' slots).
   std::string arrive(const OpDesc& desc, const void* in, void* out);
   // The same for up to kMaxBufs read-only buffers (peer_buf(j, i) then points into rank j's
   // copy); every rank's buffers have this rank's sizes (the descriptors agree).
   std::string arrive_multi(const OpDesc& desc, const BufRef* bufs, int nbufs);
-  // Marks the peers' slots as read. Never waits.
+  // Marks the peers' slots as read. A slot or the staged form never waits; the direct form
+  // then waits until every peer has marked this rank's slot (they are done with its buffers),
+  // and copies a staged output back to the caller's buffer.
   std::string depart();
+  bool direct() const { return direct_; }
 
  private:
   LlEntry* entry(int rank, uint32_t pos) const;
@@ -213,6 +234,21 @@ class ShmLlTeam final : public Team {
   Bounce* stage_ = nullptr;  // the staged form's bounce buffer of this rank (after publishing)
   bool staged_ = false;      // the staged form (data in bounce buffers)
   std::vector<OpDesc> descs_;
+  int local_ranks_ = 1;  // ranks of this call in this process (after arrival)
+  // The direct form: the peers' outputs (after arrival); this rank's bounce buffer, when one of
+  // its buffers is not the allocator's (or in staging mode), and what to copy back from it.
+  bool direct_ = false;
+  bool arrived_ = false;    // publish_and_wait succeeded: depart() must wait for the readers
+  bool any_staged_ = false;  // some rank's buffer went through a bounce buffer
+  std::vector<void*> outs_;
+  Bounce* bounce_ = nullptr;
+  bool release_bounce_ = false;  // whether ~ShmLlTeam may release it (every peer done with it)
+  void* user_out_ = nullptr;    // staged output: copied back from bounce_ + out_room_ at departure
+  uint64_t out_room_ = 0, out_bytes_ = 0;
+  // Direct form: where this rank's input and output are published, as (segment, offset,
+  // address) each: the caller's buffers when the allocator owns them (their segments exported
+  // now in on_use mode), else a bounce buffer (the input copied in). Before the slot is claimed.
+  std::string prepare_direct(const OpDesc& desc, const void* in, void* out, uint64_t pub[6]);
 };
 
 }  // namespace strata

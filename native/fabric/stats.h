@@ -39,6 +39,7 @@ struct Stats {
   std::atomic<uint64_t> max_calls_in_flight{0};
   std::atomic<uint64_t> max_runs_in_flight{0};
   std::atomic<uint64_t> low_latency_calls{0};  // calls on the small-message path (shm_ll.h)
+  std::atomic<uint64_t> direct_calls{0};       // calls on its direct (zero-copy) form
   std::atomic<uint64_t> mismatches{0};         // calls failed because ranks disagreed on the op
   std::atomic<uint64_t> failures{0};           // strata calls that returned an error (any cause)
   // In-process calls in one rendezvous (per rank): the last rank to arrive ran every rank's

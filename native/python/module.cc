@@ -132,6 +132,8 @@ NB_MODULE(_strata, m) {
   m.def("get_ll_bytes", [] { return strata::get_ll_bytes(); });
   m.def("set_ll_stage_bytes", [](int64_t b) { strata::set_ll_stage_bytes(b); });
   m.def("get_ll_stage_bytes", [] { return strata::get_ll_stage_bytes(); });
+  m.def("set_ll_direct", [](bool on) { strata::set_ll_direct(on); });
+  m.def("get_ll_direct", [] { return strata::get_ll_direct(); });
   m.def("comm_stats", [] {
     auto& s = strata::stats();
     nb::dict d;
@@ -150,6 +152,7 @@ NB_MODULE(_strata, m) {
     d["max_runs_in_flight_per_device"] = s.max_runs_in_flight.load(std::memory_order_relaxed);
     d["mismatches"] = s.mismatches.load(std::memory_order_relaxed);
     d["low_latency_calls"] = s.low_latency_calls.load(std::memory_order_relaxed);
+    d["direct_calls"] = s.direct_calls.load(std::memory_order_relaxed);
     d["lead_calls"] = s.lead_calls.load(std::memory_order_relaxed);
     d["pair_calls"] = s.pair_calls.load(std::memory_order_relaxed);
     d["failures"] = s.failures.load(std::memory_order_relaxed);
