@@ -30,8 +30,14 @@ std::atomic<int64_t> g_ll_bytes{
 // or set_ll_stage_bytes(); -1 (unset): 0, the form off.
 std::atomic<int64_t> g_stage_bytes{env_bytes("STRATA_LL_STAGE_BYTES", -1)};
 
-// Whether channels this process creates give larger arrive() calls the direct form.
-std::atomic<bool> g_direct{env_int("STRATA_LL_DIRECT", 1) != 0};
+// The direct form's threshold for a channel this process creates (shm_ll.h): STRATA_DIRECT_BYTES,
+// or set_direct_bytes(); -1 (unset): kDirectDefaultBytes.
+std::atomic<int64_t> g_direct_bytes{env_bytes("STRATA_DIRECT_BYTES", -1)};
+
+uint64_t direct_limit() {
+  const int64_t v = g_direct_bytes.load(std::memory_order_relaxed);
+  return v >= 0 ? static_cast<uint64_t>(v) : kDirectDefaultBytes;
+}
 
 uint64_t stage_limit() {
   const int64_t v = g_stage_bytes.load(std::memory_order_relaxed);
@@ -122,7 +128,7 @@ LlChannel* channel_for(ShmFabric* f, uint64_t comm, int size) {
       ch->data_bytes = fits ? static_cast<uint32_t>(data) : 0;  // 0: general path only
       ch->entry_bytes = entry;
       ch->stage_bytes = fits ? stage_limit() : 0;
-      ch->direct = size <= 64 && g_direct.load(std::memory_order_relaxed) ? 1 : 0;
+      ch->direct_bytes = direct_limit();
       ch->offset = table + reg->used;
       if (fits) reg->used += need;
       ch->comm = comm;  // the slots are fresh memfd pages: stamps, claims and bits all 0
@@ -141,8 +147,10 @@ void set_ll_stage_bytes(int64_t bytes) {
   g_stage_bytes.store(bytes < 0 ? -1 : bytes, std::memory_order_relaxed);
 }
 int64_t get_ll_stage_bytes() { return static_cast<int64_t>(stage_limit()); }
-void set_ll_direct(bool on) { g_direct.store(on, std::memory_order_relaxed); }
-bool get_ll_direct() { return g_direct.load(std::memory_order_relaxed); }
+void set_direct_bytes(int64_t bytes) {
+  g_direct_bytes.store(bytes < 0 ? -1 : bytes, std::memory_order_relaxed);
+}
+int64_t get_direct_bytes() { return static_cast<int64_t>(direct_limit()); }
 
 // ---- joining ----
 
@@ -165,14 +173,11 @@ std::unique_ptr<ShmLlTeam> ShmLlTeam::join(ShmFabric* f, const Placement& pl, in
   if (!ch || ch->data_bytes == 0) return nullptr;
   // Every rank of a matching call decides alike: the channel's limits are shared, may_stage,
   // slot_ok and direct_ok derive from the op and its sizes.
-  bool staged = false, direct = false;
-  if (!slot_ok || bytes > ch->data_bytes) {
-    if (slot_ok && desc.may_stage && bytes <= ch->stage_bytes)
-      staged = true;
-    else if (direct_ok && ch->direct)
-      direct = true;
-    else
-      return nullptr;
+  const bool direct = direct_ok && bytes > ch->direct_bytes;
+  bool staged = false;
+  if (!direct && (!slot_ok || bytes > ch->data_bytes)) {
+    if (!slot_ok || !desc.may_stage || bytes > ch->stage_bytes) return nullptr;
+    staged = true;
   }
   if (ch->size != pl.size) {
     *err = std::string("strata_jax ") + op_name + ": ranks disagree on the group size (" +
@@ -225,14 +230,38 @@ LlEntry* ShmLlTeam::entry(int rank, uint32_t pos) const {
 
 static char* data_of(LlEntry* e) { return reinterpret_cast<char*>(e) + kLlHeaderBytes; }
 
-LlEntry* ShmLlTeam::find(int j) const {
-  for (uint32_t p = 0; p < static_cast<uint32_t>(kLlEntries); ++p) {
-    LlEntry* e = entry(j, p);
-    // acquire: pairs with the owner's stamp store; the header and data written before it are
-    // visible, and stay put until this rank sets its read_by bit.
-    if (e->stamp.load(std::memory_order_acquire) == tag_ && e->exec == exec_ && e->op == op_ &&
-        e->occ == occ_)
+namespace {
+// Where this process expects each peer's next slot on each channel: one past the slot it found
+// last (a rank claims the slot after its previous one whenever that one is free, the usual
+// case). Process-local, per channel (by its index in the region) and peer rank; relaxed: a
+// hint, checked against the stamp like any slot.
+std::atomic<uint32_t> g_hint[kLlChannels][64];
+}  // namespace
+
+LlEntry* ShmLlTeam::find(int j, bool full) const {
+  // acquire: pairs with the owner's stamp store; the header and data written before it are
+  // visible, and stay put until this rank sets its read_by bit.
+  auto holds = [&](LlEntry* e) {
+    return e->stamp.load(std::memory_order_acquire) == tag_ && e->exec == exec_ &&
+           e->op == op_ && e->occ == occ_;
+  };
+  // The hinted slot first: a waiter polling a peer that has not published yet reads one line
+  // of the peer's ring per poll, not 16 (each a line the peer may be writing: the scan of the
+  // whole ring at every poll cost 1-2 us per call between 2 processes).
+  const size_t c = static_cast<size_t>(ch_ - reinterpret_cast<LlRegion*>(region_)->channels);
+  std::atomic<uint32_t>& hint = g_hint[c][j];
+  const uint32_t h = hint.load(std::memory_order_relaxed);
+  if (LlEntry* e = entry(j, h); holds(e)) {
+    hint.store(h + 1, std::memory_order_relaxed);
+    return e;
+  }
+  if (!full) return nullptr;
+  for (uint32_t p = 1; p < static_cast<uint32_t>(kLlEntries); ++p) {
+    LlEntry* e = entry(j, h + p);
+    if (holds(e)) {
+      hint.store(h + p + 1, std::memory_order_relaxed);
       return e;
+    }
   }
   return nullptr;
 }
@@ -275,7 +304,7 @@ std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* 
     budget.store(quick ? std::min(max_spins, 2 * b + 64) : b / 2, std::memory_order_relaxed);
   };
   for (int i = 0; i < spins; ++i) {
-    if (ready()) {
+    if (ready((i & 15) == 15)) {
       adapt(true);
       return {};
     }
@@ -285,7 +314,7 @@ std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* 
 #endif
   }
   for (int i = 0; i < yields; ++i) {
-    if (ready()) {
+    if (ready(true)) {
       adapt(true);
       return {};
     }
@@ -300,7 +329,7 @@ std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* 
   const auto start = Clock::now();
   auto next_straddle_check = start + std::chrono::milliseconds(2);
   for (;;) {
-    if (ready()) return {};
+    if (ready(true)) return {};
     if (!failed_.empty()) return failed_;
     const auto now = Clock::now();
     // A missing rank whose process disconnected (exited or was killed) never comes.
@@ -328,7 +357,7 @@ std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* 
       if (!m.empty()) return m;
     }
     if (now >= deadline) {
-      if (ready()) return {};
+      if (ready(true)) return {};
       return missing_message(phase, missing());
     }
     auto slice =
@@ -341,7 +370,7 @@ std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* 
     sleepers->fetch_add(1, std::memory_order_seq_cst);
     const uint32_t seen = word->load(std::memory_order_seq_cst);
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    if (!ready() && failed_.empty()) futex_wait(word, seen, ns, /*shared=*/true);
+    if (!ready(true) && failed_.empty()) futex_wait(word, seen, ns, /*shared=*/true);
     sleepers->fetch_sub(1, std::memory_order_relaxed);
   }
 }
@@ -353,7 +382,7 @@ std::string ShmLlTeam::claim(LlEntry** out, Clock::time_point deadline) {
   // Free: never used, or every peer read the previous occupant (acquire: their reads happen
   // before this rank's rewrite). Starting at `next`, the first free slot wins; a slot left
   // unread by a failed call is skipped, not waited for.
-  auto try_claim = [&]() -> bool {
+  auto try_claim = [&](bool) -> bool {
     const uint32_t start = next.load(std::memory_order_relaxed);
     for (uint32_t k = 0; k < static_cast<uint32_t>(kLlEntries); ++k) {
       LlEntry* e = entry(rank_, start + k);
@@ -522,10 +551,11 @@ std::string ShmLlTeam::publish_and_wait(const OpDesc& desc, const BufRef* bufs, 
   found_[rank_] = me;
 
   int left = size_ - 1;
-  auto ready = [&]() -> bool {
+  // `full`: every slot of a missing peer's ring, else only the hinted one (find).
+  auto ready = [&](bool full) -> bool {
     for (int j = 0; j < size_ && left > 0; ++j) {
       if (found_[j]) continue;
-      LlEntry* e = find(j);
+      LlEntry* e = find(j, full);
       if (!e) continue;
       found_[j] = e;
       --left;
@@ -549,7 +579,7 @@ std::string ShmLlTeam::publish_and_wait(const OpDesc& desc, const BufRef* bufs, 
   // fence comes last sees every other stamp, so at least one rank sees the call complete and
   // wakes. A rank that finds a disagreement wakes everyone too (they fail at once).
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  const bool complete = ready();
+  const bool complete = ready(true);
   if (complete || !failed_.empty()) notify(&ch_->epoch, &ch_->sleepers);
   err = complete ? failed_
                  : wait(
@@ -651,7 +681,7 @@ std::string ShmLlTeam::depart() {
   std::string err = wait(
       &ch_->freed, &ch_->free_sleepers,
       // acquire: the peers' reads and writes of this rank's buffers happen before the return.
-      [&] { return (me->read_by.load(std::memory_order_acquire) & others) == others; },
+      [&](bool) { return (me->read_by.load(std::memory_order_acquire) & others) == others; },
       [&] {
         std::vector<int> m;
         const uint64_t bits = me->read_by.load(std::memory_order_acquire);

@@ -72,6 +72,7 @@ namespace strata {
 constexpr int kLlEntries = 16;    // slots per rank and communicator (a ring)
 constexpr int kLlChannels = 128;  // communicators with a low-latency channel
 constexpr size_t kLlDefaultBytes = 64 * 1024;
+constexpr size_t kDirectDefaultBytes = 4 * 1024;
 constexpr size_t kLlMaxBytes = 1024 * 1024;
 // The region after the control block in the control segment (shm_link.cc maps both): the
 // channel table, then the slots. Untouched pages cost nothing (memfd pages are made on touch).
@@ -116,7 +117,7 @@ struct LlChannel {
   uint64_t offset;       // of rank 0's ring from the region start
   uint64_t entry_bytes;  // header + data room, multiple of 64
   uint64_t stage_bytes;  // largest input of the staged form (0: none; see above)
-  uint32_t direct;       // 1: larger arrive() calls take the direct form (see above)
+  uint64_t direct_bytes;  // arrive() calls of more input take the direct form (see above)
   // Futex words and their sleeper counts: `epoch` for waiters of peers' data, `freed` for an
   // owner waiting until its peers finished reading a slot it wants to reuse (rare). A notifier
   // changes the condition with a seq_cst store, then loads the count (seq_cst) and bumps the
@@ -146,10 +147,11 @@ int64_t get_ll_bytes();
 // above. set_ll_stage_bytes(-1): back to that default.
 void set_ll_stage_bytes(int64_t bytes);
 int64_t get_ll_stage_bytes();
-// Whether a channel this process creates gives larger calls the direct form: set_ll_direct(),
-// else STRATA_LL_DIRECT (default 1; 0: they take the general path, for A/B measurements).
-void set_ll_direct(bool on);
-bool get_ll_direct();
+// The direct form's threshold a channel gets when this process creates it: set_direct_bytes(),
+// else STRATA_DIRECT_BYTES (K/M/G suffixes), else kDirectDefaultBytes. Kept by the channel like
+// the threshold above. set_direct_bytes(-1): back to that default.
+void set_direct_bytes(int64_t bytes);
+int64_t get_direct_bytes();
 
 class ShmLlTeam final : public Team {
  public:
@@ -160,8 +162,8 @@ class ShmLlTeam final : public Team {
   // 64 bytes), which decides between a slot, the staged form and the general path.
   // `slot_ok`: the call may take a slot or the staged form (its algorithm reads peer_in() or
   // peer_buf() and writes only its own output). `direct_ok`: the caller publishes with
-  // arrive(desc, in, out), so the call may take the direct form when it is larger than a slot
-  // (or whatever its size when !slot_ok). Every rank of a matching call passes the same.
+  // arrive(desc, in, out), so a call of more than the channel's direct_bytes takes the direct
+  // form. Every rank of a matching call passes the same.
   static std::unique_ptr<ShmLlTeam> join(ShmFabric* f, const Placement& pl, int64_t run_id,
                                          int64_t op_id, const OpDesc& desc, uint64_t bytes,
                                          const char* op_name, std::string* err,
@@ -200,7 +202,9 @@ class ShmLlTeam final : public Team {
 
  private:
   LlEntry* entry(int rank, uint32_t pos) const;
-  LlEntry* find(int j) const;  // rank j's slot holding this call, or nullptr
+  // Rank j's slot holding this call, or nullptr: the slot after the one found last, then (when
+  // `full`) the whole ring.
+  LlEntry* find(int j, bool full = true) const;
   // Claims a slot of this rank's ring whose previous occupant every peer has read.
   std::string claim(LlEntry** out, Clock::time_point deadline);
   template <class Ready, class Missing>

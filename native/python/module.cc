@@ -132,8 +132,8 @@ NB_MODULE(_strata, m) {
   m.def("get_ll_bytes", [] { return strata::get_ll_bytes(); });
   m.def("set_ll_stage_bytes", [](int64_t b) { strata::set_ll_stage_bytes(b); });
   m.def("get_ll_stage_bytes", [] { return strata::get_ll_stage_bytes(); });
-  m.def("set_ll_direct", [](bool on) { strata::set_ll_direct(on); });
-  m.def("get_ll_direct", [] { return strata::get_ll_direct(); });
+  m.def("set_direct_bytes", [](int64_t b) { strata::set_direct_bytes(b); });
+  m.def("get_direct_bytes", [] { return strata::get_direct_bytes(); });
   m.def("comm_stats", [] {
     auto& s = strata::stats();
     nb::dict d;
