@@ -9,7 +9,8 @@ the number of output elements that differ from numpy's result on the same input 
 implementation, jax.lax included, is checked against numpy, not against another implementation:
 jax.lax over gloo has been seen to return wrong values, see docs/design.md, "Across fabrics").
 Implementations run side by side on the same inputs; the last columns give the speedup of strata
-over each other implementation (``time_other / time_strata``). A progress bar runs on stderr
+over each other implementation (``time_other / time_strata``), ``<1`` after each point where
+strata was slower, and the summary lists those points per baseline. A progress bar runs on stderr
 (tqdm, optional ``bench`` extra); CSV, JSON (rows + machine description) and a PNG plot of busbw
 against size go to --out.
 
@@ -735,7 +736,7 @@ def make_table(impls: Sequence[str], link: bool = False) -> C.Table:
         groups.append((f" {impl} ", 10 if link else 7))
     others = [i for i in impls if i != "strata"] if "strata" in impls else []
     for o in others:
-        cols.append(C.Column(f"{o}/strata", max(12, len(o) + 7), ".2f"))
+        cols.append(C.Column(f"{o}/strata", max(12, len(o) + 7)))
     if others:
         groups.append((" speedup ", len(others)))
     cols.append(C.Column("stream", 7, ".2f"))
@@ -779,10 +780,32 @@ def table_row(
         for impl, r in results.items():
             if impl != "strata":
                 t = r.get("time_us")
-                vals.append(t / base if (t and base) else None)
+                vals.append(ratio_cell(t / base) if (t and base) else None)
     streams = [r.get("stream_gbs") for r in results.values() if r.get("stream_gbs")]
     vals.append(streams[0] if streams else None)
     return table.row(vals)
+
+
+def ratio_cell(ratio: float) -> str:
+    """A speedup column's cell: the other implementation's time over strata's, with ``<1``
+    after it when strata was slower at that point (a loss shows at a glance in a sweep)."""
+    return f"{ratio:.2f}" + (" <1" if ratio < 1 else "   ")
+
+
+def print_losses(rows: Sequence[dict[str, Any]], write: Callable[[str], Any]) -> None:
+    """One line per baseline: the points where strata was slower (speedup below 1.0x)."""
+    for impl in dict.fromkeys(r["impl"] for r in rows if r["impl"] != "strata"):
+        pts = [r for r in rows if r["impl"] == impl and r.get("speedup_strata") is not None]
+        if not pts:
+            continue
+        low = [r for r in pts if r["speedup_strata"] < 1]
+        listed = ", ".join(
+            f"{r['op']} {C.format_size(r['size_bytes'])} {r['speedup_strata']:.2f}x" for r in low
+        )
+        write(
+            f"# strata vs {impl}: {len(low)} of {len(pts)} points below 1.0x"
+            + (f" (slower): {listed}" if low else "")
+        )
 
 
 def print_errors(rows: Sequence[dict[str, Any]], write: Callable[[str], Any]) -> None:
@@ -805,6 +828,7 @@ def print_summary(
         if bw:
             write(f"# {impl:8s} avg busbw: {float(np.mean(bw)):8.3f} GB/s over {len(bw)} points")
     write(f"# out of bounds values : {total_wrong} {'OK' if total_wrong == 0 else 'FAILED'}")
+    print_losses(rows, write)
 
 
 def plot(path: Path, rows: Sequence[dict[str, Any]]) -> bool:
@@ -1192,7 +1216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "# #wrong     : elements != numpy's result on the same input (bitwise; float"
         " psum/psum_scatter: |d| > (N-1)*N*eps*max|x|), first and last call checked; '-': not"
         " checked (no numpy meaning: psum of bool, pmax/pmin of complex); speedup ="
-        " time_other / time_strata"
+        " time_other / time_strata, for every baseline run, '<1' after a point where strata"
+        " was slower (listed again at the end)"
     )
 
     if ctx.link_gbit:

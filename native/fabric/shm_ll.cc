@@ -84,7 +84,12 @@ size_t ll_threshold() {
 }
 
 // A wait at least this short would have been caught by spinning (2000 pauses: ~50 us).
-constexpr int kLlSpinWindowUs = 40;
+constexpr int64_t kLlSpinWindowNs = 40'000;
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+      .count();
+}
 
 size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -173,12 +178,12 @@ std::unique_ptr<ShmLlTeam> ShmLlTeam::join(ShmFabric* f, const Placement& pl, in
   if (!ch || ch->data_bytes == 0) return nullptr;
   // Every rank of a matching call decides alike: the channel's limits are shared, may_stage,
   // slot_ok and direct_ok derive from the op and its sizes.
-  const bool direct = direct_ok && bytes > ch->direct_bytes;
-  bool staged = false;
-  if (!direct && (!slot_ok || bytes > ch->data_bytes)) {
-    if (!slot_ok || !desc.may_stage || bytes > ch->stage_bytes) return nullptr;
-    staged = true;
-  }
+  // The staged form where it is asked for (STRATA_LL_STAGE_BYTES: off by default), else the
+  // direct form above its threshold, else a slot; anything else takes the general path.
+  const bool staged =
+      slot_ok && desc.may_stage && bytes > ch->data_bytes && bytes <= ch->stage_bytes;
+  const bool direct = !staged && direct_ok && bytes > ch->direct_bytes;
+  if (!staged && !direct && (!slot_ok || bytes > ch->data_bytes)) return nullptr;
   if (ch->size != pl.size) {
     *err = std::string("strata_jax ") + op_name + ": ranks disagree on the group size (" +
            std::to_string(ch->size) + " vs " + std::to_string(pl.size) + ")";
@@ -209,10 +214,11 @@ ShmLlTeam::ShmLlTeam(ShmFabric* f, LlChannel* ch, char* region, const Placement&
       device_(pl.device),
       member_parts_(pl.member_parts),
       device_ids_(pl.device_ids),
-      op_name_(op_name),
-      in_(pl.size, nullptr),
-      bufs_(static_cast<size_t>(pl.size) * kMaxBufs, nullptr),
-      found_(pl.size, nullptr) {}
+      op_name_(op_name) {
+  in_.assign(pl.size, nullptr);
+  bufs_.assign(static_cast<size_t>(pl.size) * kMaxBufs, nullptr);
+  found_.assign(pl.size, nullptr);
+}
 
 ShmLlTeam::~ShmLlTeam() {
   mark_read();
@@ -242,8 +248,8 @@ LlEntry* ShmLlTeam::find(int j, bool full) const {
   // acquire: pairs with the owner's stamp store; the header and data written before it are
   // visible, and stay put until this rank sets its read_by bit.
   auto holds = [&](LlEntry* e) {
-    return e->stamp.load(std::memory_order_acquire) == tag_ && e->exec == exec_ &&
-           e->op == op_ && e->occ == occ_;
+    return e->stamp.load(std::memory_order_acquire) == tag_ && e->exec == exec_ && e->op == op_ &&
+           e->occ == occ_;
   };
   // The hinted slot first: a waiter polling a peer that has not published yet reads one line
   // of the peer's ring per poll, not 16 (each a line the peer may be writing: the scan of the
@@ -274,9 +280,9 @@ void ShmLlTeam::notify(std::atomic<uint32_t>* word, std::atomic<uint32_t>* sleep
   }
 }
 
-template <class Ready, class Missing>
+template <class Ready, class Missing, class Since>
 std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* sleepers,
-                            Ready ready, Missing missing, const char* phase,
+                            Ready ready, Missing missing, Since since, const char* phase,
                             Clock::time_point deadline, const OpDesc* arriving) {
   // Spinning pays only while the awaited peers are running; with more runnable threads than
   // cores (more processes than cores, or other jobs) it takes the core they need. So the spin
@@ -299,6 +305,8 @@ std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* 
   const int spins = budget.load(std::memory_order_relaxed);
   const int yields = spins > 0 ? max_yields : 0;
   const auto t0 = Clock::now();
+  if (std::strcmp(phase, "reuse") != 0)
+    stats().channel_waits.fetch_add(1, std::memory_order_relaxed);
   auto adapt = [](bool quick) {
     const int b = budget.load(std::memory_order_relaxed);
     budget.store(quick ? std::min(max_spins, 2 * b + 64) : b / 2, std::memory_order_relaxed);
@@ -321,11 +329,25 @@ std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* 
     if (!failed_.empty()) return failed_;
     sched_yield();
   }
-  struct AdaptOnExit {  // after the sleeping phase: would spinning have caught this wait?
-    Clock::time_point t0;
+  // After the sleeping phase: would spinning have caught this wait? Judged by when the
+  // condition became true (the awaited peer's publication, or its mark), not by when this rank
+  // woke up: a futex wake-up takes tens of microseconds here, so a waiter that slept always
+  // woke "late", and a budget judged by that stayed at 0 for good once it got there (every
+  // later wait slept: a call's time doubled from one run to the next; docs/design.md).
+  const int64_t t0_ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(t0.time_since_epoch()).count();
+  bool slept = false;
+  struct AdaptOnExit {
+    int64_t t0;
+    const Since& since;
+    const bool& slept;
     void (*adapt)(bool);
-    ~AdaptOnExit() { adapt(Clock::now() - t0 < std::chrono::microseconds(kLlSpinWindowUs)); }
-  } adapt_on_exit{t0, adapt};
+    ~AdaptOnExit() {
+      if (slept) stats().channel_sleeps.fetch_add(1, std::memory_order_relaxed);
+      const int64_t done = static_cast<int64_t>(since());
+      adapt((done > 0 ? done : now_ns()) - t0 < kLlSpinWindowNs);
+    }
+  } adapt_on_exit{t0_ns, since, slept, adapt};
   const auto start = Clock::now();
   auto next_straddle_check = start + std::chrono::milliseconds(2);
   for (;;) {
@@ -370,7 +392,10 @@ std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* 
     sleepers->fetch_add(1, std::memory_order_seq_cst);
     const uint32_t seen = word->load(std::memory_order_seq_cst);
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    if (!ready(true) && failed_.empty()) futex_wait(word, seen, ns, /*shared=*/true);
+    if (!ready(true) && failed_.empty()) {
+      slept = true;
+      futex_wait(word, seen, ns, /*shared=*/true);
+    }
     sleepers->fetch_sub(1, std::memory_order_relaxed);
   }
 }
@@ -398,6 +423,10 @@ std::string ShmLlTeam::claim(LlEntry** out, Clock::time_point deadline) {
     }
     return false;
   };
+  if (try_claim(true)) {  // the usual case: the next slot is free
+    *out = got;
+    return {};
+  }
   std::string err = wait(
       &ch_->freed, &ch_->free_sleepers, try_claim,
       [&] {
@@ -409,7 +438,7 @@ std::string ShmLlTeam::claim(LlEntry** out, Clock::time_point deadline) {
           if (j != rank_ && !(bits >> j & 1)) m.push_back(j);
         return m;
       },
-      "reuse", deadline, nullptr);
+      [] { return uint64_t{0}; }, "reuse", deadline, nullptr);
   *out = got;
   return err;
 }
@@ -545,6 +574,8 @@ std::string ShmLlTeam::publish_and_wait(const OpDesc& desc, const BufRef* bufs, 
     for (int i = 0; i < nbufs; ++i)  // regular stores, no fence
       if (bufs[i].bytes) std::memcpy(data_of(me) + off[i], bufs[i].ptr, bufs[i].bytes);
   }
+  me->pub_ns = static_cast<uint64_t>(now_ns());
+  me->read_ns.store(0, std::memory_order_relaxed);
   me->stamp.store(tag_, std::memory_order_seq_cst);
   me->claim.store(0, std::memory_order_release);
   stage_ = stage;  // listed for release by mark_read(), once this rank's own reads are done
@@ -589,6 +620,12 @@ std::string ShmLlTeam::publish_and_wait(const OpDesc& desc, const BufRef* bufs, 
                          for (int j = 0; j < size_; ++j)
                            if (!found_[j]) m.push_back(j);
                          return m;
+                       },
+                       [&] {  // the last peer's publication
+                         uint64_t last = 0;
+                         for (int j = 0; j < size_; ++j)
+                           if (j != rank_ && found_[j]) last = std::max(last, found_[j]->pub_ns);
+                         return last;
                        },
                        "arrive", deadline, &desc);
   if (!err.empty()) {
@@ -663,7 +700,9 @@ void ShmLlTeam::mark_read() {
   for (int j = 0; j < size_; ++j) {
     if (j == rank_ || !found_[j]) continue;
     // seq_cst (an acq_rel RMW): this rank's reads of the slot happen before the owner's
-    // rewrite, and the store half of the freed/free_sleepers handshake.
+    // rewrite, and the store half of the freed/free_sleepers handshake. The time first
+    // (relaxed; published by the RMW): for the owner's spin budget (wait).
+    found_[j]->read_ns.store(static_cast<uint64_t>(now_ns()), std::memory_order_relaxed);
     found_[j]->read_by.fetch_or(uint64_t{1} << rank_, std::memory_order_seq_cst);
     any = true;
   }
@@ -689,7 +728,8 @@ std::string ShmLlTeam::depart() {
           if (j != rank_ && !(bits >> j & 1)) m.push_back(j);
         return m;
       },
-      "depart", deadline, nullptr);
+      // acquire: the time a reader stored before its read_by bit (roughly the last reader's).
+      [&] { return me->read_ns.load(std::memory_order_acquire); }, "depart", deadline, nullptr);
   if (!err.empty()) return err;  // bounce_ stays busy: a peer may still use it
   if (user_out_) {
     copy_bytes(user_out_, bounce_->base + out_room_, out_bytes_);

@@ -87,10 +87,17 @@ struct LlEntry {
   // Bit j: rank j has finished reading this occupant (fetch_or, acq_rel: its reads happen
   // before the owner's next rewrite, which waits for all bits with acquire loads).
   std::atomic<uint64_t> read_by;
+  // When a reader last marked the slot read, stored (relaxed) before its read_by bit, in the
+  // line that RMW takes anyway; and when the owner published, written before the stamp
+  // (CLOCK_MONOTONIC ns: one clock for every process of a host). A waiter that slept tells
+  // from them whether spinning would have caught its peers (ShmLlTeam::wait), which its own
+  // wake-up time cannot say.
+  std::atomic<uint64_t> read_ns;
   // 1 while one of the owner's threads claims or writes the slot (CAS 0 -> 1, acq_rel; reset
   // with release after the stamp): two calls of one device in flight never take the same slot.
   std::atomic<uint32_t> claim;
   uint64_t exec, op, occ;  // the exact key (the stamp is its hash)
+  uint64_t pub_ns;
   int32_t kind, dtype, reduce, proc;
   int64_t aux, device;
   uint64_t in_bytes, out_bytes;
@@ -105,18 +112,18 @@ struct LlEntry {
   uint64_t out_seg, out_off, out_ptr;
   int32_t algo;  // the rank's algorithm proposal (OpDesc::algo); everyone follows rank 0's
 };
-constexpr size_t kLlHeaderBytes = 256;
+constexpr size_t kLlHeaderBytes = 320;
 static_assert(sizeof(LlEntry) <= kLlHeaderBytes, "LlEntry header too large");
 
 // A communicator's channel. Fields up to `offset` are written once under the control mutex when
 // the channel is claimed (comm last) and read-only afterwards.
 struct LlChannel {
-  uint64_t comm;         // 0: free
-  int32_t size;          // ranks
-  uint32_t data_bytes;   // threshold = data room per slot; 0: no LL path for this comm
-  uint64_t offset;       // of rank 0's ring from the region start
-  uint64_t entry_bytes;  // header + data room, multiple of 64
-  uint64_t stage_bytes;  // largest input of the staged form (0: none; see above)
+  uint64_t comm;          // 0: free
+  int32_t size;           // ranks
+  uint32_t data_bytes;    // threshold = data room per slot; 0: no LL path for this comm
+  uint64_t offset;        // of rank 0's ring from the region start
+  uint64_t entry_bytes;   // header + data room, multiple of 64
+  uint64_t stage_bytes;   // largest input of the staged form (0: none; see above)
   uint64_t direct_bytes;  // arrive() calls of more input take the direct form (see above)
   // Futex words and their sleeper counts: `epoch` for waiters of peers' data, `freed` for an
   // owner waiting until its peers finished reading a slot it wants to reuse (rare). A notifier
@@ -134,6 +141,33 @@ struct LlChannel {
 struct LlRegion {
   uint64_t used;  // bytes of slots handed out (under the control mutex)
   LlChannel channels[kLlChannels];
+};
+
+// A vector that keeps up to N elements in place (no allocation): a call's per-rank tables, which
+// this path fills on every call (small groups are the common case; larger ones use the heap).
+template <class T, size_t N>
+class InlineVec {
+ public:
+  void assign(size_t n, const T& v) {
+    if (n > N) {
+      heap_.assign(n, v);
+      data_ = heap_.data();
+    } else {
+      for (size_t i = 0; i < n; ++i) inline_[i] = v;
+      data_ = inline_;
+    }
+    n_ = n;
+  }
+  T& operator[](size_t i) { return data_[i]; }
+  const T& operator[](size_t i) const { return data_[i]; }
+  T* begin() { return data_; }
+  T* end() { return data_ + n_; }
+
+ private:
+  T inline_[N];
+  std::vector<T> heap_;
+  T* data_ = inline_;
+  size_t n_ = 0;
 };
 
 // The threshold a communicator's channel gets when this process creates it: set_ll_bytes()
@@ -166,8 +200,8 @@ class ShmLlTeam final : public Team {
   // form. Every rank of a matching call passes the same.
   static std::unique_ptr<ShmLlTeam> join(ShmFabric* f, const Placement& pl, int64_t run_id,
                                          int64_t op_id, const OpDesc& desc, uint64_t bytes,
-                                         const char* op_name, std::string* err,
-                                         bool slot_ok = true, bool direct_ok = false);
+                                         const char* op_name, std::string* err, bool slot_ok = true,
+                                         bool direct_ok = false);
   // The bytes arrive_multi publishes for these buffers; 0 when one is `written` (the path
   // holds copies of inputs only, so such a call takes the general path).
   static uint64_t multi_bytes(const BufRef* bufs, int nbufs, bool* eligible);
@@ -178,7 +212,9 @@ class ShmLlTeam final : public Team {
   const void* peer_in(int j) const override { return in_[j]; }
   // A slot or the staged form: only this rank's own output is reachable (every operator taking
   // them writes its own). The direct form publishes every rank's output.
-  void* peer_out(int j) const override { return direct_ ? outs_[j] : (j == rank_ ? out_ : nullptr); }
+  void* peer_out(int j) const override {
+    return direct_ ? outs_[j] : (j == rank_ ? out_ : nullptr);
+  }
   const void* peer_buf(int j, int i) const override {
     return i >= 0 && i < kMaxBufs ? bufs_[static_cast<size_t>(j) * kMaxBufs + i] : nullptr;
   }
@@ -207,9 +243,11 @@ class ShmLlTeam final : public Team {
   LlEntry* find(int j, bool full = true) const;
   // Claims a slot of this rank's ring whose previous occupant every peer has read.
   std::string claim(LlEntry** out, Clock::time_point deadline);
-  template <class Ready, class Missing>
+  // `since()`: when the condition became true (steady_clock ns; 0: unknown), asked after a
+  // wait that slept, to adapt the spin budget.
+  template <class Ready, class Missing, class Since>
   std::string wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* sleepers, Ready ready,
-                   Missing missing, const char* phase, Clock::time_point deadline,
+                   Missing missing, Since since, const char* phase, Clock::time_point deadline,
                    const OpDesc* arriving);
   std::string mismatch(const OpDesc& desc) const;  // names every found rank's op, dtype, size
   std::string straddler(const OpDesc& desc);       // a peer in the general rendezvous of this key
@@ -228,26 +266,26 @@ class ShmLlTeam final : public Team {
   uint64_t comm_ = 0, tag_ = 0, exec_ = 0, op_ = 0, occ_ = 0;
   std::string failed_;  // set by a failed check inside wait()
   bool read_marked_ = false;
-  std::vector<const void*> in_;
+  InlineVec<const void*, 8> in_;
   void* out_ = nullptr;
   // Copies `nbufs` buffers into this rank's slot (or bounce buffer), publishes it, waits for
   // the peers' slots of this call and checks that all agree; then fills in_ and bufs_.
   std::string publish_and_wait(const OpDesc& desc, const BufRef* bufs, int nbufs);
-  std::vector<const void*> bufs_;  // [rank * kMaxBufs + i]: arrive_multi's buffers, local
-  std::vector<LlEntry*> found_;    // peers' slots of this call (after arrive)
+  InlineVec<const void*, 8 * kMaxBufs> bufs_;  // [rank * kMaxBufs + i]: arrive_multi's, local
+  InlineVec<LlEntry*, 8> found_;               // peers' slots of this call (after arrive)
   Bounce* stage_ = nullptr;  // the staged form's bounce buffer of this rank (after publishing)
   bool staged_ = false;      // the staged form (data in bounce buffers)
-  std::vector<OpDesc> descs_;
+  InlineVec<OpDesc, 8> descs_;
   int local_ranks_ = 1;  // ranks of this call in this process (after arrival)
   // The direct form: the peers' outputs (after arrival); this rank's bounce buffer, when one of
   // its buffers is not the allocator's (or in staging mode), and what to copy back from it.
   bool direct_ = false;
-  bool arrived_ = false;    // publish_and_wait succeeded: depart() must wait for the readers
+  bool arrived_ = false;     // publish_and_wait succeeded: depart() must wait for the readers
   bool any_staged_ = false;  // some rank's buffer went through a bounce buffer
-  std::vector<void*> outs_;
+  InlineVec<void*, 8> outs_;
   Bounce* bounce_ = nullptr;
   bool release_bounce_ = false;  // whether ~ShmLlTeam may release it (every peer done with it)
-  void* user_out_ = nullptr;    // staged output: copied back from bounce_ + out_room_ at departure
+  void* user_out_ = nullptr;     // staged output: copied back from bounce_ + out_room_ at departure
   uint64_t out_room_ = 0, out_bytes_ = 0;
   // Direct form: where this rank's input and output are published, as (segment, offset,
   // address) each: the caller's buffers when the allocator owns them (their segments exported

@@ -153,6 +153,8 @@ NB_MODULE(_strata, m) {
     d["mismatches"] = s.mismatches.load(std::memory_order_relaxed);
     d["low_latency_calls"] = s.low_latency_calls.load(std::memory_order_relaxed);
     d["direct_calls"] = s.direct_calls.load(std::memory_order_relaxed);
+    d["channel_waits"] = s.channel_waits.load(std::memory_order_relaxed);
+    d["channel_sleeps"] = s.channel_sleeps.load(std::memory_order_relaxed);
     d["lead_calls"] = s.lead_calls.load(std::memory_order_relaxed);
     d["pair_calls"] = s.pair_calls.load(std::memory_order_relaxed);
     d["failures"] = s.failures.load(std::memory_order_relaxed);
