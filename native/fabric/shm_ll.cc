@@ -280,10 +280,16 @@ void ShmLlTeam::notify(std::atomic<uint32_t>* word, std::atomic<uint32_t>* sleep
   }
 }
 
+bool ShmLlTeam::same_cpu(int j, int cpu1) const {
+  // Relaxed: a hint about where rank j runs, not a synchronization flag.
+  return cpu1 > 0 && ch_->ranks[j].cpu1.load(std::memory_order_relaxed) == cpu1;
+}
+
 template <class Ready, class Missing, class Since>
 std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* sleepers,
-                            Ready ready, Missing missing, Since since, const char* phase,
-                            Clock::time_point deadline, const OpDesc* arriving) {
+                            Ready ready, Missing missing, Since since, bool colocated,
+                            const char* phase, Clock::time_point deadline,
+                            const OpDesc* arriving) {
   // Spinning pays only while the awaited peers are running; with more runnable threads than
   // cores (more processes than cores, or other jobs) it takes the core they need. So the spin
   // budget adapts, like glibc's adaptive mutexes: it grows (to STRATA_LL_SPINS pauses, about
@@ -302,8 +308,14 @@ std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* 
               f_->nprocs() > static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)) ? 100 : 2000);
   static const int max_yields = env_int("STRATA_LL_YIELDS", 4);
   static std::atomic<int> budget{max_spins};
-  const int spins = budget.load(std::memory_order_relaxed);
-  const int yields = spins > 0 ? max_yields : 0;
+  // A rank awaited on this very CPU cannot run while this one spins: two processes the
+  // scheduler put on one core (other jobs busy on the other) took a full spin budget per wait,
+  // about 45 us, twice per call (2 processes, ppermute 64 KiB: 97 us a call instead of 8.7 us
+  // for seconds on end, and back once they were on two cores again; docs/design.md). The
+  // yields always follow: they hand the CPU to a runnable peer on it, and cost a system call
+  // where there is none.
+  const int spins = colocated ? 0 : budget.load(std::memory_order_relaxed);
+  const int yields = max_yields;
   const auto t0 = Clock::now();
   if (std::strcmp(phase, "reuse") != 0)
     stats().channel_waits.fetch_add(1, std::memory_order_relaxed);
@@ -321,33 +333,35 @@ std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* 
     __builtin_ia32_pause();
 #endif
   }
+  const int64_t t0_ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(t0.time_since_epoch()).count();
+  // Would spinning have caught this wait? Judged by when the condition became true (the
+  // awaited peer's publication, or its mark), not by when this rank saw it: a futex wake-up
+  // takes tens of microseconds here, so a waiter that slept always woke "late", and a budget
+  // judged by that stayed at 0 for good once it got there. Not for a wait on a rank on this
+  // CPU, which only the yield let run.
+  auto judge = [&] {
+    if (colocated) return;
+    const int64_t done = static_cast<int64_t>(since());
+    adapt((done > 0 ? done : now_ns()) - t0_ns < kLlSpinWindowNs);
+  };
   for (int i = 0; i < yields; ++i) {
     if (ready(true)) {
-      adapt(true);
+      judge();
       return {};
     }
     if (!failed_.empty()) return failed_;
     sched_yield();
   }
-  // After the sleeping phase: would spinning have caught this wait? Judged by when the
-  // condition became true (the awaited peer's publication, or its mark), not by when this rank
-  // woke up: a futex wake-up takes tens of microseconds here, so a waiter that slept always
-  // woke "late", and a budget judged by that stayed at 0 for good once it got there (every
-  // later wait slept: a call's time doubled from one run to the next; docs/design.md).
-  const int64_t t0_ns =
-      std::chrono::duration_cast<std::chrono::nanoseconds>(t0.time_since_epoch()).count();
   bool slept = false;
-  struct AdaptOnExit {
-    int64_t t0;
-    const Since& since;
+  struct AfterSleep {  // whichever way the sleeping phase ends
     const bool& slept;
-    void (*adapt)(bool);
-    ~AdaptOnExit() {
+    decltype(judge)& j;
+    ~AfterSleep() {
       if (slept) stats().channel_sleeps.fetch_add(1, std::memory_order_relaxed);
-      const int64_t done = static_cast<int64_t>(since());
-      adapt((done > 0 ? done : now_ns()) - t0 < kLlSpinWindowNs);
+      j();
     }
-  } adapt_on_exit{t0_ns, since, slept, adapt};
+  } after_sleep{slept, judge};
   const auto start = Clock::now();
   auto next_straddle_check = start + std::chrono::milliseconds(2);
   for (;;) {
@@ -402,7 +416,7 @@ std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* 
 
 std::string ShmLlTeam::claim(LlEntry** out, Clock::time_point deadline) {
   const uint64_t others = others_mask(size_, rank_);
-  std::atomic<uint32_t>& next = ch_->next[rank_];
+  std::atomic<uint32_t>& next = ch_->ranks[rank_].next;
   LlEntry* got = nullptr;
   // Free: never used, or every peer read the previous occupant (acquire: their reads happen
   // before this rank's rewrite). Starting at `next`, the first free slot wins; a slot left
@@ -438,7 +452,7 @@ std::string ShmLlTeam::claim(LlEntry** out, Clock::time_point deadline) {
           if (j != rank_ && !(bits >> j & 1)) m.push_back(j);
         return m;
       },
-      [] { return uint64_t{0}; }, "reuse", deadline, nullptr);
+      [] { return uint64_t{0}; }, false, "reuse", deadline, nullptr);
   *out = got;
   return err;
 }
@@ -575,6 +589,10 @@ std::string ShmLlTeam::publish_and_wait(const OpDesc& desc, const BufRef* bufs, 
       if (bufs[i].bytes) std::memcpy(data_of(me) + off[i], bufs[i].ptr, bufs[i].bytes);
   }
   me->pub_ns = static_cast<uint64_t>(now_ns());
+  const int cpu1 = sched_getcpu() + 1;  // 0 where the CPU cannot be told
+  // Relaxed: a hint for this rank's waiters (same_cpu), written only when it moved.
+  if (ch_->ranks[rank_].cpu1.load(std::memory_order_relaxed) != cpu1)
+    ch_->ranks[rank_].cpu1.store(cpu1, std::memory_order_relaxed);
   me->read_ns.store(0, std::memory_order_relaxed);
   me->stamp.store(tag_, std::memory_order_seq_cst);
   me->claim.store(0, std::memory_order_release);
@@ -611,6 +629,9 @@ std::string ShmLlTeam::publish_and_wait(const OpDesc& desc, const BufRef* bufs, 
   // wakes. A rank that finds a disagreement wakes everyone too (they fail at once).
   std::atomic_thread_fence(std::memory_order_seq_cst);
   const bool complete = ready(true);
+  bool colocated = false;  // a missing peer last published from this CPU
+  for (int j = 0; j < size_ && !complete && !colocated; ++j)
+    colocated = !found_[j] && j != rank_ && same_cpu(j, cpu1);
   if (complete || !failed_.empty()) notify(&ch_->epoch, &ch_->sleepers);
   err = complete ? failed_
                  : wait(
@@ -627,7 +648,7 @@ std::string ShmLlTeam::publish_and_wait(const OpDesc& desc, const BufRef* bufs, 
                            if (j != rank_ && found_[j]) last = std::max(last, found_[j]->pub_ns);
                          return last;
                        },
-                       "arrive", deadline, &desc);
+                       colocated, "arrive", deadline, &desc);
   if (!err.empty()) {
     if (err.find("disagree") != std::string::npos)
       stats().mismatches.fetch_add(1, std::memory_order_relaxed);
@@ -716,7 +737,13 @@ std::string ShmLlTeam::depart() {
   // they mark its slot read; the caller may reuse both as soon as this returns.
   LlEntry* me = found_[rank_];
   const uint64_t others = others_mask(size_, rank_);
+  const uint64_t marked = me->read_by.load(std::memory_order_acquire);
+  if ((marked & others) == others) return finish_depart();  // every peer is done already
   const auto deadline = Clock::now() + std::chrono::milliseconds(settings().timeout_ms.load());
+  const int cpu1 = sched_getcpu() + 1;
+  bool colocated = false;  // a peer still reading last published from this CPU
+  for (int j = 0; j < size_ && !colocated; ++j)
+    colocated = j != rank_ && !(marked >> j & 1) && same_cpu(j, cpu1);
   std::string err = wait(
       &ch_->freed, &ch_->free_sleepers,
       // acquire: the peers' reads and writes of this rank's buffers happen before the return.
@@ -729,8 +756,13 @@ std::string ShmLlTeam::depart() {
         return m;
       },
       // acquire: the time a reader stored before its read_by bit (roughly the last reader's).
-      [&] { return me->read_ns.load(std::memory_order_acquire); }, "depart", deadline, nullptr);
+      [&] { return me->read_ns.load(std::memory_order_acquire); }, colocated, "depart", deadline,
+      nullptr);
   if (!err.empty()) return err;  // bounce_ stays busy: a peer may still use it
+  return finish_depart();
+}
+
+std::string ShmLlTeam::finish_depart() {
   if (user_out_) {
     copy_bytes(user_out_, bounce_->base + out_room_, out_bytes_);
     stats().staged_bytes.fetch_add(out_bytes_, std::memory_order_relaxed);

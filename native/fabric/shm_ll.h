@@ -135,7 +135,16 @@ struct LlChannel {
   std::atomic<uint32_t> sleepers;
   alignas(64) std::atomic<uint32_t> freed;
   std::atomic<uint32_t> free_sleepers;
-  alignas(64) std::atomic<uint32_t> next[64];  // per rank: ring position of its next call
+  // Per rank, a line of its own, written by that rank on every call (packed, 16 ranks' words
+  // shared a line that every call moved between their cores): the ring position of its next
+  // call, and the CPU it last published from, plus one (sched_getcpu; 0: not yet), which its
+  // waiters read: spinning for a rank that last ran on the waiter's own CPU only keeps it off
+  // that CPU (ShmLlTeam::wait).
+  struct alignas(64) RankState {
+    std::atomic<uint32_t> next;
+    std::atomic<int32_t> cpu1;
+  };
+  RankState ranks[64];
 };
 
 struct LlRegion {
@@ -237,6 +246,13 @@ class ShmLlTeam final : public Team {
   bool direct() const { return direct_; }
 
  private:
+  // The direct form, every peer done with this rank's buffers: copies a staged output back and
+  // lets the bounce buffer go.
+  std::string finish_depart();
+
+ public:
+
+ private:
   LlEntry* entry(int rank, uint32_t pos) const;
   // Rank j's slot holding this call, or nullptr: the slot after the one found last, then (when
   // `full`) the whole ring.
@@ -244,11 +260,14 @@ class ShmLlTeam final : public Team {
   // Claims a slot of this rank's ring whose previous occupant every peer has read.
   std::string claim(LlEntry** out, Clock::time_point deadline);
   // `since()`: when the condition became true (steady_clock ns; 0: unknown), asked after a
-  // wait that slept, to adapt the spin budget.
+  // wait that outlasted the spin, to adapt the spin budget. `colocated`: a rank this wait is
+  // for last ran on this rank's CPU: no spin, the CPU goes to it at once (sched_yield).
   template <class Ready, class Missing, class Since>
   std::string wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* sleepers, Ready ready,
-                   Missing missing, Since since, const char* phase, Clock::time_point deadline,
-                   const OpDesc* arriving);
+                   Missing missing, Since since, bool colocated, const char* phase,
+                   Clock::time_point deadline, const OpDesc* arriving);
+  // Whether rank j last published from this rank's CPU (`cpu1`: sched_getcpu() + 1 here).
+  bool same_cpu(int j, int cpu1) const;
   std::string mismatch(const OpDesc& desc) const;  // names every found rank's op, dtype, size
   std::string straddler(const OpDesc& desc);       // a peer in the general rendezvous of this key
   std::string missing_message(const char* phase, const std::vector<int>& missing) const;
