@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import parse_size  # noqa: E402
+from _args import parse_size  # noqa: E402
 
 import strata_jax as sj  # noqa: E402  (before the JAX backend exists)
 

@@ -41,12 +41,13 @@ from typing import Any
 
 import numpy as np
 
-try:
-    import _common as C
-except ImportError:  # imported as a module from elsewhere
+if str(Path(__file__).resolve().parent) not in sys.path:  # imported from elsewhere
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import _common as C
-from collectives import make_body  # noqa: E402  (the per-shard op, one definition)
+from _args import format_size, parse_list, parse_size, size_sweep  # noqa: E402
+from _collective_ops import make_body  # noqa: E402  (the per-shard op, one definition)
+from _machine import machine_info, print_machine  # noqa: E402
+from _report import lead_print, write_json  # noqa: E402
+from _timing import time_interleaved  # noqa: E402
 
 CHILD_ENV = "STRATA_BENCH_CHILD"
 AXIS = "x"
@@ -83,7 +84,7 @@ def child(args: argparse.Namespace) -> int:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    impls = C.parse_list(args.impl, IMPLS)
+    impls = parse_list(args.impl, IMPLS)
     if "mpi" in impls:
         if "xla" in impls:
             sys.exit("error: --impl xla (gloo) and mpi cannot share a run (one engine a process)")
@@ -95,11 +96,11 @@ def child(args: argparse.Namespace) -> int:
     devs = sorted(jax.devices(), key=lambda d: d.id)
     n = len(devs)
     mesh = Mesh(np.array(devs), (AXIS,))
-    main = jax.process_index() == 0
-    write = print if main else (lambda *a, **k: None)
-    info = C.machine_info()
+    write = lead_print()
+    lead = jax.process_index() == 0
+    info = machine_info()
     write("# strata_jax small-message latency across processes (benchmarks/latency.py)")
-    C.print_machine(info, write)
+    print_machine(info, write)
     write(
         f"# setup      : {jax.process_count()} processes x {jax.local_device_count()} device, "
         f"mesh axis '{AXIS}' of {n}; {', '.join(impls)} (xla: jax.lax over gloo, mpi: jax.lax "
@@ -120,8 +121,8 @@ def child(args: argparse.Namespace) -> int:
     rmesh = Mesh(np.array(devs[::-1]), (AXIS,))
     impls = impls + (["general"] if args.general else [])
     rows = []
-    for op in C.parse_list(args.op, OPS):
-        for nbytes in C.size_sweep(args.min_bytes, args.max_bytes, args.factor):
+    for op in parse_list(args.op, OPS):
+        for nbytes in size_sweep(args.min_bytes, args.max_bytes, args.factor):
             count = max(n, nbytes // 4)
             count -= count % n
             per = count if op not in ("all_gather",) else count // n
@@ -160,18 +161,18 @@ def child(args: argparse.Namespace) -> int:
             for _ in range(args.rounds):
                 if args.interleave == "call":
                     multihost_utils.sync_global_devices("latency round")
-                    t, _o = C.time_interleaved(fns, args.iters, warmup=args.warmup)
+                    t, _o = time_interleaved(fns, args.iters, warmup=args.warmup)
                     for k in impls:
                         times[k] += t[k]
                     continue
                 for k in impls:  # blocks: each impl's calls back to back, then the next
                     multihost_utils.sync_global_devices("latency block")
-                    t, _o = C.time_interleaved({k: fns[k]}, args.iters, warmup=args.warmup)
+                    t, _o = time_interleaved({k: fns[k]}, args.iters, warmup=args.warmup)
                     times[k] += t[k]
             pct = {k: _percentiles(v) for k, v in times.items()}
             p50s = multihost_utils.process_allgather(np.array([pct[k][1] for k in impls]))
             p50max = np.asarray(p50s).reshape(-1, len(impls)).max(axis=0)
-            size = C.format_size(count * 4)
+            size = format_size(count * 4)
             for i, k in enumerate(impls):
                 p10, p50, p99 = pct[k]
                 write(
@@ -199,7 +200,7 @@ def child(args: argparse.Namespace) -> int:
                 )
             sj.reset_stats()
             rows.append({"op": op, "bytes": count * 4, "pct": pct, "wrong": wrong})
-            if main and args.goal and op == "psum" and {"strata", "xla", "noop"} <= set(impls):
+            if lead and args.goal and op == "psum" and {"strata", "xla", "noop"} <= set(impls):
                 i_s, i_x, i_n = impls.index("strata"), impls.index("xla"), impls.index("noop")
                 r0, rmax = s[1] / no[1], p50max[i_s] / p50max[i_n]
                 g0, gmax = xl[1] / s[1], p50max[i_x] / p50max[i_s]
@@ -210,8 +211,8 @@ def child(args: argparse.Namespace) -> int:
                     f"strata p50 = {g0:.1f} on rank 0, {gmax:.1f} slowest ranks (goal >= 20: "
                     f"{'met' if min(g0, gmax) >= 20 else 'not met'})"
                 )
-    if main and args.json:
-        C.write_json(Path(args.json), {"machine": info, "rows": rows})
+    if lead and args.json:
+        write_json(Path(args.json), {"machine": info, "rows": rows})
     return 0
 
 
@@ -219,8 +220,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--procs", type=int, default=4, help="processes (one device each)")
     ap.add_argument("--op", default="psum", help=f"comma list of {OPS} or 'all'")
-    ap.add_argument("-b", "--min-bytes", type=C.parse_size, default=4096)
-    ap.add_argument("-e", "--max-bytes", type=C.parse_size, default=65536)
+    ap.add_argument("-b", "--min-bytes", type=parse_size, default=4096)
+    ap.add_argument("-e", "--max-bytes", type=parse_size, default=65536)
     ap.add_argument("-f", "--factor", type=int, default=4)
     ap.add_argument("--iters", type=int, default=100, help="calls per round of each impl")
     ap.add_argument("--rounds", type=int, default=5, help="alternations (each after a sync)")
@@ -236,7 +237,11 @@ def main() -> int:
         action="store_true",
         help="also time strata's general path (low-latency path off) on another communicator",
     )
-    ap.add_argument("--goal", action="store_true", help="print issue 9's goals for psum")
+    ap.add_argument(
+        "--goal",
+        action="store_true",
+        help="print the latency goals for psum (strata below jax.lax at every size)",
+    )
     ap.add_argument(
         "--impl",
         default="strata,xla,noop",

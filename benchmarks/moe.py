@@ -46,7 +46,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+from _args import format_size, parse_list  # noqa: E402
+from _machine import print_header, reexec_with_allocator  # noqa: E402
+from _report import Table, write_csv, write_json  # noqa: E402
+from _timing import median, stream_add_step, time_interleaved  # noqa: E402
 
 IMPLS = ("strata", "gshard", "xla-gather")
 
@@ -141,8 +144,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    impls = C.parse_list(args.impl, IMPLS)
-    allocator = C.reexec_with_allocator(not args.no_preload)
+    impls = parse_list(args.impl, IMPLS)
+    allocator = reexec_with_allocator(not args.no_preload)
     args.allocator = allocator
     if "not found" in allocator:
         print("# warning    : libstrata_alloc.so not found; running without it", file=sys.stderr)
@@ -246,24 +249,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         fns["strata dispatch"] = lambda: f_sd(x, idx)[0]
         fns["strata combine"] = lambda: f_sc(ey, lay, wj)
         fns["strata d+c"] = lambda: f_sf(x, idx, wj)[0]
-    if "gshard" in impls:
-        f_gd, f_gc, f_gf = (
-            smap(g_dispatch, 2, spec),
-            smap(g_combine, 3, spec),
-            smap(g_full, 3, spec),
-        )
-        fns["gshard dispatch"] = lambda: f_gd(x, idx)
-        fns["gshard combine"] = lambda: f_gc(ey, idx, wj)
-        fns["gshard d+c"] = lambda: f_gf(x, idx, wj)
-    if "xla-gather" in impls:
-        f_xd, f_xc, f_xf = (
-            smap(x_dispatch, 2, spec),
-            smap(x_combine, 3, spec),
-            smap(x_full, 3, spec),
-        )
-        fns["xla-gather dispatch"] = lambda: f_xd(x, idx)
-        fns["xla-gather combine"] = lambda: f_xc(ey, idx, wj)
-        fns["xla-gather d+c"] = lambda: f_xf(x, idx, wj)
+    baselines = {
+        "gshard": (g_dispatch, g_combine, g_full),
+        "xla-gather": (x_dispatch, x_combine, x_full),
+    }
+    for name, (disp, comb, full) in baselines.items():
+        if name in impls:
+            f_d, f_c, f_f = smap(disp, 2, spec), smap(comb, 3, spec), smap(full, 3, spec)
+            fns[f"{name} dispatch"] = lambda f_d=f_d: f_d(x, idx)
+            fns[f"{name} combine"] = lambda f_c=f_c: f_c(ey, idx, wj)
+            fns[f"{name} d+c"] = lambda f_f=f_f: f_f(x, idx, wj)
 
     # ---- bytes and reference --------------------------------------------------------
     dest = idx_host // el
@@ -282,16 +277,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for k in range(K):
         ref += (wf[:, k] * sc[idx_host[:, k]])[:, None] * xs
 
-    info = C.machine_info()
-    C.print_machine(info)
-    print(f"# allocator  : {args.allocator}")
+    info = print_header(print, f"# allocator  : {args.allocator}")
     print(
         f"# moe        : R={R} T={T}/rank H={H} E={E} K={K} dtype={dt.name} "
         f"capacity={cap} per expert (= R * {cs}, cf {args.capacity_factor}), "
         f"{pairs / (R * T):.2f} destination ranks per token"
     )
     print(
-        f"# bytes      : {C.format_size(bytes_per_rank)} of token rows per rank, one per (token, "
+        f"# bytes      : {format_size(bytes_per_rank)} of token rows per rank, one per (token, "
         f"destination rank); impls {', '.join(impls)}; {args.iters} iters after "
         f"{args.warmup} warm-up"
     )
@@ -313,11 +306,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     traffic["d+c"] = traffic["dispatch"] + traffic["combine"] + expert_traffic
     # STREAM add over the larger phase's traffic, timed in the same alternations as the phases
     # (its median under the same load, not a burst of its own before or after them).
-    fns["stream add"], stream_bytes = C.stream_add_step(
+    fns["stream add"], stream_bytes = stream_add_step(
         mesh, max(traffic["dispatch"], traffic["combine"])
     )
-    times, outs = C.time_interleaved(fns, args.iters, args.warmup)
-    med = {k: C.median(v) for k, v in times.items()}
+    times, outs = time_interleaved(fns, args.iters, args.warmup)
+    med = {k: median(v) for k, v in times.items()}
     stream = stream_bytes / med.pop("stream add") / 1e9
 
     tol = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}.get(dt.name, 1e-4)
@@ -327,23 +320,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         checks[name] = float(np.abs(y - ref).max() / max(1e-30, np.abs(ref).max()))
     strata_drops = int(np.asarray(f_sf(x, idx, wj)[1]).sum()) if "strata" in impls else 0
 
-    table = C.Table(
-        [
-            C.Column("impl", 10),
-            C.Column("phase", 8),
-            C.Column("time(ms)", 9, ".2f"),
-            C.Column("GB/s/rank", 9, ".2f"),
-            C.Column("floor(ms)", 9, ".2f"),
-            C.Column("x floor", 7, ".2f"),
-            C.Column("vs strata", 9, ".2f"),
-        ]
+    table = Table.of(
+        "impl 10 | phase 8 | time(ms) 9 .2f | GB/s/rank 9 .2f | floor(ms) 9 .2f | "
+        "x floor 7 .2f | vs strata 9 .2f"
     )
     print(
         f"# floor      : the bytes each phase must move, all ranks (dispatch: token rows "
         f"read once per destination rank + all of recv_x written, "
-        f"{C.format_size(traffic['dispatch'])}; combine: routed rows read + y written, "
-        f"{C.format_size(traffic['combine'])}; d+c: both + the expert's read and write of "
-        f"recv_x, {C.format_size(traffic['d+c'])}) at {stream:.1f} GB/s, the STREAM add "
+        f"{format_size(traffic['dispatch'])}; combine: routed rows read + y written, "
+        f"{format_size(traffic['combine'])}; d+c: both + the expert's read and write of "
+        f"recv_x, {format_size(traffic['d+c'])}) at {stream:.1f} GB/s, the STREAM add "
         "bandwidth of these devices (median of its calls, timed in turns with the phases); "
         "x floor = time / floor (below 1 where streaming stores beat the in-place add); "
         "GB/s/rank = the floor's bytes per rank / time"
@@ -389,10 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"({verdict} the 1.5x goal)"
                 )
     ok = all(v <= tol for k, v in checks.items()) and strata_drops == 0 and drops_src == 0
-    C.write_csv(args.out / "moe.csv", rows)
-    C.write_json(
-        args.out / "moe.json", dict(machine=info, args=vars(args), rows=rows, checks=checks)
-    )
+    write_csv(args.out / "moe.csv", rows)
+    write_json(args.out / "moe.json", dict(machine=info, args=vars(args), rows=rows, checks=checks))
     if not ok:
         print("# RESULT MISMATCH or drops: see the check line above", file=sys.stderr)
         return 1
@@ -423,15 +407,13 @@ def low_latency(args: argparse.Namespace) -> int:
     dt = jnp.dtype(args.dtype)
     mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
     spec = P("ep")
-    tokens = [int(t) for t in C.parse_list(args.ll_tokens)]
+    tokens = [int(t) for t in parse_list(args.ll_tokens)]
     impls = ["strata-ll", "strata-ll-push", "strata", "xla-gather"]
 
     def smap(body, in_specs, out_specs):
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
 
-    info = C.machine_info()
-    C.print_machine(info)
-    print(f"# allocator  : {args.allocator}")
+    info = print_header(print, f"# allocator  : {args.allocator}")
     print(
         f"# moe ll     : R={R} H={H} E={E} K={K} dtype={dt.name}, T per rank {tokens}; "
         f"receive buffer [E/R, R*T, H] for every impl; {args.ll_iters} timed calls per "
@@ -439,16 +421,9 @@ def low_latency(args: argparse.Namespace) -> int:
         "per-call wall time (jitted shard_map, blocked)"
     )
     print(f"# impls      : {', '.join(impls)}")
-    table = C.Table(
-        [
-            C.Column("T/rank", 6),
-            C.Column("impl", 14),
-            C.Column("disp p50 us", 11, ".0f"),
-            C.Column("disp p99 us", 11, ".0f"),
-            C.Column("comb p50 us", 11, ".0f"),
-            C.Column("comb p99 us", 11, ".0f"),
-            C.Column("p50 speedup", 11, ".2f"),
-        ]
+    table = Table.of(
+        "T/rank 6 | impl 14 | disp p50 us 11 .0f | disp p99 us 11 .0f | comb p50 us 11 .0f | "
+        "comb p99 us 11 .0f | p50 speedup 11 .2f"
     )
     for line in table.header_lines():
         print(line)
@@ -532,7 +507,7 @@ def low_latency(args: argparse.Namespace) -> int:
             errs[name] = float(np.abs(y - ref).max() / max(1e-30, np.abs(ref).max()))
             ok &= errs[name] <= tol
 
-        times, _ = C.time_interleaved(fns, args.ll_iters, args.warmup)
+        times, _ = time_interleaved(fns, args.ll_iters, args.warmup)
         base = float(np.median(times["strata-ll dispatch"]) + np.median(times["strata-ll combine"]))
         for name in impls:
             td, tc = np.array(times[f"{name} dispatch"]), np.array(times[f"{name} combine"])
@@ -566,8 +541,8 @@ def low_latency(args: argparse.Namespace) -> int:
             f"T={r['tokens']} {r['impl']} {r['max_rel_err']:.1e}" for r in rows if r["impl"]
         )
     )
-    C.write_csv(args.out / "moe_low_latency.csv", rows)
-    C.write_json(args.out / "moe_low_latency.json", dict(machine=info, args=vars(args), rows=rows))
+    write_csv(args.out / "moe_low_latency.csv", rows)
+    write_json(args.out / "moe_low_latency.json", dict(machine=info, args=vars(args), rows=rows))
     if not ok:
         print("# RESULT MISMATCH: see the check line above", file=sys.stderr)
         return 1

@@ -48,7 +48,10 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+from _args import format_size, parse_list, parse_size  # noqa: E402
+from _machine import print_header, reexec_with_allocator  # noqa: E402
+from _report import lead_print, write_json  # noqa: E402
+from _timing import median, time_interleaved  # noqa: E402
 
 AXIS = "x"
 CHILD_ENV = "STRATA_BENCH_CHILD"
@@ -68,8 +71,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out", help="folder for pytree.json")
     a = p.parse_args(argv)
-    a.leaf_counts = [int(v) for v in C.parse_list(a.leaves)]
-    a.total_bytes = C.parse_size(a.total)
+    a.leaf_counts = [int(v) for v in parse_list(a.leaves)]
+    a.total_bytes = parse_size(a.total)
     if a.devices is None:
         a.devices = 1 if a.procs else 8
     return a
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     multi = args.procs is not None
     if multi and not os.environ.get(CHILD_ENV):
         return relaunch(argv, args.procs)
-    allocator = C.reexec_with_allocator(not args.no_preload and not multi)
+    allocator = reexec_with_allocator(not args.no_preload and not multi)
     load_before = os.getloadavg()
 
     import jax
@@ -140,20 +143,18 @@ def main(argv: list[str] | None = None) -> int:
     n = len(devs)
     mesh = Mesh(np.array(devs), (AXIS,))
     main_proc = jax.process_index() == 0
-    write = print if main_proc else (lambda *a, **k: None)
+    write = lead_print()
     dtype = np.dtype(jnp.dtype(args.dtype))
     total_elems = max(1, args.total_bytes // dtype.itemsize)
 
-    info = C.machine_info()
     write(f"# strata_jax pytree all-reduce: {args.op} of many leaves, strata vs jax.lax")
-    C.print_machine(info, write)
-    write(f"# allocator  : {allocator}")
+    info = print_header(write, f"# allocator  : {allocator}")
     write(
         f"# ranks      : {n} = {jax.process_count()} process(es) x {args.devices} device(s); "
         f"jax.lax{' over gloo' if multi else ' (XLA CPU in-process all-reduce)'}"
     )
     write(
-        f"# pytree     : {C.format_size(total_elems * dtype.itemsize)} of {dtype.name} per device "
+        f"# pytree     : {format_size(total_elems * dtype.itemsize)} of {dtype.name} per device "
         "in all, leaves of rank 0-3 mixed, sizes within 2x of the mean"
     )
     write(
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             hlo["lax_strata"].count('custom_call_target="strata_all_reduce'),
             hlo["per_leaf"].count('custom_call_target="strata_all_reduce'),
         )
-        times, outs = C.time_interleaved(
+        times, outs = time_interleaved(
             {k: (lambda f=f, t=tree: f(t)) for k, f in fns.items()}, args.iters, args.warmup
         )
         # The oracle: the ranks folded in rank order (rank 0 first, bfloat16/float16 in float32
@@ -259,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             for s in a.addressable_shards
         )
         failed |= not same
-        ts, tx = C.median(times["strata"]), C.median(times["xla"])
-        tl, tp = C.median(times["lax_strata"]), C.median(times["per_leaf"])
+        ts, tx = median(times["strata"]), median(times["xla"])
+        tl, tp = median(times["lax_strata"]), median(times["per_leaf"])
         row = {
             "leaves": n_leaves,
             "leaf_bytes_avg": total_elems * dtype.itemsize / n_leaves,
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{v:>11}"
                 for v in (
                     n_leaves,
-                    C.format_size(row["leaf_bytes_avg"]),
+                    format_size(row["leaf_bytes_avg"]),
                     f"{row['strata_ms']:.3f}",
                     f"{row['xla_ms']:.3f}",
                     f"{row['lax_on_strata_ms']:.3f}",
@@ -323,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     if main_proc:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        C.write_json(
+        write_json(
             out / "pytree.json",
             {
                 "args": vars(args),

@@ -6,7 +6,7 @@ d_model, tokens per device and experts for the MoE jobs, embedding width and bag
 DLRM), in one process or under ``strata_jax.launch -n N`` (``--procs N``), and collects the
 JSON each run writes. For every point it takes the baseline's communication share
 (``(baseline - nocomm) / baseline``, medians of the same turns:
-``_common.communication_share``) and the speed-ups of strata and of nocomm over the baseline
+``_report.communication_share``) and the speed-ups of strata and of nocomm over the baseline
 (baseline time / this time), and writes one PNG per workload (matplotlib): speed-up (y)
 against the share (x), one marker per point labelled by its configuration. nocomm's speed-up
 is ``1 / (1 - share)`` by construction: the most any exchange can give at that share; strata's
@@ -41,7 +41,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import _common as C  # noqa: E402
+from _args import parse_list  # noqa: E402
+from _machine import machine_info, print_machine  # noqa: E402
+from _report import NO_MATPLOTLIB, pyplot, write_json  # noqa: E402
 
 WORKLOADS = ("train_moe", "serve_moe", "train_recsys")
 BASELINE = {"train_moe": "xla_sort", "serve_moe": "xla_sort", "train_recsys": "xla"}
@@ -116,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     try:
-        args.workloads = C.parse_list(args.workload, WORKLOADS)
+        args.workloads = parse_list(args.workload, WORKLOADS)
     except ValueError as e:
         p.error(f"--workload: {e}")
     if args.procs < 1:
@@ -225,12 +227,8 @@ def draw_panel(ax: Any, workload: str, name: str, points: list[dict[str, Any]]) 
 
 def plot(path: Path, workload: str, points: list[dict[str, Any]], title: str) -> bool:
     """One PNG for one workload: a panel per timed quantity (:func:`draw_panel`)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     names = [n for n, _ in PANELS[workload]]
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.4), squeeze=False)
@@ -294,9 +292,11 @@ def main(argv: list[str] | None = None) -> int:
         if not js.exists():
             raise SystemExit(f"--plot-only: {js} does not exist (run the sweep first)")
         summary = _read_summary(js)
+        if pyplot() is None:
+            raise SystemExit(f"--plot-only: {NO_MATPLOTLIB}")
     else:
-        info = C.machine_info()
-        C.print_machine(info)
+        info = machine_info()
+        print_machine(info)
         points = []
         if js.exists():  # a sweep of other workloads at the same placement: keep its points
             old = json.loads(js.read_text())
@@ -306,10 +306,12 @@ def main(argv: list[str] | None = None) -> int:
             for label, flags in POINTS[workload].items():
                 points.append(run_point(workload, label, flags, args))
         summary = {"machine": info, "procs": args.procs, "short": SHORT, "points": points}
-        C.write_json(js, summary)
+        write_json(js, summary)
         print(f"# wrote {js}")
     for png in write_plots(summary, args.out, args.workloads):
         print(f"# wrote {png}")
+    if pyplot() is None:
+        print(f"# {NO_MATPLOTLIB}")
     failed = [p for p in summary["points"] if "failed" in p]
     return 1 if failed else 0
 

@@ -36,7 +36,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+from _machine import machine_info  # noqa: E402
+from _report import write_json  # noqa: E402
 
 MODES = ("on_alloc", "on_use", "staging")
 RESULT_TAG = "REGBENCH-RESULT "
@@ -97,10 +98,11 @@ def child(a: argparse.Namespace) -> None:
     info = sj.init()
     import jax
     import jax.numpy as jnp
-    from jax._src import distributed
     from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
+
+    from strata_jax._src.jax_compat import distributed
 
     client = distributed.global_state.client
     n = jax.process_count()
@@ -328,9 +330,9 @@ def main(argv: list[str] | None = None) -> int:
             "(goal 0)"
         )
     a.out.mkdir(parents=True, exist_ok=True)
-    C.write_json(
+    write_json(
         a.out / "registration.json",
-        {"machine": C.machine_info(), "args": vars(a), "runs": rows, "summary": summary},
+        {"machine": machine_info(), "args": vars(a), "runs": rows, "summary": summary},
     )
     return 0 if failed == 0 else 1
 

@@ -18,10 +18,10 @@ fixed seed). MoE implementations, stepped in turns (prefill of each, then step i
   index gathers and ``jax.lax.all_to_all``;
 * ``xla``: ``moe_mlp(impl="xla")``, GShard (one-hot einsums and ``jax.lax.all_to_all``);
 * ``nocomm``: ``xla_sort``'s programs with every exchange replaced by identity
-  (``_common.no_exchange``): wrong bytes by design, never compared; its times are the bound that
+  (``_nocomm.no_exchange``): wrong bytes by design, never compared; its times are the bound that
   no faster exchange can beat at these sizes (the ``# bound`` line);
 * ``meet`` (not run by default): ``nocomm`` whose exchanges still make the ranks meet (a
-  1-element strata psum each: ``_common.no_exchange(meet=True)``): with it the communication
+  1-element strata psum each: ``_nocomm.no_exchange(meet=True)``): with it the communication
   lines split the exchange time into waiting for the slowest rank and moving the bytes.
 
 None drops a token (capacity = every token of every rank), so with greedy decoding all
@@ -61,8 +61,24 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import _common as C  # noqa: E402
 import train_moe  # noqa: E402
+from _args import (  # noqa: E402
+    add_expert_chunk_args,
+    add_preset,
+    impl_list,
+    preset_line,
+    processes_env,
+)
+from _machine import allocator_for_script, print_header  # noqa: E402
+from _nocomm import no_exchange  # noqa: E402
+from _report import (  # noqa: E402
+    Table,
+    args_record,
+    communication_share,
+    progress,
+    write_results,
+)
+from _timing import align_processes, slowest_process  # noqa: E402
 from moe_model import attention_cached, load_params, rms  # noqa: E402
 
 IMPLS = ("strata", "xla_sort", "xla", "nocomm", "meet")
@@ -136,7 +152,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(TTFT p50 1.22-1.24x xla_sort against 1.10-1.13x) and within noise under launch -n 4 "
         "(1.30x against 1.31-1.35x)",
     )
-    C.add_expert_chunk_args(p)
+    add_expert_chunk_args(p)
     p.add_argument(
         "--devices",
         type=int,
@@ -175,14 +191,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--experts", type=int, default=None, help="default: train_moe.py's")
     g.add_argument("--top-k", type=int, default=None, help="default: train_moe.py's")
     g.add_argument("--d-ff", type=int, default=None, help="default: train_moe.py's")
-    C.add_preset(p, PRESETS, argv, PRESET_WHY)
+    add_preset(p, PRESETS, argv, PRESET_WHY)
     args = p.parse_args(argv)
-    try:
-        args.impls = C.parse_list(args.impl, IMPLS)
-    except ValueError as e:
-        p.error(f"--impl: {e}")
-    if not args.impls:
-        p.error(f"--impl: name at least one of {IMPLS}")
+    args.impls = impl_list(p, args.impl, IMPLS)
     if args.gen < 2 or args.prompt < 1 or args.requests < 1:
         p.error("need --gen >= 2, --prompt >= 1, --requests >= 1")
     if args.batch < 1 or args.devices < 1 or args.train_steps < 2:
@@ -222,7 +233,7 @@ def ensure_checkpoint(args: argparse.Namespace) -> tuple[Path, str]:
     path = (args.ckpt_dir or args.out) / f"serve_moe_params{tag}.npz"
     if path.exists():
         return path, f"{path} (trained earlier by this script)"
-    denv = C.processes_env()
+    denv = processes_env()
     if denv is None or denv["process_id"] == 0:
         tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}.npz")
         # A one-process training run: none of the launchers' variables (mpirun's, srun's too).
@@ -356,7 +367,7 @@ def make_programs(cfg: dict[str, Any], impl: str, axis: str, nranks: int, args):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # The deployment's allocator in one process, as strata_jax.launch sets it for its processes.
-    allocator = C.allocator_for_script(args.preload, argv, __file__)
+    allocator = allocator_for_script(args.preload, argv, __file__)
     ckpt, ckpt_note = ensure_checkpoint(args)
     strata_jax, jax = train_moe.start_runtime(args)
     import jax.numpy as jnp
@@ -421,13 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     key = put(np.asarray(jax.random.key_data(jax.random.key(args.seed))), P())
     positions = [put(np.asarray(Pn + i, np.int32), P()) for i in range(G)]
 
-    info = C.machine_info()
-    C.print_machine(info, say)
     n_dense = sum(a.size for a in jax.tree.leaves(dense_np))
     n_exp = sum(a.size for a in jax.tree.leaves(experts_np))
-    say(f"# allocator  : {allocator}")
-    if C.preset_line(args, PRESETS):
-        say(C.preset_line(args, PRESETS))
+    info = print_header(say, f"# allocator  : {allocator}", preset_line(args, PRESETS))
     say(f"# data       : {corpus_name}, {corpus.size:,} bytes; prompts cut at random offsets")
     say(
         f"# experts    : MLPs in chunks of {args.expert_chunk} rows (baselines: "
@@ -486,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         pr0 = put(prompts_np[0], P(axis))
         t0 = time.perf_counter()
         # Traced (and cached by jit) here, on the first call; later calls have the same types.
-        with C.no_exchange(meet=impl == "meet") if impl in FREE else contextlib.nullcontext():
+        with no_exchange(meet=impl == "meet") if impl in FREE else contextlib.nullcontext():
             tok, cache = f_pre(dense, experts, pr0, key)
             jax.block_until_ready(f_dec(dense, experts, cache, tok, positions[0], key))
         what = {
@@ -505,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         runs[impl] = dict(pre=f_pre, dec=f_dec, ttft=[], steps=[], tokens=[])
 
     names = list(runs)
-    bar = C.progress(args.requests * G, desc="serve", enable=args.progress and lead)
+    bar = progress(args.requests * G, desc="serve", enable=args.progress and lead)
     for r in range(args.requests):
         # Nothing else may still be running when a timed call starts (the prompt transfer,
         # the previous request's token stacking), and no impl is always the first one after
@@ -515,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         state = {}
         for impl in order:
             run = runs[impl]
-            C.align_processes("serve_moe")  # several processes: start each call together
+            align_processes("serve_moe")  # several processes: start each call together
             t0 = time.perf_counter()
             tok, cache = run["pre"](dense, experts, prompts, key)
             jax.block_until_ready(tok)
@@ -526,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
             for impl in order:
                 run = runs[impl]
                 tok, cache, out = state[impl]
-                C.align_processes("serve_moe")
+                align_processes("serve_moe")
                 t0 = time.perf_counter()
                 tok, cache = run["dec"](dense, experts, cache, tok, positions[i], key)
                 jax.block_until_ready(tok)
@@ -539,8 +546,8 @@ def main(argv: list[str] | None = None) -> int:
             run["tokens"].append(jax.block_until_ready(jnp.stack(state[impl][2], axis=1)))
     bar.close()
     for run in runs.values():  # several processes: each call's time is the slowest process's
-        run["ttft"] = C.slowest_process(run["ttft"])
-        run["steps"] = C.slowest_process(run["steps"])
+        run["ttft"] = slowest_process(run["ttft"])
+        run["steps"] = slowest_process(run["steps"])
 
     # ---- generated bytes: identical across impls (greedy), one sample each ----------------------
     gen = {
@@ -589,15 +596,9 @@ def main(argv: list[str] | None = None) -> int:
                 tokens_per_s=args.requests * B * G / total,
             )
         )
-    table = C.Table(
-        [
-            C.Column("impl", 24),
-            C.Column("TTFT p50 ms", 11, ".2f"),
-            C.Column("TTFT p99 ms", 11, ".2f"),
-            C.Column("step p50 ms", 11, ".2f"),
-            C.Column("step p99 ms", 11, ".2f"),
-            C.Column("tokens/s", 10, ",.0f"),
-        ]
+    table = Table.of(
+        "impl 24 | TTFT p50 ms 11 .2f | TTFT p99 ms 11 .2f | step p50 ms 11 .2f | "
+        "step p99 ms 11 .2f | tokens/s 10 ,.0f"
     )
     say("")
     say(
@@ -626,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     if {"strata", "xla_sort", "nocomm"} <= set(runs):
         by = {r["impl"]: r for r in rows}
         for key, what in (("step_p50_ms", "decode step (p50)"), ("ttft_p50_ms", "TTFT (p50)")):
-            lines, communication[key[:-3]] = C.communication_share(
+            lines, communication[key[:-3]] = communication_share(
                 *(1e-3 * by[i][key] for i in ("xla_sort", "strata", "nocomm")), "xla_sort", what,
                 t_meet=1e-3 * by["meet"][key] if "meet" in by else None,
             )  # fmt: skip
@@ -634,26 +635,19 @@ def main(argv: list[str] | None = None) -> int:
                 say(line)
 
     if lead:
-        args.out.mkdir(parents=True, exist_ok=True)
-        png = args.out / "serve_moe.png"
-        if _plot(png, runs):
-            say(f"# wrote {png}")
-        C.write_json(
-            args.out / "serve_moe.json",
-            dict(
-                args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                machine=info,
-                checkpoint=str(ckpt),
-                results=rows,
-                strata_speedup=ratios,
-                communication=communication,
-                differing_bytes=same,
-                distinct_generated_bytes=distinct,
-                ttft_s={k: r["ttft"] for k, r in runs.items()},
-                step_s={k: r["steps"] for k, r in runs.items()},
-            ),
+        record = dict(
+            args=args_record(args),
+            machine=info,
+            checkpoint=str(ckpt),
+            results=rows,
+            strata_speedup=ratios,
+            communication=communication,
+            differing_bytes=same,
+            distinct_generated_bytes=distinct,
+            ttft_s={k: r["ttft"] for k, r in runs.items()},
+            step_s={k: r["steps"] for k, r in runs.items()},
         )
-        say(f"# wrote {args.out / 'serve_moe.json'}")
+        write_results(args.out, "serve_moe", record, say, lambda plt: _plot(plt, runs))
 
     if "nocomm" in runs and "xla_sort" in runs:
         bound = next(r for r in rows if r["impl"] == "nocomm")
@@ -689,15 +683,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-def _plot(path: Path, runs: dict[str, dict[str, Any]]) -> bool:
-    try:
-        import matplotlib
+def _plot(plt: Any, runs: dict[str, dict[str, Any]]) -> Any:
+    """The decode step latencies of every impl, as histograms with their p50 and p99."""
+    import numpy as np
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import numpy as np
-    except ImportError:
-        return False
     fig, ax = plt.subplots(figsize=(8, 4.5))
     all_ms = np.concatenate([1e3 * np.asarray(r["steps"]) for r in runs.values()])
     bins = np.geomspace(all_ms.min() * 0.9, all_ms.max() * 1.1, 60)
@@ -713,12 +702,7 @@ def _plot(path: Path, runs: dict[str, dict[str, Any]]) -> bool:
         ylabel="steps",
         title="serve_moe: per-step decode latency",
     )
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return fig
 
 
 if __name__ == "__main__":

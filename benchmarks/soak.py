@@ -25,7 +25,7 @@ Usage::
     python benchmarks/soak.py --calls 300 --max-bytes 1M   # the short version the tests run
 
 The calls run one after the other, each blocked to completion (dispatching multi-device
-launches far ahead deadlocks XLA CPU; see DESIGN.md). Timings on a shared machine are
+launches far ahead deadlocks XLA CPU; strata_jax/_src/runtime.py). Timings on a shared machine are
 indicative only; the point of the soak is the zero and the flat RSS/fd lines.
 """
 
@@ -44,7 +44,9 @@ from pathlib import Path
 import strata_jax as sj  # noqa: I001  (before jax creates its CPU backend)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+from _args import format_size, parse_size  # noqa: E402
+from _machine import machine_info, print_machine  # noqa: E402
+from _report import write_json  # noqa: E402
 
 CHILD_ENV = "STRATA_SOAK_CHILD"
 DTYPES = [
@@ -256,7 +258,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--calls", type=int, default=10_000)
     p.add_argument("--devices", type=int, default=8, help="in-process devices (1 with --procs)")
     p.add_argument("--procs", type=int, default=None, help="run over `launch -n P`")
-    p.add_argument("--max-bytes", type=C.parse_size, default=8 << 20)
+    p.add_argument("--max-bytes", type=parse_size, default=8 << 20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--programs",
@@ -386,11 +388,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     write = print if main_proc else (lambda *a, **k: None)
     sizes = [s for s in SIZES if s <= args.max_bytes]
     write("# strata_jax soak: mixed collective calls, each checked against numpy (bit-exact)")
-    C.print_machine(C.machine_info(), write)
+    print_machine(machine_info(), write)
     write(
         f"# run        : {args.calls} calls, {mesh.devices.size} devices over "
         f"{jax.process_count()} process(es), fabric {info['fabric']}, registration "
-        f"{info['registration']}, sizes {', '.join(C.format_size(s) for s in sizes)} per device, "
+        f"{info['registration']}, sizes {', '.join(format_size(s) for s in sizes)} per device, "
         f"seed {args.seed}"
     )
     write(f"# ops        : {', '.join(OPS)}; donated and non-donated inputs; impl {args.impl}")
@@ -406,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("SOAK " + " ".join(str(row[k]) for k in keys), flush=True)
     print("SOAKJSON " + json.dumps(row), flush=True)
     if args.json is not None and main_proc:
-        C.write_json(args.json, {"machine": C.machine_info(), "row": row})
+        write_json(args.json, {"machine": machine_info(), "row": row})
     return 1 if row["wrong"] else 0
 
 

@@ -17,10 +17,10 @@ gradients are averaged with ``pmean`` and the MoE layers move tokens with
 * ``reference``: the pure-JAX oracle of dispatch/combine with ``strata_jax.pmean`` (a stand-in
   where the native MoE operators are missing; slow by design, never a speed claim);
 * ``nocomm``: ``xla_sort``'s computation with every exchange replaced by identity
-  (``_common.no_exchange``): wrong losses by design, never checked; its step time is the bound
+  (``_nocomm.no_exchange``): wrong losses by design, never checked; its step time is the bound
   that no communication library can beat at these sizes;
 * ``meet``: ``nocomm`` whose exchanges still make the ranks meet (a 1-element strata psum each,
-  forward and backward: ``_common.no_exchange(meet=True)``): the step with the waiting for the
+  forward and backward: ``_nocomm.no_exchange(meet=True)``): the step with the waiting for the
   slowest rank that every synchronous exchange pays, and no bytes moved. With it the
   communication lines split the exchange time into that waiting and moving the bytes.
 
@@ -118,7 +118,7 @@ PRESET_WHY = (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import _common as C
+    from _args import add_expert_chunk_args, add_preset
 
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -195,14 +195,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="capacity = ceil(f * R * T * K / E) (overrides --capacity); strata and "
         "xla may then drop different tokens",
     )
-    C.add_expert_chunk_args(g)
+    add_expert_chunk_args(g)
     g = p.add_argument_group("optimizer")
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--lr-warmup", type=int, default=20, help="linear learning-rate warm-up steps")
     g.add_argument("--b1", type=float, default=0.9)
     g.add_argument("--b2", type=float, default=0.99)
-    C.add_preset(p, PRESETS, argv, PRESET_WHY)
+    add_preset(p, PRESETS, argv, PRESET_WHY)
     args = p.parse_args(argv)
     args.impls = (
         list(IMPLS)
@@ -230,12 +230,12 @@ def start_runtime(args: argparse.Namespace):
     """Configures devices, imports strata_jax before jax's backend exists; returns the modules.
 
     One process: ``--devices`` in-process devices. Several (``strata_jax.launch``, mpirun,
-    srun; ``_common.processes_env``): each process's devices as its launcher says, and
+    srun; ``_args.processes_env``): each process's devices as its launcher says, and
     ``strata_jax.init()`` joins them.
     """
-    import _common as C
+    from _args import processes_env
 
-    denv = C.processes_env()
+    denv = processes_env()
     if denv is None:
         os.environ["JAX_NUM_CPU_DEVICES"] = str(args.devices)
     else:
@@ -448,10 +448,22 @@ def state_specs(dense, experts, axis: str):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import _common as C
+    from _args import preset_line
+    from _machine import allocator_for_script, print_header
+    from _nocomm import no_exchange
+    from _report import (
+        Table,
+        args_record,
+        bound_sentence,
+        communication_share,
+        progress,
+        speed_sentence,
+        write_results,
+    )
+    from _timing import align_processes, slowest_process
 
     # The deployment's allocator in one process, as strata_jax.launch sets it for its processes.
-    allocator = C.allocator_for_script(args.preload, argv, __file__)
+    allocator = allocator_for_script(args.preload, argv, __file__)
     strata_jax, jax = start_runtime(args)
     import jax.numpy as jnp
     import numpy as np
@@ -481,13 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     dense_np, experts_np = init_params(args)
     tokens_per_step = global_batch * args.seq
 
-    info = C.machine_info()
-    C.print_machine(info, say)
+    info = print_header(say, f"# allocator  : {allocator}", preset_line(args, PRESETS))
     n_dense = sum(a.size for a in jax.tree.leaves(dense_np))
     n_exp = sum(a.size for a in jax.tree.leaves(experts_np))
-    say(f"# allocator  : {allocator}")
-    if C.preset_line(args, PRESETS):
-        say(C.preset_line(args, PRESETS))
     say(f"# data       : {corpus_name}, {corpus.size:,} bytes")
     say(
         f"# model      : byte-level decoder, {args.layers} layers, d_model {args.d_model}, "
@@ -541,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         state = fresh_state()
         tok0 = jax.make_array_from_callback(data.shape[1:], tok_sharding, lambda idx: data[0][idx])
         t0 = time.perf_counter()
-        with C.no_exchange(meet=impl == "meet") if impl in FREE else contextlib.nullcontext():
+        with no_exchange(meet=impl == "meet") if impl in FREE else contextlib.nullcontext():
             compiled = fn.lower(state, tok0).compile()
         runs[impl] = {
             "fn": compiled,
@@ -558,14 +566,14 @@ def main(argv: list[str] | None = None) -> int:
             f"capacity {capacity if capacity is not None else 'None (no drops)'})"
         )
 
-    bar = C.progress(args.steps, desc="train", enable=args.progress and lead)
+    bar = progress(args.steps, desc="train", enable=args.progress and lead)
     t_start = time.perf_counter()
     for i in range(args.steps):
         tok = jax.make_array_from_callback(
             data.shape[1:], tok_sharding, lambda idx, i=i: data[i][idx]
         )
         for r in runs.values():
-            C.align_processes("train_moe")  # several processes: start each step together
+            align_processes("train_moe")  # several processes: start each step together
             t0 = time.perf_counter()
             r["state"], loss = r["fn"](r["state"], tok)
             jax.block_until_ready((r["state"], loss))
@@ -579,22 +587,13 @@ def main(argv: list[str] | None = None) -> int:
     # ---- results -------------------------------------------------------------------------------
     base = next((b for b in XLA_IMPLS if b in runs), None)
     rows = []
-    table = C.Table(
-        [
-            C.Column("impl", 13),
-            C.Column("steps", 6),
-            C.Column("first loss", 10, ".4f"),
-            C.Column("final loss", 10, ".4f"),
-            C.Column("tokens/s", 10, ",.0f"),
-            C.Column("median ms", 10, ".1f"),
-            C.Column("p10 ms", 8, ".1f"),
-            C.Column("p90 ms", 8, ".1f"),
-            C.Column("compile s", 9, ".1f"),
-            C.Column(f"{base} ms/this" if base else "vs base", 16, ".2f"),
-        ]
+    last = f"{base} ms/this" if base else "vs base"
+    table = Table.of(
+        f"impl 13 | steps 6 | first loss 10 .4f | final loss 10 .4f | tokens/s 10 ,.0f | "
+        f"median ms 10 .1f | p10 ms 8 .1f | p90 ms 8 .1f | compile s 9 .1f | {last} 16 .2f"
     )
     for r in runs.values():
-        r["times"] = C.slowest_process(r["times"])  # several processes: the slowest one's
+        r["times"] = slowest_process(r["times"])  # several processes: the slowest one's
         t = np.array(r["times"][args.warmup :])
         r["median_s"] = float(np.median(t))
         r["p10_s"], r["p90_s"] = (float(v) for v in np.percentile(t, [10, 90]))
@@ -675,12 +674,12 @@ def main(argv: list[str] | None = None) -> int:
             )
     for impl in ("strata", "strata_ragged"):
         if impl in runs and base:
-            say(C.speed_sentence(impl, runs[impl]["median_s"], base, runs[base]["median_s"]))
+            say(speed_sentence(impl, runs[impl]["median_s"], base, runs[base]["median_s"]))
     if "nocomm" in runs and "xla_sort" in runs:  # nocomm is xla_sort's computation
-        say(C.bound_sentence(runs["nocomm"]["median_s"], "xla_sort", runs["xla_sort"]["median_s"]))
+        say(bound_sentence(runs["nocomm"]["median_s"], "xla_sort", runs["xla_sort"]["median_s"]))
     communication = None
     if {"nocomm", "xla_sort", "strata"} <= set(runs):
-        lines, communication = C.communication_share(
+        lines, communication = communication_share(
             runs["xla_sort"]["median_s"], runs["strata"]["median_s"], runs["nocomm"]["median_s"],
             "xla_sort", t_meet=runs["meet"]["median_s"] if "meet" in runs else None,
         )  # fmt: skip
@@ -698,49 +697,29 @@ def main(argv: list[str] | None = None) -> int:
             save_params(args.save, *host, vars(args))
             say(f"# wrote {args.save} ({saved}'s parameters after {args.steps} steps)")
     if lead:
-        args.out.mkdir(parents=True, exist_ok=True)
-        png = args.out / "train_moe.png"
-        if _plot(png, runs):
-            say(f"# wrote {png}")
-        js = args.out / "train_moe.json"
-        C.write_json(
-            js,
-            {
-                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                "machine": info,
-                "corpus": corpus_name,
-                "results": rows,
-                "loss_diffs": diffs,
-                "communication": communication,
-                "losses": {k: r["losses"] for k, r in runs.items()},
-                "step_times_s": {k: r["times"] for k, r in runs.items()},
-            },
-        )
-        say(f"# wrote {js}")
+        record = {
+            "args": args_record(args),
+            "machine": info,
+            "corpus": corpus_name,
+            "results": rows,
+            "loss_diffs": diffs,
+            "communication": communication,
+            "losses": {k: r["losses"] for k, r in runs.items()},
+            "step_times_s": {k: r["times"] for k, r in runs.items()},
+        }
+        write_results(args.out, "train_moe", record, say, lambda plt: _plot(plt, runs))
     return 0 if ok else 1
 
 
-def _plot(path: Path, runs: dict[str, dict[str, Any]]) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+def _plot(plt: Any, runs: dict[str, dict[str, Any]]) -> Any:
+    """Loss and step time per step of every impl."""
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for k, r in runs.items():
         ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=k, lw=1.2)
         ax2.plot(range(1, len(r["times"]) + 1), [1e3 * t for t in r["times"]], label=k, lw=1)
     ax.set(xlabel="step", ylabel="loss (next-byte cross-entropy, nats)", title="loss")
     ax2.set(xlabel="step", ylabel="step time (ms)", title="step time", yscale="log")
-    for a in (ax, ax2):
-        a.grid(True, alpha=0.3)
-        a.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return fig
 
 
 if __name__ == "__main__":

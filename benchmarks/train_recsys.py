@@ -13,10 +13,10 @@ seed and batches run once per ``--impl``:
 * ``strata``: ``strata_jax.all_to_all``, ``strata_jax.pmean``, ``strata_jax.psum``;
 * ``xla``: ``jax.lax.all_to_all``, ``jax.lax.pmean``, ``jax.lax.psum``;
 * ``nocomm``: ``xla``'s computation with every exchange replaced by identity
-  (``_common.no_exchange``): wrong losses by design, never compared; its step time is the bound
+  (``_nocomm.no_exchange``): wrong losses by design, never compared; its step time is the bound
   that no faster exchange can beat at these sizes;
 * ``meet``: ``nocomm`` whose exchanges still make the ranks meet (a 1-element strata psum each,
-  forward and backward: ``_common.no_exchange(meet=True)``): with it the communication lines
+  forward and backward: ``_nocomm.no_exchange(meet=True)``): with it the communication lines
   split the exchange time into waiting for the slowest rank and moving the bytes.
 
 Run (8 in-process CPU devices)::
@@ -58,8 +58,20 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
 import recsys_model as rm  # noqa: E402
+from _args import add_preset, impl_list, parse_list, preset_line  # noqa: E402
+from _machine import print_header  # noqa: E402
+from _nocomm import no_exchange  # noqa: E402
+from _report import (  # noqa: E402
+    Table,
+    args_record,
+    bound_sentence,
+    communication_share,
+    progress,
+    speed_sentence,
+    write_results,
+)
+from _timing import align_processes, slowest_process  # noqa: E402
 from train_moe import start_runtime  # noqa: E402
 
 IMPLS = ("strata", "xla", "nocomm", "meet", "strata_padded", "strata_compact")
@@ -86,7 +98,7 @@ PRESET_WHY = (
 
 
 def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in C.parse_list(text) if v) if text else ()
+    return tuple(int(v) for v in parse_list(text) if v) if text else ()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -170,14 +182,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--sparse-acc-init", type=float, default=1e-6, help="row-wise Adagrad's initial accumulator"
     )
-    C.add_preset(p, PRESETS, argv, PRESET_WHY)
+    add_preset(p, PRESETS, argv, PRESET_WHY)
     args = p.parse_args(argv)
-    try:
-        args.impls = C.parse_list(args.impl, IMPLS)
-    except ValueError as e:
-        p.error(f"--impl: {e}")
-    if not args.impls:
-        p.error("--impl: empty")
+    args.impls = impl_list(p, args.impl, IMPLS)
     for name in ("batch", "eval_every", "dim", "tables"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -309,13 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     slots = min(capacity, B * cfg.tables)
 
-    info = C.machine_info()
-    C.print_machine(info, say)
+    info = print_header(say, preset_line(args, PRESETS))
     dense_np, _ = rm.init_params(cfg, args.seed)
     n_dense = sum(a.size for a in jax.tree.leaves(dense_np))
     n_emb = sum(cfg.rows) * cfg.dim
-    if C.preset_line(args, PRESETS):
-        say(C.preset_line(args, PRESETS))
     say(f"# data       : {data_name}")
     say(
         f"# model      : DLRM, {cfg.tables} tables x {cfg.dim} "
@@ -379,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         fn = rm.make_sharded_step(cfg, layout, sc, mesh, axis, coll, check_vma, exchange)
         state = rm.initial_state(cfg, layout, args.seed, mesh, axis)
         t0 = time.perf_counter()
-        with C.no_exchange(meet=impl == "meet") if impl in FREE else contextlib.nullcontext():
+        with no_exchange(meet=impl == "meet") if impl in FREE else contextlib.nullcontext():
             compiled = fn.lower(state, batch0).compile()
         runs[impl] = {
             "fn": compiled,
@@ -405,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
 
     labels_window: list[np.ndarray] = []
     strata_turns: dict[str, dict[str, float]] = {}  # _add_ops
-    bar = C.progress(args.steps, desc="train", enable=args.progress and lead)
+    bar = progress(args.steps, desc="train", enable=args.progress and lead)
     t_start = time.perf_counter()
     for i in range(args.steps):
         if i == args.warmup:  # strata's per-operator counters: the timed steps only
@@ -413,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         batch, labels = put_batch(i)
         labels_window.append(np.concatenate([labels[k] for k, _ in local_devs]))
         for k, r in runs.items():
-            C.align_processes("train_recsys")  # several processes: start each step together
+            align_processes("train_recsys")  # several processes: start each step together
             # strata's counters over its own timed turns (not strata_padded's beside it)
             ops0 = strata_jax.comm_stats()["ops"] if k == "strata" and i >= args.warmup else None
             t0, c0 = time.perf_counter(), time.process_time()
@@ -449,26 +453,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- results -------------------------------------------------------------------------------
     base = "xla" if "xla" in runs else None
-    table = C.Table(
-        [
-            C.Column("impl", 8),
-            C.Column("steps", 6),
-            C.Column("first loss", 10, ".4f"),
-            C.Column("final loss", 10, ".4f"),
-            C.Column("final AUC", 9, ".4f"),
-            C.Column("drops", 8),
-            C.Column("samples/s", 10, ",.0f"),
-            C.Column("median ms", 10, ".1f"),
-            C.Column("p10 ms", 8, ".1f"),
-            C.Column("p90 ms", 8, ".1f"),
-            C.Column("cpu ms", 8, ".1f"),
-            C.Column("compile s", 9, ".1f"),
-            C.Column("xla/this", 8, ".2f"),
-        ]
+    table = Table.of(
+        "impl 8 | steps 6 | first loss 10 .4f | final loss 10 .4f | final AUC 9 .4f | drops 8 | "
+        "samples/s 10 ,.0f | median ms 10 .1f | p10 ms 8 .1f | p90 ms 8 .1f | cpu ms 8 .1f | "
+        "compile s 9 .1f | xla/this 8 .2f"
     )
     rows = []
     for impl, r in runs.items():
-        r["times"] = C.slowest_process(r["times"])  # several processes: the slowest one's
+        r["times"] = slowest_process(r["times"])  # several processes: the slowest one's
         t = np.array(r["times"][args.warmup :])
         r["median_s"] = float(np.median(t))
         r["cpu_s"] = float(np.median(r["cpu"][args.warmup :]))
@@ -569,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     if diffs and set(diffs) == {"strata"}:
         diffs = diffs["strata"]  # the JSON's earlier form when only strata is compared
     if "strata" in runs and base:
-        say(C.speed_sentence("strata", runs["strata"]["median_s"], base, runs[base]["median_s"]))
+        say(speed_sentence("strata", runs["strata"]["median_s"], base, runs[base]["median_s"]))
     for other in [i for i in runs if i.startswith("strata_")]:
         if "strata" not in runs:
             break
@@ -581,10 +573,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{1e3 * c_p:.1f} ms"
         )
     if "nocomm" in runs and base:
-        say(C.bound_sentence(runs["nocomm"]["median_s"], base, runs[base]["median_s"]))
+        say(bound_sentence(runs["nocomm"]["median_s"], base, runs[base]["median_s"]))
     communication = None
     if base and {"strata", "nocomm"} <= set(runs):
-        lines, communication = C.communication_share(
+        lines, communication = communication_share(
             runs[base]["median_s"], runs["strata"]["median_s"], runs["nocomm"]["median_s"], base,
             t_meet=runs["meet"]["median_s"] if "meet" in runs else None,
         )  # fmt: skip
@@ -592,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
             say(line)
         # The same in CPU time: on a loaded machine the wall-clock gap is mostly waiting for the
         # 8 device threads to be scheduled at each collective's two barriers, not work.
-        cpu_lines, communication["cpu"] = C.communication_share(
+        cpu_lines, communication["cpu"] = communication_share(
             runs[base]["cpu_s"], runs["strata"]["cpu_s"], runs["nocomm"]["cpu_s"], base,
             "step's CPU time", runs["meet"]["cpu_s"] if "meet" in runs else None,
         )  # fmt: skip
@@ -604,31 +596,23 @@ def main(argv: list[str] | None = None) -> int:
         say(line)
 
     if lead:
-        args.out.mkdir(parents=True, exist_ok=True)
-        png = args.out / "train_recsys.png"
-        if _plot(png, runs):
-            say(f"# wrote {png}")
-        js = args.out / "train_recsys.json"
-        C.write_json(
-            js,
-            {
-                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                "machine": info,
-                "data": data_name,
-                "capacity": capacity,
-                "results": rows,
-                "loss_diff": diffs,
-                "communication": communication,
-                "strata_ops": strata_ops,
-                "losses": {k: r["losses"] for k, r in runs.items()},
-                "auc": {k: r["auc"] for k, r in runs.items()},
-                "drops": {k: r["drops"] for k, r in runs.items()},
-                "invalid_ids": {k: r["invalid"] for k, r in runs.items()},
-                "step_times_s": {k: r["times"] for k, r in runs.items()},
-                "step_cpu_s": {k: r["cpu"] for k, r in runs.items()},
-            },
-        )
-        say(f"# wrote {js}")
+        record = {
+            "args": args_record(args),
+            "machine": info,
+            "data": data_name,
+            "capacity": capacity,
+            "results": rows,
+            "loss_diff": diffs,
+            "communication": communication,
+            "strata_ops": strata_ops,
+            "losses": {k: r["losses"] for k, r in runs.items()},
+            "auc": {k: r["auc"] for k, r in runs.items()},
+            "drops": {k: r["drops"] for k, r in runs.items()},
+            "invalid_ids": {k: r["invalid"] for k, r in runs.items()},
+            "step_times_s": {k: r["times"] for k, r in runs.items()},
+            "step_cpu_s": {k: r["cpu"] for k, r in runs.items()},
+        }
+        write_results(args.out, "train_recsys", record, say, lambda plt: _plot(plt, runs))
     return 0 if ok else 1
 
 
@@ -637,14 +621,8 @@ def _in_order(arr: Any) -> list[Any]:
     return sorted(arr.addressable_shards, key=lambda s: s.index[0].start or 0)
 
 
-def _plot(path: Path, runs: dict[str, dict[str, Any]]) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+def _plot(plt: Any, runs: dict[str, dict[str, Any]]) -> Any:
+    """Loss per step and AUC per window of every impl."""
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for (k, r), style in zip(runs.items(), ("-", "--"), strict=False):
         ax.plot(range(1, len(r["losses"]) + 1), r["losses"], style, label=k, lw=1.2)
@@ -652,13 +630,7 @@ def _plot(path: Path, runs: dict[str, dict[str, Any]]) -> bool:
         ax2.plot(xs, ys, style, marker="o", markersize=3, label=k, lw=1.2)
     ax.set(xlabel="step", ylabel="loss (binary cross-entropy, nats)", title="training loss")
     ax2.set(xlabel="step", ylabel="AUC (progressive, per window)", title="AUC")
-    for a in (ax, ax2):
-        a.grid(True, alpha=0.3)
-        a.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return fig
 
 
 if __name__ == "__main__":

@@ -79,6 +79,8 @@ from strata_jax._src import allocator as _allocator  # noqa: E402
 _allocator.install()  # the pool serves XLA's buffers under any launcher (see allocator.py)
 
 from strata_jax import moe  # noqa: E402
+from strata_jax._src import combiner as _combiner  # noqa: E402, F401  (hooks shard_map)
+from strata_jax._src import jax_compat as _jax_compat  # noqa: E402
 from strata_jax._src.collectives import (  # noqa: E402
     all_gather,
     all_to_all,
@@ -87,25 +89,31 @@ from strata_jax._src.collectives import (  # noqa: E402
     pmean,
     pmin,
     ppermute,
+    pprod,
     psum,
     psum_scatter,
 )
 from strata_jax._src.coverage import ProgramCoverage, coverage  # noqa: E402
-from strata_jax._src.fabric import init, memory_stats  # noqa: E402
-from strata_jax._src.lax_compat import disable, enable, use_for_jax_lax  # noqa: E402
+from strata_jax._src.lax_hooks import disable, enable, use_for_jax_lax  # noqa: E402
 from strata_jax._src.ragged import empty, ragged_all_to_all  # noqa: E402
 from strata_jax._src.runtime import (  # noqa: E402
     COLLECTIVE_ERRORS,
-    comm_stats,
     get_low_latency_threshold,
     get_timeout,
     get_two_shot_threshold,
-    reset_stats,
     set_low_latency_threshold,
     set_timeout,
     set_two_shot_threshold,
 )
+from strata_jax._src.startup import init  # noqa: E402
+from strata_jax._src.stats import comm_stats, memory_stats, reset_stats  # noqa: E402
 from strata_jax._src.topology import topology  # noqa: E402
+
+_jax_compat.warn_if_untested()  # one warning on a JAX newer than the tested range
+
+from strata_jax._src import extension as _extension  # noqa: E402
+
+_extension.check_installed()  # a build for a newer jaxlib's FFI API fails here, with the fix
 
 __version__ = "0.2.0"  # the one place the version is written (pyproject.toml reads it)
 
@@ -114,6 +122,7 @@ __all__ = [
     "pmean",
     "pmax",
     "pmin",
+    "pprod",
     "all_gather",
     "psum_scatter",
     "all_to_all",

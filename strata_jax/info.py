@@ -19,7 +19,8 @@ import strata_jax  # first: sizes XLA's launch pool before the backend exists
 from strata_jax._src import allocator  # noqa: E402
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what the platform module says."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -49,10 +50,9 @@ def collect() -> dict:
     import jaxlib
     import numpy as np
 
-    from strata_jax import launch
-    from strata_jax._src import runtime
+    from strata_jax._src import launch_env, runtime
 
-    under_launcher = launch.distributed_env() is not None
+    under_launcher = launch_env.distributed_env() is not None
     state = strata_jax.init() if under_launcher else None
     devices = jax.devices()
     runtime.native()  # loads the extension and records the launch pool (backend exists now)
@@ -67,7 +67,7 @@ def collect() -> dict:
         "numpy": np.__version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": f"{os.cpu_count()} (usable: {len(os.sched_getaffinity(0))})",
         "devices": f"{len(devices)} ({jax.local_device_count()} local): "
         + ", ".join(str(d) for d in devices[:8])
@@ -99,7 +99,7 @@ def collect() -> dict:
 
 def _fabric_map(state: dict) -> list[str]:
     """Every process: host and fabric id, exchanged through jax.distributed's key-value store."""
-    from jax._src import distributed
+    from strata_jax._src.jax_compat import distributed
 
     client = distributed.global_state.client
     pid, n = state["process_id"], state["num_processes"]

@@ -1,43 +1,29 @@
 """Start N strata_jax processes on this host: ``python -m strata_jax.launch -n 4 script.py [args]``.
 
-Each rank runs ``sys.executable script.py args`` with the environment below, in its own process
-group, with every line it prints prefixed by ``[rank i] ``. If one rank fails (non-zero exit or
-killed by a signal) the others are stopped (SIGTERM, then SIGKILL after ``--fail-grace``, 1 s)
-and the launcher exits non-zero naming the failed rank. The failure grace is short because the
-job is lost anyway and a JAX rank ignores SIGTERM: jax.distributed's preemption notifier catches
-it (measured: a rank looping psum lived on until the SIGKILL, 5.0-5.3 s with a 5 s grace).
-SIGINT/SIGTERM sent to the launcher are forwarded to the ranks, SIGKILL following after
-``--grace`` (5 s); ``--timeout`` stops everything after a number of seconds.
+Each rank runs ``sys.executable script.py args`` with the environment of ``_src/launch_env.py``,
+in its own process group, with every line it prints prefixed by ``[rank i] ``. If one rank
+fails (non-zero exit or killed by a signal) the others are stopped (SIGTERM, then SIGKILL after
+``--fail-grace``, 1 s) and the launcher exits non-zero naming the failed rank. The failure grace
+is short because the job is lost anyway and a JAX rank ignores SIGTERM: jax.distributed's
+preemption notifier catches it (measured: a rank looping psum lived on until the SIGKILL,
+5.0-5.3 s with a 5 s grace). SIGINT/SIGTERM sent to the launcher are forwarded to the ranks,
+SIGKILL following after ``--grace`` (5 s); ``--timeout`` stops everything after a number of
+seconds.
 
 ``--hosts H`` simulates H hosts on this machine: shared memory stays inside each; with
 ``--private-mounts`` each has its own /tmp and /dev/shm; with ``--netns [--link-gbit G]`` each
 also has its own network and hostname, joined to the others by veth links (shaped to G Gbit/s)
-to a bridge, all in namespaces this launcher makes and frees (see :class:`_Network`).
+to a bridge, all in namespaces this launcher makes and frees.
 
 ``--engine mpi`` makes XLA's MPI collectives JAX's engine between the ranks: Open MPI's
 ``mpirun`` starts them as one MPI job (rank r = app context r; with ``--netns`` mpirun runs in
 the switch's namespace and MPI crosses the links), the launcher watches mpirun, relabels its
-tagged output per rank and cleans up as above (see :func:`_mpi_job`).
+tagged output per rank and cleans up as above.
 
-Environment of each rank (read back with :func:`distributed_env`, which ``strata_jax.init()`` uses):
-
-======================== ===================================================================
-``STRATA_COORDINATOR``   ``127.0.0.1:PORT``, a free loopback port for ``jax.distributed``
-                         (with ``--netns``: host 0's address, ``10.87.0.1:8476``)
-``STRATA_NUM_PROCESSES`` N
-``STRATA_PROCESS_ID``    this rank, 0..N-1
-``STRATA_LOCAL_DEVICES`` CPU devices per process (``--devices-per-proc``; ``jax_num_cpu_devices``)
-``STRATA_RUN_DIR``       a private 0700 folder for unix sockets, removed when the launcher exits
-                         (one per simulated host with ``--hosts``)
-``STRATA_FABRIC_ID``     with ``--hosts H``: ``host<h>``, the simulated host of the rank (ranks
-                         ``h*N/H .. (h+1)*N/H - 1``); ``strata_jax.init()`` connects shared
-                         memory only among ranks with the same id (see ``_src/topology.py``).
-                         Not set with ``--netns``: each host has its own hostname there
-``LD_PRELOAD``           ``libstrata_alloc.so`` prepended (unless ``--no-preload``)
-======================== ===================================================================
-
-This module must stay importable without jax or the native extension: it only uses the standard
-library.
+The environment each rank gets, and the readers of it, are the launcher's contract with the
+library: ``_src/launch_env.py``. Simulated hosts live in ``_src/namespaces.py``, the ``mpirun``
+job of ``--engine mpi`` in ``_src/mpirun.py``; this module starts, watches and stops the ranks
+and holds the command line.
 """
 
 from __future__ import annotations
@@ -55,12 +41,29 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import BinaryIO
+
+from strata_jax._src.launch_env import (
+    ALLOC_LIBRARY_NAME,
+    ENV_ALLOC_LIB,
+    ENV_FABRIC_ID,
+    alloc_library_path,
+    cluster_env,
+    distributed_env,
+    rank_env,
+)
+from strata_jax._src.mpirun import mpi_job, mpi_unavailable_reason
+from strata_jax._src.namespaces import (
+    Namespace,
+    Network,
+    dies_with_launcher,
+    netns_unavailable_reason,
+)
 
 __all__ = [
     "ALLOC_LIBRARY_NAME",
     "alloc_library_path",
+    "cluster_env",
     "distributed_env",
     "launch",
     "main",
@@ -68,116 +71,9 @@ __all__ = [
     "netns_unavailable_reason",
 ]
 
-ALLOC_LIBRARY_NAME = "libstrata_alloc.so"
-
-ENV_COORDINATOR = "STRATA_COORDINATOR"
-ENV_NUM_PROCESSES = "STRATA_NUM_PROCESSES"
-ENV_PROCESS_ID = "STRATA_PROCESS_ID"
-ENV_LOCAL_DEVICES = "STRATA_LOCAL_DEVICES"
-ENV_RUN_DIR = "STRATA_RUN_DIR"
-ENV_ALLOC_LIB = "STRATA_ALLOC_LIB"
-ENV_FABRIC_ID = "STRATA_FABRIC_ID"
-ENV_TRAMPOLINE = "MPITRAMPOLINE_LIB"
-ENV_ENGINE = "JAX_CPU_COLLECTIVES_IMPLEMENTATION"
 ENGINES = ("gloo", "mpi")
 
 _POLL_S = 0.02
-
-
-# ---------------------------------------------------------------------------------------------
-# Finding the allocator library
-# ---------------------------------------------------------------------------------------------
-
-
-def alloc_library_path() -> str | None:
-    """Returns the path of ``libstrata_alloc.so``, or None when it cannot be found.
-
-    Looked for, in order: ``$STRATA_ALLOC_LIB`` (an explicit override: used as is, or None if that
-    file does not exist), next to this module (where ``pip install`` puts it), then next to the
-    native extension this package loads (an editable install keeps both in site-packages). Never
-    a build folder of the source tree: that copy may be stale or from another configuration.
-    """
-    override = os.environ.get(ENV_ALLOC_LIB)
-    if override:
-        return override if os.path.isfile(override) else None
-    here = Path(__file__).resolve().parent
-    candidate = here / ALLOC_LIBRARY_NAME
-    if candidate.is_file():
-        return str(candidate)
-    try:
-        import importlib.util
-
-        spec = importlib.util.find_spec("strata_jax._strata")
-    except Exception:  # noqa: BLE001 - the package itself does not import here (no jax)
-        spec = None
-    if spec is not None and spec.origin:
-        candidate = Path(spec.origin).resolve().parent / ALLOC_LIBRARY_NAME
-        if candidate.is_file():
-            return str(candidate)
-    return None
-
-
-# ---------------------------------------------------------------------------------------------
-# What a rank reads back
-# ---------------------------------------------------------------------------------------------
-
-
-_CLUSTER_VARS = (
-    ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
-    ("PMI_SIZE", "PMI_RANK"),
-    ("SLURM_NTASKS", "SLURM_PROCID"),
-)
-
-
-def cluster_env(environ: Mapping[str, str] | None = None) -> tuple[str, int, int]:
-    """What a cluster launcher (Open MPI's mpirun, a PMI launcher such as MPICH's, Slurm's srun)
-    set for this process: ``(variable, number of processes, this process's rank)``, or
-    ``("", 1, 0)`` outside one.
-
-    Reads ``OMPI_COMM_WORLD_SIZE``/``_RANK``, ``PMI_SIZE``/``PMI_RANK`` and
-    ``SLURM_NTASKS``/``SLURM_PROCID``, in that order (the variables JAX's own cluster detection
-    reads); a missing or malformed rank reads as 0. Safe before jax is imported.
-    """
-    env = os.environ if environ is None else environ
-    for size_var, rank_var in _CLUSTER_VARS:
-        v = env.get(size_var, "")
-        if v.isdigit():
-            r = env.get(rank_var, "")
-            return size_var, int(v), int(r) if r.isdigit() else 0
-    return "", 1, 0
-
-
-def distributed_env(environ: Mapping[str, str] | None = None) -> dict | None:
-    """The ``jax.distributed`` settings the launcher gave this process, or None outside it.
-
-    Returns ``{"coordinator_address": str, "num_processes": int, "process_id": int,
-    "local_device_count": int}``. Raises ValueError when the variables are present but malformed.
-    """
-    env = os.environ if environ is None else environ
-    coordinator = env.get(ENV_COORDINATOR)
-    if not coordinator:
-        return None
-    try:
-        num_processes = int(env[ENV_NUM_PROCESSES])
-        process_id = int(env[ENV_PROCESS_ID])
-        local_devices = int(env.get(ENV_LOCAL_DEVICES, "1"))
-    except (KeyError, ValueError) as e:
-        raise ValueError(
-            f"{ENV_COORDINATOR} is set but {ENV_NUM_PROCESSES}/{ENV_PROCESS_ID}/"
-            f"{ENV_LOCAL_DEVICES} are missing or not integers ({e}); start the script with "
-            "`python -m strata_jax.launch` or unset STRATA_COORDINATOR"
-        ) from None
-    if not 0 <= process_id < num_processes or local_devices < 1:
-        raise ValueError(
-            f"inconsistent launcher environment: process_id={process_id}, "
-            f"num_processes={num_processes}, local_device_count={local_devices}"
-        )
-    return {
-        "coordinator_address": coordinator,
-        "num_processes": num_processes,
-        "process_id": process_id,
-        "local_device_count": local_devices,
-    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,34 +88,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def rank_env(
-    base: Mapping[str, str],
-    *,
-    rank: int,
-    nproc: int,
-    coordinator: str,
-    devices_per_proc: int,
-    run_dir: str,
-    preload: str | None,
-    fabric_id: str | None = None,
-) -> dict[str, str]:
-    """The environment of one rank: ``base`` plus the STRATA_* variables and LD_PRELOAD."""
-    env = dict(base)
-    if fabric_id is not None:
-        env[ENV_FABRIC_ID] = fabric_id
-    env[ENV_COORDINATOR] = coordinator
-    env[ENV_NUM_PROCESSES] = str(nproc)
-    env[ENV_PROCESS_ID] = str(rank)
-    env[ENV_LOCAL_DEVICES] = str(devices_per_proc)
-    env[ENV_RUN_DIR] = run_dir
-    env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the prefixer as they are printed
-    if preload:
-        existing = env.get("LD_PRELOAD", "")
-        env["LD_PRELOAD"] = f"{preload}:{existing}" if existing else preload
-    return env
-
-
-# gloo prints one such line per rank when XLA's CPU collectives connect (std::cout, no log
 # level to turn it off): noise in every multi-process run, so the prefixer drops it.
 _NOISE = (b"[Gloo] Rank ",)
 
@@ -551,7 +419,7 @@ def launch(
                 f"{ALLOC_LIBRARY_NAME} not found (set {ENV_ALLOC_LIB} or reinstall strata_jax); "
                 "running without the allocator"
             )
-    network = _Network(hosts, link_gbit, head=engine == "mpi") if netns else None
+    network = Network(hosts, link_gbit, head=engine == "mpi") if netns else None
     coordinator = network.coordinator if network else f"127.0.0.1:{free_port()}"
     per_host = nproc // hosts
     simulated = hosts > 1 or private_mounts or netns
@@ -569,7 +437,7 @@ def launch(
             f"{nproc} processes as {hosts} simulated host(s) of {per_host} "
             f"({devices_per_proc} device(s) each): {plan}"
         )
-    namespaces: list[_Namespace] = []
+    namespaces: list[Namespace] = []
     # mpirun's session directory: with --netns in the head's private /tmp (gone with its
     # namespace, even after a SIGKILL), else in a folder the launcher removes.
     mpi_dir = tempfile.mkdtemp(prefix="strata-mpi-") if engine == "mpi" and not netns else None
@@ -586,7 +454,7 @@ def launch(
             namespaces = network.namespaces
             run.message(network.describe())
         elif private_mounts:
-            namespaces = [_Namespace.start() for _ in range(hosts)]
+            namespaces = [Namespace.start() for _ in range(hosts)]
         rank_cmds: list[tuple[list[str], dict[str, str]]] = []
         for rank in range(nproc):
             h = rank // per_host
@@ -603,10 +471,10 @@ def launch(
             if engine == "mpi":
                 rank_cmds.append((list(argv), env_r))
                 continue
-            argv_r = namespaces[h].wrap(argv) if namespaces else _dies_with_launcher(argv)
+            argv_r = namespaces[h].wrap(argv) if namespaces else dies_with_launcher(argv)
             run.start(argv_r, env_r, rank, out, host=f"host{h}" if simulated else None)
         if engine == "mpi":
-            mpi_argv, mpi_env = _mpi_job(rank_cmds, base, per_host, network, mpi_dir or "/tmp")
+            mpi_argv, mpi_env = mpi_job(rank_cmds, base, per_host, network, mpi_dir or "/tmp")
             where = (
                 f" in the switch's network namespace (its PMIx server at {network.head_address}"
                 " on the bridge; MPI between hosts over the links)"
@@ -633,32 +501,6 @@ def launch(
             reaper.communicate()
 
 
-def _dies_with_launcher(argv: Sequence[str]) -> list[str]:
-    """``argv`` run so that the kernel SIGKILLs it when the launcher dies (``setpriv
-    --pdeathsig KILL``, where util-linux's setpriv has that option; else ``argv`` as is)."""
-    setpriv = _setpriv_with_pdeathsig()
-    return [setpriv, "--pdeathsig", "KILL", *argv] if setpriv else list(argv)
-
-
-_SETPRIV: list[str | None] = []  # the probe's answer, once
-
-
-def _setpriv_with_pdeathsig() -> str | None:
-    """The path of a ``setpriv`` that knows ``--pdeathsig`` (util-linux 2.33 and later; RHEL 8
-    ships 2.32, whose setpriv refuses the option, which would fail every rank), or None."""
-    if not _SETPRIV:
-        path = shutil.which("setpriv")
-        ok = False
-        if path is not None:
-            try:
-                r = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=10)
-                ok = "--pdeathsig" in r.stdout
-            except (OSError, subprocess.SubprocessError):
-                pass
-        _SETPRIV.append(path if ok else None)
-    return _SETPRIV[0]
-
-
 def _reaper(paths: Sequence[str]) -> subprocess.Popen | None:
     """A ``sh`` that removes ``paths`` once its stdin closes. The launcher is that pipe's only
     writer (the ranks do not inherit it), so the folders go when the launcher ends, however it
@@ -673,358 +515,6 @@ def _reaper(paths: Sequence[str]) -> subprocess.Popen | None:
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-
-
-def _holder_argv(unshare_flags: Sequence[str], script: str) -> list[str]:
-    """The command of a namespace holder: ``unshare FLAGS sh -c SCRIPT``, killed by the kernel
-    when the launcher dies (:func:`_dies_with_launcher`), so even a SIGKILLed launcher leaves
-    no holder, hence no namespace without ranks, behind."""
-    unshare = shutil.which("unshare") or "unshare"
-    return _dies_with_launcher([unshare, *unshare_flags, "sh", "-c", script])
-
-
-def _start_holder(argv: Sequence[str], what: str) -> subprocess.Popen:
-    """Starts a holder and waits for its ``ready`` line; OSError with its stderr otherwise."""
-    proc = subprocess.Popen(
-        list(argv),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    line = proc.stdout.readline() if proc.stdout else b""
-    if line.strip() != b"ready":
-        proc.kill()
-        _, err = proc.communicate()
-        raise OSError(f"cannot make {what}: {err.decode(errors='replace').strip()}")
-    return proc
-
-
-def _stop_holder(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
-    for f in (proc.stdout, proc.stderr):
-        if f is not None:
-            f.close()
-
-
-class _Namespace:
-    """A mount namespace standing in for one host: private tmpfs on /tmp and /dev/shm.
-
-    A holder process (``unshare --mount``) mounts the two tmpfs, makes the host's run dir in
-    its own /tmp and sleeps; ranks enter it with ``nsenter --mount``. Killing the holder once
-    the ranks are gone frees the namespace and everything in its tmpfs. With ``hostname`` (the
-    ``--netns`` mode) the holder also gets its own network and UTS namespaces: that hostname,
-    loopback up, and ``etc_hosts`` bind-mounted over /etc/hosts (the simulated hosts' names and
-    addresses), so names resolve inside the simulated cluster and never through DNS.
-    """
-
-    RUN_DIR = "/tmp/strata-host"
-    _MOUNTS = (
-        "mount -t tmpfs -o mode=1777 strata-tmp /tmp && "
-        "mount -t tmpfs -o mode=1777 strata-shm /dev/shm && "
-        f"mkdir -m 700 {RUN_DIR}"
-    )
-    _READY = "echo ready && exec sleep 100000"
-
-    def __init__(self, proc: subprocess.Popen, net: bool) -> None:
-        self.proc = proc
-        self.run_dir = self.RUN_DIR
-        self.net = net
-
-    @classmethod
-    def start(cls, hostname: str | None = None, etc_hosts: str = "") -> _Namespace:
-        if not shutil.which("unshare") or not shutil.which("nsenter"):
-            raise OSError("private_mounts needs the unshare and nsenter commands (util-linux)")
-        if hostname is None:
-            flags = ["--mount", "--propagation", "private"]
-            script = f"{cls._MOUNTS} && {cls._READY}"
-            what = "a private mount namespace (unshare --mount needs root or CAP_SYS_ADMIN)"
-        else:
-            flags = ["--net", "--uts", "--mount", "--propagation", "private"]
-            hosts_file = "/tmp/.strata-etc-hosts"
-            script = (
-                f"hostname {hostname} && {cls._MOUNTS} && "
-                f"printf '{etc_hosts}' > {hosts_file} && "
-                f"mount --bind {hosts_file} /etc/hosts && rm {hosts_file} && "
-                "mount -t sysfs strata-sys /sys && "  # /sys/class/net: this namespace's links
-                f"ip link set lo up && {cls._READY}"
-            )
-            what = f"the namespaces of simulated host {hostname} (unshare --net --uts --mount)"
-        return cls(_start_holder(_holder_argv(flags, script), what), hostname is not None)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def wrap(self, argv: Sequence[str]) -> list[str]:
-        nsenter = shutil.which("nsenter") or "nsenter"
-        spaces = ["--net", "--uts", "--mount"] if self.net else ["--mount"]
-        # Entering a mount namespace resets the working directory to /: keep the launcher's.
-        cmd = [nsenter, "-t", str(self.proc.pid), *spaces, f"--wd={os.getcwd()}", "--", *argv]
-        # A rank dies with the launcher: one left running would keep its host's namespaces
-        # (and with --netns its links and tmpfs) alive after a SIGKILLed launcher.
-        return _dies_with_launcher(cmd)
-
-    def stop(self) -> None:
-        _stop_holder(self.proc)
-
-
-def netns_unavailable_reason(link_gbit: float | None = None) -> str | None:
-    """Why ``--netns`` cannot run here (not root, a command missing), or None when it can.
-
-    ``--netns`` needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN: namespaces, mounts, links) and the
-    commands ``unshare``/``nsenter`` (util-linux), ``ip`` (iproute2) and, with a link rate,
-    ``tc`` (iproute2).
-    """
-    if os.geteuid() != 0:
-        return (
-            "--netns needs root (it makes network, UTS and mount namespaces, veth links and a "
-            f"bridge); the launcher runs as uid {os.geteuid()}"
-        )
-    need = ["unshare", "nsenter", "ip"] + (["tc"] if link_gbit is not None else [])
-    missing = [c for c in need if shutil.which(c) is None]
-    if missing:
-        util = ("unshare", "nsenter")
-        pkgs = sorted({"util-linux" if c in util else "iproute2" for c in missing})
-        return (
-            f"--netns needs the command(s) {', '.join(missing)} on PATH "
-            f"(package {' and '.join(pkgs)})"
-        )
-    return None
-
-
-def mpi_unavailable_reason(environ: Mapping[str, str] | None = None) -> str | None:
-    """Why ``--engine mpi`` cannot run here, or None when it can.
-
-    It needs Open MPI's ``mpirun`` on PATH (Debian/Ubuntu: ``openmpi-bin``) and
-    ``MPITRAMPOLINE_LIB`` (in ``environ``, default ``os.environ``) naming an existing
-    ``libmpiwrapper.so``: jaxlib loads MPI through MPItrampoline, which needs MPIwrapper built
-    from its source against that MPI (docs/guide/hosts.md, XLA over MPI).
-    """
-    env = os.environ if environ is None else environ
-    missing = []
-    if shutil.which("mpirun") is None:
-        missing.append("Open MPI's mpirun on PATH (package openmpi-bin)")
-    lib = env.get(ENV_TRAMPOLINE, "")
-    if not lib:
-        missing.append(
-            f"{ENV_TRAMPOLINE} naming a libmpiwrapper.so built from MPIwrapper against this "
-            "machine's MPI (it is not set)"
-        )
-    elif not os.path.isfile(lib):
-        missing.append(f"{ENV_TRAMPOLINE} naming a libmpiwrapper.so ({lib!r} is no file)")
-    if not missing:
-        return None
-    return "--engine mpi (XLA's MPI collectives) needs " + " and ".join(missing)
-
-
-def _mpi_job(
-    ranks: Sequence[tuple[list[str], dict[str, str]]],
-    base: Mapping[str, str],
-    per_host: int,
-    network: _Network | None,
-    session_dir: str,
-) -> tuple[list[str], dict[str, str]]:
-    """The mpirun command line and environment that start ``ranks`` (each its argv and the
-    environment :func:`rank_env` made for it) as one MPI job, rank r as app context r.
-
-    mpirun hands its children its own environment, so the variables that differ per rank (the
-    STRATA_* ones, ``LD_PRELOAD``) go on each app context's command line through ``env``. With
-    ``network``, mpirun runs in the switch's network namespace, which gets an address on the
-    bridge (``_Network.add_head``); each rank enters its host's namespaces (``_Namespace.wrap``,
-    so it also dies with mpirun); PMIx listens on the bridge's subnet (PMIx 4 accepts only
-    loopback clients otherwise: the ranks' ``MPI_Init`` failed, "OPAL ERROR: Unreachable") and
-    keeps its data in its hash store (its shared-memory one is in mpirun's session directory,
-    which a host's private /tmp hides), and
-    Open MPI moves MPI's bytes with its TCP transport on ``eth0``, over the shaped links (its
-    shared-memory transports would find the other host's /dev/shm missing). Open MPI's session
-    directory goes under ``session_dir`` (``/tmp`` of the head's private mounts with
-    ``network``, else a folder the launcher removes).
-    """
-    mpirun = shutil.which("mpirun") or "mpirun"
-    envcmd = shutil.which("env") or "env"
-    job_env = dict(base)
-    job_env[ENV_ENGINE] = "mpi"
-    job_env["TMPDIR"] = session_dir  # mpirun's session directory
-    head = [mpirun, "--oversubscribe", "--bind-to", "none", "--tag-output"]
-    if os.geteuid() == 0:
-        head.append("--allow-run-as-root")
-    if network is not None:
-        network.add_head()
-        subnet = f"{network.SUBNET}.0/{network.PREFIX}"
-        job_env["PMIX_MCA_ptl_tcp_remote_connections"] = "1"
-        job_env["PMIX_MCA_ptl_tcp_if_include"] = subnet
-        job_env["OMPI_MCA_oob_tcp_if_include"] = subnet
-        # PMIx's shared-memory data store lives in mpirun's session directory, which the
-        # hosts' private /tmp hides ("PMIX ERROR: ... gds_ds12_lock_pthread.c"): its hash store.
-        job_env["PMIX_MCA_gds"] = "hash"
-        head += ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self"]
-        head += ["--mca", "btl_tcp_if_include", "eth0"]
-    argv = list(head)
-    for r, (cmd, env_r) in enumerate(ranks):
-        own = [f"{k}={v}" for k, v in env_r.items() if job_env.get(k) != v]
-        # Each rank's temporary files in its own TMPDIR (its host's /tmp with --netns), not in
-        # mpirun's session directory.
-        own += [f"TMPDIR={base['TMPDIR']}"] if "TMPDIR" in base else []
-        unset = ["-u", "TMPDIR"] if "TMPDIR" not in base else []
-        cmd_r = [envcmd, *unset, *own, *cmd]
-        if network is not None:
-            cmd_r = network.namespaces[r // per_host].wrap(cmd_r)
-        else:
-            cmd_r = _dies_with_launcher(cmd_r)
-        argv += ([":"] if r else []) + ["-n", "1", *cmd_r]
-    if network is not None:
-        argv = network.in_switch(argv)
-    return _dies_with_launcher(argv), job_env
-
-
-class _Network:
-    """The ``--netns`` cluster: one network/UTS/mount namespace per simulated host, joined by veth
-    pairs to a bridge that lives in a namespace of its own, every piece made by this launcher.
-
-    Host h is named ``host<h>``, has address ``10.87.0.<h+1>/24`` on its ``eth0`` (a private
-    range, inside namespaces only this job can reach: nothing is ever sent to an address outside
-    them) and reaches the others through the bridge ``strata-br`` in the switch namespace. With a
-    rate, each host's link is shaped to it in both directions with ``tc`` tbf: on ``eth0``
-    (what the host sends) and on its bridge port (what it receives), so it behaves as one
-    full-duplex link of that rate. Links carry frames of up to ``MTU`` bytes. Everything lives
-    in namespaces held by the holder processes: stopping them (and the ranks) frees all of it,
-    veth pairs and the bridge included; the root namespace's network is never touched.
-    """
-
-    SUBNET = "10.87.0"
-    PREFIX = 24
-    MTU = 65520  # veth's maximum: per-packet CPU costs would otherwise bound a 2-core machine
-    BRIDGE = "strata-br"
-    HEAD = 254  # the switch namespace's address on the bridge, .254 (mpirun's, --engine mpi)
-    COORDINATOR_PORT = 8476
-    # tbf's queue, in time at the link rate. 1 ms dropped frames: this machine's TCP (BBR, which
-    # over veth estimates 30-55 Gbit/s and sends bursts at that rate) then waited for 200 ms
-    # retransmission timeouts (strata's all_gather at 1 Gbit/s: 8-28 % of the link bound).
-    QUEUE = "20ms"
-
-    def __init__(self, hosts: int, link_gbit: float | None, head: bool = False) -> None:
-        if hosts > 250:
-            raise ValueError(f"--netns supports at most 250 simulated hosts, got {hosts}")
-        self.hosts = hosts
-        self.link_gbit = link_gbit
-        self.head = head  # the switch namespace is also a head node (add_head, in_switch)
-        self.switch: subprocess.Popen | None = None
-        self.namespaces: list[_Namespace] = []
-
-    @staticmethod
-    def hostname(h: int) -> str:
-        return f"host{h}"
-
-    def address(self, h: int) -> str:
-        return f"{self.SUBNET}.{h + 1}"
-
-    @property
-    def coordinator(self) -> str:
-        return f"{self.address(0)}:{self.COORDINATOR_PORT}"
-
-    @property
-    def head_address(self) -> str:
-        """The switch namespace's own address on the bridge (``add_head``)."""
-        return f"{self.SUBNET}.{self.HEAD}"
-
-    def add_head(self) -> None:
-        """Gives the switch namespace loopback and ``head_address`` on the bridge (unshaped):
-        a head node where mpirun runs and the ranks reach its PMIx server (``--engine mpi``)."""
-        assert self.switch is not None
-        sw = self.switch.pid
-        self._in(sw, "ip", "link", "set", "lo", "up")
-        self._in(sw, "ip", "addr", "add", f"{self.head_address}/{self.PREFIX}", "dev", self.BRIDGE)
-
-    def in_switch(self, argv: Sequence[str]) -> list[str]:
-        """``argv`` run in the head's network and mount namespaces (a private /tmp), in the
-        launcher's working directory."""
-        assert self.switch is not None and self.head
-        nsenter = shutil.which("nsenter") or "nsenter"
-        pid = str(self.switch.pid)
-        return [nsenter, "-t", pid, "--net", "--mount", f"--wd={os.getcwd()}", "--", *argv]
-
-    def tbf(self, dev: str) -> list[str]:
-        """tc arguments shaping ``dev``'s egress to the link rate (token bucket filter)."""
-        assert self.link_gbit is not None
-        rate = int(self.link_gbit * 1e9)  # bit/s
-        # The bucket: at least two full frames (tbf drops a frame larger than it), else 100 us
-        # of the rate; a burst lets that many bytes pass at once after an idle moment.
-        burst = max(2 * self.MTU, rate // 8 // 10_000)
-        return ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate}bit",
-                "burst", str(burst), "latency", self.QUEUE]  # fmt: skip
-
-    def _in(self, pid: int, *cmd: str) -> None:
-        """Runs ``cmd`` in the network namespace of ``pid``; OSError naming it when it fails."""
-        nsenter = shutil.which("nsenter") or "nsenter"
-        r = subprocess.run(
-            [nsenter, "-t", str(pid), "--net", "--", *cmd],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-        )
-        if r.returncode != 0:
-            raise OSError(f"--netns: `{' '.join(cmd)}` failed: {r.stderr.strip() or r.returncode}")
-
-    def start(self) -> None:
-        reason = netns_unavailable_reason(self.link_gbit)
-        if reason is not None:
-            raise OSError(reason)
-        # A head node (mpirun's, --engine mpi) also gets private mounts: a tmpfs on /tmp for
-        # mpirun's session directory, freed with the namespace however the job ends.
-        flags = ["--net", "--mount", "--propagation", "private"] if self.head else ["--net"]
-        tmp = "mount -t tmpfs -o mode=1777 strata-tmp /tmp && " if self.head else ""
-        self.switch = _start_holder(
-            _holder_argv(
-                flags,
-                f"{tmp}ip link add {self.BRIDGE} mtu {self.MTU} type bridge && "
-                f"ip link set {self.BRIDGE} up && echo ready && exec sleep 100000",
-            ),
-            f"the switch namespace (unshare {' '.join(flags)})",
-        )
-        etc_hosts = "127.0.0.1 localhost\n::1 localhost\n" + "".join(
-            f"{self.address(h)} {self.hostname(h)}\n" for h in range(self.hosts)
-        )
-        sw = self.switch.pid
-        for h in range(self.hosts):
-            ns = _Namespace.start(self.hostname(h), etc_hosts)
-            self.namespaces.append(ns)
-            port = f"port{h}"
-            mtu = str(self.MTU)
-            self._in(sw, "ip", "link", "add", port, "mtu", mtu, "type", "veth",
-                     "peer", "name", "eth0", "mtu", mtu, "netns", str(ns.pid))  # fmt: skip
-            self._in(sw, "ip", "link", "set", port, "master", self.BRIDGE, "up")
-            self._in(ns.pid, "ip", "addr", "add", f"{self.address(h)}/{self.PREFIX}", "dev", "eth0")
-            self._in(ns.pid, "ip", "link", "set", "eth0", "up")
-            if self.link_gbit is not None:
-                self._in(ns.pid, *self.tbf("eth0"))
-                self._in(sw, *self.tbf(port))
-
-    def describe(self) -> str:
-        rate = f"{self.link_gbit:g} Gbit/s" if self.link_gbit is not None else "unshaped"
-        hosts = ", ".join(
-            f"{self.hostname(h)} {self.address(h)} (net:[{_ns_inode(ns.pid)}])"
-            for h, ns in enumerate(self.namespaces)
-        )
-        return (
-            f"network: {hosts}; links {rate}, MTU {self.MTU}, bridge {self.BRIDGE} in "
-            f"net:[{_ns_inode(self.switch.pid) if self.switch else '?'}]"
-        )
-
-    def stop(self) -> None:
-        for ns in self.namespaces:
-            ns.stop()
-        if self.switch is not None:
-            _stop_holder(self.switch)
-
-
-def _ns_inode(pid: int) -> str:
-    try:
-        return os.readlink(f"/proc/{pid}/ns/net").split("[")[-1].rstrip("]")
-    except OSError:
-        return "?"
 
 
 # ---------------------------------------------------------------------------------------------

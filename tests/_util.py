@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import re
 
 import jax
@@ -204,3 +205,23 @@ def on_one_and_two_fabrics(run, monkeypatch):
     split = run()
     assert sj.comm_stats()["inter_fabric_bytes"] > before  # the hierarchical path ran
     return single, split
+
+
+def ppermute_reference(x, axes, perm, sizes=(("a", 2), ("b", 4))):
+    """numpy's ppermute over a mesh of ``sizes`` whose devices hold the rows of ``x`` in
+    mesh order: a group over several axes is indexed in the order they are named (the first
+    major), as jax.lax.axis_index counts."""
+    axes = axes if isinstance(axes, tuple) else (axes,)
+    dims = dict(sizes)
+    coords = list(np.ndindex(*dims.values()))  # mesh order
+    out = np.zeros_like(x)
+    for d, c in enumerate(coords):
+        at = dict(zip(dims, c, strict=True))
+        n = math.prod(dims[a] for a in axes)
+        for src, dst in perm:
+            if dst % n != np.ravel_multi_index([at[a] for a in axes], [dims[a] for a in axes]):
+                continue
+            want = dict(at)
+            want.update(zip(axes, np.unravel_index(src % n, [dims[a] for a in axes]), strict=True))
+            out[d] = x[coords.index(tuple(want[a] for a in dims))]
+    return out

@@ -35,3 +35,14 @@ def ref_plan(idx: np.ndarray, num_experts: int, capacity: int):
     counts = np.array([min(len(v), capacity) for v in lists], np.int32)
     dropped = np.array([max(0, len(v) - capacity) for v in lists], np.int32)
     return src, cidx, counts, dropped
+
+
+def moe_idle_expert_reference(x, w, factor: float = 3.0):
+    """An expert rank that receives nothing: every token routed to expert 0 (K=1), expert
+    f(x) = factor x, capacity >= tokens of all ranks: y = w x factor; dy/dx = w factor (summed
+    loss); dy/dw = factor sum_h x."""
+
+    x = np.asarray(x, np.float64)
+    w = np.asarray(w, np.float64)  # [T, 1]
+    y = w * factor * x
+    return y, np.broadcast_to(w * factor, x.shape), factor * x.sum(1, keepdims=True)

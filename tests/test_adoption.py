@@ -5,12 +5,10 @@ dispatch-ahead deadlock when strata_jax is imported late, narrow dtypes and pmap
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
 import sys
-import textwrap
 from io import BytesIO
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _mp_util import MISUSE_CASES
+from _mp_util import MISUSE_CASES, environ_without_settings, run_python, write_script
 from jax.sharding import PartitionSpec as P
 
 import strata_jax as sj
@@ -30,30 +28,15 @@ INSTALLED = Path(sj.__file__).resolve().parent
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("STRATA_", "XLA_FLAGS", "LD_PRELOAD", "JAX_", "PJRT_NPROC"))
-    }
-    env.update(extra)
-    return env
+    return environ_without_settings("PJRT_NPROC", **extra)
 
 
 def _run(args, *, cwd, env=None, timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, *args],
-        cwd=cwd,
-        env=env if env is not None else _clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_python(args, cwd=cwd, env=env if env is not None else _clean_env(), timeout=timeout)
 
 
 def _script(tmp_path: Path, body: str, name: str = "script.py") -> str:
-    p = tmp_path / name
-    p.write_text(textwrap.dedent(body))
-    return str(p)
+    return write_script(tmp_path, body, name)
 
 
 needs_unbuilt_source = pytest.mark.skipif(
@@ -268,12 +251,12 @@ def test_pmap_runs_on_strata_and_matches_jax_lax(rng):
 def test_collectives_benchmark_sizes_follow_nccl_tests():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import _common as C
+        from _args import size_sweep
     finally:
         sys.path.pop(0)
-    assert C.size_sweep(8, 64, 2) == [8, 16, 32, 64]
-    assert C.size_sweep(8, 100, 4) == [8, 32]
-    assert 4096 in C.size_sweep(8, 64 << 20, 2)
+    assert size_sweep(8, 64, 2) == [8, 16, 32, 64]
+    assert size_sweep(8, 100, 4) == [8, 32]
+    assert 4096 in size_sweep(8, 64 << 20, 2)
 
 
 def test_benchmark_timer_reports_cpu_per_call():
@@ -281,7 +264,7 @@ def test_benchmark_timer_reports_cpu_per_call():
     of CPU reports at least that; one that sleeps reports far less than it waited."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import _common as C
+        from _timing import time_interleaved
     finally:
         sys.path.pop(0)
     import time
@@ -292,7 +275,7 @@ def test_benchmark_timer_reports_cpu_per_call():
             pass
 
     cpu: dict[str, list[float]] = {}
-    times, _ = C.time_interleaved(
+    times, _ = time_interleaved(
         {"burn": burn, "sleep": lambda: time.sleep(0.05)}, 3, 0, block=lambda v: v, cpu=cpu
     )
     assert len(cpu["burn"]) == len(cpu["sleep"]) == 3
@@ -306,7 +289,7 @@ def test_benchmark_timer_aligns_before_every_call_outside_the_timing():
     not charged to the call after it."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import _common as C
+        from _timing import time_interleaved
     finally:
         sys.path.pop(0)
     import time
@@ -318,7 +301,7 @@ def test_benchmark_timer_aligns_before_every_call_outside_the_timing():
         time.sleep(0.02)
 
     fns = {name: (lambda name=name: order.append(name)) for name in ("a", "b")}
-    times, _ = C.time_interleaved(fns, 3, 1, block=lambda v: v, align=align)
+    times, _ = time_interleaved(fns, 3, 1, block=lambda v: v, align=align)
     assert order == ["align", "a", "align", "b"] * 4
     assert max(times["a"] + times["b"]) < 0.01
 
@@ -329,7 +312,7 @@ def test_benchmark_timer_batches_consecutive_calls_after_one_align():
     sample; warm-up rounds make one call each; implementations alternate sample by sample."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import _common as C
+        from _timing import time_interleaved
     finally:
         sys.path.pop(0)
     import time
@@ -341,7 +324,7 @@ def test_benchmark_timer_batches_consecutive_calls_after_one_align():
         order.append("s")
 
     fns = {"s": slow_first, "q": lambda: order.append("q")}
-    times, _ = C.time_interleaved(fns, 2, 1, block=lambda v: v, align=lambda: order.append("A"),
+    times, _ = time_interleaved(fns, 2, 1, block=lambda v: v, align=lambda: order.append("A"),
                                   batch=3)  # fmt: skip
     assert "".join(order) == "AsAq" + "AssssAqqqq" * 2
     assert len(times["s"]) == len(times["q"]) == 2
@@ -355,7 +338,7 @@ def test_collectives_benchmark_numpy_oracle_matches_jax_lax(dtype):
     expected outputs equal jax.lax's for every operator, rank by rank."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import collectives as B
+        import _collective_ops as B
     finally:
         sys.path.pop(0)
     n = 8
@@ -382,7 +365,7 @@ def test_no_exchange_removes_every_exchange_and_restores_jax_lax():
     no collective left; afterwards jax.lax is itself again."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import _common as C
+        from _nocomm import no_exchange
     finally:
         sys.path.pop(0)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
@@ -395,7 +378,7 @@ def test_no_exchange_removes_every_exchange_and_restores_jax_lax():
 
     x = jnp.arange(32.0).reshape(16, 2)
     originals = (jax.lax.all_to_all, jax.lax.psum, jax.lax.pmean)
-    with C.no_exchange():
+    with no_exchange():
         text = f().lower(x).as_text()
         with pytest.raises(ValueError, match="split_axis != concat_axis"):
             jax.lax.all_to_all(x, "x", 0, 1)
@@ -410,7 +393,7 @@ def test_no_exchange_meet_keeps_one_meeting_per_exchange_and_moves_nothing():
     unchanged (identity, as nocomm)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import _common as C
+        from _nocomm import no_exchange
     finally:
         sys.path.pop(0)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
@@ -428,7 +411,7 @@ def test_no_exchange_meet_keeps_one_meeting_per_exchange_and_moves_nothing():
         return jax.jit(fn)
 
     x = jnp.asarray(np.random.default_rng(0).standard_normal((16, 2)), jnp.float32)
-    with C.no_exchange(meet=True):
+    with no_exchange(meet=True):
         fwd, bwd = f(False), f(True)
         text_f, text_b = fwd.lower(x).as_text(), bwd.lower(x).as_text()
         out, (loss, g) = fwd(x), bwd(x)
@@ -441,7 +424,7 @@ def test_no_exchange_meet_keeps_one_meeting_per_exchange_and_moves_nothing():
     # In the compiled program every meeting's result still feeds the data (an optimization
     # barrier did not: XLA:CPU dropped it and ran the work after an exchange before its
     # meeting).
-    with C.no_exchange(meet=True):
+    with no_exchange(meet=True):
         hlo = f(False).lower(x).compile().as_text()
     calls = re.findall(r"(%[\w.-]+) = \([^)]*\) custom-call\(.*strata_all_reduce", hlo)
     assert len(calls) == 2, hlo

@@ -1,4 +1,4 @@
-"""The workloads' ``--preset`` (benchmarks/_common.add_preset) and regime_sweep.py's plotting.
+"""The workloads' ``--preset`` (benchmarks/_args.add_preset) and regime_sweep.py's plotting.
 
 Argument parsing and plotting only (no jax program runs): a preset's values become the
 defaults, flags given on the command line win wherever they stand, the preset is picked by
@@ -17,20 +17,20 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-import _common  # noqa: E402
+import _args  # noqa: E402
 import regime_sweep  # noqa: E402
 import serve_moe  # noqa: E402
 import train_moe  # noqa: E402
 import train_recsys  # noqa: E402
 
-from strata_jax import launch  # noqa: E402
+from strata_jax._src import launch_env  # noqa: E402
 
 SCRIPTS = {"train_moe": train_moe, "serve_moe": serve_moe, "train_recsys": train_recsys}
 LAUNCH_ENV = {
-    launch.ENV_COORDINATOR: "127.0.0.1:1",
-    launch.ENV_NUM_PROCESSES: "4",
-    launch.ENV_PROCESS_ID: "0",
-    launch.ENV_LOCAL_DEVICES: "1",
+    launch_env.ENV_COORDINATOR: "127.0.0.1:1",
+    launch_env.ENV_NUM_PROCESSES: "4",
+    launch_env.ENV_PROCESS_ID: "0",
+    launch_env.ENV_LOCAL_DEVICES: "1",
 }
 
 
@@ -51,7 +51,7 @@ def test_preset_paper_sets_the_defaults_and_flags_win(name, one_process):
 
     args = mod.parse_args(["--preset", "paper"])
     assert args.preset == "paper" and args.preset_place == "one_process"
-    assert args.preset_flags == _common.preset_flags(values)
+    assert args.preset_flags == _args.preset_flags(values)
     assert {k: getattr(args, k) for k in values} == values
     key = next(iter(values))
     other = values[key] * 2
@@ -63,7 +63,7 @@ def test_preset_paper_sets_the_defaults_and_flags_win(name, one_process):
         assert getattr(args, key) == other, argv
         rest = {k: getattr(args, k) for k in values if k != key}
         assert rest == {k: v for k, v in values.items() if k != key}
-    line = _common.preset_line(args, mod.PRESETS)
+    line = _args.preset_line(args, mod.PRESETS)
     assert line.startswith("# preset     : paper (one process)")
     assert f"overridden on the command line: --{key.replace('_', '-')} {other}" in line
 
@@ -122,7 +122,9 @@ def _fake_run(workload: str, share: float, strata_s: float) -> dict:
     return data
 
 
-def test_sweep_points_and_plots_from_fake_runs(tmp_path):
+def _fake_summary() -> dict:
+    """A regime_sweep.json summary of three fake runs per workload (communication shares 20%,
+    35%, 50%), checking each point's record on the way."""
     points = []
     for workload in regime_sweep.WORKLOADS:
         for i, share in enumerate((0.2, 0.35, 0.5)):
@@ -134,17 +136,11 @@ def test_sweep_points_and_plots_from_fake_runs(tmp_path):
                 assert pnl["strata_speedup"] == pytest.approx(0.2 / (0.2 - 0.01 * (i + 1)))
             assert len(rec["panels"]) == len(regime_sweep.PANELS[workload])
             points.append(rec)
-    summary = {"machine": {"date": "d", "commit": "c"}, "procs": 1, "points": points}
-    (tmp_path / "regime_sweep.json").write_text(json.dumps(summary))
-    only = tmp_path / "only"
-    only.mkdir()
-    (only / "regime_sweep.json").write_text(json.dumps(summary))
-    assert regime_sweep.main(["--plot-only", "--workload", "train_moe", "--out", str(only)]) == 0
-    assert sorted(p.name for p in only.glob("*.png")) == ["regime_train_moe.png"]
-    assert regime_sweep.main(["--plot-only", "--out", str(tmp_path)]) == 0
-    for workload in regime_sweep.WORKLOADS:
-        png = tmp_path / f"regime_{workload}.png"
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return {"machine": {"date": "d", "commit": "c"}, "procs": 1, "points": points}
+
+
+def test_sweep_points_and_docs_tables_from_fake_runs():
+    summary = _fake_summary()
     # the docs draw the same JSON: a table row per point and timed quantity, a panel per
     # workload and timed quantity
     sys.path.insert(0, str(BENCH.parent / "docs" / "_ext"))
@@ -159,6 +155,32 @@ def test_sweep_points_and_plots_from_fake_runs(tmp_path):
         "| train_moe | p1 (`--x 1`) | training step (median) | 35% | 1.11x faster | 1.54x faster |"
         in text
     )
+
+
+def test_plot_only_draws_each_workload(tmp_path):
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (the bench extra)")
+    summary = _fake_summary()
+    (tmp_path / "regime_sweep.json").write_text(json.dumps(summary))
+    only = tmp_path / "only"
+    only.mkdir()
+    (only / "regime_sweep.json").write_text(json.dumps(summary))
+    assert regime_sweep.main(["--plot-only", "--workload", "train_moe", "--out", str(only)]) == 0
+    assert sorted(p.name for p in only.glob("*.png")) == ["regime_train_moe.png"]
+    assert regime_sweep.main(["--plot-only", "--out", str(tmp_path)]) == 0
+    for workload in regime_sweep.WORKLOADS:
+        png = tmp_path / f"regime_{workload}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_only_without_matplotlib_fails_and_says_why(tmp_path, monkeypatch):
+    """Asked to plot without matplotlib: an error naming it and the extra, no silent 0."""
+    (tmp_path / "regime_sweep.json").write_text(json.dumps(_fake_summary()))
+    monkeypatch.setattr(regime_sweep, "pyplot", lambda: None)
+    with pytest.raises(
+        SystemExit, match=r"matplotlib is not installed \(pip install '\.\[bench\]'\)"
+    ):
+        regime_sweep.main(["--plot-only", "--out", str(tmp_path)])
+    assert not list(tmp_path.glob("*.png"))
 
 
 @pytest.mark.parametrize("text", ["{garbage", '{"points": 5}', "[]", '{"procs": 1, "points": [3]}'])

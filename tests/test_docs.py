@@ -349,6 +349,169 @@ def test_readme_is_short():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
 
 
+# A guide page says what a user does and sees, and design.md how the code works: measurement logs
+# go to performance.md (generated) or to dated notes under docs/notes/, which these bounds keep
+# them from growing back into.
+GUIDE_MAX_LINES = 350
+DESIGN_MAX_LINES = 450
+
+
+def page_length_problems(pages: list[Path], limit: int, read=lambda p: p.read_text()) -> list[str]:
+    """The pages longer than `limit` lines, with their length."""
+    out = []
+    for page in pages:
+        n = len(read(page).splitlines())
+        if n > limit:
+            out.append(f"{_rel(page)}: {n} lines (at most {limit})")
+    return out
+
+
+def test_guides_and_design_stay_short():
+    guides = sorted((DOCS / "guide").glob("*.md"))
+    assert len(guides) >= 9  # the glob finds the guides
+    assert page_length_problems(guides, GUIDE_MAX_LINES) == []
+    assert page_length_problems([DOCS / "design.md"], DESIGN_MAX_LINES) == []
+
+
+def hand_typed_figures(text: str) -> list[str]:
+    """Lines of performance.md that hold figures typed by hand: a Markdown table other than the
+    list of benchmarks, or a decimal number outside code (the generated tables come from the
+    ``strata-perf`` directive and the README's headline from docs/_ext/strata_perf.py)."""
+    out = []
+    fence = False
+    table_ok = False
+    for n, line in enumerate(text.splitlines(), 1):
+        if FENCE_RE.match(line):
+            fence = not fence
+            continue
+        if fence:
+            continue
+        if line.startswith("|"):
+            if not line.startswith("|---"):
+                table_ok = table_ok or line.startswith("| command | what it compares |")
+            if not table_ok:
+                out.append(f"{n}: a table typed by hand: {line[:60]}")
+            continue
+        table_ok = False
+        if re.search(r"\d+\.\d+", re.sub(r"`[^`]*`", "", line)):
+            out.append(f"{n}: a figure typed by hand: {line[:60]}")
+    return out
+
+
+def test_performance_page_holds_no_figures_typed_by_hand():
+    """docs/performance.md says nothing on it is typed by hand; runs copied from a benchmark's
+    output by hand are dated notes under docs/notes/."""
+    assert hand_typed_figures((DOCS / "performance.md").read_text()) == []
+
+
+def test_hand_typed_figure_check_finds_them():
+    text = (
+        "| command | what it compares |\n|---|---|\n| `python b.py` | strata vs jax.lax |\n\n"
+        "strata was 1.37x faster (`--iters 1.5` is code)\n\n| placement | ratio |\n|---|---|\n"
+        "```text\n# 2.5 ms in a code block\n```\n"
+    )
+    assert hand_typed_figures(text) == [
+        "5: a figure typed by hand: strata was 1.37x faster (`--iters 1.5` is code)",
+        "7: a table typed by hand: | placement | ratio |",
+        "8: a table typed by hand: |---|---|",
+    ]
+
+
+# What a reader of the repository cannot open: the team's outside lists and files.
+OUTSIDE_RE = re.compile(
+    r"\b(?:[Ee]dge case|[Ii]ssue) #?\d|\bDESIGN\.md\b|\.\./shared/|/work/shared"
+)
+
+
+def outside_references(text: str) -> list[str]:
+    """Lines that point at something outside the repository ("edge case 35", "issue 28",
+    DESIGN.md, ../shared/...) instead of saying what the case is."""
+    return [
+        f"{n}: {line.strip()[:80]}"
+        for n, line in enumerate(text.splitlines(), 1)
+        if OUTSIDE_RE.search(line)
+    ]
+
+
+def test_docs_refer_to_nothing_outside_the_repository():
+    files = doc_pages() + sorted((DOCS / "_ext").glob("*.py")) + [DOCS / "conf.py"]
+    found = {_rel(p): outside_references(p.read_text()) for p in files}
+    assert {k: v for k, v in found.items() if v} == {}
+
+
+def test_outside_reference_check_finds_them():
+    text = "a test (edge case 35)\nas issue 28 asks\nsee ../shared/DESIGN.md\nan issue with it\n"
+    assert outside_references(text) == [
+        "1: a test (edge case 35)",
+        "2: as issue 28 asks",
+        "3: see ../shared/DESIGN.md",
+    ]
+
+
+def toctree_entries(page: Path, docs: Path = DOCS) -> list[str]:
+    """The documents a page's ``{toctree}`` blocks name (glob patterns as written), relative to
+    docs/ and without the suffix."""
+    out = []
+    lines = page.read_text().splitlines()
+    base = page.parent.relative_to(docs)
+    for i, line in enumerate(lines):
+        if not line.strip().startswith("```{toctree}"):
+            continue
+        for entry in lines[i + 1 :]:
+            entry = entry.strip()
+            if entry.startswith("```"):
+                break
+            if entry and not entry.startswith(":"):
+                out.append(str((base / entry).as_posix()))
+    return out
+
+
+def unreachable_pages(docs: Path = DOCS) -> list[str]:
+    """Markdown pages under docs/ that no toctree reaches from docs/index.md (Sphinx warns about
+    them; this says which without building)."""
+    import fnmatch
+
+    pages = {
+        str(p.relative_to(docs).with_suffix("").as_posix())
+        for p in docs.rglob("*.md")
+        if not ({"_build", "_generated", "perf", "examples"} & set(p.relative_to(docs).parts))
+    }
+    seen, todo = {"index"}, ["index"]
+    while todo:
+        for pattern in toctree_entries(docs / f"{todo.pop()}.md", docs):
+            for name in sorted(n for n in pages if fnmatch.fnmatch(n, pattern)):
+                if name not in seen:
+                    seen.add(name)
+                    todo.append(name)
+    return sorted(pages - seen)
+
+
+def test_every_page_is_reached_from_the_index():
+    """Every guide, reference page and dated note is in a toctree under docs/index.md (the notes
+    through design.md's glob, so a new note is reached without editing a list)."""
+    assert "notes/*" in toctree_entries(DOCS / "design.md")
+    assert unreachable_pages() == []
+
+
+def test_reach_check_finds_an_orphan(tmp_path):
+    """The check above can fail: a page no toctree names is reported, a globbed note is not."""
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "index.md").write_text("# i\n\n```{toctree}\n:maxdepth: 1\n\ndesign\n```\n")
+    (tmp_path / "design.md").write_text("# d\n\n```{toctree}\n:glob:\n\nnotes/*\n```\n")
+    (tmp_path / "notes" / "2026-12-07-a.md").write_text("# a\n")
+    (tmp_path / "orphan.md").write_text("# o\n")
+    assert unreachable_pages(tmp_path) == ["orphan"]
+
+
+def test_page_length_check_finds_a_long_page():
+    """The check above can fail: a page one line over the limit is named."""
+    page = DOCS / "guide" / "hosts.md"
+    assert page_length_problems([page], 3, read=lambda p: "a\nb\nc\nd\n") == [
+        "docs/guide/hosts.md: 4 lines (at most 3)"
+    ]
+    assert page_length_problems([page], 4, read=lambda p: "a\nb\nc\nd\n") == []
+
+
 def test_docstring_check_finds_a_missing_one(monkeypatch):
     """The check can fail: an undocumented public function, class and method are named."""
     import types

@@ -1,4 +1,4 @@
-"""Fault campaign across processes (issue 8 section 5) and a second user (section 6).
+"""Fault campaign across processes, and a second user on the same host.
 
 Every job runs under the launcher with a private TMPDIR (so its run dir is ours to check) and a
 short STRATA_TIMEOUT_S. After each case: no process of the job left, the run dir gone, nothing
@@ -19,6 +19,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,12 @@ class Job:
         hits = self.wait_for(r"\] PID \d+ \d+$", n)
         return {int(h.split()[-2]): int(h.split()[-1]) for h in hits}
 
+    def looping(self, n: int) -> dict[int, int]:
+        """The pids of the job's ``n`` ranks once every one has said it loops (fault_loop.py)."""
+        pids = self.pids(n)
+        self.wait_for(r"\] LOOPING$", n)
+        return pids
+
     def finish(self, timeout: float = 60) -> int:
         try:
             return self.proc.wait(timeout)
@@ -119,8 +126,7 @@ def test_sigstop_past_timeout_then_sigcont(clean_host):
         STRATA_TIMEOUT_S="3",
     )
     try:
-        pids = job.pids(3)
-        job.wait_for(r"\] LOOPING$", 3)
+        pids = job.looping(3)
         time.sleep(0.3)
         os.kill(pids[2], signal.SIGSTOP)
         t_stop = time.monotonic()
@@ -179,8 +185,7 @@ def test_kill_while_peers_read_then_fresh_job(clean_host):
         FAULT_LEAD="1",
     )
     try:
-        pids = job.pids(3)
-        job.wait_for(r"\] LOOPING$", 3)
+        pids = job.looping(3)
         time.sleep(1.0)
         os.kill(pids[1], signal.SIGKILL)
         rc = job.finish(60)
@@ -413,3 +418,52 @@ def test_fabric_socket_refuses_another_uid():
     assert "CLOSED" in r.stdout, r.stdout + r.stderr
     assert "REFUSED" in out and "another user" in out, out
     assert "CONNECTED" not in out
+
+
+# A stuck rank -------------------------------------------------------------------------
+def test_stuck_rank_times_out_and_job_ends():
+    r, _ = launch(2, "stuck_rank.py", timeout=120, STRATA_TIMEOUT_S="5")
+    t_end = time.time()
+    out = r.stdout
+    assert r.returncode != 0, out[-3000:]
+    lines = [ln for ln in out.splitlines() if "RAISED" in ln]
+    assert lines and lines[0].startswith("[rank 0]"), out[-3000:]
+    m = re.match(r"\[rank 0\] RAISED ([\d.]+) after ([\d.]+): (.*)", lines[0])
+    assert m, lines[0]
+    t_raise, waited, msg = float(m[1]), float(m[2]), m[3]
+    assert 4.0 <= waited <= 15.0, lines[0]
+    assert "psum" in msg and re.search(r"rank\(s\) \[1\]|rank 1", msg), lines[0]
+    assert t_end - t_raise < 5.0, f"launcher ended {t_end - t_raise:.1f} s later"
+    assert "FINISHED" not in out
+
+
+# Ranks that fail at start -----------------------------------------------------------
+def _fail_at_start(grace: float):
+    token = f"fail-at-start-{uuid.uuid4().hex[:8]}"
+    r, _ = launch(3, "fail_at_start.py", token, timeout=120, grace=grace)
+    t_end = time.time()
+    out = r.stdout
+    assert r.returncode != 0, out[-3000:]
+    fails = [float(ln.split()[-1]) for ln in out.splitlines() if "FAILING" in ln]
+    assert fails, out[-3000:]
+    for rank in (1, 2):
+        if f"[rank {rank}] FAILING" in out:  # the first failure may stop the other one early
+            assert f"[rank {rank}] Traceback" in out and f"failed at start on rank {rank}" in out
+    assert procs_with(token) == [], "processes left behind"
+    return t_end - min(fails)
+
+
+@pytest.mark.slow  # the long-grace case below makes the same checks with a tighter bound
+def test_ranks_failing_at_start():
+    """With the launcher's 1 s grace: the job ends, tracebacks shown, nothing left (~1.9 s
+    after the first failure here; 2.4 s once under load, hence the loose bound)."""
+    dt = _fail_at_start(grace=1)
+    assert dt < 5.0, f"launcher ended {dt:.1f} s after the failure"
+
+
+def test_ranks_failing_at_start_end_within_2s_without_grace_kill():
+    """With a long --grace the job still ends within ~2 s: the launcher SIGKILLs 1 s after its
+    SIGTERM once a rank failed (--fail-grace), because JAX's preemption notifier catches
+    SIGTERM. (Loose bound: 3 s, the machine is loaded.)"""
+    dt = _fail_at_start(grace=4)
+    assert dt < 3.0, f"launcher ended {dt:.1f} s after the failure"

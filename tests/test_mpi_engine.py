@@ -1,4 +1,4 @@
-"""XLA's MPI collectives as JAX's engine, under Open MPI's mpirun (issue 25, section 2).
+"""XLA's MPI collectives as JAX's engine, under Open MPI's mpirun.
 
 With ``JAX_CPU_COLLECTIVES_IMPLEMENTATION=mpi``, ``strata_jax.init()`` sets what XLA needs to
 run at all (``jax_cpu_enable_async_dispatch=False``: XLA makes a communicator only on MPI's main
@@ -18,12 +18,13 @@ import subprocess
 import sys
 
 import pytest
-from _mp_util import PKG_PARENT, SCRIPTS, job_env, mpirun_cmd, results
+from _mp_util import PKG_PARENT, SCRIPTS, job_env, mpirun_cmd, mpirun_skip_reason, results
 
 MPIRUN = shutil.which("mpirun")
+SKIP = mpirun_skip_reason()
 WRAPPER = os.environ.get("MPITRAMPOLINE_LIB", "")
 pytestmark = [
-    pytest.mark.skipif(MPIRUN is None, reason="Open MPI's mpirun not installed (openmpi-bin)"),
+    pytest.mark.skipif(SKIP is not None, reason=SKIP or ""),
     pytest.mark.skipif(
         not (WRAPPER and os.path.isfile(WRAPPER)),
         reason="XLA over MPI needs MPITRAMPOLINE_LIB naming a libmpiwrapper.so built from "

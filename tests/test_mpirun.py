@@ -1,4 +1,4 @@
-"""strata_jax under Open MPI's mpirun, without strata's launcher (issue 25, section 1).
+"""strata_jax under Open MPI's mpirun, without strata's launcher.
 
 ``mpirun -n 2 python script.py`` with ``strata_jax.init()`` must give registration on
 allocation: ``import strata_jax`` hooks libstrata_alloc into jaxlib (no LD_PRELOAD), so a large
@@ -16,12 +16,20 @@ import subprocess
 import sys
 
 import pytest
-from _mp_util import FORGOT_INIT, MISUSE_CASES, PKG_PARENT, SCRIPTS, job_env, mpirun_cmd, results
+from _mp_util import (
+    FORGOT_INIT,
+    MISUSE_CASES,
+    PKG_PARENT,
+    SCRIPTS,
+    job_env,
+    mpirun_cmd,
+    mpirun_skip_reason,
+    results,
+)
 
 MPIRUN = shutil.which("mpirun")
-pytestmark = pytest.mark.skipif(
-    MPIRUN is None, reason="Open MPI's mpirun not installed (apt-get install openmpi-bin)"
-)
+SKIP = mpirun_skip_reason()
+pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 
 
 def _run(cmd: list[str], timeout: float = 240, **extra: str):

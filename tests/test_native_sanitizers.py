@@ -29,7 +29,7 @@ def test_stress_under_sanitizer(tmp_path, sanitizer):
     if cxx is None:
         pytest.skip("no C++ compiler")
     srcs = [os.path.join(ROOT, "tests", "native", "stress_inproc.cc")]
-    for d in ("coll", "fabric", "sync"):
+    for d in ("common", "coll", "fabric", "sync"):
         srcs += sorted(glob.glob(os.path.join(ROOT, "native", d, "*.cc")))
     exe = str(tmp_path / "stress")
     cmd = [

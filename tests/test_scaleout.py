@@ -1,6 +1,6 @@
 """Several fabric domains (hosts): hierarchical collectives and fabric isolation.
 
-In-process: the hierarchical algorithms of ``_src/hierarchy.py`` with a fabric map faked onto
+In-process: the hierarchical algorithms of ``_src/hierarchy/`` with a fabric map faked onto
 this process's devices (fast, every operator against jax.lax). Across processes, through the
 launcher with simulated hosts (``--hosts``): every operator over axes inside one fabric, across
 fabrics, a 2-D ("host", "local") mesh and a flat axis, against jax.lax over gloo, gradients
@@ -64,7 +64,7 @@ def test_psum_over_mpi_crosses_in_one_collective(two_fake_fabrics, monkeypatch):
     rank failed under mpirun between simulated hosts with shaped links)."""
     from strata_jax._src import mpi_engine
 
-    monkeypatch.setattr(hierarchy, "ONE_WAY_BYTES", 0)
+    monkeypatch.setattr(hierarchy.algorithms, "ONE_WAY_BYTES", 0)
     mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)[:4]), ("x",))
     f = jax.jit(
         jax.shard_map(lambda v: sj.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
@@ -87,7 +87,7 @@ def test_ring_psum_equals_two_rounds_and_lax(two_fake_fabrics, rng, order, monke
     push form, 4 KiB ones the packed form; both give the same bits as the two one-way rounds
     (``STRATA_RING_PSUM=0``) and equal jax.lax's psum (bitwise for int32) and numpy's max
     (NaN and signed zeros included)."""
-    monkeypatch.setattr(hierarchy, "ONE_WAY_BYTES", 4096)
+    monkeypatch.setattr(hierarchy.algorithms, "ONE_WAY_BYTES", 4096)
     devs = sorted(jax.devices(), key=lambda d: d.id)[:4]
     mesh = Mesh(np.array([devs[i] for i in order]), ("x",))
     for rows, dtype in ((4 * 2 * 192, np.float32), (4 * 2, np.float32), (4 * 2 * 192, np.int32)):
@@ -132,7 +132,7 @@ def test_hierarchical_in_process(two_fake_fabrics, rng, order, one_way, monkeypa
     (hierarchy.ONE_WAY_BYTES), forced for these small ones."""
     devs4 = sorted(jax.devices(), key=lambda d: d.id)[:4]
     if one_way:
-        monkeypatch.setattr(hierarchy, "ONE_WAY_BYTES", 0)
+        monkeypatch.setattr(hierarchy.algorithms, "ONE_WAY_BYTES", 0)
         f = jax.jit(
             jax.shard_map(
                 lambda v: sj.psum(v, "x"),
@@ -181,6 +181,10 @@ def test_hierarchical_in_process(two_fake_fabrics, rng, order, one_way, monkeypa
         "psum": (lambda v: sj.psum(v, "x"), lambda v: jax.lax.psum(v, "x")),
         "psum_odd": (lambda v: sj.psum(v[:3, :3], "x"), lambda v: jax.lax.psum(v[:3, :3], "x")),
         "pmax": (lambda v: sj.pmax(v, "x"), lambda v: jax.lax.pmax(v, "x")),
+        "pprod": (
+            lambda v: sj.pprod(v, "x"),
+            lambda v: jnp.prod(jax.lax.all_gather(v, "x"), axis=0),
+        ),
         "all_gather": (
             lambda v: sj.all_gather(v, "x", axis=1, tiled=True),
             lambda v: jax.lax.all_gather(v, "x", axis=1, tiled=True),
@@ -302,7 +306,7 @@ def test_psum_scatter_across_fake_fabrics_reads_blocks_in_place(
     two_fake_fabrics, rng, order, dtype, dim, tiled
 ):
     """The intra-fabric reduce-scatter sums each member's (local index, fabric) blocks where
-    they lie in the input (strata_reduce_scatter_placed; with two fabrics the partner's block
+    they lie in the input (strata_psum_scatter_placed; with two fabrics the partner's block
     goes to a result of its own, _divert): equal to jax.lax for contiguous, reversed and
     interleaved fabrics, with no reorder pass left in the program."""
     devs = sorted(jax.devices(), key=lambda d: d.id)[:4]
@@ -315,7 +319,7 @@ def test_psum_scatter_across_fake_fabrics_reads_blocks_in_place(
         ]
 
     f_sj = jax.jit(jax.shard_map(body(sj), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-    assert "strata_reduce_scatter_placed_divert" in f_sj.lower(x).as_text()  # F = 2
+    assert "strata_psum_scatter_placed_divert" in f_sj.lower(x).as_text()  # F = 2
     got, want = _both(mesh, body(sj), body(jax.lax), x)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-4)
 
@@ -647,7 +651,7 @@ def test_plan_layouts(two_fake_fabrics):
 
     class Ctx:  # just what plan() reads
         class module_context:
-            from jax._src.sharding_impls import SPMDAxisContext
+            from strata_jax._src.jax_compat import SPMDAxisContext
 
             axis_context = SPMDAxisContext(Mesh(np.array(devs).reshape(2, 2), ("h", "l")))
 

@@ -1,4 +1,4 @@
-"""strata_jax.init() with a peer that is late, never comes or dies (edge case 35, issue 26 §3).
+"""strata_jax.init() with a peer that is late, never comes or dies.
 
 Every wait of init() gives, on the process that waits, an error naming ``strata_jax.init``, the
 missing processes and ``timeout_s``; a process that arrives after another gave up fails at once
@@ -16,7 +16,7 @@ import time
 import pytest
 from _mp_util import PKG_PARENT, SCRIPTS, job_env, launch_cmd
 
-from strata_jax._src import fabric
+from strata_jax._src import startup
 
 SCRIPT = "late_peer.py"
 ABORT = "Terminating process because the JAX distributed service"
@@ -69,7 +69,7 @@ def _check_late(rc: int, out: str) -> None:
 
 
 def test_35_late_peer_at_init():
-    """Edge case 35's values: jax.distributed started by hand and the backend created; rank 1
+    """A late peer's values: jax.distributed started by hand and the backend created; rank 1
     sleeps 8 s before strata_jax.init(timeout_s=5). With a 3 s sleep both connect and a psum
     over the two processes is right. Both jobs run at once."""
     late, ok = _start("8", "5"), _start("3", "5")
@@ -187,11 +187,11 @@ def test_default_timeout_is_not_shorter_than_jax_distributed():
 
     import jax
 
-    default = inspect.signature(fabric.init).parameters["timeout_s"].default
+    default = inspect.signature(startup.init).parameters["timeout_s"].default
     jax_default = (
         inspect.signature(jax.distributed.initialize).parameters["initialization_timeout"].default
     )
-    assert default == fabric.DEFAULT_INIT_TIMEOUT_S >= jax_default == 300
+    assert default == startup.DEFAULT_INIT_TIMEOUT_S >= jax_default == 300
 
 
 class _FakeStore:
@@ -210,13 +210,13 @@ class _FakeStore:
 def test_startup_wait_messages(monkeypatch):
     """In-process: a timeout names the missing processes and posts why; a later arrival reads
     it and fails at once naming the process that gave up."""
-    monkeypatch.setattr(fabric, "_gave_up", {})
-    monkeypatch.setattr(fabric, "_ending", [])
+    monkeypatch.setattr(startup, "_gave_up", {})
+    monkeypatch.setattr(startup, "_ending", [])
     store = _FakeStore({"strata_jax/fabric/fabric_id/0": "a"})
     keys = {p: f"strata_jax/fabric/fabric_id/{p}" for p in range(4)}
     t = time.monotonic()
-    with pytest.raises(fabric.StartupError) as e:
-        fabric._Startup(store, 0, 4, 0.2).wait("reach strata_jax.init()", keys)
+    with pytest.raises(startup.StartupError) as e:
+        startup._Startup(store, 0, 4, 0.2).wait("reach strata_jax.init()", keys)
     assert 0.2 <= time.monotonic() - t < 2
     assert str(e.value).startswith(
         "strata_jax.init: process 0 timed out after 0.2 s (timeout_s) waiting for processes "
@@ -224,10 +224,10 @@ def test_startup_wait_messages(monkeypatch):
     )
     assert "strata_jax.init(timeout_s=...)" in str(e.value)
     assert store.data["strata_jax/fabric/init_failed/0"] == str(e.value)
-    assert fabric._gave_up["missing"] == [1, 2, 3]
-    late = fabric._Startup(store, 2, 4, 60)
+    assert startup._gave_up["missing"] == [1, 2, 3]
+    late = startup._Startup(store, 2, 4, 60)
     t = time.monotonic()
-    with pytest.raises(fabric.StartupError, match="process 2 arrived after process 0 gave up"):
+    with pytest.raises(startup.StartupError, match="process 2 arrived after process 0 gave up"):
         late.wait("reach strata_jax.init()", keys)
     assert time.monotonic() - t < 1
     late.announce_ending()
@@ -235,4 +235,22 @@ def test_startup_wait_messages(monkeypatch):
     store.data.pop("strata_jax/fabric/init_failed/0")
     for p in range(4):
         store.data[keys[p]] = str(p)
-    assert fabric._Startup(store, 1, 4, 60).wait("x", keys) == {p: str(p) for p in range(4)}
+    assert startup._Startup(store, 1, 4, 60).wait("x", keys) == {p: str(p) for p in range(4)}
+
+
+def test_an_mpirun_jax_cannot_read_fails_at_once_naming_the_cause():
+    """Open MPI 5's mpirun sets OMPI_COMM_WORLD_* but no ORTE URI, so JAX cannot find the
+    coordinator without mpi4py: init() fails at once with JAX's reason and what to install,
+    not after timeout_s as if a peer were late."""
+    env = {k: v for k, v in job_env().items() if not k.startswith(("OMPI_", "PMI", "SLURM_"))}
+    env.update(OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK="0", OMPI_VERSION="5.0.7")
+    code = "import strata_jax as sj; sj.init(timeout_s=60)"
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=PKG_PARENT, capture_output=True, text=True
+    )
+    took = time.monotonic() - t0
+    assert r.returncode != 0
+    assert "jax.distributed.initialize failed" in r.stderr, r.stderr[-2000:]
+    assert "mpi4py" in r.stderr and "Open MPI 5" in r.stderr, r.stderr[-2000:]
+    assert took < 30, took  # not the 60 s of a peer that never comes

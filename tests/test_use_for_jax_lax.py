@@ -2,7 +2,7 @@
 
 Oracle: the same function lowered without the context (XLA's collectives) on the same fresh
 random input. The lowered HLO shows strata's custom calls inside the context and none outside.
-The hook is the CPU lowering of JAX's collective primitives (lax_compat.py), so the jaxpr is
+The hook is the CPU lowering of JAX's collective primitives (lax_hooks.py), so the jaxpr is
 JAX's own and collectives JAX emits itself, or that were bound to other names, are caught too.
 """
 
@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import strata_jax as sj
-from strata_jax._src import lax_compat
+from strata_jax._src import lax_hooks
 
 
 def _mesh1d():
@@ -148,7 +148,7 @@ def test_strata_all_gather_takes_to_keyword(rng):
 
 
 def _fallback(f, *args, cause: str):
-    lax_compat._warned.discard(next((c for c in lax_compat._warned if cause in c), ""))
+    lax_hooks._warned.discard(next((c for c in lax_hooks._warned if cause in c), ""))
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         want, got, _, hlo_in = _both(f, *args)
@@ -213,13 +213,13 @@ def test_enable_disable_and_nesting(rng):
     f = _smap(_mean_grad, out_specs=P())
     try:
         sj.enable()
-        assert lax_compat.is_enabled() and "strata_" in _hlo(f, x)
+        assert lax_hooks.is_enabled() and "strata_" in _hlo(f, x)
         with sj.use_for_jax_lax(False):
             assert "strata_" not in _hlo(f, x)
         assert "strata_" in _hlo(f, x)
     finally:
         sj.disable()
-    assert not lax_compat.is_enabled() and "strata_" not in _hlo(f, x)
+    assert not lax_hooks.is_enabled() and "strata_" not in _hlo(f, x)
 
 
 def test_constants_and_names_bound_before():
@@ -398,7 +398,7 @@ def test_gradients_of_collectives_bitwise_with_check_vma(rng):
 
 def test_gradient_through_all_gather_of_a_non_leading_dimension_bitwise(rng):
     """all_gather(axis=1) before a dot: its transpose is psum_scatter(scatter_dimension=1),
-    which strata runs in place (no transpose for XLA to fold into the dot: issue 24 sec. 4)."""
+    which strata runs in place (no transpose for XLA to fold into the dot)."""
     w = jnp.asarray(rng.standard_normal((12, 8)).astype(np.float32))
 
     def loss(p, v):
@@ -489,3 +489,33 @@ def test_jax_lax_ragged_all_to_all_runs_on_strata(rng):
     np.testing.assert_array_equal(
         np.asarray(got).reshape(4, 4, 2).transpose(1, 0, 2), x.reshape(4, 4, 2)
     )
+
+
+def test_ppermute_named_out_of_mesh_order_follows_the_running_jax(rng):
+    """jax.lax.ppermute over ("b", "a") of an ("a", "b") mesh under use_for_jax_lax() does what
+    the running release's jax.lax does: JAX 0.10 indexes the group in mesh order, 0.11.1+
+    raises unless jax_raise_on_ppermute_sort_diff is off, then indexes it in the order named
+    (as strata_jax.ppermute always does)."""
+    from _util import ppermute_reference
+
+    from strata_jax._src import jax_compat
+
+    mesh = _mesh2x4()
+    perm = [(i, (i + 3) % 8) for i in range(7)]
+    x = jnp.asarray(rng.standard_normal((8, 5)).astype(np.float32))
+    spec = P(("a", "b"))
+    f = _smap(lambda v: jax.lax.ppermute(v, ("b", "a"), perm), mesh, spec, spec)
+    order = jax_compat.jax_ppermute_order()
+    if order == "mesh":
+        want, got, _, hlo_in = _both(f, x)
+        np.testing.assert_array_equal(got, want)
+        assert "strata_ppermute" in hlo_in
+        return
+    assert order == "raise"
+    with sj.use_for_jax_lax(), pytest.raises(RuntimeError, match="same order"):
+        f(x)
+    with jax_compat.config.raise_on_ppermute_sort_diff(False):
+        want, got, _, hlo_in = _both(f, x)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, ppermute_reference(np.asarray(x), ("b", "a"), perm))
+    assert "strata_ppermute" in hlo_in

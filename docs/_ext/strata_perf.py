@@ -174,7 +174,7 @@ def _train(d: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
 
 
 def communication_note(c: dict[str, Any] | None, what: str) -> str:
-    """The communication share and what strata removes (``_common.communication_share``)."""
+    """The communication share and what strata removes (``_report.communication_share``)."""
     if not c or c.get("comm_share") is None:
         return ""
     removes = c.get("strata_removes")

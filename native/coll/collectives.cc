@@ -2,7 +2,7 @@
 
 #include <cstring>
 
-#include "fabric/inproc.h"
+#include "common/settings.h"
 
 namespace strata {
 

@@ -33,6 +33,12 @@ bool use_two_shot(size_t bytes);
 // at 4 MiB, 0.79-1.33x at 64 KiB-1 MiB (three alternated runs, docs/guide/hosts.md).
 constexpr size_t kTwoShotPairBytes = size_t{16} << 20;
 inline bool two_shot_for(int n, size_t bytes) { return n > 2 || bytes >= kTwoShotPairBytes; }
+// The all-reduce algorithm a team of n ranks runs for `bytes` per rank (rank 0's proposal,
+// use_two_shot, as every team takes it, two_shot_for), unless the fabric's path cannot run
+// two-shot (a low-latency team: one-shot). What strata_jax's debug log reports.
+inline bool all_reduce_two_shot(int n, size_t bytes) {
+  return use_two_shot(bytes) && two_shot_for(n, bytes);
+}
 
 // `two_shot` must be the same on every rank: callers take rank 0's published choice.
 std::string all_reduce(Team& t, int32_t dtype, ReduceOp op, size_t count, bool two_shot);
@@ -76,7 +82,7 @@ std::string reduce_scatter(Team& t, int32_t dtype, ReduceOp op, size_t out_count
 // Otherwise every rank pulls the n blocks into its own output.
 // `placement` (n * parts entries, a permutation; null: the identity): each input is `parts`
 // equal sub-blocks, and sub-block f of rank j lands at output block placement[j * parts + f]
-// (blocks of in_bytes / parts bytes). The hierarchical all_gather (hierarchy.py) puts its
+// (blocks of in_bytes / parts bytes). The hierarchical all_gather (hierarchy/) puts its
 // (local index, fabric) blocks straight into group order this way instead of reordering the
 // whole output in one more pass.
 std::string all_gather(Team& t, size_t in_bytes, bool push, const int64_t* placement = nullptr,
@@ -84,7 +90,7 @@ std::string all_gather(Team& t, size_t in_bytes, bool push, const int64_t* place
 // All-gather of a op b (two inputs of `count` elements each, combined in that order): rank r
 // reduces its block once, tile by tile, and stores it straight into every rank's output at
 // `block` (push; r in the plain form). The last two steps of a two-fabric all-reduce in one pass
-// (hierarchy.py): the partner fabric's shard is combined on the way out instead of in a
+// (hierarchy/): the partner fabric's shard is combined on the way out instead of in a
 // separate pass.
 std::string all_gather_reduce(Team& t, int32_t dtype, ReduceOp op, const void* a, const void* b,
                               size_t count, int block);
@@ -114,7 +120,7 @@ std::string all_gather_reduce_packed(Team& t, int32_t dtype, ReduceOp op, size_t
 // `divert` (optional): the output's index `divert->index` along `divert->axis` (neither the split
 // nor the concat axis) is written to `divert->out` instead, a row-major array of the output's
 // shape with that axis of size 1, and left unwritten in the output. The two-fabric all_to_all
-// (strata_jax/_src/hierarchy.py) diverts the partner fabric's aggregate, which then crosses as
+// (strata_jax/_src/hierarchy/) diverts the partner fabric's aggregate, which then crosses as
 // one buffer with no copy taken out of the output. `move_to`: the output is written with `axis`
 // moved to that position (row-major in that order, as jnp.moveaxis(output, axis, move_to)
 // would lay it out), so that the caller needs no transpose; divert->out is the same either way

@@ -98,13 +98,11 @@ struct CallSlot {
   std::mutex fail_mu;
 };
 
-class InProcTeam final : public Team {
+class InProcTeam final : public SeatedTeam {
  public:
   InProcTeam(std::shared_ptr<CallSlot> slot, const CallKey& key, const Placement& pl,
              const char* op_name);
   ~InProcTeam() override;
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
   const void* peer_in(int j) const override { return slot_->peers[j].in; }
   void* peer_out(int j) const override { return slot_->peers[j].out; }
   const void* peer_buf(int j, int i) const override { return slot_->peers[j].bufs[i]; }
@@ -164,15 +162,7 @@ class InProcTeam final : public Team {
   std::string whereabouts(int j) const;
   std::shared_ptr<CallSlot> slot_;
   CallKey key_;
-  int rank_, size_;
-  int64_t partition_;
-  int64_t device_;
-  // The members' global device ids (Placement::member_device), valid while the handler runs,
-  // which the team never outlives.
-  const int64_t* member_parts_;
-  const int64_t* device_ids_;
   uint32_t barriers_ = 0;
-  const char* op_name_;
 };
 
 class InProcFabric {
@@ -209,14 +199,5 @@ class InProcFabric {
   uint64_t joins_ = 0;  // joins so far (with mu_ held): the clock of the pruning
   std::unordered_map<CallKey, std::string, CallKeyHash> failed_;  // bounded (see .cc)
 };
-
-// Global settings (atomics: read on every call, written rarely from Python).
-struct Settings {
-  std::atomic<int64_t> timeout_ms{300'000};
-  // Measured with benchmarks/allreduce_switch.py on 8 in-process devices (2 cores): two-shot
-  // wins at every size from 1 KiB per rank; below it the two are equal within noise.
-  std::atomic<int64_t> two_shot_bytes{1024};
-};
-Settings& settings();
 
 }  // namespace strata

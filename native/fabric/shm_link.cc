@@ -15,7 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "fabric/inproc.h"
+#include "common/settings.h"
 #include "fabric/shm.h"
 #include "fabric/shm_ll.h"
 #include "fabric/stats.h"

@@ -29,7 +29,7 @@ struct Stats {
   std::atomic<uint64_t> staged_calls{0};       // calls that staged at least one buffer
   std::atomic<uint64_t> bounce_bytes{0};       // bytes in this process's bounce buffers
   std::atomic<uint64_t> peer_bounce_bytes{0};  // bytes read from/written to peers' bounce buffers
-  // Between fabrics (strata_jax/_src/hierarchy.py): bytes handed to XLA's own collectives by
+  // Between fabrics (strata_jax/_src/hierarchy/): bytes handed to XLA's own collectives by
   // the inter-fabric steps of hierarchical collectives, counted by a custom call next to each.
   std::atomic<uint64_t> inter_fabric_calls{0};
   std::atomic<uint64_t> inter_fabric_bytes{0};

@@ -14,7 +14,7 @@
 //     as its own, so DeepEP's two-phase combine (expert ranks pre-sum per token, then the
 //     source pulls one partial row per rank) only adds a write and a read of the partial rows
 //     and a barrier: it measured 2x the time of this one. Across fabrics the pre-sum is what
-//     saves link bytes, and the hierarchical lowering does it (strata_jax/_src/hierarchy.py).
+//     saves link bytes, and the hierarchical lowering does it (strata_jax/_src/hierarchy/).
 //
 // Index conventions (N = R * T global tokens, g = source_rank * T + token):
 //   slots   [N, K] int32, per destination rank: slots[g, k] = e_local * C + position of token g

@@ -5,17 +5,18 @@
 #include <nanobind/stl/vector.h>
 
 #include <stdexcept>
+#include <utility>
 
+#include "coll/collectives.h"
 #include "coll/kernels.h"
+#include "common/ops.h"
+#include "common/settings.h"
 #include "fabric/inproc.h"
 #include "fabric/op_stats.h"
 #include "fabric/shm.h"
 #include "fabric/shm_ll.h"
 #include "fabric/stats.h"
 #include "ffi/handlers.h"
-#include "ffi/hier_handlers.h"
-#include "ffi/moe_handlers.h"
-#include "ffi/ragged_handler.h"
 
 namespace nb = nanobind;
 
@@ -39,8 +40,20 @@ void FinalizeMpiAtExit() {
 }
 }  // namespace
 
+#ifndef STRATA_BUILT_JAXLIB
+#define STRATA_BUILT_JAXLIB "unknown"
+#endif
+
 NB_MODULE(_strata, m) {
   m.doc() = "strata_jax native core: XLA FFI handlers of the collectives";
+  // The jaxlib whose XLA FFI headers the handlers were built against, and their API version:
+  // a jaxlib older than that API refuses the handlers (extension.load() checks the pair).
+  m.def("build_info", [] {
+    nb::dict d;
+    d["jaxlib"] = STRATA_BUILT_JAXLIB;
+    d["ffi_api"] = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+    return d;
+  });
   // XLA's MPI collectives register MPI_Finalize with Python's atexit, which runs before the
   // interpreter drops the CPU client: its communicators are then freed after MPI_Finalize and
   // Open MPI aborts the process ("MPI_Comm_free() ... after MPI_FINALIZE"). Py_AtExit functions
@@ -65,36 +78,48 @@ NB_MODULE(_strata, m) {
         return true;  // the handle stays open for the exit
       },
       nb::arg("library"));
+  // Every FFI target of the table (common/ops.h), as "strata_<target>" -> handler capsule.
   m.def("handlers", [] {
     nb::dict d;
-    d["strata_all_reduce"] = capsule(strata::AllReduceHandler);
-    d["strata_all_reduce_list"] = capsule(strata::AllReduceListHandler);
-    d["strata_reduce_scatter_rows"] = capsule(strata::ReduceScatterRowsHandler);
-    d["strata_all_gather_rows"] = capsule(strata::AllGatherRowsHandler);
-    d["strata_reduce_scatter"] = capsule(strata::ReduceScatterHandler);
-    d["strata_reduce_scatter_placed"] = capsule(strata::ReduceScatterPlacedHandler);
-    d["strata_all_gather"] = capsule(strata::AllGatherHandler);
-    d["strata_all_gather_placed"] = capsule(strata::AllGatherPlacedHandler);
-    d["strata_all_gather_reduce"] = capsule(strata::AllGatherReduceHandler);
-    d["strata_all_gather_part"] = capsule(strata::AllGatherPartHandler);
-    d["strata_all_gather_part_into"] = capsule(strata::AllGatherPartIntoHandler);
-    d["strata_all_to_all"] = capsule(strata::AllToAllHandler);
-    d["strata_all_to_all_divert"] = capsule(strata::AllToAllDivertHandler);
-    d["strata_reduce_scatter_placed_divert"] = capsule(strata::ReduceScatterPlacedDivertHandler);
-    d["strata_permute"] = capsule(strata::PermuteHandler);
-    d["strata_broadcast"] = capsule(strata::BroadcastHandler);
-    d["strata_moe_dispatch"] = capsule(strata::MoeDispatchHandler);
-    d["strata_moe_combine"] = capsule(strata::MoeCombineHandler);
-    d["strata_moe_gather"] = capsule(strata::MoeGatherHandler);
-    d["strata_moe_plan"] = capsule(strata::MoePlanHandler);
-    d["strata_ragged_all_to_all"] = capsule(strata::RaggedAllToAllHandler);
-    d["strata_empty"] = capsule(strata::EmptyHandler);
-    d["strata_moe_ll_dispatch"] = capsule(strata::MoeLowLatencyDispatchHandler);
-    d["strata_moe_ll_combine"] = capsule(strata::MoeLowLatencyCombineHandler);
-    d["strata_count_inter_fabric"] = capsule(strata::CountInterFabricHandler);
-    d["strata_check_across_fabrics"] = capsule(strata::CheckAcrossFabricsHandler);
-    d["strata_order"] = capsule(strata::OrderHandler);
+#define STRATA_HANDLER_ENTRY(target, handler) d["strata_" #target] = capsule(strata::handler);
+    STRATA_TARGETS(STRATA_HANDLER_ENTRY)
+#undef STRATA_HANDLER_ENTRY
     return d;
+  });
+  // The operator table (common/ops.h), one dict per operator in table order; `kind` is the
+  // number its calls carry (strata_jax/_src/operators.py reads it).
+  m.def("operators", [] {
+    nb::list out;
+    int count = 0;
+    const strata::OpInfo* rows = strata::op_table(&count);
+    for (int i = 0; i < count; ++i) {
+      nb::dict d;
+      d["id"] = rows[i].id;
+      d["kind"] = static_cast<int>(rows[i].op);
+      d["api"] = rows[i].api;
+      d["lax"] = rows[i].lax;
+      d["target"] = std::string("strata_") + rows[i].target;
+      d["stats"] = rows[i].stats;
+      d["algorithms"] = rows[i].algorithms;
+      d["reduce"] = rows[i].reduce;
+      out.append(d);
+    }
+    return out;
+  });
+  // The reductions (common/ops.h), one dict per reduction in code order.
+  m.def("reductions", [] {
+    nb::list out;
+    auto row = [&out](strata::ReduceOp op, const char* kind, const char* element) {
+      nb::dict d;
+      d["code"] = static_cast<int>(op);
+      d["kind"] = kind;
+      d["element"] = element;
+      out.append(d);
+    };
+#define STRATA_REDUCTION_ROW(kind, name, element) row(strata::ReduceOp::name, #kind, #element);
+    STRATA_REDUCTIONS(STRATA_REDUCTION_ROW)
+#undef STRATA_REDUCTION_ROW
+    return out;
   });
   m.def(
       "set_timeout", [](double s) { strata::settings().timeout_ms.store(int64_t(s * 1000)); },
@@ -127,6 +152,14 @@ NB_MODULE(_strata, m) {
       "set_two_shot_bytes", [](int64_t b) { strata::settings().two_shot_bytes.store(b); },
       nb::arg("nbytes"));
   m.def("get_two_shot_bytes", [] { return strata::settings().two_shot_bytes.load(); });
+  m.def(
+      "all_reduce_algorithm",
+      [](int ranks, int64_t nbytes) {
+        return strata::all_reduce_two_shot(ranks, static_cast<size_t>(nbytes)) ? "two_shot"
+                                                                               : "one_shot";
+      },
+      nb::arg("ranks"), nb::arg("nbytes"));
+  m.def("get_two_shot_pair_bytes", [] { return static_cast<int64_t>(strata::kTwoShotPairBytes); });
   m.def("get_stream_bytes", [] { return static_cast<int64_t>(strata::stream_bytes()); });
   m.def("set_ll_bytes", [](int64_t b) { strata::set_ll_bytes(b); });
   m.def("get_ll_bytes", [] { return strata::get_ll_bytes(); });
@@ -135,33 +168,36 @@ NB_MODULE(_strata, m) {
   m.def("set_direct_bytes", [](int64_t b) { strata::set_direct_bytes(b); });
   m.def("get_direct_bytes", [] { return strata::get_direct_bytes(); });
   m.def("comm_stats", [] {
-    auto& s = strata::stats();
+    const auto& s = strata::stats();
+    // Its counters (fabric/stats.h) by the name comm_stats() gives them.
+    const std::pair<const char*, const std::atomic<uint64_t>*> counters[] = {
+        {"calls", &s.calls},
+        {"zero_copy_bytes", &s.zero_copy_bytes},
+        {"staged_bytes", &s.staged_bytes},
+        {"one_shot_all_reduce", &s.one_shot},
+        {"two_shot_all_reduce", &s.two_shot},
+        {"timeouts", &s.timeouts},
+        {"moe_calls", &s.moe_calls},
+        {"inter_fabric_calls", &s.inter_fabric_calls},
+        {"inter_fabric_bytes", &s.inter_fabric_bytes},
+        {"max_calls_in_flight_per_device", &s.max_calls_in_flight},
+        {"max_runs_in_flight_per_device", &s.max_runs_in_flight},
+        {"mismatches", &s.mismatches},
+        {"low_latency_calls", &s.low_latency_calls},
+        {"direct_calls", &s.direct_calls},
+        {"channel_waits", &s.channel_waits},
+        {"channel_sleeps", &s.channel_sleeps},
+        {"lead_calls", &s.lead_calls},
+        {"pair_calls", &s.pair_calls},
+        {"failures", &s.failures}};
     nb::dict d;
-    d["calls"] = s.calls.load(std::memory_order_relaxed);
-    d["zero_copy_bytes"] = s.zero_copy_bytes.load(std::memory_order_relaxed);
-    d["staged_bytes"] = s.staged_bytes.load(std::memory_order_relaxed);
-    d["one_shot_all_reduce"] = s.one_shot.load(std::memory_order_relaxed);
-    d["two_shot_all_reduce"] = s.two_shot.load(std::memory_order_relaxed);
-    d["timeouts"] = s.timeouts.load(std::memory_order_relaxed);
-    d["moe_calls"] = s.moe_calls.load(std::memory_order_relaxed);
+    for (const auto& [name, counter] : counters) d[name] = counter->load(std::memory_order_relaxed);
     d["intra_fabric_bytes"] = s.zero_copy_bytes.load(std::memory_order_relaxed) +
                               s.peer_bounce_bytes.load(std::memory_order_relaxed);
-    d["inter_fabric_calls"] = s.inter_fabric_calls.load(std::memory_order_relaxed);
-    d["inter_fabric_bytes"] = s.inter_fabric_bytes.load(std::memory_order_relaxed);
-    d["max_calls_in_flight_per_device"] = s.max_calls_in_flight.load(std::memory_order_relaxed);
-    d["max_runs_in_flight_per_device"] = s.max_runs_in_flight.load(std::memory_order_relaxed);
-    d["mismatches"] = s.mismatches.load(std::memory_order_relaxed);
-    d["low_latency_calls"] = s.low_latency_calls.load(std::memory_order_relaxed);
-    d["direct_calls"] = s.direct_calls.load(std::memory_order_relaxed);
-    d["channel_waits"] = s.channel_waits.load(std::memory_order_relaxed);
-    d["channel_sleeps"] = s.channel_sleeps.load(std::memory_order_relaxed);
-    d["lead_calls"] = s.lead_calls.load(std::memory_order_relaxed);
-    d["pair_calls"] = s.pair_calls.load(std::memory_order_relaxed);
-    d["failures"] = s.failures.load(std::memory_order_relaxed);
     return d;
   });
 
-  // ---- the shared-memory fabric (bootstrap driven by strata_jax/_src/fabric.py) ----
+  // ---- the shared-memory fabric (bootstrap driven by strata_jax/_src/startup.py) ----
   m.def(
       "fabric_listen",
       [](const std::string& dir, int proc) {

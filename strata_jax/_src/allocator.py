@@ -22,6 +22,8 @@ from __future__ import annotations
 import ctypes
 import os
 
+from strata_jax._src import launch_env
+
 ENV_HOOK = "STRATA_ALLOC_HOOK"
 DEFAULT_HOOK_LIBRARIES = ("libjax_common.so",)
 
@@ -37,29 +39,6 @@ def _preloaded(libc: ctypes.CDLL) -> tuple[bool, bool]:
     return pre, bool(libc.strata_alloc_active())
 
 
-def _launch_module():
-    """The launcher module, for its library search (``alloc_library_path``).
-
-    Imported as ``strata_jax.launch`` only when it is already there: under
-    ``python -m strata_jax.launch`` the package is imported first, and importing the launcher
-    from here would make runpy warn that ``strata_jax.launch`` was imported before it ran. The
-    launcher imports only the standard library, so a private copy by file path costs ~1 ms.
-    """
-    import importlib.util
-    import sys
-
-    mod = sys.modules.get("strata_jax.launch")
-    if mod is not None:
-        return mod
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch.py")
-    spec = importlib.util.spec_from_file_location("strata_jax._launch_paths", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the body runs
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def install() -> dict:
     """Makes the pool serve XLA's buffers (preloaded already, or hooked now); returns ``state``.
 
@@ -69,8 +48,6 @@ def install() -> dict:
     """
     if state["mode"] is not None:
         return state
-    launch = _launch_module()
-
     libc = ctypes.CDLL(None)
     preloaded, active = _preloaded(libc)
     if preloaded:
@@ -99,12 +76,12 @@ def install() -> dict:
         return state
     import jax  # noqa: F401  (loads jaxlib's libjax_common.so, the library to hook)
 
-    path = launch.alloc_library_path()
+    path = launch_env.alloc_library_path()
     if path is None:
         state.update(
             mode="off",
-            reason=f"{launch.ALLOC_LIBRARY_NAME} not found",
-            fix=f"reinstall strata_jax, or set {launch.ENV_ALLOC_LIB} to its path",
+            reason=f"{launch_env.ALLOC_LIBRARY_NAME} not found",
+            fix=f"reinstall strata_jax, or set {launch_env.ENV_ALLOC_LIB} to its path",
         )
         return state
     names = DEFAULT_HOOK_LIBRARIES if setting in ("", "1") else tuple(setting.split(","))

@@ -2,7 +2,7 @@
 
 Every collective lowered for the CPU is recorded while its program is lowered: strata's own
 operators (``strata_jax.psum`` ..., MoE dispatch/combine) as on strata, JAX's collectives
-(``lax_compat.py``) as on strata or on XLA with the reason. One record per lowered program
+(``lax_hooks.py``) as on strata or on XLA with the reason. One record per lowered program
 (per MLIR module: ``jit_step``, ``pmap_f`` ...), kept for the last ``_KEEP`` programs of the
 process. ``STRATA_DEBUG=INFO`` also logs each collective that stays on XLA for a reason other
 than ``use_for_jax_lax()`` being off, as it is lowered.
@@ -14,9 +14,8 @@ import collections
 import dataclasses
 import threading
 
-from jax._src.interpreters import mlir
-
-from strata_jax._src import collectives, debug, ragged
+from strata_jax._src import collectives, debug, operators, ragged  # noqa: F401  (their primitives)
+from strata_jax._src.jax_compat import lowering_rule, mlir, registered_primitives
 
 _KEEP = 256
 _KEY = ("strata_jax", "coverage")
@@ -123,26 +122,19 @@ def coverage() -> list[ProgramCoverage]:
         ]
 
 
+def strata_primitives() -> list:
+    """strata's own primitives: those named after an operator's target in the operator table
+    (operators.py), as their modules registered them (collectives, ragged, moe)."""
+    import strata_jax.moe  # noqa: F401  (registers the MoE primitives)
+
+    names = operators.targets()
+    return [p for p in registered_primitives("cpu") if p.name in names]
+
+
 def _record_strata_operators() -> None:
     """Wraps the CPU lowering of strata's own operators so they are recorded too."""
-    from strata_jax.moe import _dispatch
-
-    prims = [
-        collectives.all_reduce_p,
-        collectives.all_gather_p,
-        collectives.reduce_scatter_p,
-        collectives.all_to_all_p,
-        collectives.ppermute_p,
-        collectives.pbroadcast_p,
-        ragged.ragged_all_to_all_p,
-        _dispatch.moe_dispatch_p,
-        _dispatch.moe_combine_p,
-        _dispatch.moe_gather_p,
-        _dispatch.moe_ll_dispatch_p,
-        _dispatch.moe_ll_combine_p,
-    ]
-    for prim in prims:
-        rule = mlir._platform_specific_lowerings["cpu"][prim].rule
+    for prim in strata_primitives():
+        rule = lowering_rule(prim, "cpu")
 
         def recorded(ctx, *args, rule=rule, name=prim.name, **params):
             out = rule(ctx, *args, **params)

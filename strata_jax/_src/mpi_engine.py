@@ -26,7 +26,6 @@ Nothing here runs unless the engine is ``mpi``.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 
@@ -44,9 +43,9 @@ def selected() -> bool:
 
 def async_dispatch() -> bool:
     """The value of ``jax_cpu_enable_async_dispatch`` (a flag jax.config has no attribute for)."""
-    from jax._src import xla_bridge
+    from strata_jax._src import jax_compat
 
-    return bool(xla_bridge._CPU_ENABLE_ASYNC_DISPATCH.value)
+    return jax_compat.cpu_async_dispatch()
 
 
 def configure_before_backend() -> None:
@@ -68,31 +67,6 @@ def configure_before_backend() -> None:
             "every rank, e.g. `mpirun -x MPITRAMPOLINE_LIB`); see docs/guide/hosts.md"
         )
     jax.config.update("jax_cpu_enable_async_dispatch", False)
-
-
-@contextlib.contextmanager
-def _held_back_finalize():
-    """While JAX creates its backend: keep back its ``atexit.register(collectives.Finalize)``."""
-    from jax._src import xla_bridge
-
-    real = xla_bridge.atexit
-    held: list = []
-
-    class _Atexit:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def register(self, fn, *args, **kwargs):
-            if getattr(fn, "__name__", "") == "Finalize" and not args and not kwargs:
-                held.append(fn)
-                return fn
-            return real.register(fn, *args, **kwargs)
-
-    xla_bridge.atexit = _Atexit()
-    try:
-        yield held
-    finally:
-        xla_bridge.atexit = real
 
 
 def create_backend() -> None:
@@ -119,7 +93,9 @@ def create_backend() -> None:
                 flush=True,
             )
         return
-    with _held_back_finalize() as held:
+    from strata_jax._src import jax_compat
+
+    with jax_compat.held_back_atexit("Finalize") as held:
         jax.devices()
     if not held:
         return

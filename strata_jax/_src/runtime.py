@@ -33,15 +33,14 @@ def _requested_cpu_devices() -> int:
 def configure_launch_threads() -> None:
     """Gives XLA's CPU client enough launch threads that dispatch-ahead cannot deadlock.
 
-    XLA CPU gang-schedules every multi-device launch: a launch needs all N devices' threads of
-    the "XLAPjRtCpuClient" pool at once, and each launch also takes a per-device in-flight slot
-    (32) *on a pool thread*. When Python runs ~33 launches ahead, one pool thread blocks on
-    that semaphore and the oldest launch gets only N-1 threads: every participant of a
-    collective waits for the missing one and XLA aborts ("only 7 of 8 arrived"). The pool has
-    ``max(PJRT_NPROC, N)`` threads; with at least 2N threads the blocked semaphore waiter can
-    no longer starve a launch (measured in ../shared/DESIGN.md: 20 of 20 runs of 1000 chained
-    calls on 8 devices). No handler-side fix exists, so strata sets PJRT_NPROC here, before the
-    backend is created, unless the user already chose a value.
+    XLA CPU gang-schedules every multi-device launch: a launch needs all N devices' threads of the
+    "XLAPjRtCpuClient" pool at once, and each launch also takes a per-device in-flight slot (32) *on
+    a pool thread*. When Python runs ~33 launches ahead, one pool thread blocks on that semaphore
+    and the oldest launch gets only N-1 threads: every participant of a collective waits for the
+    missing one and XLA aborts ("only 7 of 8 arrived"). The pool has ``max(PJRT_NPROC, N)`` threads;
+    with at least 2N threads the blocked semaphore waiter can no longer starve a launch (measured:
+    20 of 20 runs of 1000 chained calls on 8 devices). No handler-side fix exists, so strata sets
+    PJRT_NPROC here, before the backend is created, unless the user already chose a value.
     """
     want = max(_MIN_LAUNCH_THREADS, 2 * _requested_cpu_devices())
     cur = os.environ.get("PJRT_NPROC")
@@ -80,13 +79,9 @@ def _pool_threads(devices: int) -> int:
 
 
 def _register_backend_hook() -> None:
-    try:
-        from jax._src import xla_bridge
+    from strata_jax._src import jax_compat
 
-        if _on_backend_created not in xla_bridge._backend_initialization_hooks:
-            xla_bridge.register_backend_initialization_hook(_on_backend_created)
-    except Exception:  # pragma: no cover - private API moved: the lowering-time check remains
-        pass
+    jax_compat.on_backend_created(_on_backend_created)
 
 
 def _on_backend_created(backend) -> None:
@@ -105,15 +100,15 @@ def check_launcher_init() -> None:
     Without either, each rank creates a one-process JAX backend: every collective then runs over
     one process and returns its input (psum of one rank), a silently wrong result.
     """
-    from strata_jax import launch
+    from strata_jax._src import launch_env
 
-    env = launch.distributed_env()
+    env = launch_env.distributed_env()
     if env is not None:
         if env["num_processes"] < 2:
             return
         who = f"rank {env['process_id']} of {env['num_processes']} started by strata_jax.launch"
     else:
-        var, n, _ = launch.cluster_env()
+        var, n, _ = launch_env.cluster_env()
         if n < 2:
             return
         who = f"one of {n} processes started by a launcher such as mpirun or srun ({var}={n})"
@@ -166,12 +161,9 @@ def _check_launch_pool() -> None:
 
 
 def _backend_initialized() -> bool:
-    try:
-        from jax._src import xla_bridge
+    from strata_jax._src import jax_compat
 
-        return bool(getattr(xla_bridge, "_backends", {}))
-    except Exception:  # pragma: no cover - private API moved
-        return False
+    return jax_compat.backends_created()
 
 
 def env_bytes(name: str, default: int, example: str) -> int:
@@ -192,7 +184,7 @@ def env_bytes(name: str, default: int, example: str) -> int:
     return int(digits) * scale
 
 
-# Byte settings the native library reads from the environment itself (native/fabric/env.cc,
+# Byte settings the native library reads from the environment itself (native/common/env.cc,
 # env_bytes): checked here at first use, so that a value it cannot read is an error instead of
 # a path silently turned off.
 _NATIVE_BYTE_SETTINGS = {
@@ -310,60 +302,6 @@ def set_low_latency_threshold(nbytes: int) -> None:
 def get_low_latency_threshold() -> int:
     """Returns the low-latency threshold new communicators get, in bytes per rank."""
     return int(native().get_ll_bytes())
-
-
-def comm_stats() -> dict:
-    """Process-wide communication counters, in total and per operator.
-
-    Returns:
-      dict with ``calls`` (collective calls, counted per rank), ``zero_copy_bytes`` (bytes read
-      straight from peers' buffers), ``staged_bytes`` (bytes copied through a bounce buffer),
-      ``one_shot_all_reduce``/``two_shot_all_reduce`` (algorithm choices), ``timeouts``,
-      ``low_latency_calls`` (calls across processes that took the small-message path,
-      native/fabric/shm_ll.h), ``lead_calls`` and ``pair_calls`` (in-process calls made in one
-      rendezvous, counted per rank: the last rank to arrive ran every rank's part, calls of up
-      to 256 KiB per rank; or, for a larger ``all_to_all``, each pair of blocks was copied by
-      the second of its two ranks to arrive), and ``ops``: per operator (``psum``, ``pmax``,
-      ``pmin``, ``psum_scatter``, ``all_gather``, ``all_to_all``, ``ppermute``, ``pbroadcast``,
-      ``ragged_all_to_all``, ``moe.dispatch``, ``moe.combine``, ``moe.combine (weights
-      cotangent)``, ``moe.low_latency_dispatch``, ``moe.low_latency_combine``; only those
-      called; each rank's call counted once) a dict with ``calls``, ``bytes`` (input bytes per
-      rank, summed),
-      ``algorithm`` (``{"one_shot": n, "two_shot": m}`` for the all-reduces, ``{"direct": n}``
-      otherwise), ``p50_s``/``p99_s`` (time in the handler, from a histogram with 12.5%
-      buckets), ``total_s``, ``wait_s`` (until every peer had arrived) and ``move_s`` (the rest:
-      the algorithm moving data, and the departure; on the pairs path of ``pair_calls`` the
-      copies happen while peers arrive, and the whole call counts as ``wait_s``).
-      ``STRATA_STATS=0`` turns the per-operator
-      counters off (their cost is measured in tests/test_comm_stats.py).
-    """
-    nat = native()
-    out = dict(nat.comm_stats())
-    ops = {}
-    for d in nat.op_stats():
-        name = d["name"]
-        reduce = name in ("psum", "pmax", "pmin")
-        ops[name] = {
-            "calls": d["calls"],
-            "bytes": d["bytes"],
-            "algorithm": (
-                {"one_shot": d["one_shot"], "two_shot": d["two_shot"]}
-                if reduce
-                else {"direct": d["calls"]}
-            ),
-            "p50_s": d["p50_s"],
-            "p99_s": d["p99_s"],
-            "total_s": d["total_s"],
-            "wait_s": d["wait_s"],
-            "move_s": max(0.0, d["total_s"] - d["wait_s"]),
-        }
-    out["ops"] = ops
-    return out
-
-
-def reset_stats() -> None:
-    """Zeroes the per-operator counters of :func:`comm_stats` (``ops``)."""
-    native().reset_op_stats()
 
 
 def _collective_errors() -> tuple[type[Exception], ...]:

@@ -113,7 +113,7 @@ def topology() -> dict:
       The dict described above.
 
     Shared memory connects only processes of one fabric; a collective whose group spans
-    fabrics moves the bytes between them with XLA's own collectives (see ``hierarchy.py``).
+    fabrics moves the bytes between them with XLA's own collectives (see ``hierarchy/``).
     Call it after ``strata_jax.init()``.
     """
     import jax

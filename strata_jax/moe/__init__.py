@@ -1,18 +1,16 @@
 """Expert-parallel MoE token routing over strata's fabric (DeepEP-style dispatch/combine).
 
-See :mod:`strata_jax.moe._dispatch` for the algorithm and semantics.
+The normal mode (training, prefill) is :mod:`strata_jax.moe._dispatch`, the low-latency mode
+(decode) :mod:`strata_jax.moe._low_latency`: each opens with its algorithm and semantics.
 """
 
-from strata_jax.moe._dispatch import (
+from strata_jax.moe._dispatch import MoELayout, combine, dispatch, dispatch_layout
+from strata_jax.moe._layer import expert_mlp, moe_mlp
+from strata_jax.moe._low_latency import (
     LowLatencyHandle,
-    MoELayout,
-    combine,
-    dispatch,
-    dispatch_layout,
     low_latency_combine,
     low_latency_dispatch,
 )
-from strata_jax.moe._layer import expert_mlp, moe_mlp
 
 __all__ = [
     "MoELayout",

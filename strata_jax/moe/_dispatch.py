@@ -27,29 +27,8 @@ Semantics fixed here (and tested): a token that names the same expert twice is d
 once and its combine weight is the sum of both weights (DeepEP); ``-1`` (or any id outside
 [0, E)) means "no expert"; weights are applied exactly once, in :func:`combine`.
 
-Low-latency mode (DeepEP's ``low_latency_dispatch``/``low_latency_combine``, for decode where
-each rank moves 1-128 tokens per layer and round trips, not bandwidth, decide):
-
-* :func:`low_latency_dispatch`: static shapes for any routing, ``recv_x`` [E_local, R * M, H]
-  (M = ``max_tokens_per_rank``) plus ``recv_counts`` [E_local]. No planning collective: every
-  rank publishes its x and its [T, K] ids in one arrival, and each rank derives from the
-  published ids what it needs (its receive counts, and where each of its own choices lands),
-  so the counts travel with the data. Then every destination reads its rows straight from the
-  sources' x (pull, the default) or, ``algo="push"``, every source writes them into the
-  destinations' ``recv_x``. The two measure the same on the in-process fabric here
-  (``benchmarks/moe.py --mode low_latency``, 200 interleaved calls: whichever of the two is
-  timed second is 2-12% ahead at every T, in both orders); pull is the default because it moves
-  fewer bytes where the fabric stages small buffers (pull stages x in; push copies the whole
-  staged ``recv_x`` back).
-* :func:`low_latency_combine`: one arrival publishing the expert outputs; every token's rank
-  pulls its K expert rows and applies its own weights (no partial-sum phase, no second barrier).
-
-Per call that is one arrival plus the departure barrier every zero-copy operator needs (the
-sources' buffers must outlive the peers' reads): 2 barriers for dispatch and 2 for combine,
-against 4 (all_gather of the ids, then dispatch) and 3 in the normal mode. Arriving rows have
-the normal mode's semantics (order, -1, repeats, weights once in combine; rows past the counts
-zeroed); what the mode trades: memory for the static buffer (R * M rows per local expert, the
-experts run over all of them) and no autodiff.
+The low-latency mode (decode: static shapes, no planning collective) is in ``_low_latency.py``;
+the pieces both modes share in ``py``.
 """
 
 from __future__ import annotations
@@ -61,11 +40,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
-from jax._src.interpreters import ad, batching, mlir
 
 from strata_jax._src import hierarchy, lowering, topology
 from strata_jax._src.collectives import all_gather
+from strata_jax._src.jax_compat import ad, batching, core, mlir
+from strata_jax.moe._primitive import acc_dtype, check_combine, check_routing, lower, out_aval
 from strata_jax.moe._reference import sanitize_ids
 
 AxisName = Any
@@ -75,13 +54,7 @@ __all__ = [
     "dispatch",
     "dispatch_layout",
     "combine",
-    "LowLatencyHandle",
-    "low_latency_dispatch",
-    "low_latency_combine",
 ]
-
-_FLOATS = (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16)
-
 
 # --------------------------------------------------------------------------------------
 # The layout (plan) returned by dispatch
@@ -138,27 +111,6 @@ class MoELayout:
 # --------------------------------------------------------------------------------------
 
 
-def _out_aval(like, shape, dtype, operands, axes):
-    aval = like.update(shape=tuple(shape), dtype=jnp.dtype(dtype))
-    if not lowering.vma_on():
-        return aval
-    vma = frozenset(axes).union(*(o.mat.varying for o in operands))
-    return aval.update(manual_axis_type=aval.mat.update(varying=vma))
-
-
-def _lower(target: str, api: str):
-    def lower(ctx, *args, axes, **attrs):
-        # An expert axis that spans fabric domains: hierarchical collectives (hierarchy.py).
-        split = hierarchy.lower_moe_across_fabrics(ctx, target, args, axes, attrs)
-        if split is not None:
-            return split
-        return lowering.lower_strata_call(
-            ctx, target, api, args, lowering.mesh_groups(ctx, axes, api), **attrs
-        )
-
-    return lower
-
-
 def _native_operands(ctx, n: int):
     """The lowering context of a primitive whose operands after the first n are for its AD
     rules only (the layout arrays its transpose needs); the native call gets the first n."""
@@ -171,16 +123,14 @@ moe_dispatch_p = core.Primitive("strata_moe_dispatch")
 
 
 def _dispatch_abstract_eval(x, w, slots, counts, idx, *, axes, capacity, weighted):
-    out = _out_aval(
-        x, (counts.shape[0], capacity, x.shape[1]), x.dtype, (x, w, slots, counts), axes
-    )
+    out = out_aval(x, (counts.shape[0], capacity, x.shape[1]), x.dtype, (x, w, slots, counts), axes)
     return out, lowering.effects(axes)
 
 
 moe_dispatch_p.def_effectful_abstract_eval(_dispatch_abstract_eval)
 mlir.register_lowering(
     moe_dispatch_p,
-    lambda ctx, x, w, slots, counts, idx, *, axes, capacity, weighted: _lower(
+    lambda ctx, x, w, slots, counts, idx, *, axes, capacity, weighted: lower(
         "strata_moe_dispatch", "moe.dispatch"
     )(_native_operands(ctx, 4), x, w, slots, counts, axes=axes, weighted=np.int64(weighted)),
     platform="cpu",
@@ -197,15 +147,15 @@ moe_combine_p.multiple_results = True
 
 def _combine_abstract_eval(ey, w, slots, rows, counts, idx, *, axes, num_rows):
     ops = (ey, w, slots, rows)
-    y = _out_aval(ey, (w.shape[0], ey.shape[2]), ey.dtype, ops, axes)
-    part = _out_aval(ey, (num_rows, ey.shape[2]), ey.dtype, ops, axes)
+    y = out_aval(ey, (w.shape[0], ey.shape[2]), ey.dtype, ops, axes)
+    part = out_aval(ey, (num_rows, ey.shape[2]), ey.dtype, ops, axes)
     return [y, part], lowering.effects(axes)
 
 
 moe_combine_p.def_effectful_abstract_eval(_combine_abstract_eval)
 mlir.register_lowering(
     moe_combine_p,
-    lambda ctx, ey, w, slots, rows, counts, idx, *, axes, num_rows: _lower(
+    lambda ctx, ey, w, slots, rows, counts, idx, *, axes, num_rows: lower(
         "strata_moe_combine", "moe.combine"
     )(_native_operands(ctx, 4), ey, w, slots, rows, axes=axes),
     platform="cpu",
@@ -222,10 +172,10 @@ def _plan_abstract_eval(g_idx, base, *, local_experts, capacity, axes):
     ops = (g_idx, base)
     el = (local_experts,)
     return [
-        _out_aval(g_idx, el, jnp.int32, ops, axes),
-        _out_aval(g_idx, el, jnp.int32, ops, axes),
-        _out_aval(g_idx, g_idx.shape, jnp.int32, ops, axes),
-        _out_aval(g_idx, g_idx.shape[:1], jnp.int32, ops, axes),
+        out_aval(g_idx, el, jnp.int32, ops, axes),
+        out_aval(g_idx, el, jnp.int32, ops, axes),
+        out_aval(g_idx, g_idx.shape, jnp.int32, ops, axes),
+        out_aval(g_idx, g_idx.shape[:1], jnp.int32, ops, axes),
     ]
 
 
@@ -244,7 +194,7 @@ moe_gather_p = core.Primitive("strata_moe_gather")
 
 
 def _gather_abstract_eval(values, slots, idx, counts, *, axes):
-    return _out_aval(values, idx.shape, values.dtype, (values, slots, idx), axes), lowering.effects(
+    return out_aval(values, idx.shape, values.dtype, (values, slots, idx), axes), lowering.effects(
         axes
     )
 
@@ -252,7 +202,7 @@ def _gather_abstract_eval(values, slots, idx, counts, *, axes):
 moe_gather_p.def_effectful_abstract_eval(_gather_abstract_eval)
 mlir.register_lowering(
     moe_gather_p,
-    lambda ctx, values, slots, idx, counts, *, axes: _lower("strata_moe_gather", "moe.combine")(
+    lambda ctx, values, slots, idx, counts, *, axes: lower("strata_moe_gather", "moe.combine")(
         _native_operands(ctx, 3), values, slots, idx, axes=axes
     ),
     platform="cpu",
@@ -496,7 +446,7 @@ def _dispatch_transpose(ct, x, w, slots, counts, idx, *, axes, capacity, weighte
         return [None] * 5
     rows = _rows_placeholder(slots, axes)
     if ad.is_undefined_primal(x):
-        acc = _acc_dtype(x.aval.dtype)
+        acc = acc_dtype(x.aval.dtype)
         unit = w if weighted else _first_occurrence(idx).astype(acc)
         ct_x, _ = moe_combine_p.bind(ct, unit, slots, rows, counts, idx, axes=axes, num_rows=0)
         return [ct_x, None, None, None, None]
@@ -539,7 +489,7 @@ def _combine_transpose(cts, ey, w, slots, rows, counts, idx, *, axes, num_rows):
     ct_rows = moe_dispatch_p.bind(
         ct, empty, slots, counts, idx, axes=axes, capacity=ey.shape[1], weighted=False
     )
-    dots = _slot_dots(ct_rows, ey, _acc_dtype(ey.dtype))
+    dots = _slot_dots(ct_rows, ey, acc_dtype(ey.dtype))
     ct_w = moe_gather_p.bind(dots, slots, idx, counts, axes=axes).astype(w.aval.dtype)
     return [None, ct_w, None, None, None, None]
 
@@ -579,11 +529,6 @@ ad.primitive_jvps[moe_gather_p] = _gather_jvp
 ad.primitive_transposes[moe_gather_p] = _gather_transpose
 
 
-def _acc_dtype(dtype):
-    """Accumulator (and weight) dtype of rows of `dtype`: float64 for float64, else float32."""
-    return jnp.float64 if dtype == jnp.float64 else jnp.float32
-
-
 def _no_weights(layout: MoELayout):
     return jnp.zeros((0, layout.topk_idx.shape[1]), jnp.float32)
 
@@ -599,38 +544,6 @@ def _first_occurrence(idx):
     same = idx[..., :, None] == idx[..., None, :]  # [.., K(k), K(j)]
     earlier = np.tril(np.ones((k, k), bool), -1)
     return (idx >= 0) & ~jnp.any(same & earlier, axis=-1)
-
-
-def _check(name: str, axes: tuple, num_experts: int, topk_idx, x=None):
-    lowering.check_axis_names(axes, f"moe.{name}")
-    r = lowering.axis_size(axes)
-    if not isinstance(num_experts, (int, np.integer)) or num_experts <= 0:
-        raise ValueError(
-            f"strata_jax.moe.{name}: num_experts must be a positive int, got {num_experts!r}."
-        )
-    if num_experts % r:
-        raise ValueError(
-            f"strata_jax.moe.{name}: num_experts={num_experts} is not divisible "
-            f"by the size {r} of axis {axes}; every rank must hold the same "
-            "number of experts."
-        )
-    if topk_idx.ndim != 2 or not jnp.issubdtype(topk_idx.dtype, jnp.integer):
-        raise ValueError(
-            f"strata_jax.moe.{name}: topk_idx must be an integer array [T, K], "
-            f"got {topk_idx.dtype}{list(topk_idx.shape)}."
-        )
-    if x is not None:
-        if x.ndim != 2 or x.dtype not in [jnp.dtype(d) for d in _FLOATS]:
-            raise ValueError(
-                f"strata_jax.moe.{name}: x must be a float32/float64/bfloat16/"
-                f"float16 array [T, H], got {x.dtype}{list(x.shape)}."
-            )
-        if x.shape[0] != topk_idx.shape[0]:
-            raise ValueError(
-                f"strata_jax.moe.{name}: x has {x.shape[0]} tokens but topk_idx "
-                f"has {topk_idx.shape[0]}."
-            )
-    return r
 
 
 def dispatch_layout(topk_idx, num_experts: int, axis_name: AxisName):
@@ -652,7 +565,7 @@ def dispatch_layout(topk_idx, num_experts: int, axis_name: AxisName):
       ValueError: bad shapes/dtypes or E not divisible by R.
     """
     axes = lowering.axis_tuple(axis_name)
-    r = _check("dispatch_layout", axes, num_experts, topk_idx)
+    r = check_routing("dispatch_layout", axes, num_experts, topk_idx)
     el = num_experts // r
     idx = sanitize_ids(topk_idx, num_experts)
     uniq = _first_occurrence(idx)
@@ -701,7 +614,7 @@ def _plan(idx, num_experts: int, capacity: int, axes: tuple):
 def _scoped(api: str, operands):
     """Names the ops of ``strata_jax.<api>`` (jax.named_scope ``strata.<api>``; with several
     fabrics, also the dtypes and shapes of ``operands(*args, **kwargs)`` as the user passed
-    them): an error of a step inside (the check across fabrics of hierarchy.py) then names this
+    them): an error of a step inside (the check across fabrics of hierarchy/) then names this
     call, not the inner collective."""
 
     def deco(f):
@@ -763,7 +676,7 @@ def dispatch(x, topk_idx, *, num_experts: int, axis_name: AxisName, capacity: in
     axes = lowering.axis_tuple(axis_name)
     x = jnp.asarray(x)
     topk_idx = jnp.asarray(topk_idx)
-    r = _check("dispatch", axes, num_experts, topk_idx, x)
+    r = check_routing("dispatch", axes, num_experts, topk_idx, x)
     t, _ = x.shape
     if capacity is None:
         capacity = r * t
@@ -815,291 +728,15 @@ def combine(expert_y, layout: MoELayout, topk_weights):
     The token's rank pulls each kept choice's row straight from the expert rank's buffer and
     sums them in one pass (expert ranks in rank order, choices in k order).
     """
-    if not isinstance(layout, MoELayout):
-        raise ValueError(
-            "strata_jax.moe.combine: layout must be the MoELayout returned by "
-            f"strata_jax.moe.dispatch, got {type(layout).__name__}."
-        )
-    axes = lowering.axis_tuple(layout.axis_name)
-    lowering.check_axis_names(axes, "moe.combine")
-    expert_y = jnp.asarray(expert_y)
-    topk_weights = jnp.asarray(topk_weights)
-    r = lowering.axis_size(axes)
-    t, k = layout.topk_idx.shape
-    want = (layout.num_experts // r, layout.capacity)
-    if expert_y.ndim != 3 or tuple(expert_y.shape[:2]) != want:
-        raise ValueError(
-            f"strata_jax.moe.combine: expert_y must have shape "
-            f"[{want[0]}, {want[1]}, H] (E_local, capacity), got "
-            f"{list(expert_y.shape)}."
-        )
-    if expert_y.dtype not in [jnp.dtype(d) for d in _FLOATS]:
-        raise ValueError(
-            f"strata_jax.moe.combine: expert_y must be float32/float64/bfloat16/"
-            f"float16, got {expert_y.dtype}."
-        )
-    if topk_weights.shape != (t, k) or not jnp.issubdtype(topk_weights.dtype, jnp.floating):
-        raise ValueError(
-            f"strata_jax.moe.combine: topk_weights must be a float array "
-            f"[{t}, {k}] like topk_idx, got {topk_weights.dtype}"
-            f"{list(topk_weights.shape)}."
-        )
-    w_acc = lowering.pvary_missing(topk_weights, axes).astype(_acc_dtype(expert_y.dtype))
+    axes, expert_y, topk_weights = check_combine(
+        "combine",
+        layout,
+        MoELayout,
+        "dispatch",
+        lambda r: layout.capacity,
+        "capacity",
+        expert_y,
+        topk_weights,
+    )
+    w_acc = lowering.pvary_missing(topk_weights, axes).astype(acc_dtype(expert_y.dtype))
     return _bind_combine(lowering.pvary_missing(expert_y, axes), w_acc, layout)
-
-
-# --------------------------------------------------------------------------------------
-# Low-latency mode (decode): static buffers, one arrival per phase, no planning collective
-# --------------------------------------------------------------------------------------
-
-_LL_ALGOS = ("pull", "push")
-
-
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["topk_idx", "src_slots"],
-    meta_fields=["num_experts", "max_tokens_per_rank", "axis_name"],
-)
-@dataclasses.dataclass(frozen=True)
-class LowLatencyHandle:
-    """What :func:`low_latency_combine` needs about one :func:`low_latency_dispatch`.
-
-    A registered pytree (crosses ``jax.jit``/``scan``); not differentiable.
-
-    Shapes are per rank: T tokens, K choices.
-
-    Attributes:
-      topk_idx: [T, K] int32, this rank's choices (ids outside [0, E) replaced by -1).
-      src_slots: [T, K] int32, row of choice k of token t in the expert's rank's ``recv_x``
-        flattened to [E_local * R * M] (``e_local * R * M + position``), -1 for -1 choices; a
-        repeated expert points at its first occurrence's row.
-      num_experts: static, E.
-      max_tokens_per_rank: static, M.
-      axis_name: static, the expert-parallel mesh axis.
-    """
-
-    topk_idx: jax.Array
-    src_slots: jax.Array
-    num_experts: int
-    max_tokens_per_rank: int
-    axis_name: Any
-
-
-# ll_dispatch_p(x [T, H], idx [T, K] i32) -> recv [E_local, R * M, H], counts [E_local] i32,
-#   src_slots [T, K] i32
-moe_ll_dispatch_p = core.Primitive("strata_moe_ll_dispatch")
-moe_ll_dispatch_p.multiple_results = True
-
-
-def _ll_dispatch_abstract_eval(x, idx, *, axes, ranks, local_experts, max_tokens, push):
-    ops = (x, idx)
-    recv = _out_aval(x, (local_experts, ranks * max_tokens, x.shape[1]), x.dtype, ops, axes)
-    counts = _out_aval(idx, (local_experts,), jnp.int32, ops, axes)
-    slots = _out_aval(idx, idx.shape, jnp.int32, ops, axes)
-    return [recv, counts, slots], lowering.effects(axes)
-
-
-moe_ll_dispatch_p.def_effectful_abstract_eval(_ll_dispatch_abstract_eval)
-mlir.register_lowering(
-    moe_ll_dispatch_p,
-    lambda ctx, x, idx, *, axes, ranks, local_experts, max_tokens, push: _lower(
-        "strata_moe_ll_dispatch", "moe.low_latency_dispatch"
-    )(ctx, x, idx, axes=axes, max_tokens=np.int64(max_tokens), push=np.int64(push)),
-    platform="cpu",
-    cacheable=False,
-)
-
-# ll_combine_p(expert_y [E_local, R * M, H], w [T, K] acc dtype, idx [T, K], src_slots [T, K])
-#   -> y [T, H]
-moe_ll_combine_p = core.Primitive("strata_moe_ll_combine")
-
-
-def _ll_combine_abstract_eval(ey, w, idx, slots, *, axes, max_tokens):
-    return _out_aval(
-        ey, (w.shape[0], ey.shape[2]), ey.dtype, (ey, w, idx, slots), axes
-    ), lowering.effects(axes)
-
-
-moe_ll_combine_p.def_effectful_abstract_eval(_ll_combine_abstract_eval)
-mlir.register_lowering(
-    moe_ll_combine_p,
-    lambda ctx, ey, w, idx, slots, *, axes, max_tokens: _lower(
-        "strata_moe_ll_combine", "moe.low_latency_combine"
-    )(ctx, ey, w, idx, slots, axes=axes, max_tokens=np.int64(max_tokens)),
-    platform="cpu",
-    cacheable=False,
-)
-
-
-def _ll_unsupported(why: str):
-    """A vmap or JVP rule for the low-latency primitives that raises ``why`` (formatted with
-    the public function's name) instead of JAX's stock message naming the primitive."""
-
-    def make(name: str):
-        def rule(*args, **params):
-            raise NotImplementedError(why.format(name=f"strata_jax.moe.{name}"))
-
-        return rule
-
-    return make
-
-
-_ll_no_vmap = _ll_unsupported(
-    "{name} has no jax.vmap rule (its static [E_local, R * max_tokens_per_rank, H] buffer would "
-    "grow by the batch size squared); fold the batch into the tokens (x [B * T, H], "
-    "max_tokens_per_rank >= B * T) or use the normal mode (dispatch/combine), which batches."
-)
-_ll_no_jvp = _ll_unsupported(
-    "{name} is not differentiable (the low-latency mode is for inference: no jvp, grad or vjp). "
-    "Train with the normal mode, strata_jax.moe.dispatch/combine, which has both; or, if no "
-    "gradient should flow through this call, pass its inputs through jax.lax.stop_gradient."
-)
-for _p, _name in (
-    (moe_ll_dispatch_p, "low_latency_dispatch"),
-    (moe_ll_combine_p, "low_latency_combine"),
-):
-    batching.fancy_primitive_batchers[_p] = _ll_no_vmap(_name)
-    ad.primitive_jvps[_p] = _ll_no_jvp(_name)
-
-
-def low_latency_dispatch(
-    x,
-    topk_idx,
-    *,
-    num_experts: int,
-    axis_name: AxisName,
-    max_tokens_per_rank: int | None = None,
-    algo: str = "pull",
-):
-    """Sends every token to the ranks of its experts with static shapes (DeepEP's
-    ``low_latency_dispatch``), for decode-sized T.
-
-    Call inside :func:`jax.shard_map` over ``axis_name`` (size R). Not differentiable.
-
-    Args:
-      x: [T, H] this rank's tokens; float32, float64, bfloat16 or float16; T <= M.
-      topk_idx: [T, K] integer global expert ids; -1 (or any id outside [0, num_experts))
-        means "no expert"; a token naming one expert twice is sent to it once.
-      num_experts: E, divisible by R; expert e lives on rank e // (E // R).
-      axis_name: the expert-parallel mesh axis (or tuple of axes; ranks in tuple order).
-      max_tokens_per_rank: M, the static per-source block of the receive buffer (``None``: T).
-        Every routing fits: a token goes to an expert at most once, so an expert receives at
-        most R * M rows and nothing is ever dropped.
-      algo: ``"pull"`` (destinations read the sources' x; the default) or ``"push"``
-        (sources write into the destinations' ``recv_x``). Same results; same speed within
-        noise here (``benchmarks/moe.py --mode low_latency``).
-
-    Returns:
-      ``(recv_x, recv_counts, handle)``: ``recv_x`` [E // R, R * M, H] in x's dtype, rows
-      [0, recv_counts[e]) of local expert e hold its tokens in (source rank, source token)
-      order (as :func:`dispatch`'s), rows past the count are zero. ``recv_counts`` [E // R]
-      int32. ``handle``:
-      the :class:`LowLatencyHandle` for :func:`low_latency_combine`. Typed varying over
-      ``axis_name`` under check_vma.
-
-    Raises:
-      ValueError: E not divisible by R, M < T, unknown algo, bad shapes or dtypes.
-      NameError: ``axis_name`` not bound by an enclosing shard_map.
-
-    One arrival publishes x, the ids and the receive buffer (no all_gather of the ids first);
-    each rank computes its receive counts and its choices' rows from the published ids.
-    """
-    axes = lowering.axis_tuple(axis_name)
-    x = jnp.asarray(x)
-    topk_idx = jnp.asarray(topk_idx)
-    r = _check("low_latency_dispatch", axes, num_experts, topk_idx, x)
-    t = x.shape[0]
-    m = t if max_tokens_per_rank is None else max_tokens_per_rank
-    if not isinstance(m, (int, np.integer)) or m < t:
-        raise ValueError(
-            f"strata_jax.moe.low_latency_dispatch: max_tokens_per_rank must be an int >= "
-            f"the {t} tokens of x, got {max_tokens_per_rank!r}."
-        )
-    if algo not in _LL_ALGOS:
-        raise ValueError(
-            f"strata_jax.moe.low_latency_dispatch: algo must be one of {_LL_ALGOS}, got {algo!r}."
-        )
-    idx = lowering.pvary_missing(sanitize_ids(topk_idx, num_experts), axes)
-    recv, counts, slots = moe_ll_dispatch_p.bind(
-        lowering.pvary_missing(x, axes),
-        idx,
-        axes=axes,
-        ranks=r,
-        local_experts=num_experts // r,
-        max_tokens=int(m),
-        push=algo == "push",
-    )
-    handle = LowLatencyHandle(
-        topk_idx=idx,
-        src_slots=slots,
-        num_experts=int(num_experts),
-        max_tokens_per_rank=int(m),
-        axis_name=tuple(axis_name) if isinstance(axis_name, list) else axis_name,
-    )
-    return recv, counts, handle
-
-
-def low_latency_combine(expert_y, handle: LowLatencyHandle, topk_weights):
-    """Brings expert outputs back to their tokens, weighted and summed (DeepEP's
-    ``low_latency_combine``). Not differentiable.
-
-    Args:
-      expert_y: [E // R, R * M, H] expert outputs in the row order of
-        :func:`low_latency_dispatch`'s ``recv_x``; float32, float64, bfloat16 or float16.
-      handle: the :class:`LowLatencyHandle` of the matching dispatch.
-      topk_weights: [T, K] float weights of this rank's choices.
-
-    Returns:
-      y [T, H] in expert_y's dtype: ``y[t] = sum_k topk_weights[t, k] * expert_y[row of
-      (t, topk_idx[t, k])]``, as :func:`combine`: weights applied here and only here, -1
-      choices contribute 0, a repeated expert gets the sum of its weights. Accumulates in
-      float32 (float64 for float64), a token's rows in :func:`combine`'s order (expert ranks
-      in rank order, a rank's choices in k order): bitwise the same y as :func:`combine` of
-      the same rows.
-
-    Raises:
-      ValueError: shapes or dtypes that do not match the handle.
-
-    One arrival publishes expert_y; each token's rank pulls its K rows straight from the
-    expert ranks' buffers and applies its own weights, so there is no partial-sum phase.
-    """
-    if not isinstance(handle, LowLatencyHandle):
-        raise ValueError(
-            "strata_jax.moe.low_latency_combine: handle must be the LowLatencyHandle returned "
-            f"by strata_jax.moe.low_latency_dispatch, got {type(handle).__name__}."
-        )
-    axes = lowering.axis_tuple(handle.axis_name)
-    lowering.check_axis_names(axes, "moe.low_latency_combine")
-    expert_y = jnp.asarray(expert_y)
-    topk_weights = jnp.asarray(topk_weights)
-    r = lowering.axis_size(axes)
-    t, k = handle.topk_idx.shape
-    want = (handle.num_experts // r, r * handle.max_tokens_per_rank)
-    if expert_y.ndim != 3 or tuple(expert_y.shape[:2]) != want:
-        raise ValueError(
-            f"strata_jax.moe.low_latency_combine: expert_y must have shape "
-            f"[{want[0]}, {want[1]}, H] (E_local, R * max_tokens_per_rank), got "
-            f"{list(expert_y.shape)}."
-        )
-    if expert_y.dtype not in [jnp.dtype(d) for d in _FLOATS]:
-        raise ValueError(
-            f"strata_jax.moe.low_latency_combine: expert_y must be float32/float64/bfloat16/"
-            f"float16, got {expert_y.dtype}."
-        )
-    if topk_weights.shape != (t, k) or not jnp.issubdtype(topk_weights.dtype, jnp.floating):
-        raise ValueError(
-            f"strata_jax.moe.low_latency_combine: topk_weights must be a float array "
-            f"[{t}, {k}] like topk_idx, got {topk_weights.dtype}{list(topk_weights.shape)}."
-        )
-    ey, w, idx, slots = (
-        lowering.pvary_missing(v, axes)
-        for v in (
-            expert_y,
-            topk_weights.astype(_acc_dtype(expert_y.dtype)),
-            handle.topk_idx,
-            handle.src_slots,
-        )
-    )
-    return moe_ll_combine_p.bind(
-        ey, w, idx, slots, axes=axes, max_tokens=handle.max_tokens_per_rank
-    )

@@ -13,19 +13,22 @@ from types import ModuleType
 ROOT = Path(__file__).resolve().parents[2]
 HELPERS = Path(__file__).resolve().parent
 LAUNCH_PY = ROOT / "strata_jax" / "launch.py"
+LAUNCH_ENV_PY = ROOT / "strata_jax" / "_src" / "launch_env.py"
 ALLOC_SRC = ROOT / "native" / "alloc"
 
 
 def launch_module() -> ModuleType:
-    """strata_jax.launch: the installed/importable one if it imports, else the source file."""
+    """The launcher's environment contract (strata_jax/_src/launch_env.py: alloc_library_path,
+    rank_env, distributed_env): the importable one if the package imports, else the source
+    file itself (standard library only)."""
     try:
-        import strata_jax.launch as mod
+        from strata_jax._src import launch_env as mod
 
         return mod
     except Exception:  # noqa: BLE001 - any import problem of the package: use the file itself
-        spec = importlib.util.spec_from_file_location("strata_launch_src", LAUNCH_PY)
+        spec = importlib.util.spec_from_file_location("strata_launch_env_src", LAUNCH_ENV_PY)
         mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod  # dataclasses look their module up while the file runs
+        sys.modules[spec.name] = mod
         spec.loader.exec_module(mod)
         return mod
 

@@ -106,7 +106,7 @@ for small in (False, True):
 sj.set_two_shot_threshold(1024)
 
 # The same pytree through jax.lax.psum/pmax under use_for_jax_lax(): JAX binds one all-reduce
-# per leaf; the combiner (lax_compat.py) makes them one strata call.
+# per leaf; the combiner (lax_hooks.py) makes them one strata call.
 tree = [put(h) for h in hosts]
 ranks0 = [h.ndim == 1 for h in hosts]
 for op in ("psum", "pmax"):
@@ -136,7 +136,7 @@ f = jax.jit(
         out_specs=P("x"),
     )
 )
-assert "strata_reduce_scatter_rows" in f.lower(xs).as_text()
+assert "strata_psum_scatter_rows" in f.lower(xs).as_text()
 out = f(xs)
 total = fold(x, "psum")  # [6, 4N, 5]
 for s in out.addressable_shards:

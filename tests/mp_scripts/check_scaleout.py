@@ -33,7 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from strata_jax._src.fabric import _distributed_client  # noqa: E402
+from strata_jax._src.startup import _distributed_client  # noqa: E402
 
 sj.set_timeout(60)
 topo = sj.topology()
@@ -150,7 +150,7 @@ for mesh, axes, dtypes in cases:
 
 def compare_large(n: int) -> None:
     """psum/pmax/pmin of n float32 per device over the flat axis: with two fabrics the
-    partner's shard is combined inside strata's all_gather_reduce (hierarchy.py; pushed for a
+    partner's shard is combined inside strata's all_gather_reduce (hierarchy/; pushed for a
     shard over 512 KiB, pulled below). Same values as jax.lax; with +0/-0 ties and NaNs every
     rank holds the same bits (fabric slot 0's shard first on both sides)."""
     global checks

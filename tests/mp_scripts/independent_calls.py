@@ -1,8 +1,9 @@
-"""Many independent strata collectives in one program, run again and again (issue 7's hang).
+"""Many independent strata collectives in one program, run again and again (they
+once hung: independent calls started in different orders on different ranks).
 
 XLA CPU starts independent thunks in whatever order they become ready, differently on each
 rank. Before every strata call took the previous one's result as an extra operand
-(lowering.py: _program_order_chain), two ranks of one fabric could each wait in a different
+(program_order.py: chain), two ranks of one fabric could each wait in a different
 call for the other: under ``launch -n 4 --hosts 2`` this program timed out in 3 of 3 runs.
 
 Usage: python -m strata_jax.launch -n 4 --hosts 2 independent_calls.py [iterations]

@@ -1,4 +1,4 @@
-"""Case 28: an expert rank that receives nothing, across processes (``launch -n 2``).
+"""An expert rank that receives nothing, across processes (``launch -n 2``).
 
 E=2, K=1, every token to expert 0 (on rank 0; rank 1's expert gets no rows), C=8, expert
 f(x) = 3x: y, dL/dx and dL/dw (L = sum y) against numpy on every shard.
@@ -15,7 +15,7 @@ import numpy as np
 import strata_jax as sj
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from round2_common import moe_idle_expert_reference  # noqa: E402
+from moe_reference import moe_idle_expert_reference  # noqa: E402
 
 sj.init()
 

@@ -1,4 +1,5 @@
-"""Case 24 across processes: a 200-step scan psumming 4 B, 8 MiB, 1028 B and 3 MiB per step.
+"""Sizes alternating across the one-shot/two-shot switch, across processes: a 200-step scan
+psumming 4 B, 8 MiB, 1028 B and 3 MiB per step.
 
 Run with ``STRATA_TWO_SHOT_BYTES=65536`` under ``launch -n 4``; argument: the number of steps.
 Prints ``OK switch <steps> steps wrong=0`` per rank, or exits 3 naming the wrong count.
@@ -14,7 +15,7 @@ import numpy as np
 import strata_jax as sj
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from round2_common import switch_scan  # noqa: E402  (tests/round2_common.py)
+from two_shot_switch import switch_scan  # noqa: E402  (tests/two_shot_switch.py)
 
 sj.init()
 

@@ -19,9 +19,10 @@ import strata_jax as sj
 sj.init()
 
 import jax  # noqa: E402
-from jax._src import distributed  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from strata_jax._src.jax_compat import distributed  # noqa: E402
 
 client = distributed.global_state.client
 mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)), ("x",))

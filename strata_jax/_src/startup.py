@@ -8,7 +8,7 @@ through the ``jax.distributed`` key-value store) that carries memfd file descrip
 control segment in shared memory, made by the first process of the fabric, that holds the
 collectives' rendezvous. From then on every strata collective whose group lies inside a fabric
 reads and writes the peers' own XLA buffers; a group that spans fabrics is lowered
-hierarchically (``hierarchy.py``: strata inside, XLA's own collectives between).
+hierarchically (``hierarchy/``: strata inside, XLA's own collectives between).
 """
 
 from __future__ import annotations
@@ -37,16 +37,16 @@ _state: dict | None = None
 
 
 def _distributed_client():
-    from jax._src import distributed
+    from strata_jax._src.jax_compat import distributed
 
     return distributed.global_state.client
 
 
 def _cluster_size() -> int:
     """Number of processes a cluster launcher (OpenMPI, PMI/MPICH, Slurm) says we are."""
-    from strata_jax import launch
+    from strata_jax._src import launch_env
 
-    return launch.cluster_env()[1]
+    return launch_env.cluster_env()[1]
 
 
 INIT_AFTER_BACKEND = (  # under the launcher, mpirun and srun alike
@@ -116,14 +116,13 @@ _SHUTDOWN_WAIT_S = 1.0
 def _skip_distributed_shutdown_if_broken() -> None:
     """atexit (runs before jax's own clean-up, which was registered at ``import jax``).
 
-    jax.distributed's shutdown waits in a barrier for every process. After a collective
-    failed, a peer may be stuck (asleep, or waiting in another call) and never arrive: a rank
-    that caught the error and called ``sys.exit(1)`` hung there for minutes (edge case 20:
-    122 s). So when this process saw a strata collective fail, or a peer disconnect, the
-    shutdown gets ``_SHUTDOWN_WAIT_S`` seconds; if the peers have not all arrived by then, the
-    jax.distributed objects are detached (kept alive: their destructors would wait too) and
-    the process exits with its own exit code; the launcher, mpirun or srun stops the peers.
-    A healthy job never takes this path.
+    jax.distributed's shutdown waits in a barrier for every process. After a collective failed, a
+    peer may be stuck (asleep, or waiting in another call) and never arrive: a rank that caught the
+    error and called ``sys.exit(1)`` hung there for minutes (122 s). So when this process saw a
+    strata collective fail, or a peer disconnect, the shutdown gets ``_SHUTDOWN_WAIT_S`` seconds; if
+    the peers have not all arrived by then, the jax.distributed objects are detached (kept alive:
+    their destructors would wait too) and the process exits with its own exit code; the launcher,
+    mpirun or srun stops the peers. A healthy job never takes this path.
     """
     import sys
     import threading
@@ -144,7 +143,7 @@ def _skip_distributed_shutdown_if_broken() -> None:
     runtime.native().fabric_leave()
     if not why:
         return
-    from jax._src import distributed
+    from strata_jax._src.jax_compat import distributed
 
     st = distributed.global_state
     if st.client is None and st.service is None:
@@ -206,7 +205,7 @@ class _Startup:
     ``_FAILED``; a process arriving later reads it and fails at once with a message naming
     the process that gave up, instead of waiting out its own timeout for a peer that is gone.
     JAX's own waits (``blocking_key_value_get``, ``wait_at_barrier``) would say only
-    ``DEADLINE_EXCEEDED: GetKeyValue() timed out with key ...`` (edge case 35).
+    ``DEADLINE_EXCEEDED: GetKeyValue() timed out with key ...``.
     """
 
     def __init__(self, client, pid: int, n: int, timeout_s: float):
@@ -308,7 +307,7 @@ def _before_exit() -> None:
         st.announce_ending()
     if not _gave_up:
         return
-    from jax._src import distributed
+    from strata_jax._src.jax_compat import distributed
 
     gs = distributed.global_state
     if gs.service is None or gs.client is None:
@@ -377,7 +376,7 @@ def _connect_timed_out(timeout_s: float) -> StartupError:
     have registered and says to no one which are missing; so process 0 names all the others,
     and another process names process 0 when nothing listens at the coordinator's address.
     """
-    from jax._src import distributed
+    from strata_jax._src.jax_compat import distributed
 
     gs = distributed.global_state
     pid, n, where = gs.process_id, gs.num_processes, gs.coordinator_address or "?"
@@ -395,13 +394,23 @@ def _connect_timed_out(timeout_s: float) -> StartupError:
     )
 
 
+def _is_connection_error(e: BaseException) -> bool:
+    """Whether ``jax.distributed.initialize`` failed to reach or hear from its peers (a late,
+    stuck or dead process), rather than on the cluster's description or its arguments."""
+    text = str(e)
+    return any(
+        k in text
+        for k in ("DEADLINE_EXCEEDED", "UNAVAILABLE", "timed out", "Barrier", "connect", "Socket")
+    )
+
+
 def _initialize_distributed(timeout_s: float, **kwargs) -> None:
     """``jax.distributed.initialize`` within init()'s timeout; its errors say what to change.
 
     JAX's connection runs in a thread of its own, with a wait ``_JAX_CONNECT_MARGIN_S`` longer
     than ``timeout_s``; this thread waits ``timeout_s`` for it. A process that misses the wait
     therefore fails here with a StartupError naming the processes and ``timeout_s``, instead of
-    being aborted by JAX's client when its own wait runs out (issue 26 §3). The thread, left
+    being aborted by JAX's client when its own wait runs out. The thread, left
     waiting, is never joined: the process ends (the launcher's, mpirun's or srun's stop, or the
     uncaught error's exit) before JAX's longer wait runs out.
     """
@@ -426,6 +435,19 @@ def _initialize_distributed(timeout_s: float, **kwargs) -> None:
         _connect_pending.append(t)
         raise _connect_timed_out(timeout_s)
     e = done.get("error")
+    if e is not None and not _is_connection_error(e):  # the cluster or the call is at fault
+        hint = ""
+        ompi5 = "OMPI_COMM_WORLD_SIZE" in os.environ and "OMPI_MCA_orte_hnp_uri" not in os.environ
+        if "mpi4py" in str(e) or ompi5:
+            hint = (
+                " This looks like Open MPI 5, whose mpirun gives JAX no coordinator address: "
+                "JAX finds it through mpi4py (pip install mpi4py, against this machine's "
+                "MPI), or start the job with python -m strata_jax.launch."
+            )
+        text = str(e).rstrip(". ")
+        raise StartupError(
+            f"strata_jax.init: jax.distributed.initialize failed: {text}.{hint}"
+        ) from e
     if e is not None:
         where = kwargs.get("coordinator_address") or "the address the cluster gives"
         raise StartupError(
@@ -514,9 +536,9 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
 
     import jax
 
-    from strata_jax import launch
+    from strata_jax._src import launch_env
 
-    env = launch.distributed_env()
+    env = launch_env.distributed_env()
     if env is not None:
         _install_exit_hooks()
     # init() starts jax.distributed (the launcher's, or mpirun/srun's): JAX's backend must not
@@ -554,7 +576,9 @@ def init(registration: str | None = None, *, timeout_s: float = DEFAULT_INIT_TIM
             mpi_engine.configure_before_backend()
         else:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        _initialize_distributed(timeout_s)
+        from strata_jax._src import jax_compat
+
+        _initialize_distributed(timeout_s, **jax_compat.cluster_detection_kwargs())
     if mpi_engine.selected() and jax.distributed.is_initialized():
         if not runtime._backend_initialized():
             # also where the user started jax.distributed by hand before init()
@@ -630,9 +654,9 @@ def _connect_fabric(native, start: _Startup, pid: int, members: tuple[int, ...],
     member makes the control segment. Socket paths are exchanged through the key-value store,
     but only members read each other's: nothing of this fabric is looked up from another.
     """
-    from strata_jax import launch
+    from strata_jax._src import launch_env
 
-    run_dir = os.environ.get(launch.ENV_RUN_DIR)
+    run_dir = os.environ.get(launch_env.ENV_RUN_DIR)
     own_dir = None
     if not run_dir or not os.path.isdir(run_dir) or len(run_dir) > 90:
         # A private folder of our own (unix socket paths are limited to 107 bytes); removed
@@ -665,55 +689,3 @@ def _connect_fabric(native, start: _Startup, pid: int, members: tuple[int, ...],
         native.fabric_unlink()
         if own_dir is not None:
             shutil.rmtree(own_dir, ignore_errors=True)
-
-
-def memory_stats() -> dict:
-    """Registration, zero-copy and allocator counters of this process.
-
-    Returns:
-      dict with (bytes are bytes, seconds are seconds, counts are per process):
-
-      - ``fabric``: ``"shm"`` (connected across processes) or ``"inproc"``;
-        ``registration``: the mode in effect (``"none"`` in-process; ``"staging"`` when the
-        allocator does not serve XLA's buffers, whatever mode was asked for).
-      - ``registered_segments`` / ``registered_bytes``: live segments of this process exported
-        to every peer (allocator segments and bounce buffers).
-      - ``peer_segments_mapped`` / ``peer_bytes_mapped``: peers' segments mapped here.
-      - ``registrations_critical`` / ``registrations_critical_s``: registrations a collective
-        had to do itself or wait for (on the critical path), and the time they took.
-      - ``registrations_offpath`` / ``registrations_offpath_s``: registrations done by the
-        allocator's background thread (off the critical path).
-      - ``zero_copy_bytes``: bytes collectives read from / wrote to peers' own buffers.
-      - ``staged_bytes``: bytes copied into / out of bounce buffers; ``staged_calls``: calls
-        that staged at least one buffer; ``peer_bounce_bytes``: bytes moved between peers
-        through bounce buffers; ``bounce_buffer_bytes``: size of this process's bounce buffers.
-      - ``allocator``: whether libstrata_alloc serves XLA's buffers in this process;
-        ``allocator_mode``: how (``"preload"``: LD_PRELOAD, by ``strata_jax.launch`` or
-        ``strata-run``; ``"hook"``: hooked into jaxlib at ``import strata_jax``, the default
-        under any other launcher; ``"off"``); ``pool_segments``,
-        ``pool_segment_bytes``, ``pool_bytes_in_use``, ``pool_bytes_cached``, ``pool_allocs``,
-        ``pool_threshold`` from ``strata_alloc_stats`` (zeros without the allocator).
-      - ``intra_fabric_bytes``: bytes strata moved between devices of this fabric (zero-copy
-        plus through peers' bounce buffers); ``inter_fabric_bytes``: bytes the inter-fabric
-        steps of hierarchical collectives handed to XLA's own collectives (gloo/MPI).
-      - ``fabric``/``fabric_index``/``fabric_id``: this process's fabric domain;
-        ``fabric_peers``: one dict per process of this fabric connected through shared memory
-        (``process``: jax process index, ``fabric_id``, ``os_pid``: the pid at the other end
-        of the link as the kernel attests it (SO_PEERCRED; 0 for this process),
-        ``segments_mapped`` / ``bytes_mapped``: that process's segments mapped here). Every
-        peer segment mapped here is listed under its owner, so this shows that no memory of
-        another fabric is mapped.
-    """
-    d = dict(runtime.native().memory_stats())
-    d["allocator_mode"] = allocator.state["mode"] if d.get("allocator") else "off"
-    fmap = topology.fabric_map()
-    members = fmap.members(fmap.own)
-    d["fabric_index"] = fmap.own
-    d["fabric_id"] = fmap.ids[fmap.process]
-    peers = []
-    for e in d.get("fabric_peers", []):
-        e = dict(e)
-        p = members[e.pop("fabric_rank")]
-        peers.append({"process": p, "fabric_id": fmap.ids[p], **e})
-    d["fabric_peers"] = peers
-    return d

@@ -1,4 +1,4 @@
-#include "fabric/env.h"
+#include "common/env.h"
 
 #include <cerrno>
 #include <cstdlib>

@@ -1,4 +1,8 @@
-"""The collective cases 1-13 of shared/cases/edge-cases.md, each with its value asserted."""
+"""The collectives on unusual inputs, each result asserted against jax.lax or numpy: identity
+values and infinities of pmax/pmin, NaN, bool, every dtype, non-row-major and transposed
+operands, scalars, empty and zero-size shapes, negative, out-of-range and empty axes, gradients,
+vmap, fresh inputs call after call, sizes alternating across the one-shot/two-shot switch, more
+than 2^31 elements, uneven all_to_all groups, rank-dependent branches, and bad arguments."""
 
 from __future__ import annotations
 
@@ -6,9 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import ALL_DTYPES, mesh1d, random_array, shard_run
+from _mp_util import launch
+from _util import ALL_DTYPES, assert_close, mesh1d, random_array, shard_run
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from two_shot_switch import SWITCH_THRESHOLD, switch_scan
 
 import strata_jax as sj
 
@@ -24,15 +30,15 @@ def run(body, x, n=8, check_vma=True, out_specs=None):
     )
 
 
-# 1. Max/min start values -----------------------------------------------------------------
+# Max/min start values -----------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["float32", "int32", "int8", "int64", "float16", "bfloat16"])
-def test_01_max_of_all_negative(dtype):
+def test_pmax_pmin_of_all_negative_values(dtype):
     x = np.array([-1, -3], dtype=jnp.dtype(dtype))
     np.testing.assert_array_equal(run(lambda v: sj.pmax(v, "x"), x, n=2), [-1, -1])
     np.testing.assert_array_equal(run(lambda v: sj.pmin(v, "x"), x, n=2), [-3, -3])
 
 
-def test_01_int32_identity_and_infinities():
+def test_pmax_pmin_at_int32_min_and_infinities():
     x = np.array([np.iinfo(np.int32).min, np.iinfo(np.int32).min + 1], np.int32)
     np.testing.assert_array_equal(run(lambda v: sj.pmax(v, "x"), x, n=2), [x[1], x[1]])
     ninf = np.array([-np.inf, -np.inf], np.float32)
@@ -43,10 +49,10 @@ def test_01_int32_identity_and_infinities():
     np.testing.assert_array_equal(run(lambda v: sj.pmax(v, "x"), u, n=2), u)
 
 
-# 2. NaN is sticky whatever the rank order (deliberately differs from jax.lax on CPU) ------
+# NaN is sticky whatever the rank order (deliberately differs from jax.lax on CPU) ------
 @pytest.mark.parametrize("vals", [[np.nan, 5.0], [5.0, np.nan]])
 @pytest.mark.parametrize("op,oracle", [("pmax", np.max), ("pmin", np.min)])
-def test_02_nan_two_ranks(vals, op, oracle):
+def test_pmax_pmin_keep_nan_on_two_ranks(vals, op, oracle):
     x = np.array(vals, np.float32)
     got = run(lambda v: getattr(sj, op)(v, "x"), x, n=2)
     assert np.isnan(oracle(x))
@@ -54,15 +60,15 @@ def test_02_nan_two_ranks(vals, op, oracle):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16", "float16"])
-def test_02_nan_four_ranks(dtype):
+def test_pmax_pmin_keep_nan_on_four_ranks(dtype):
     x = np.array([1, np.nan, 3, 4], jnp.dtype(dtype))
     for op in ("pmax", "pmin"):
         got = run(lambda v, op=op: getattr(sj, op)(v, "x"), x, n=4)
         assert np.all(np.isnan(got.astype(np.float32))), op
 
 
-# 3. bool ---------------------------------------------------------------------------------
-def test_03_bool():
+# bool ---------------------------------------------------------------------------------
+def test_bool_reductions():
     x = np.zeros((8, 2), bool)
     x[:, 0] = True
     got = run(lambda v: sj.psum(v, "x"), x)
@@ -82,20 +88,26 @@ def test_03_bool():
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
-def test_03_no_crash_for_any_dtype(rng, dtype):
-    x = random_array(rng, (8, 3), dtype)
-    for body in (
-        lambda v: sj.psum(v, "x"),
-        lambda v: sj.all_gather(v, "x", tiled=True),
-        lambda v: sj.ppermute(v, "x", [(0, 1)]),
-        lambda v: sj.pbroadcast(v, "x", 1),
-        lambda v: sj.all_to_all(jnp.tile(v, 8), "x", 0, 0, tiled=True),
+def test_every_dtype_against_jax_lax(rng, dtype):
+    """psum, all_gather, ppermute and all_to_all of every dtype give jax.lax's values, dtype and
+    shape (bool psum: int32, as jax.lax; int8 sums wrap alike), and pbroadcast numpy's (jax.lax
+    has no CPU lowering of it): every rank gets the source's block."""
+    x = random_array(rng, (8, 3), dtype).reshape(-1)
+    for name, body in (
+        ("psum", lambda m: lambda v: m.psum(v, "x")),
+        ("all_gather", lambda m: lambda v: m.all_gather(v, "x", tiled=True)),
+        ("ppermute", lambda m: lambda v: m.ppermute(v, "x", [(0, 1)])),
+        ("all_to_all", lambda m: lambda v: m.all_to_all(jnp.tile(v, 8), "x", 0, 0, tiled=True)),
     ):
-        run(body, x.reshape(-1) if x.ndim > 1 else x)
+        got, want = run(body(sj), x), run(body(jax.lax), x)
+        assert_close(got, want, dtype, msg=f"{name} of {dtype}")
+    got = run(lambda v: sj.pbroadcast(v, "x", 1), x)
+    assert got.dtype == x.dtype
+    np.testing.assert_array_equal(got.reshape(8, 3), np.tile(x.reshape(8, 3)[1], (8, 1)))
 
 
-# 4. Non-row-major inputs -----------------------------------------------------------------
-def test_04_transposed_view_reduce_scatter():
+# Non-row-major inputs -----------------------------------------------------------------
+def test_psum_scatter_of_a_transposed_operand():
     base = np.arange(24).reshape(4, 3, 2)
     x = np.stack([base] * 4)  # each of 4 ranks holds arange(24).reshape(4,3,2)
 
@@ -110,8 +122,8 @@ def test_04_transposed_view_reduce_scatter():
         np.testing.assert_array_equal(got[r], 4 * base[r].T)
 
 
-# 5. all_to_all under jit after a transpose equals eager and numpy -------------------------
-def test_05_all_to_all_after_transpose(rng):
+# all_to_all under jit after a transpose equals eager and numpy -------------------------
+def test_all_to_all_after_a_transpose(rng):
     x = rng.standard_normal((8, 8, 6)).astype(np.float32)  # rank j holds x[j]: (8, 6)
 
     def body(v):
@@ -129,8 +141,8 @@ def test_05_all_to_all_after_transpose(rng):
     np.testing.assert_array_equal(lax, want)
 
 
-# 6. Scalars ------------------------------------------------------------------------------
-def test_06_scalars():
+# Scalars ------------------------------------------------------------------------------
+def test_scalars():
     x = np.full((8,), 1.5, np.float32)
     got = run(lambda v: sj.psum(v[0], "x")[None], x)
     np.testing.assert_array_equal(got, np.full(8, 12.0))
@@ -145,8 +157,8 @@ def test_06_scalars():
         run(lambda v: sj.psum_scatter(v[0], "x", tiled=True)[None], x)
 
 
-# 7. all_to_all shapes --------------------------------------------------------------------
-def test_07_all_to_all_shapes(rng):
+# all_to_all shapes --------------------------------------------------------------------
+def test_all_to_all_untiled_and_tiled_shapes(rng):
     x = rng.standard_normal((8, 8, 64)).astype(np.float32)
     un = shard_run(lambda v: sj.all_to_all(v[0], "x", 0, 1, tiled=False)[None], mesh1d(), x)
     assert un.shape == (8, 64, 8)
@@ -160,8 +172,8 @@ def test_07_all_to_all_shapes(rng):
             np.testing.assert_array_equal(ti[i][0, 64 * j : 64 * j + 64], x[j][i, :])
 
 
-# 8. Negative axes, out-of-range axes, empty axis tuple -----------------------------------
-def test_08_axes(rng):
+# Negative axes, out-of-range axes, empty axis tuple -----------------------------------
+def test_negative_out_of_range_and_empty_axes(rng):
     x = rng.standard_normal((8, 3, 16)).astype(np.float32)
     a = shard_run(
         lambda v: sj.psum_scatter(v[0], "x", scatter_dimension=-1, tiled=True)[None], mesh1d(), x
@@ -189,8 +201,8 @@ def test_08_axes(rng):
         np.testing.assert_array_equal(shard_run(fn, mesh1d(), x), x)
 
 
-# 9. Gradients ----------------------------------------------------------------------------
-def test_09_gradient_of_replicated_weight():
+# Gradients ----------------------------------------------------------------------------
+def test_gradient_of_replicated_weight():
     mesh = mesh1d(2)
 
     def local(w, d):
@@ -203,7 +215,7 @@ def test_09_gradient_of_replicated_weight():
     assert float(jax.grad(lambda w: jnp.sum((w**2 + 1) * jnp.array([0.0, 1.0])))(1.0)) == 2.0
 
 
-def test_09_pmean_gradient_is_mean_of_local_gradients(rng):
+def test_pmean_gradient_is_mean_of_local_gradients(rng):
     d = rng.standard_normal(8).astype(np.float32)
 
     def local(w, d):
@@ -214,9 +226,9 @@ def test_09_pmean_gradient_is_mean_of_local_gradients(rng):
     np.testing.assert_allclose(g, np.mean(2 * 1.5 * d), rtol=1e-5)
 
 
-# 10. vmap: see test_transforms.py (vmap of shard_map over a tuple, tiled all_gather under
-#     vmap, grad of vmap of all_gather). A direct check of tiled all_gather under vmap:
-def test_10_tiled_all_gather_under_vmap(rng):
+# vmap: see test_transforms.py (vmap of shard_map over a tuple, tiled all_gather under
+#   vmap, grad of vmap of all_gather). A direct check of tiled all_gather under vmap:
+def test_tiled_all_gather_under_vmap(rng):
     x = rng.standard_normal((8 * 3, 4)).astype(np.float32)
 
     def body(impl):
@@ -227,7 +239,7 @@ def test_10_tiled_all_gather_under_vmap(rng):
     np.testing.assert_array_equal(got, want)
 
 
-# 11. Reuse and races ---------------------------------------------------------------------
+# Reuse and races ---------------------------------------------------------------------
 @pytest.mark.parametrize(
     "nbytes,iters",
     [
@@ -237,7 +249,7 @@ def test_10_tiled_all_gather_under_vmap(rng):
         pytest.param(4 << 20, 12, marks=pytest.mark.slow),
     ],
 )
-def test_11_back_to_back_fresh_inputs(rng, nbytes, iters):
+def test_back_to_back_fresh_inputs(rng, nbytes, iters):
     """Fresh inputs call after call into one program: 300 calls of 256 B and 4 of 4 MiB by
     default, 1000 and 12 behind -m slow."""
     mesh = mesh1d()
@@ -260,7 +272,7 @@ def test_11_back_to_back_fresh_inputs(rng, nbytes, iters):
         np.testing.assert_array_equal(np.asarray(g).reshape(8, 8, 8)[2], x.reshape(8, n)[:, :8])
 
 
-def test_11_many_iterations_below_and_above_two_shot(rng):
+def test_many_iterations_below_and_above_two_shot(rng):
     """1000+ iterations in one program (a scan), both all-reduce algorithms, exact ints."""
     mesh = mesh1d()
     for n in (1000, 1 << 16):
@@ -283,12 +295,12 @@ def test_11_many_iterations_below_and_above_two_shot(rng):
         assert np.all(ys == want), "a scan iteration returned a wrong sum"
 
 
-# 12. Zero-sized pieces -------------------------------------------------------------------
+# Zero-sized pieces -------------------------------------------------------------------
 @pytest.mark.parametrize(
     "op",
     ["psum", "pmax", "pmean", "all_gather", "psum_scatter", "all_to_all", "ppermute", "pbroadcast"],
 )
-def test_12_zero_size_arrays(op):
+def test_zero_size_arrays(op):
     body = {
         "psum": lambda v: sj.psum(v, "x"),
         "pmax": lambda v: sj.pmax(v, "x"),
@@ -304,7 +316,7 @@ def test_12_zero_size_arrays(op):
     assert got.size == 0
 
 
-def test_12_all_to_all_with_zero_counts_per_peer(rng):
+def test_all_to_all_with_zero_counts_per_peer(rng):
     """Ragged exchange [0, 3, 0, 5] elements to peers, expressed with a padded all_to_all
     plus counts (the MoE dispatch shape), completes and delivers exactly the live rows."""
     counts = np.array([[0, 3, 0, 5]] * 4)  # rank i sends counts[i][j] rows to rank j
@@ -323,8 +335,8 @@ def test_12_all_to_all_with_zero_counts_per_peer(rng):
             assert np.all(got[i][j][counts[j][i] :] == 0)
 
 
-# 13. Program order -----------------------------------------------------------------------
-def test_13_rank_dependent_sequences_keep_order(rng):
+# Program order -----------------------------------------------------------------------
+def test_rank_dependent_branches_keep_program_order(rng):
     """Rank-dependent branches that each run the same collective sequence on different
     data; the result matches eager execution and numpy."""
     x = rng.integers(-9, 9, size=(8,)).astype(np.int32)
@@ -366,3 +378,153 @@ def test_pmax_pmin_are_not_differentiable_like_jax_lax(op):
         run(lambda v: jax.grad(lambda u: getattr(sj, op)(u, "x").sum())(v), x)
     with pytest.raises(NotImplementedError, match="Differentiation rule"):
         run(lambda v: jax.jvp(lambda u: getattr(sj, op)(u, "x"), (v,), (v,))[1], x)
+
+
+X = P("x")
+
+
+def smap(body, n, in_specs=X, out_specs=X, check_vma=True):
+    return jax.jit(
+        jax.shard_map(
+            body, mesh=mesh1d(n), in_specs=in_specs, out_specs=out_specs, check_vma=check_vma
+        )
+    )
+
+
+def both(make, *args):
+    """Runs make(impl) for strata and jax.lax; returns the two results as numpy arrays."""
+    return [jax.tree.map(np.asarray, make(impl)(*args)) for impl in (sj, jax.lax)]
+
+
+# Uneven 3-way all_to_all ---------------------------------------------------------------
+def test_three_way_all_to_all():
+    x = np.arange(9, dtype=np.float32)
+    got, want = both(lambda m: smap(lambda v: m.all_to_all(v, "x", 0, 0, tiled=True), 3), x)
+    np.testing.assert_array_equal(got, [0, 3, 6, 1, 4, 7, 2, 5, 8])
+    np.testing.assert_array_equal(got, want)
+    xu = np.arange(9, dtype=np.float32).reshape(9, 1)  # per-device [3, 1]
+    for split, concat in [(0, 0)]:  # jax.lax rejects other axes for this shape
+        got, want = both(
+            lambda m, s=split, c=concat: smap(lambda v: m.all_to_all(v, "x", s, c), 3), xu
+        )
+        assert got.shape == want.shape, (split, concat)
+        np.testing.assert_array_equal(got, want, err_msg=f"split {split} concat {concat}")
+
+
+# Empty shapes everywhere ---------------------------------------------------------------
+def test_empty_shapes_everywhere():
+    shapes = {}
+
+    def gather(m, tiled):
+        def body(v):
+            y = m.all_gather(v, "x", tiled=tiled)
+            shapes[(m.__name__, tiled)] = y.shape
+            return y
+
+        return smap(body, 4)
+
+    x = np.zeros((4, 0, 2), np.float32)  # per-device [1, 0, 2]
+    for tiled in (False, True):
+        got, want = both(lambda m, t=tiled: gather(m, t), x)
+        assert got.shape == want.shape and got.size == 0
+    assert shapes[("strata_jax", False)] == shapes[("jax.lax", False)] == (4, 1, 0, 2)
+    assert shapes[("strata_jax", True)] == shapes[("jax.lax", True)] == (4, 0, 2)
+
+    e = np.zeros((0,), np.float32)
+    for op in ("psum", "pmax"):
+        got, want = both(lambda m, op=op: smap(lambda v: getattr(m, op)(v, "x"), 4), e)
+        assert got.shape == want.shape == (0,) and got.dtype == want.dtype == np.float32
+    a = np.zeros((16, 0), np.float32)  # per-device [4, 0]
+    for tiled in (False, True):
+        got, want = both(
+            lambda m, t=tiled: smap(lambda v: m.all_to_all(v, "x", 0, 0, tiled=t), 4), a
+        )
+        assert got.shape == want.shape and got.size == 0, (tiled, got.shape, want.shape)
+    perm = [(i, (i + 1) % 4) for i in range(4)]
+    got, want = both(lambda m: smap(lambda v: m.ppermute(v, "x", perm), 4), e)
+    assert got.shape == want.shape == (0,)
+
+
+# Transposed operand ------------------------------------------------------------------
+def test_transposed_operand():
+    x = np.arange(48, dtype=np.float32).reshape(4, 3, 4)
+    got, want = both(lambda m: smap(lambda v: m.psum(v[0].T, "x")[None], 4), x)
+    expect = [[72, 88, 104], [76, 92, 108], [80, 96, 112], [84, 100, 116]]
+    for d in range(4):
+        np.testing.assert_array_equal(got[d], expect)
+    np.testing.assert_array_equal(got, want)
+    b = smap(lambda v: sj.pbroadcast(v[0][:, 1], "x", source=2)[None], 4)(x)
+    np.testing.assert_array_equal(np.asarray(b), np.tile([25.0, 29.0, 33.0], (4, 1)))
+
+
+# Sizes alternating across the one-shot/two-shot switch --------------------------------
+@pytest.fixture
+def two_shot_64k():
+    old = sj.get_two_shot_threshold()
+    sj.set_two_shot_threshold(SWITCH_THRESHOLD)
+    yield
+    sj.set_two_shot_threshold(old)
+
+
+@pytest.mark.parametrize("steps", [12, pytest.param(200, marks=pytest.mark.slow)])
+def test_sizes_alternating_across_the_two_shot_switch(two_shot_64k, steps):
+    wrong = np.asarray(switch_scan(sj.psum, mesh1d(8), steps)(np.zeros(8, np.int32)))
+    assert wrong.shape == (8 * steps,)
+    assert not wrong.any(), f"wrong elements at steps {np.nonzero(wrong)[0] % steps}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("steps", [30, 200])
+def test_sizes_alternating_across_the_two_shot_switch_four_processes(steps):
+    r, _ = launch(4, "switch_scan.py", str(steps), STRATA_TWO_SHOT_BYTES=str(SWITCH_THRESHOLD))
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert r.stdout.count(f"OK switch {steps} steps wrong=0") == 4, r.stdout[-2000:]
+
+
+# More than 2^31 elements ---------------------------------------------------------------
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.mark.slow
+def test_more_than_2_31_elements():
+    n = 2**31 + 2
+    # input and output of both devices (4 n bytes), the host's ones, and some slack
+    if _mem_available() < 6 * n:
+        pytest.skip(f"needs ~{6 * n >> 30} GiB free, have {_mem_available() >> 30} GiB")
+    f = smap(lambda v: sj.psum(v, "x"), 2, in_specs=P(), out_specs=P(), check_vma=False)
+    out = f(jnp.ones((n,), jnp.uint8))
+    for shard in out.addressable_shards:  # both devices' own result
+        d = np.asarray(shard.data)
+        assert d.shape == (n,)
+        assert d[-1] == 2 and d[2**31 - 1 : 2**31 + 2].tolist() == [2, 2, 2]
+        for i in range(0, n, 1 << 28):  # in chunks: no 2 GiB temporary
+            assert (d[i : i + (1 << 28)] == 2).all(), f"wrong values in [{i}, {i + (1 << 28)})"
+    del out
+
+
+# bool and int pmean --------------------------------------------------------------------
+def test_bool_and_int_reductions_and_mean():
+    b = np.array([True, False, True, True])
+    got, want = both(lambda m: smap(lambda v: m.psum(v, "x"), 4), b)
+    assert got.dtype == want.dtype == np.int32
+    np.testing.assert_array_equal(got, [3, 3, 3, 3])
+    got, want = both(lambda m: smap(lambda v: m.pmax(v, "x"), 4), b)
+    assert got.dtype == want.dtype == np.bool_ and got.all()
+    got, want = both(lambda m: smap(lambda v: m.all_gather(v, "x"), 4), b)
+    assert got.dtype == want.dtype == np.bool_
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got.reshape(4, 4), np.tile(b, (4, 1)))
+    perm = [(i, (i + 1) % 4) for i in range(4)]
+    got, want = both(lambda m: smap(lambda v: m.ppermute(v, "x", perm), 4), b)
+    assert got.dtype == want.dtype == np.bool_
+    np.testing.assert_array_equal(got, np.roll(b, 1))
+    np.testing.assert_array_equal(got, want)
+    i = np.array([1, 2, 3, 5], np.int32)
+    got, want = both(lambda m: smap(lambda v: m.pmean(v, "x"), 4), i)
+    assert got.dtype == want.dtype == np.float32
+    np.testing.assert_array_equal(got, [2.75] * 4)
