@@ -345,6 +345,34 @@ def test_readme_headline_is_generated_from_the_benchmark_json():
         assert (ROOT / src).is_file()
 
 
+def test_release_table_pairs_runs_and_finds_a_lost_point(tmp_path):
+    """performance.md's table of strata's ratios on each JAX release pairs
+    ``perf/jax-<v>/<name>/x.json`` with ``perf/<name>/x.json`` point by point and marks a point
+    strata led on the older release and trails on the newer as lost (fake runs)."""
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        import strata_perf
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+
+    def run(ver: str, xla_us: list[float]) -> dict:
+        rows = []
+        for size, xla in zip((4096, 65536), xla_us, strict=True):
+            rows.append({"impl": "strata", "op": "psum", "size_bytes": size, "time_us": 10.0})
+            rows.append({"impl": "xla", "op": "psum", "size_bytes": size, "time_us": xla})
+        return {"machine": {"versions": {"jax": ver}}, "args": {}, "rows": rows}
+
+    for folder, ver, xla in (("", "0.10.2", [20.0, 15.0]), ("jax-0.12.1", "0.12.1", [30.0, 8.0])):
+        d = tmp_path / folder / "collectives"
+        d.mkdir(parents=True)
+        (d / "collectives_float32_n8.json").write_text(json.dumps(run(ver, xla)))
+    rows = strata_perf.release_rows(tmp_path)
+    assert [r[1] for r in rows] == ["psum 4 KiB vs xla", "psum 64 KiB vs xla"]
+    assert rows[0][2:] == ["2.00x (jax 0.10.2)", "3.00x (jax 0.12.1)", "kept"]
+    assert rows[1][2:] == ["1.50x (jax 0.10.2)", "0.80x (jax 0.12.1)", "**lost**"]
+    assert "1 of 2 points kept" in strata_perf.releases_markdown(tmp_path)
+
+
 def test_readme_is_short():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
 

@@ -613,6 +613,99 @@ def readme_with_headline(readme: str, perf: Path = PERF) -> str:
 
 
 # --------------------------------------------------------------------------------------------
+# The same benchmarks on another JAX release (docs/perf/jax-<version>/)
+# --------------------------------------------------------------------------------------------
+
+
+def release_dirs(perf: Path = PERF) -> list[Path]:
+    """The folders of runs on another JAX release than the default files': ``perf/jax-*``."""
+    return sorted(p for p in perf.glob("jax-*") if p.is_dir())
+
+
+def ratios(path: Path) -> dict[str, float]:
+    """strata's speed-up over each baseline, per point of one benchmark JSON (baseline time
+    over strata's, both from the same run): ``{"psum 64 KiB vs xla": 1.4, ...}``. Benchmarks
+    without a strata-vs-baseline ratio give ``{}``."""
+    d = load(path)
+    k = kind(path)
+    out: dict[str, float] = {}
+    if k == "collectives":
+        rows = d["rows"]
+        for r in rows:
+            if r["impl"] == "strata":
+                continue
+            st = next(
+                (
+                    x
+                    for x in rows
+                    if x["impl"] == "strata"
+                    and x["op"] == r["op"]
+                    and x["size_bytes"] == r["size_bytes"]
+                ),
+                None,
+            )
+            if st and st.get("time_us") and r.get("time_us"):
+                key = f"{r['op']} {size_str(r['size_bytes'])} vs {r['impl']}"
+                out[key] = r["time_us"] / st["time_us"]
+    elif k in ("train_moe", "train_recsys"):
+        rows = d["results"]
+        base = baseline_of(rows)
+        s, b = _row(rows, "strata"), _row(rows, base) if base else None
+        if s and b:
+            out[f"step vs {base}"] = b["median_step_s"] / s["median_step_s"]
+    elif k == "serve_moe":
+        for impl, rt in (d.get("strata_speedup") or {}).items():
+            for key, what in (("ttft_p50_ms", "TTFT p50"), ("step_p50_ms", "decode step p50")):
+                if rt.get(key):
+                    out[f"{what} vs {impl}"] = rt[key]
+    return out
+
+
+def release_rows(perf: Path = PERF) -> list[list[str]]:
+    """One row per point measured on both releases: the benchmark and placement, the point,
+    strata's same-run ratio on the default files' JAX and on the other release's, and whether
+    a point where strata was ahead stayed ahead (``kept``)."""
+    rows = []
+    for rdir in release_dirs(perf):
+        for path in sorted(rdir.glob("**/*.json")):
+            ref = perf / path.relative_to(rdir)
+            if not ref.exists():
+                continue
+            new, old = ratios(path), ratios(ref)
+            dn, do = load(path), load(ref)
+            vn = dn.get("machine", {}).get("versions", {}).get("jax", rdir.name)
+            vo = do.get("machine", {}).get("versions", {}).get("jax", "?")
+            for point in [p for p in old if p in new]:
+                a, b = old[point], new[point]
+                verdict = "kept" if b >= 1.0 or a < 1.0 else "**lost**"
+                rows.append(
+                    [
+                        f"`{path.relative_to(rdir).parent}`, {where(dn)}",
+                        point,
+                        f"{a:.2f}x (jax {vo})",
+                        f"{b:.2f}x (jax {vn})",
+                        verdict,
+                    ]
+                )
+    return rows
+
+
+def releases_markdown(perf: Path = PERF) -> str:
+    """The table of :func:`release_rows` with a count of the points kept and the sources."""
+    rows = release_rows(perf)
+    if not rows:
+        return "No runs on another JAX release under `docs/perf/jax-*/`."
+    lost = sum(r[-1] != "kept" for r in rows)
+    sources = sorted({rel(p) for rdir in release_dirs(perf) for p in rdir.glob("**/*.json")})
+    t = table(["benchmark, where", "point", "strata vs baseline", "on the other release", ""], rows)
+    return (
+        f"{t}\n\n{len(rows) - lost} of {len(rows)} points kept (strata ahead on the newer "
+        f"release wherever it was ahead on the older; ratios are same-run, the two releases' "
+        f"runs are not). Sources: " + ", ".join(f"`{s}`" for s in sources) + "."
+    )
+
+
+# --------------------------------------------------------------------------------------------
 # Sphinx
 # --------------------------------------------------------------------------------------------
 
@@ -641,7 +734,24 @@ def setup(app: Any) -> dict[str, Any]:
                     parts.append(f"```{{image}} /{png.relative_to(DOCS)}\n:width: 100%\n```")
             return self.parse_text_to_nodes("\n\n".join(parts))
 
+    class StrataPerfReleases(SphinxDirective):
+        """``{strata-perf-releases}``: strata's ratios on each JAX release side by side."""
+
+        def run(self) -> list[nodes.Node]:
+            for rdir in release_dirs():
+                for path in rdir.glob("**/*.json"):
+                    self.env.note_dependency(str(path))
+            parts = []
+            for rdir in release_dirs():
+                for path in sorted(rdir.glob("**/*.json")):
+                    text, png = render_file(path)
+                    parts.append(f"**{rel(path)}: {where(load(path))}**\n\n{text}")
+                    if png is not None:
+                        parts.append(f"```{{image}} /{png.relative_to(DOCS)}\n:width: 100%\n```")
+            return self.parse_text_to_nodes("\n\n".join([releases_markdown(), *parts]))
+
     app.add_directive("strata-perf", StrataPerf)
+    app.add_directive("strata-perf-releases", StrataPerfReleases)
     return {}
 
 
@@ -649,7 +759,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--readme", action="store_true", help="print the README's headline table")
     p.add_argument("--write", action="store_true", help="with --readme: write it into README.md")
+    p.add_argument(
+        "--releases", action="store_true", help="print strata's ratios on each JAX release"
+    )
     a = p.parse_args(argv)
+    if a.releases:
+        print(releases_markdown())
     if a.readme:
         readme = ROOT / "README.md"
         if a.write:

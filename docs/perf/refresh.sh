@@ -7,7 +7,9 @@
 # regime_sweep: benchmarks/regime_sweep.py's points and PNGs)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-P=docs/perf
+# STRATA_PERF_DIR: another folder, e.g. docs/perf/jax-0.12.1 for the runs on another JAX
+# release (docs/performance.md, On the newest JAX: .ci/newest-jax runs this script there).
+P=${STRATA_PERF_DIR:-docs/perf}
 CKPT="${TMPDIR:-/tmp}/strata_docs_moe_params.npz"
 ONLY="${*:-}"
 want() { [[ -z "$ONLY" || " $ONLY " == *" $1 "* ]]; }
