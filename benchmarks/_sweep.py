@@ -445,7 +445,7 @@ def make_table(impls: Sequence[str], link: bool = False) -> Table:
         groups.append((f" {impl} ", 10 if link else 7))
     others = [i for i in impls if i != "strata"] if "strata" in impls else []
     for o in others:
-        cols.append(Column(f"{o}/strata", max(12, len(o) + 7), ".2f"))
+        cols.append(Column(f"{o}/strata", max(12, len(o) + 7)))
     if others:
         groups.append((" speedup ", len(others)))
     cols.append(Column("stream", 7, ".2f"))
@@ -489,10 +489,32 @@ def table_row(
         for impl, r in results.items():
             if impl != "strata":
                 t = r.get("time_us")
-                vals.append(t / base if (t and base) else None)
+                vals.append(ratio_cell(t / base) if (t and base) else None)
     streams = [r.get("stream_gbs") for r in results.values() if r.get("stream_gbs")]
     vals.append(streams[0] if streams else None)
     return table.row(vals)
+
+
+def ratio_cell(ratio: float) -> str:
+    """A speedup column's cell: the other implementation's time over strata's, with ``<1``
+    after it when strata was slower at that point (a loss shows at a glance in a sweep)."""
+    return f"{ratio:.2f}" + (" <1" if ratio < 1 else "   ")
+
+
+def print_losses(rows: Sequence[dict[str, Any]], write: Callable[[str], Any]) -> None:
+    """One line per baseline: the points where strata was slower (speedup below 1.0x)."""
+    for impl in dict.fromkeys(r["impl"] for r in rows if r["impl"] != "strata"):
+        pts = [r for r in rows if r["impl"] == impl and r.get("speedup_strata") is not None]
+        if not pts:
+            continue
+        low = [r for r in pts if r["speedup_strata"] < 1]
+        listed = ", ".join(
+            f"{r['op']} {format_size(r['size_bytes'])} {r['speedup_strata']:.2f}x" for r in low
+        )
+        write(
+            f"# strata vs {impl}: {len(low)} of {len(pts)} points below 1.0x"
+            + (f" (slower): {listed}" if low else "")
+        )
 
 
 def print_errors(rows: Sequence[dict[str, Any]], write: Callable[[str], Any]) -> None:
@@ -515,6 +537,7 @@ def print_summary(
         if bw:
             write(f"# {impl:8s} avg busbw: {float(np.mean(bw)):8.3f} GB/s over {len(bw)} points")
     write(f"# out of bounds values : {total_wrong} {'OK' if total_wrong == 0 else 'FAILED'}")
+    print_losses(rows, write)
 
 
 def plot(path: Path, rows: Sequence[dict[str, Any]]) -> bool:

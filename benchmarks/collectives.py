@@ -9,7 +9,8 @@ the number of output elements that differ from numpy's result on the same input 
 implementation, jax.lax included, is checked against numpy, not against another implementation:
 jax.lax over gloo has been seen to return wrong values, see docs/design.md, "Across fabrics").
 Implementations run side by side on the same inputs; the last columns give the speedup of strata
-over each other implementation (``time_other / time_strata``). A progress bar runs on stderr
+over each other implementation (``time_other / time_strata``), ``<1`` after each point where
+strata was slower, and the summary lists those points per baseline. A progress bar runs on stderr
 (tqdm, optional ``bench`` extra); CSV, JSON (rows + machine description) and a PNG plot of busbw
 against size go to --out.
 
@@ -564,7 +565,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "# #wrong     : elements != numpy's result on the same input (bitwise; float"
         " psum/psum_scatter: |d| > (N-1)*N*eps*max|x|), first and last call checked; '-': not"
         " checked (no numpy meaning: psum of bool, pmax/pmin of complex); speedup ="
-        " time_other / time_strata"
+        " time_other / time_strata, for every baseline run, '<1' after a point where strata"
+        " was slower (listed again at the end)"
     )
 
     if ctx.link_gbit:

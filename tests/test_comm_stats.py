@@ -44,6 +44,14 @@ def test_comm_stats_per_operator(rng):
     assert sj.comm_stats()["ops"] == {}
 
 
+def test_low_latency_counters_are_listed():
+    # The low-latency path's counters (counted across processes only; tests/mp_scripts/
+    # check_low_latency.py checks their values): present, whole numbers, never negative.
+    st = sj.comm_stats()
+    for key in ("low_latency_calls", "direct_calls", "channel_waits", "channel_sleeps"):
+        assert isinstance(st[key], int) and st[key] >= 0, (key, st.get(key))
+
+
 def test_comm_stats_count_moe_and_ragged_calls(rng):
     """MoE dispatch/combine (normal and low-latency) and ragged_all_to_all have slots of their
     own in comm_stats()["ops"], with wait and move times."""

@@ -32,6 +32,7 @@ def test_low_latency_four_processes():
     assert r.returncode == 0, out[-3000:]
     assert out.count("OK ll mismatch both low-latency") == 4, out[-3000:]
     assert out.count("OK ll mismatch across paths") == 4, out[-3000:]
+    assert out.count("OK ll mismatch slot and general path") == 4, out[-3000:]
     assert out.count("checks rank") == 4, out[-3000:]
 
 
@@ -46,6 +47,7 @@ def test_low_latency_two_processes_two_devices_each():
     assert r.returncode == 0, out[-3000:]
     assert out.count("OK ll mismatch both low-latency") == 2, out[-3000:]
     assert out.count("OK ll mismatch across paths") == 2, out[-3000:]
+    assert out.count("OK ll mismatch slot and general path") == 2, out[-3000:]
     assert out.count("checks rank") == 2, out[-3000:]
 
 

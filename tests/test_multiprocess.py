@@ -289,6 +289,7 @@ def test_low_latency_two_processes_two_devices_each(job_2x2):
     out = _part(job_2x2, "check_low_latency.py")
     assert out.count("OK ll mismatch both low-latency") == 2, out[-3000:]
     assert out.count("OK ll mismatch across paths") == 2, out[-3000:]
+    assert out.count("OK ll mismatch slot and general path") == 2, out[-3000:]
     assert out.count("checks rank") == 2, out[-3000:]
 
 

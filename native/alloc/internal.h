@@ -30,7 +30,7 @@ inline bool IsPow2(size_t x) { return x && !(x & (x - 1)); }
 
 // ---- configuration (interpose.cc) ----
 struct Config {
-  size_t threshold;      // requests >= threshold go to the pool
+  size_t threshold;      // STRATA_ALLOC_THRESHOLD (CurrentThreshold() is the one in effect)
   size_t cache_cap;      // STRATA_ALLOC_CACHE_BYTES
   size_t segment_bytes;  // shared segment size
   size_t max_request;    // larger requests go to libc (physical memory: avoid SIGBUS on overcommit)
@@ -40,6 +40,9 @@ struct Config {
 };
 // Loaded once the environment is readable; until then the pool is off. Returns nullptr if not yet.
 const Config* GetConfig();
+// Requests of at least this size go to the pool: Config::threshold, or the value of
+// strata_alloc_set_threshold since (SIZE_MAX when the pool is off).
+size_t CurrentThreshold();
 
 // libc's functions, resolved with dlsym(RTLD_NEXT) (interpose.cc).
 void* RealMalloc(size_t n);

@@ -171,7 +171,7 @@ bool Owned(const void* p) {
 // The pool path for a request of n >= the provisional threshold. nullptr: use libc.
 PoolResult Large(size_t n, size_t align) {
   const Config* cfg = GetConfig();
-  if (!cfg || !cfg->enabled || n < cfg->threshold) return {nullptr, 0};
+  if (!cfg || !cfg->enabled || n < g_threshold.load(std::memory_order_relaxed)) return {nullptr, 0};
   int saved = errno;
   PoolResult r = PoolAlloc(n, align);
   errno = saved;
@@ -196,6 +196,11 @@ const Config* GetConfig() {
   }
   while (g_cfg_state.load(std::memory_order_acquire) != 2) sched_yield();
   return &g_cfg;
+}
+
+size_t CurrentThreshold() {
+  const Config* cfg = GetConfig();
+  return cfg && cfg->enabled ? g_threshold.load(std::memory_order_relaxed) : SIZE_MAX;
 }
 
 void* RealMalloc(size_t n) { return g_real.malloc(n); }
@@ -391,4 +396,15 @@ STRATA_EXPORT int strata_alloc_active(void) {
   // whose allocation slots strata_alloc_hook rewrote.
   const Config* cfg = GetConfig();
   return cfg && cfg->enabled && (strata_alloc_preloaded() || Hooked());
+}
+
+STRATA_EXPORT size_t strata_alloc_set_threshold(size_t bytes) {
+  const Config* cfg = GetConfig();
+  if (!cfg || !cfg->enabled) return SIZE_MAX;
+  const char* set = getenv("STRATA_ALLOC_THRESHOLD");
+  if (set && *set) return g_threshold.load(std::memory_order_relaxed);  // the user's choice
+  // Relaxed: each allocation reads the threshold once to pick pool or libc; blocks already
+  // handed out keep their owner (free and realloc go by address, not size).
+  g_threshold.store(bytes < kGranule ? kGranule : bytes, std::memory_order_relaxed);
+  return g_threshold.load(std::memory_order_relaxed);
 }

@@ -815,7 +815,7 @@ STRATA_ALLOC_API void strata_alloc_stats(strata_alloc_stats_t* out) {
   out->segments_created = g_created;
   out->segments_released = g_released;
   out->segments_announced = g_announced;
-  out->threshold = cfg && cfg->enabled ? cfg->threshold : UINT64_MAX;
+  out->threshold = cfg && cfg->enabled ? CurrentThreshold() : UINT64_MAX;
   out->cache_cap = cfg ? cfg->cache_cap : 0;
 }
 

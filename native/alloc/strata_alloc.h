@@ -10,7 +10,9 @@
  *
  * Environment (read once, at the first allocation after the environment is available):
  *   STRATA_ALLOC_THRESHOLD      bytes (suffix K/M/G allowed, minimum 4K); default 64K (measured:
- *                               see interpose.cc). Smaller requests use libc.
+ *                               see interpose.cc), lowered by strata_alloc_set_threshold (the
+ *                               fabric across processes) unless set here. Smaller requests use
+ *                               libc.
  *   STRATA_ALLOC_CACHE_BYTES    cap on free memory kept in the pool; default 1G. Past it, wholly
  *                               free segments are returned to the OS (munmap + close).
  *   STRATA_ALLOC_SEGMENT_BYTES  size of the shared segments small-ish requests are carved from;
@@ -122,6 +124,12 @@ STRATA_ALLOC_API int strata_alloc_hooked(void);
  * mprotect. Idempotent (a second call rewrites the same slots to the same targets). */
 STRATA_ALLOC_API int strata_alloc_hook(const char* library);
 
+/* Requests of at least `bytes` (at least 4 KiB) go to the pool from now on; blocks already handed
+ * out keep their owner. A threshold set in the environment (STRATA_ALLOC_THRESHOLD) wins: the call
+ * then changes nothing. Returns the threshold in effect (SIZE_MAX when the pool is off). The
+ * shared-memory fabric lowers it when it connects processes (fabric/shm_link.cc). */
+STRATA_ALLOC_API size_t strata_alloc_set_threshold(size_t bytes);
+
 STRATA_ALLOC_API int strata_alloc_abi_version(void);
 
 /* Debugging aid: walks every segment and checks the pool's invariants (blocks tile segments,
@@ -135,6 +143,7 @@ typedef void (*strata_alloc_stats_fn)(strata_alloc_stats_t*);
 typedef int (*strata_alloc_active_fn)(void);
 typedef size_t (*strata_alloc_set_reserve_fn)(size_t);
 typedef void (*strata_alloc_reserve_stats_fn)(strata_alloc_reserve_t*);
+typedef size_t (*strata_alloc_set_threshold_fn)(size_t);
 
 #ifdef __cplusplus
 }

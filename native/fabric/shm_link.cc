@@ -289,6 +289,18 @@ std::string ShmFabric::connect(int proc, int nprocs, const std::vector<std::stri
     auto set_reserve = reinterpret_cast<strata_alloc_set_reserve_fn>(
         dlsym(RTLD_DEFAULT, "strata_alloc_set_reserve"));
     if (mode == RegMode::kOnAlloc && set_reserve) set_reserve(SIZE_MAX);
+    // Calls above the direct form's threshold (fabric/shm_ll.h) read and write the callers' own
+    // buffers, which must then be fabric memory: the allocator serves XLA's buffers from that
+    // size on (unless STRATA_ALLOC_THRESHOLD says otherwise), not only from its default 64 KiB,
+    // which suits one process (glibc reuses its heap below 128 KiB, interpose.cc).
+    auto set_threshold = reinterpret_cast<strata_alloc_set_threshold_fn>(
+        dlsym(RTLD_DEFAULT, "strata_alloc_set_threshold"));
+    strata_alloc_stats_t st{};
+    if (set_threshold && api.stats) {
+      api.stats(&st);
+      const uint64_t want = static_cast<uint64_t>(get_direct_bytes());
+      if (want < st.threshold) set_threshold(static_cast<size_t>(want));
+    }
   }
   // One bounce buffer registered now, off the critical path, for small unshareable buffers.
   std::string err;

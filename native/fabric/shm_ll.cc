@@ -30,6 +30,15 @@ std::atomic<int64_t> g_ll_bytes{
 // or set_ll_stage_bytes(); -1 (unset): 0, the form off.
 std::atomic<int64_t> g_stage_bytes{env_bytes("STRATA_LL_STAGE_BYTES", -1)};
 
+// The direct form's threshold for a channel this process creates (shm_ll.h): STRATA_DIRECT_BYTES,
+// or set_direct_bytes(); -1 (unset): kDirectDefaultBytes.
+std::atomic<int64_t> g_direct_bytes{env_bytes("STRATA_DIRECT_BYTES", -1)};
+
+uint64_t direct_limit() {
+  const int64_t v = g_direct_bytes.load(std::memory_order_relaxed);
+  return v >= 0 ? static_cast<uint64_t>(v) : kDirectDefaultBytes;
+}
+
 uint64_t stage_limit() {
   const int64_t v = g_stage_bytes.load(std::memory_order_relaxed);
   return v > 0 ? static_cast<uint64_t>(v) : 0;
@@ -75,7 +84,12 @@ size_t ll_threshold() {
 }
 
 // A wait at least this short would have been caught by spinning (2000 pauses: ~50 us).
-constexpr int kLlSpinWindowUs = 40;
+constexpr int64_t kLlSpinWindowNs = 40'000;
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+      .count();
+}
 
 size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -119,6 +133,7 @@ LlChannel* channel_for(ShmFabric* f, uint64_t comm, int size) {
       ch->data_bytes = fits ? static_cast<uint32_t>(data) : 0;  // 0: general path only
       ch->entry_bytes = entry;
       ch->stage_bytes = fits ? stage_limit() : 0;
+      ch->direct_bytes = direct_limit();
       ch->offset = table + reg->used;
       if (fits) reg->used += need;
       ch->comm = comm;  // the slots are fresh memfd pages: stamps, claims and bits all 0
@@ -137,6 +152,10 @@ void set_ll_stage_bytes(int64_t bytes) {
   g_stage_bytes.store(bytes < 0 ? -1 : bytes, std::memory_order_relaxed);
 }
 int64_t get_ll_stage_bytes() { return static_cast<int64_t>(stage_limit()); }
+void set_direct_bytes(int64_t bytes) {
+  g_direct_bytes.store(bytes < 0 ? -1 : bytes, std::memory_order_relaxed);
+}
+int64_t get_direct_bytes() { return static_cast<int64_t>(direct_limit()); }
 
 // ---- joining ----
 
@@ -152,14 +171,19 @@ uint64_t ShmLlTeam::multi_bytes(const BufRef* bufs, int nbufs, bool* eligible) {
 
 std::unique_ptr<ShmLlTeam> ShmLlTeam::join(ShmFabric* f, const Placement& pl, int64_t run_id,
                                            int64_t op_id, const OpDesc& desc, uint64_t bytes,
-                                           const char* op_name, std::string* err) {
+                                           const char* op_name, std::string* err, bool slot_ok,
+                                           bool direct_ok) {
   if (pl.size < 2 || pl.size > 64) return nullptr;
   LlChannel* ch = channel_for(f, pl.comm, pl.size);
   if (!ch || ch->data_bytes == 0) return nullptr;
-  // Every rank of a matching call decides alike: the channel's limits are shared, may_stage
-  // derives from the op and its sizes.
-  const bool staged = bytes > ch->data_bytes;
-  if (staged && (!desc.may_stage || bytes > ch->stage_bytes)) return nullptr;
+  // Every rank of a matching call decides alike: the channel's limits are shared, may_stage,
+  // slot_ok and direct_ok derive from the op and its sizes.
+  // The staged form where it is asked for (STRATA_LL_STAGE_BYTES: off by default), else the
+  // direct form above its threshold, else a slot; anything else takes the general path.
+  const bool staged =
+      slot_ok && desc.may_stage && bytes > ch->data_bytes && bytes <= ch->stage_bytes;
+  const bool direct = !staged && direct_ok && bytes > ch->direct_bytes;
+  if (!staged && !direct && (!slot_ok || bytes > ch->data_bytes)) return nullptr;
   if (ch->size != pl.size) {
     *err = std::string("strata_jax ") + op_name + ": ranks disagree on the group size (" +
            std::to_string(ch->size) + " vs " + std::to_string(pl.size) + ")";
@@ -173,21 +197,27 @@ std::unique_ptr<ShmLlTeam> ShmLlTeam::join(ShmFabric* f, const Placement& pl, in
   t->occ_ = seq.occ;
   t->tag_ = slot_tag(pl.comm, seq.exec, seq.op, seq.occ);
   t->staged_ = staged;
-  stats().low_latency_calls.fetch_add(1, std::memory_order_relaxed);
+  t->direct_ = direct;
+  (direct ? stats().direct_calls : stats().low_latency_calls)
+      .fetch_add(1, std::memory_order_relaxed);
   return t;
 }
 
 ShmLlTeam::ShmLlTeam(ShmFabric* f, LlChannel* ch, char* region, const Placement& pl,
                      const char* op_name)
-    : SeatedTeam(pl, op_name),
-      f_(f),
-      ch_(ch),
-      region_(region),
-      in_(pl.size, nullptr),
-      bufs_(static_cast<size_t>(pl.size) * kMaxBufs, nullptr),
-      found_(pl.size, nullptr) {}
+    : SeatedTeam(pl, op_name), f_(f), ch_(ch), region_(region) {
+  in_.assign(pl.size, nullptr);
+  bufs_.assign(static_cast<size_t>(pl.size) * kMaxBufs, nullptr);
+  found_.assign(pl.size, nullptr);
+}
 
-ShmLlTeam::~ShmLlTeam() { mark_read(); }
+ShmLlTeam::~ShmLlTeam() {
+  mark_read();
+  // A bounce buffer of the direct form is reused only once every peer is known to be done with
+  // it (depart() waited for them); after a failed call a peer might still use it, so it stays
+  // busy (leaked) instead, as on the general path.
+  if (bounce_ && release_bounce_) f_->release_bounce(bounce_);
+}
 
 LlEntry* ShmLlTeam::entry(int rank, uint32_t pos) const {
   const size_t ring = static_cast<size_t>(kLlEntries) * ch_->entry_bytes;
@@ -197,14 +227,38 @@ LlEntry* ShmLlTeam::entry(int rank, uint32_t pos) const {
 
 static char* data_of(LlEntry* e) { return reinterpret_cast<char*>(e) + kLlHeaderBytes; }
 
-LlEntry* ShmLlTeam::find(int j) const {
-  for (uint32_t p = 0; p < static_cast<uint32_t>(kLlEntries); ++p) {
-    LlEntry* e = entry(j, p);
-    // acquire: pairs with the owner's stamp store; the header and data written before it are
-    // visible, and stay put until this rank sets its read_by bit.
-    if (e->stamp.load(std::memory_order_acquire) == tag_ && e->exec == exec_ && e->op == op_ &&
-        e->occ == occ_)
+namespace {
+// Where this process expects each peer's next slot on each channel: one past the slot it found
+// last (a rank claims the slot after its previous one whenever that one is free, the usual
+// case). Process-local, per channel (by its index in the region) and peer rank; relaxed: a
+// hint, checked against the stamp like any slot.
+std::atomic<uint32_t> g_hint[kLlChannels][64];
+}  // namespace
+
+LlEntry* ShmLlTeam::find(int j, bool full) const {
+  // acquire: pairs with the owner's stamp store; the header and data written before it are
+  // visible, and stay put until this rank sets its read_by bit.
+  auto holds = [&](LlEntry* e) {
+    return e->stamp.load(std::memory_order_acquire) == tag_ && e->exec == exec_ && e->op == op_ &&
+           e->occ == occ_;
+  };
+  // The hinted slot first: a waiter polling a peer that has not published yet reads one line
+  // of the peer's ring per poll, not 16 (each a line the peer may be writing: the scan of the
+  // whole ring at every poll cost 1-2 us per call between 2 processes).
+  const size_t c = static_cast<size_t>(ch_ - reinterpret_cast<LlRegion*>(region_)->channels);
+  std::atomic<uint32_t>& hint = g_hint[c][j];
+  const uint32_t h = hint.load(std::memory_order_relaxed);
+  if (LlEntry* e = entry(j, h); holds(e)) {
+    hint.store(h + 1, std::memory_order_relaxed);
+    return e;
+  }
+  if (!full) return nullptr;
+  for (uint32_t p = 1; p < static_cast<uint32_t>(kLlEntries); ++p) {
+    LlEntry* e = entry(j, h + p);
+    if (holds(e)) {
+      hint.store(h + p + 1, std::memory_order_relaxed);
       return e;
+    }
   }
   return nullptr;
 }
@@ -217,10 +271,15 @@ void ShmLlTeam::notify(std::atomic<uint32_t>* word, std::atomic<uint32_t>* sleep
   }
 }
 
-template <class Ready, class Missing>
+bool ShmLlTeam::same_cpu(int j, int cpu1) const {
+  // Relaxed: a hint about where rank j runs, not a synchronization flag.
+  return cpu1 > 0 && ch_->ranks[j].cpu1.load(std::memory_order_relaxed) == cpu1;
+}
+
+template <class Ready, class Missing, class Since>
 std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* sleepers,
-                            Ready ready, Missing missing, const char* phase,
-                            Clock::time_point deadline, const OpDesc* arriving) {
+                            Ready ready, Missing missing, Since since, bool colocated,
+                            const char* phase, Clock::time_point deadline, const OpDesc* arriving) {
   // Spinning pays only while the awaited peers are running; with more runnable threads than
   // cores (more processes than cores, or other jobs) it takes the core they need. So the spin
   // budget adapts, like glibc's adaptive mutexes: it grows (to STRATA_LL_SPINS pauses, about
@@ -239,15 +298,23 @@ std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* 
               f_->nprocs() > static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)) ? 100 : 2000);
   static const int max_yields = env_int("STRATA_LL_YIELDS", 4);
   static std::atomic<int> budget{max_spins};
-  const int spins = budget.load(std::memory_order_relaxed);
-  const int yields = spins > 0 ? max_yields : 0;
+  // A rank awaited on this very CPU cannot run while this one spins: two processes the
+  // scheduler put on one core (other jobs busy on the other) took a full spin budget per wait,
+  // about 45 us, twice per call (2 processes, ppermute 64 KiB: 97 us a call instead of 8.7 us
+  // for seconds on end, and back once they were on two cores again; docs/design.md). The
+  // yields always follow: they hand the CPU to a runnable peer on it, and cost a system call
+  // where there is none.
+  const int spins = colocated ? 0 : budget.load(std::memory_order_relaxed);
+  const int yields = max_yields;
   const auto t0 = Clock::now();
+  if (std::strcmp(phase, "reuse") != 0)
+    stats().channel_waits.fetch_add(1, std::memory_order_relaxed);
   auto adapt = [](bool quick) {
     const int b = budget.load(std::memory_order_relaxed);
     budget.store(quick ? std::min(max_spins, 2 * b + 64) : b / 2, std::memory_order_relaxed);
   };
   for (int i = 0; i < spins; ++i) {
-    if (ready()) {
+    if (ready((i & 15) == 15)) {
       adapt(true);
       return {};
     }
@@ -256,23 +323,39 @@ std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* 
     __builtin_ia32_pause();
 #endif
   }
+  const int64_t t0_ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(t0.time_since_epoch()).count();
+  // Would spinning have caught this wait? Judged by when the condition became true (the
+  // awaited peer's publication, or its mark), not by when this rank saw it: a futex wake-up
+  // takes tens of microseconds here, so a waiter that slept always woke "late", and a budget
+  // judged by that stayed at 0 for good once it got there. Not for a wait on a rank on this
+  // CPU, which only the yield let run.
+  auto judge = [&] {
+    if (colocated) return;
+    const int64_t done = static_cast<int64_t>(since());
+    adapt((done > 0 ? done : now_ns()) - t0_ns < kLlSpinWindowNs);
+  };
   for (int i = 0; i < yields; ++i) {
-    if (ready()) {
-      adapt(true);
+    if (ready(true)) {
+      judge();
       return {};
     }
     if (!failed_.empty()) return failed_;
     sched_yield();
   }
-  struct AdaptOnExit {  // after the sleeping phase: would spinning have caught this wait?
-    Clock::time_point t0;
-    void (*adapt)(bool);
-    ~AdaptOnExit() { adapt(Clock::now() - t0 < std::chrono::microseconds(kLlSpinWindowUs)); }
-  } adapt_on_exit{t0, adapt};
+  bool slept = false;
+  struct AfterSleep {  // whichever way the sleeping phase ends
+    const bool& slept;
+    decltype(judge)& j;
+    ~AfterSleep() {
+      if (slept) stats().channel_sleeps.fetch_add(1, std::memory_order_relaxed);
+      j();
+    }
+  } after_sleep{slept, judge};
   const auto start = Clock::now();
   auto next_straddle_check = start + std::chrono::milliseconds(2);
   for (;;) {
-    if (ready()) return {};
+    if (ready(true)) return {};
     if (!failed_.empty()) return failed_;
     const auto now = Clock::now();
     // A missing rank whose process disconnected (exited or was killed) never comes.
@@ -300,7 +383,7 @@ std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* 
       if (!m.empty()) return m;
     }
     if (now >= deadline) {
-      if (ready()) return {};
+      if (ready(true)) return {};
       return missing_message(phase, missing());
     }
     auto slice =
@@ -313,19 +396,22 @@ std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* 
     sleepers->fetch_add(1, std::memory_order_seq_cst);
     const uint32_t seen = word->load(std::memory_order_seq_cst);
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    if (!ready() && failed_.empty()) futex_wait(word, seen, ns, /*shared=*/true);
+    if (!ready(true) && failed_.empty()) {
+      slept = true;
+      futex_wait(word, seen, ns, /*shared=*/true);
+    }
     sleepers->fetch_sub(1, std::memory_order_relaxed);
   }
 }
 
 std::string ShmLlTeam::claim(LlEntry** out, Clock::time_point deadline) {
   const uint64_t others = others_mask(size_, rank_);
-  std::atomic<uint32_t>& next = ch_->next[rank_];
+  std::atomic<uint32_t>& next = ch_->ranks[rank_].next;
   LlEntry* got = nullptr;
   // Free: never used, or every peer read the previous occupant (acquire: their reads happen
   // before this rank's rewrite). Starting at `next`, the first free slot wins; a slot left
   // unread by a failed call is skipped, not waited for.
-  auto try_claim = [&]() -> bool {
+  auto try_claim = [&](bool) -> bool {
     const uint32_t start = next.load(std::memory_order_relaxed);
     for (uint32_t k = 0; k < static_cast<uint32_t>(kLlEntries); ++k) {
       LlEntry* e = entry(rank_, start + k);
@@ -341,6 +427,10 @@ std::string ShmLlTeam::claim(LlEntry** out, Clock::time_point deadline) {
     }
     return false;
   };
+  if (try_claim(true)) {  // the usual case: the next slot is free
+    *out = got;
+    return {};
+  }
   std::string err = wait(
       &ch_->freed, &ch_->free_sleepers, try_claim,
       [&] {
@@ -352,7 +442,7 @@ std::string ShmLlTeam::claim(LlEntry** out, Clock::time_point deadline) {
           if (j != rank_ && !(bits >> j & 1)) m.push_back(j);
         return m;
       },
-      "reuse", deadline, nullptr);
+      [] { return uint64_t{0}; }, false, "reuse", deadline, nullptr);
   *out = got;
   return err;
 }
@@ -361,6 +451,56 @@ std::string ShmLlTeam::arrive(const OpDesc& desc, const void* in, void* out) {
   out_ = out;
   const BufRef buf{in, desc.in_bytes, false};
   return publish_and_wait(desc, &buf, 1);
+}
+
+std::string ShmLlTeam::prepare_direct(const OpDesc& desc, const void* in, void* out,
+                                      uint64_t pub[6]) {
+  const auto& api = ShmFabric::alloc();
+  const bool staging = f_->mode() == RegMode::kStaging;
+  strata_seg_info in_seg{}, out_seg{};
+  const bool in_ok =
+      desc.in_bytes == 0 || (!staging && api.lookup && api.lookup(in, desc.in_bytes, &in_seg));
+  const bool out_ok =
+      desc.out_bytes == 0 || (!staging && api.lookup && api.lookup(out, desc.out_bytes, &out_seg));
+  std::string err;
+  // on_use mode: the segments go to the peers now (on_alloc: the allocator's thread did it).
+  if (in_ok && desc.in_bytes)
+    err = f_->export_segment(in_seg.segment_id, in_seg.fd, in_seg.size, true);
+  if (err.empty() && out_ok && desc.out_bytes &&
+      !(desc.in_bytes && in_seg.segment_id == out_seg.segment_id))
+    err = f_->export_segment(out_seg.segment_id, out_seg.fd, out_seg.size, true);
+  if (!err.empty()) return std::string("strata_jax ") + op_name_ + ": " + err;
+  pub[0] = in_ok && desc.in_bytes ? in_seg.segment_id : 0;
+  pub[1] = in_ok && desc.in_bytes ? in_seg.offset : 0;
+  pub[2] = reinterpret_cast<uintptr_t>(in);
+  pub[3] = out_ok && desc.out_bytes ? out_seg.segment_id : 0;
+  pub[4] = out_ok && desc.out_bytes ? out_seg.offset : 0;
+  pub[5] = reinterpret_cast<uintptr_t>(out);
+  if (in_ok && out_ok) return {};
+  // Staging, as the general path does (ShmTeam::arrive): the buffer that cannot be shared goes
+  // through a bounce buffer every peer has mapped; a staged output is copied back at departure.
+  const size_t in_room = in_ok ? 0 : round_up(desc.in_bytes, 64);
+  bounce_ = f_->acquire_bounce(in_room + (out_ok ? 0 : desc.out_bytes), true, &err);
+  if (!bounce_) return std::string("strata_jax ") + op_name_ + ": " + err;
+  release_bounce_ = true;  // until published: nobody else knows it
+  stats().staged_calls.fetch_add(1, std::memory_order_relaxed);
+  if (!in_ok) {
+    copy_bytes(bounce_->base, in, desc.in_bytes);
+    copy_fence();  // the streaming stores, before the stamp's release
+    stats().staged_bytes.fetch_add(desc.in_bytes, std::memory_order_relaxed);
+    pub[0] = bounce_->id;
+    pub[1] = 0;
+    pub[2] = reinterpret_cast<uintptr_t>(bounce_->base);
+  }
+  if (!out_ok) {
+    user_out_ = out;
+    out_room_ = in_room;
+    out_bytes_ = desc.out_bytes;
+    pub[3] = bounce_->id;
+    pub[4] = in_room;
+    pub[5] = reinterpret_cast<uintptr_t>(bounce_->base + in_room);
+  }
+  return {};
 }
 
 std::string ShmLlTeam::arrive_multi(const OpDesc& desc, const BufRef* bufs, int nbufs) {
@@ -378,6 +518,11 @@ std::string ShmLlTeam::publish_and_wait(const OpDesc& desc, const BufRef* bufs, 
   }
   // Staged form: the data goes into a bounce buffer every peer has mapped (before claiming the
   // slot, so that a failure here leaves the ring as it was).
+  uint64_t pub[6] = {};  // the direct form's (segment, offset, address) of input and output
+  if (direct_) {
+    std::string derr = prepare_direct(desc, bufs[0].ptr, out_, pub);
+    if (!derr.empty()) return derr;
+  }
   Bounce* stage = nullptr;
   if (staged_ && total) {
     std::string serr;
@@ -415,24 +560,41 @@ std::string ShmLlTeam::publish_and_wait(const OpDesc& desc, const BufRef* bufs, 
   me->data_seg = stage ? stage->id : 0;
   me->data_off = 0;
   me->data_ptr = stage ? reinterpret_cast<uintptr_t>(stage->base) : 0;
+  me->out_seg = me->out_off = me->out_ptr = 0;
+  me->algo = desc.algo;
+  if (direct_) {
+    me->data_seg = pub[0];
+    me->data_off = pub[1];
+    me->data_ptr = pub[2];
+    me->out_seg = pub[3];
+    me->out_off = pub[4];
+    me->out_ptr = pub[5];
+  }
   for (int i = 0; i < kMaxBufs; ++i) {
     me->buf_off[i] = i < nbufs ? off[i] : 0;
     me->buf_bytes[i] = i < nbufs ? bufs[i].bytes : 0;
   }
-  if (!stage) {
+  if (!stage && !direct_) {
     for (int i = 0; i < nbufs; ++i)  // regular stores, no fence
       if (bufs[i].bytes) std::memcpy(data_of(me) + off[i], bufs[i].ptr, bufs[i].bytes);
   }
+  me->pub_ns = static_cast<uint64_t>(now_ns());
+  const int cpu1 = sched_getcpu() + 1;  // 0 where the CPU cannot be told
+  // Relaxed: a hint for this rank's waiters (same_cpu), written only when it moved.
+  if (ch_->ranks[rank_].cpu1.load(std::memory_order_relaxed) != cpu1)
+    ch_->ranks[rank_].cpu1.store(cpu1, std::memory_order_relaxed);
+  me->read_ns.store(0, std::memory_order_relaxed);
   me->stamp.store(tag_, std::memory_order_seq_cst);
   me->claim.store(0, std::memory_order_release);
   stage_ = stage;  // listed for release by mark_read(), once this rank's own reads are done
   found_[rank_] = me;
 
   int left = size_ - 1;
-  auto ready = [&]() -> bool {
+  // `full`: every slot of a missing peer's ring, else only the hinted one (find).
+  auto ready = [&](bool full) -> bool {
     for (int j = 0; j < size_ && left > 0; ++j) {
       if (found_[j]) continue;
-      LlEntry* e = find(j);
+      LlEntry* e = find(j, full);
       if (!e) continue;
       found_[j] = e;
       --left;
@@ -456,7 +618,10 @@ std::string ShmLlTeam::publish_and_wait(const OpDesc& desc, const BufRef* bufs, 
   // fence comes last sees every other stamp, so at least one rank sees the call complete and
   // wakes. A rank that finds a disagreement wakes everyone too (they fail at once).
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  const bool complete = ready();
+  const bool complete = ready(true);
+  bool colocated = false;  // a missing peer last published from this CPU
+  for (int j = 0; j < size_ && !complete && !colocated; ++j)
+    colocated = !found_[j] && j != rank_ && same_cpu(j, cpu1);
   if (complete || !failed_.empty()) notify(&ch_->epoch, &ch_->sleepers);
   err = complete ? failed_
                  : wait(
@@ -467,11 +632,47 @@ std::string ShmLlTeam::publish_and_wait(const OpDesc& desc, const BufRef* bufs, 
                            if (!found_[j]) m.push_back(j);
                          return m;
                        },
-                       "arrive", deadline, &desc);
+                       [&] {  // the last peer's publication
+                         uint64_t last = 0;
+                         for (int j = 0; j < size_; ++j)
+                           if (j != rank_ && found_[j]) last = std::max(last, found_[j]->pub_ns);
+                         return last;
+                       },
+                       colocated, "arrive", deadline, &desc);
   if (!err.empty()) {
     if (err.find("disagree") != std::string::npos)
       stats().mismatches.fetch_add(1, std::memory_order_relaxed);
+    if (direct_) release_bounce_ = false;  // a peer may still come and use it
     return err;
+  }
+  local_ranks_ = 0;
+  for (int j = 0; j < size_; ++j)
+    if (found_[j]->proc == f_->proc()) ++local_ranks_;
+  descs_.assign(size_, desc);
+  if (direct_) {
+    // Every rank's own buffers (or its bounce buffer), mapped here unless this process's own.
+    release_bounce_ = false;  // from here on a peer may be using it: depart() waits for them
+    outs_.assign(size_, nullptr);
+    for (int j = 0; j < size_; ++j) {
+      const LlEntry* e = found_[j];
+      descs_[j].algo = e->algo;
+      if ((e->data_seg | e->out_seg) & kBounceIdBit) any_staged_ = true;
+      const bool local = e->proc == f_->proc();
+      char* in = reinterpret_cast<char*>(e->data_ptr);
+      char* out = reinterpret_cast<char*>(e->out_ptr);
+      if (!local && e->in_bytes) {
+        in = f_->translate(e->proc, e->data_seg, e->data_off, e->in_bytes, deadline, &err);
+        if (!in) return std::string("strata_jax ") + op_name_ + ": " + err;
+      }
+      if (!local && e->out_bytes) {
+        out = f_->translate(e->proc, e->out_seg, e->out_off, e->out_bytes, deadline, &err);
+        if (!out) return std::string("strata_jax ") + op_name_ + ": " + err;
+      }
+      in_[j] = in;
+      outs_[j] = out;
+    }
+    arrived_ = true;
+    return {};
   }
   // Where each rank's data is: in its slot, or (staged form; every rank of an agreeing call is
   // staged alike) in its bounce buffer, mapped here unless it is this process's own.
@@ -491,7 +692,6 @@ std::string ShmLlTeam::publish_and_wait(const OpDesc& desc, const BufRef* bufs, 
       bufs_[static_cast<size_t>(j) * kMaxBufs + i] =
           e->buf_bytes[i] ? base + e->buf_off[i] : nullptr;
   }
-  descs_.assign(size_, desc);
   for (OpDesc& d : descs_) d.algo = 0;  // one-shot: each rank reads the slots, writes its own
   return {};
 }
@@ -511,7 +711,9 @@ void ShmLlTeam::mark_read() {
   for (int j = 0; j < size_; ++j) {
     if (j == rank_ || !found_[j]) continue;
     // seq_cst (an acq_rel RMW): this rank's reads of the slot happen before the owner's
-    // rewrite, and the store half of the freed/free_sleepers handshake.
+    // rewrite, and the store half of the freed/free_sleepers handshake. The time first
+    // (relaxed; published by the RMW): for the owner's spin budget (wait).
+    found_[j]->read_ns.store(static_cast<uint64_t>(now_ns()), std::memory_order_relaxed);
     found_[j]->read_by.fetch_or(uint64_t{1} << rank_, std::memory_order_seq_cst);
     any = true;
   }
@@ -520,6 +722,42 @@ void ShmLlTeam::mark_read() {
 
 std::string ShmLlTeam::depart() {
   mark_read();
+  if (!direct_ || !arrived_) return {};
+  // The direct form: the peers read this rank's own input (and may write its output) until
+  // they mark its slot read; the caller may reuse both as soon as this returns.
+  LlEntry* me = found_[rank_];
+  const uint64_t others = others_mask(size_, rank_);
+  const uint64_t marked = me->read_by.load(std::memory_order_acquire);
+  if ((marked & others) == others) return finish_depart();  // every peer is done already
+  const auto deadline = Clock::now() + std::chrono::milliseconds(settings().timeout_ms.load());
+  const int cpu1 = sched_getcpu() + 1;
+  bool colocated = false;  // a peer still reading last published from this CPU
+  for (int j = 0; j < size_ && !colocated; ++j)
+    colocated = j != rank_ && !(marked >> j & 1) && same_cpu(j, cpu1);
+  std::string err = wait(
+      &ch_->freed, &ch_->free_sleepers,
+      // acquire: the peers' reads and writes of this rank's buffers happen before the return.
+      [&](bool) { return (me->read_by.load(std::memory_order_acquire) & others) == others; },
+      [&] {
+        std::vector<int> m;
+        const uint64_t bits = me->read_by.load(std::memory_order_acquire);
+        for (int j = 0; j < size_; ++j)
+          if (j != rank_ && !(bits >> j & 1)) m.push_back(j);
+        return m;
+      },
+      // acquire: the time a reader stored before its read_by bit (roughly the last reader's).
+      [&] { return me->read_ns.load(std::memory_order_acquire); }, colocated, "depart", deadline,
+      nullptr);
+  if (!err.empty()) return err;  // bounce_ stays busy: a peer may still use it
+  return finish_depart();
+}
+
+std::string ShmLlTeam::finish_depart() {
+  if (user_out_) {
+    copy_bytes(user_out_, bounce_->base + out_room_, out_bytes_);
+    stats().staged_bytes.fetch_add(out_bytes_, std::memory_order_relaxed);
+  }
+  release_bounce_ = true;
   return {};
 }
 
@@ -621,6 +859,8 @@ std::string ShmLlTeam::missing_message(const char* phase, const std::vector<int>
   if (!dead.empty()) os << "; process(es) " << dead << " disconnected (exited or killed)";
   if (std::strcmp(phase, "reuse") == 0)
     os << ". These peers never finished reading an earlier call of this rank.";
+  else if (std::strcmp(phase, "depart") == 0)
+    os << ". These peers never finished this collective.";
   else
     os << ". A peer never reached this collective: check that every device executes the same "
           "sequence of collectives, or raise strata_jax.set_timeout().";

@@ -71,6 +71,7 @@ namespace strata {
 constexpr int kLlEntries = 16;    // slots per rank and communicator (a ring)
 constexpr int kLlChannels = 128;  // communicators with a low-latency channel
 constexpr size_t kLlDefaultBytes = 64 * 1024;
+constexpr size_t kDirectDefaultBytes = 4 * 1024;
 constexpr size_t kLlMaxBytes = 1024 * 1024;
 // The region after the control block in the control segment (shm_link.cc maps both): the
 // channel table, then the slots. Untouched pages cost nothing (memfd pages are made on touch).
@@ -85,10 +86,17 @@ struct LlEntry {
   // Bit j: rank j has finished reading this occupant (fetch_or, acq_rel: its reads happen
   // before the owner's next rewrite, which waits for all bits with acquire loads).
   std::atomic<uint64_t> read_by;
+  // When a reader last marked the slot read, stored (relaxed) before its read_by bit, in the
+  // line that RMW takes anyway; and when the owner published, written before the stamp
+  // (CLOCK_MONOTONIC ns: one clock for every process of a host). A waiter that slept tells
+  // from them whether spinning would have caught its peers (ShmLlTeam::wait), which its own
+  // wake-up time cannot say.
+  std::atomic<uint64_t> read_ns;
   // 1 while one of the owner's threads claims or writes the slot (CAS 0 -> 1, acq_rel; reset
   // with release after the stamp): two calls of one device in flight never take the same slot.
   std::atomic<uint32_t> claim;
   uint64_t exec, op, occ;  // the exact key (the stamp is its hash)
+  uint64_t pub_ns;
   int32_t kind, dtype, reduce, proc;
   uint64_t params;  // OpParams::digest() of the call
   int64_t device;
@@ -99,19 +107,24 @@ struct LlEntry {
   // arrive_multi's buffers: offset of each in the data (64-byte aligned) and bytes (0: none).
   uint64_t buf_off[kMaxBufs], buf_bytes[kMaxBufs];
   char name[32];
+  // Direct form: data_seg/off/ptr say where the input is (the caller's own buffer, or a bounce
+  // buffer of the owner's when the allocator does not own it), these where the output is.
+  uint64_t out_seg, out_off, out_ptr;
+  int32_t algo;  // the rank's algorithm proposal (OpDesc::algo); everyone follows rank 0's
 };
-constexpr size_t kLlHeaderBytes = 256;
+constexpr size_t kLlHeaderBytes = 320;
 static_assert(sizeof(LlEntry) <= kLlHeaderBytes, "LlEntry header too large");
 
 // A communicator's channel. Fields up to `offset` are written once under the control mutex when
 // the channel is claimed (comm last) and read-only afterwards.
 struct LlChannel {
-  uint64_t comm;         // 0: free
-  int32_t size;          // ranks
-  uint32_t data_bytes;   // threshold = data room per slot; 0: no LL path for this comm
-  uint64_t offset;       // of rank 0's ring from the region start
-  uint64_t entry_bytes;  // header + data room, multiple of 64
-  uint64_t stage_bytes;  // largest input of the staged form (0: none; see above)
+  uint64_t comm;          // 0: free
+  int32_t size;           // ranks
+  uint32_t data_bytes;    // threshold = data room per slot; 0: no LL path for this comm
+  uint64_t offset;        // of rank 0's ring from the region start
+  uint64_t entry_bytes;   // header + data room, multiple of 64
+  uint64_t stage_bytes;   // largest input of the staged form (0: none; see above)
+  uint64_t direct_bytes;  // arrive() calls of more input take the direct form (see above)
   // Futex words and their sleeper counts: `epoch` for waiters of peers' data, `freed` for an
   // owner waiting until its peers finished reading a slot it wants to reuse (rare). A notifier
   // changes the condition with a seq_cst store, then loads the count (seq_cst) and bumps the
@@ -122,12 +135,48 @@ struct LlChannel {
   std::atomic<uint32_t> sleepers;
   alignas(64) std::atomic<uint32_t> freed;
   std::atomic<uint32_t> free_sleepers;
-  alignas(64) std::atomic<uint32_t> next[64];  // per rank: ring position of its next call
+  // Per rank, a line of its own, written by that rank on every call (packed, 16 ranks' words
+  // shared a line that every call moved between their cores): the ring position of its next
+  // call, and the CPU it last published from, plus one (sched_getcpu; 0: not yet), which its
+  // waiters read: spinning for a rank that last ran on the waiter's own CPU only keeps it off
+  // that CPU (ShmLlTeam::wait).
+  struct alignas(64) RankState {
+    std::atomic<uint32_t> next;
+    std::atomic<int32_t> cpu1;
+  };
+  RankState ranks[64];
 };
 
 struct LlRegion {
   uint64_t used;  // bytes of slots handed out (under the control mutex)
   LlChannel channels[kLlChannels];
+};
+
+// A vector that keeps up to N elements in place (no allocation): a call's per-rank tables, which
+// this path fills on every call (small groups are the common case; larger ones use the heap).
+template <class T, size_t N>
+class InlineVec {
+ public:
+  void assign(size_t n, const T& v) {
+    if (n > N) {
+      heap_.assign(n, v);
+      data_ = heap_.data();
+    } else {
+      for (size_t i = 0; i < n; ++i) inline_[i] = v;
+      data_ = inline_;
+    }
+    n_ = n;
+  }
+  T& operator[](size_t i) { return data_[i]; }
+  const T& operator[](size_t i) const { return data_[i]; }
+  T* begin() { return data_; }
+  T* end() { return data_ + n_; }
+
+ private:
+  T inline_[N];
+  std::vector<T> heap_;
+  T* data_ = inline_;
+  size_t n_ = 0;
 };
 
 // The threshold a communicator's channel gets when this process creates it: set_ll_bytes()
@@ -141,6 +190,11 @@ int64_t get_ll_bytes();
 // above. set_ll_stage_bytes(-1): back to that default.
 void set_ll_stage_bytes(int64_t bytes);
 int64_t get_ll_stage_bytes();
+// The direct form's threshold a channel gets when this process creates it: set_direct_bytes(),
+// else STRATA_DIRECT_BYTES (K/M/G suffixes), else kDirectDefaultBytes. Kept by the channel like
+// the threshold above. set_direct_bytes(-1): back to that default.
+void set_direct_bytes(int64_t bytes);
+int64_t get_direct_bytes();
 
 class ShmLlTeam final : public SeatedTeam {
  public:
@@ -149,41 +203,65 @@ class ShmLlTeam final : public SeatedTeam {
   // nullptr with *err set: the call failed.
   // `bytes`: what the call publishes (the input, or arrive_multi's buffers each rounded up to
   // 64 bytes), which decides between a slot, the staged form and the general path.
+  // `slot_ok`: the call may take a slot or the staged form (its algorithm reads peer_in() or
+  // peer_buf() and writes only its own output). `direct_ok`: the caller publishes with
+  // arrive(desc, in, out), so a call of more than the channel's direct_bytes takes the direct
+  // form. Every rank of a matching call passes the same.
   static std::unique_ptr<ShmLlTeam> join(ShmFabric* f, const Placement& pl, int64_t run_id,
                                          int64_t op_id, const OpDesc& desc, uint64_t bytes,
-                                         const char* op_name, std::string* err);
+                                         const char* op_name, std::string* err, bool slot_ok = true,
+                                         bool direct_ok = false);
   // The bytes arrive_multi publishes for these buffers; 0 when one is `written` (the path
   // holds copies of inputs only, so such a call takes the general path).
   static uint64_t multi_bytes(const BufRef* bufs, int nbufs, bool* eligible);
   ShmLlTeam(ShmFabric* f, LlChannel* ch, char* region, const Placement& pl, const char* op_name);
   ~ShmLlTeam() override;  // marks the peers' slots read if depart() did not (a failed call)
   const void* peer_in(int j) const override { return in_[j]; }
-  // Only this rank's own output is reachable: every operator on this path writes its own.
-  void* peer_out(int j) const override { return j == rank_ ? out_ : nullptr; }
+  // A slot or the staged form: only this rank's own output is reachable (every operator taking
+  // them writes its own). The direct form publishes every rank's output.
+  void* peer_out(int j) const override {
+    return direct_ ? outs_[j] : (j == rank_ ? out_ : nullptr);
+  }
   const void* peer_buf(int j, int i) const override {
     return i >= 0 && i < kMaxBufs ? bufs_[static_cast<size_t>(j) * kMaxBufs + i] : nullptr;
   }
   const OpDesc& peer_desc(int j) const override { return descs_[j]; }
   std::string barrier(const char* phase) override;
-  bool zero_copy() const override { return false; }  // the data goes through the slots
+  // A slot or the staged form: the data goes through copies. The direct form: unless a rank's
+  // buffer had to be staged.
+  bool zero_copy() const override { return direct_ && !any_staged_; }
+  int local_ranks() const override { return local_ranks_; }
   // Copies `in` into this rank's slot, publishes it, waits for every peer's slot of this call
   // and checks that all agree. The algorithm then reads peer_in(j) (the peers' slots).
   std::string arrive(const OpDesc& desc, const void* in, void* out);
   // The same for up to kMaxBufs read-only buffers (peer_buf(j, i) then points into rank j's
   // copy); every rank's buffers have this rank's sizes (the descriptors agree).
   std::string arrive_multi(const OpDesc& desc, const BufRef* bufs, int nbufs);
-  // Marks the peers' slots as read. Never waits.
+  // Marks the peers' slots as read. A slot or the staged form never waits; the direct form
+  // then waits until every peer has marked this rank's slot (they are done with its buffers),
+  // and copies a staged output back to the caller's buffer.
   std::string depart();
+  bool direct() const { return direct_; }
 
  private:
+  // The direct form, every peer done with this rank's buffers: copies a staged output back and
+  // lets the bounce buffer go.
+  std::string finish_depart();
   LlEntry* entry(int rank, uint32_t pos) const;
-  LlEntry* find(int j) const;  // rank j's slot holding this call, or nullptr
+  // Rank j's slot holding this call, or nullptr: the slot after the one found last, then (when
+  // `full`) the whole ring.
+  LlEntry* find(int j, bool full = true) const;
   // Claims a slot of this rank's ring whose previous occupant every peer has read.
   std::string claim(LlEntry** out, Clock::time_point deadline);
-  template <class Ready, class Missing>
+  // `since()`: when the condition became true (steady_clock ns; 0: unknown), asked after a
+  // wait that outlasted the spin, to adapt the spin budget. `colocated`: a rank this wait is
+  // for last ran on this rank's CPU: no spin, the CPU goes to it at once (sched_yield).
+  template <class Ready, class Missing, class Since>
   std::string wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* sleepers, Ready ready,
-                   Missing missing, const char* phase, Clock::time_point deadline,
-                   const OpDesc* arriving);
+                   Missing missing, Since since, bool colocated, const char* phase,
+                   Clock::time_point deadline, const OpDesc* arriving);
+  // Whether rank j last published from this rank's CPU (`cpu1`: sched_getcpu() + 1 here).
+  bool same_cpu(int j, int cpu1) const;
   std::string mismatch(const OpDesc& desc) const;  // names every found rank's op, dtype, size
   std::string straddler(const OpDesc& desc);       // a peer in the general rendezvous of this key
   std::string missing_message(const char* phase, const std::vector<int>& missing) const;
@@ -196,16 +274,31 @@ class ShmLlTeam final : public SeatedTeam {
   uint64_t comm_ = 0, tag_ = 0, exec_ = 0, op_ = 0, occ_ = 0;
   std::string failed_;  // set by a failed check inside wait()
   bool read_marked_ = false;
-  std::vector<const void*> in_;
+  InlineVec<const void*, 8> in_;
   void* out_ = nullptr;
   // Copies `nbufs` buffers into this rank's slot (or bounce buffer), publishes it, waits for
   // the peers' slots of this call and checks that all agree; then fills in_ and bufs_.
   std::string publish_and_wait(const OpDesc& desc, const BufRef* bufs, int nbufs);
-  std::vector<const void*> bufs_;  // [rank * kMaxBufs + i]: arrive_multi's buffers, local
-  std::vector<LlEntry*> found_;    // peers' slots of this call (after arrive)
+  InlineVec<const void*, 8 * kMaxBufs> bufs_;  // [rank * kMaxBufs + i]: arrive_multi's, local
+  InlineVec<LlEntry*, 8> found_;               // peers' slots of this call (after arrive)
   Bounce* stage_ = nullptr;  // the staged form's bounce buffer of this rank (after publishing)
   bool staged_ = false;      // the staged form (data in bounce buffers)
-  std::vector<OpDesc> descs_;
+  InlineVec<OpDesc, 8> descs_;
+  int local_ranks_ = 1;  // ranks of this call in this process (after arrival)
+  // The direct form: the peers' outputs (after arrival); this rank's bounce buffer, when one of
+  // its buffers is not the allocator's (or in staging mode), and what to copy back from it.
+  bool direct_ = false;
+  bool arrived_ = false;     // publish_and_wait succeeded: depart() must wait for the readers
+  bool any_staged_ = false;  // some rank's buffer went through a bounce buffer
+  InlineVec<void*, 8> outs_;
+  Bounce* bounce_ = nullptr;
+  bool release_bounce_ = false;  // whether ~ShmLlTeam may release it (every peer done with it)
+  void* user_out_ = nullptr;     // staged output: copied back from bounce_ + out_room_ at departure
+  uint64_t out_room_ = 0, out_bytes_ = 0;
+  // Direct form: where this rank's input and output are published, as (segment, offset,
+  // address) each: the caller's buffers when the allocator owns them (their segments exported
+  // now in on_use mode), else a bounce buffer (the input copied in). Before the slot is claimed.
+  std::string prepare_direct(const OpDesc& desc, const void* in, void* out, uint64_t pub[6]);
 };
 
 }  // namespace strata

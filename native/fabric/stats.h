@@ -39,8 +39,14 @@ struct Stats {
   std::atomic<uint64_t> max_calls_in_flight{0};
   std::atomic<uint64_t> max_runs_in_flight{0};
   std::atomic<uint64_t> low_latency_calls{0};  // calls on the small-message path (shm_ll.h)
-  std::atomic<uint64_t> mismatches{0};         // calls failed because ranks disagreed on the op
-  std::atomic<uint64_t> failures{0};           // strata calls that returned an error (any cause)
+  std::atomic<uint64_t> direct_calls{0};       // calls on its direct (zero-copy) form
+  // Waits of the low-latency channel (arrival, and the direct form's departure) that did not
+  // find the condition at once, and those of them that slept on the futex (a sleep costs a
+  // wake-up: tens of microseconds; a spin or a yield does not).
+  std::atomic<uint64_t> channel_waits{0};
+  std::atomic<uint64_t> channel_sleeps{0};
+  std::atomic<uint64_t> mismatches{0};  // calls failed because ranks disagreed on the op
+  std::atomic<uint64_t> failures{0};    // strata calls that returned an error (any cause)
   // In-process calls in one rendezvous (per rank): the last rank to arrive ran every rank's
   // part (InProcTeam::arrive_lead), or the pairs of blocks were copied as ranks arrived
   // (InProcTeam::arrive_pairs).

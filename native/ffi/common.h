@@ -182,11 +182,14 @@ struct LeadIo {
 // `ll_desc` is given and small enough; only for operators that read peer_in() and write their
 // own output (Arrive then calls team.arrive(desc, in, out)).
 // `ll_bytes`: what the call would publish on that path (default: ll_desc->in_bytes).
+// `slot_ok`, `direct_ok`: ShmLlTeam::join's (the direct form: only callers whose Arrive calls
+// team.arrive(desc, in, out)).
 template <bool kMayLl = false, class Arrive, class Body>
 xla::ffi::Error join_and_run_with(const char* name, int64_t run_id, int64_t op_id,
                                   const Placement& pl, bool cross_process, Arrive arrive, Body body,
                                   const OpDesc* ll_desc = nullptr, const LeadIo* lead = nullptr,
-                                  const uint64_t* ll_bytes = nullptr) {
+                                  const uint64_t* ll_bytes = nullptr, bool slot_ok = true,
+                                  bool direct_ok = false) {
   std::string err;
   // Measures, and guards, the ordering rule (inflight.h). Only groups of more than one rank:
   // XLA orders single-device programs by their own per-device queue, which may overlap a
@@ -210,7 +213,8 @@ xla::ffi::Error join_and_run_with(const char* name, int64_t run_id, int64_t op_i
     // communicator and execution number on it, not by run id (fabric/shm.h).
     if constexpr (kMayLl) {
       auto ll = ll_desc ? ShmLlTeam::join(shm, pl, run_id, op_id, *ll_desc,
-                                          ll_bytes ? *ll_bytes : ll_desc->in_bytes, name, &err)
+                                          ll_bytes ? *ll_bytes : ll_desc->in_bytes, name, &err,
+                                          slot_ok, direct_ok)
                         : nullptr;
       if (!err.empty()) return to_error(err);
       if (ll) {
@@ -252,7 +256,8 @@ xla::ffi::Error join_and_run_with(const char* name, int64_t run_id, int64_t op_i
 }
 
 // The usual case: one input and one output buffer per rank. `may_ll`: false for an algorithm
-// that writes into the peers' outputs, which the low-latency path does not publish.
+// that writes into the peers' outputs, which the low-latency path's slots do not publish (its
+// direct form does, whatever the size).
 template <class Body>
 xla::ffi::Error join_and_run(const char* name, int64_t run_id, int64_t op_id, const Placement& pl,
                              const OpDesc& desc, const void* in, void* out, bool cross_process,
@@ -267,7 +272,8 @@ xla::ffi::Error join_and_run(const char* name, int64_t run_id, int64_t op_id, co
         OpTimer::arrived();  // wait vs move in comm_stats() (fabric/op_stats.h)
         return e;
       },
-      body, cross_process && may_ll ? &desc : nullptr, &lead);
+      body, cross_process ? &desc : nullptr, &lead, nullptr, /*slot_ok=*/may_ll,
+      /*direct_ok=*/true);
 }
 
 // Several buffers per rank (Team::peer_buf); the output is this rank's alone, not published.

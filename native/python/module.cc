@@ -198,6 +198,8 @@ NB_MODULE(_strata, m) {
   m.def("get_ll_bytes", [] { return strata::get_ll_bytes(); });
   m.def("set_ll_stage_bytes", [](int64_t b) { strata::set_ll_stage_bytes(b); });
   m.def("get_ll_stage_bytes", [] { return strata::get_ll_stage_bytes(); });
+  m.def("set_direct_bytes", [](int64_t b) { strata::set_direct_bytes(b); });
+  m.def("get_direct_bytes", [] { return strata::get_direct_bytes(); });
   m.def("comm_stats", [] {
     const auto& s = strata::stats();
     // Its counters (fabric/stats.h) by the name comm_stats() gives them.
@@ -215,6 +217,9 @@ NB_MODULE(_strata, m) {
         {"max_runs_in_flight_per_device", &s.max_runs_in_flight},
         {"mismatches", &s.mismatches},
         {"low_latency_calls", &s.low_latency_calls},
+        {"direct_calls", &s.direct_calls},
+        {"channel_waits", &s.channel_waits},
+        {"channel_sleeps", &s.channel_sleeps},
         {"lead_calls", &s.lead_calls},
         {"pair_calls", &s.pair_calls},
         {"failures", &s.failures}};

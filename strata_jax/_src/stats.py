@@ -19,20 +19,22 @@ def comm_stats() -> dict:
       straight from peers' buffers), ``staged_bytes`` (bytes copied through a bounce buffer),
       ``one_shot_all_reduce``/``two_shot_all_reduce`` (algorithm choices), ``timeouts``,
       ``low_latency_calls`` (calls across processes that took the small-message path,
-      native/fabric/shm_ll.h), ``lead_calls`` and ``pair_calls`` (in-process calls made in one
-      rendezvous, counted per rank: the last rank to arrive ran every rank's part, calls of up
-      to 256 KiB per rank; or, for a larger ``all_to_all``, each pair of blocks was copied by
-      the second of its two ranks to arrive), and ``ops``: per operator (``psum``, ``pmax``,
-      ``pmin``, ``psum_scatter``, ``all_gather``, ``all_to_all``, ``ppermute``, ``pbroadcast``,
-      ``ragged_all_to_all``, ``moe.dispatch``, ``moe.combine``, ``moe.combine (weights
-      cotangent)``, ``moe.low_latency_dispatch``, ``moe.low_latency_combine``; only those
+      native/fabric/shm_ll.h; slot and staged forms), ``direct_calls`` (those that took its direct
+      form: peers read each rank's own buffers in place), ``channel_waits`` and ``channel_sleeps``
+      (waits of that path for a peer, and those of them that slept on the futex instead of
+      catching the peer while spinning or yielding), ``lead_calls`` and ``pair_calls`` (in-process
+      calls made in one rendezvous, counted per rank: the last rank to arrive ran every rank's
+      part, calls of up to 256 KiB per rank; or, for a larger ``all_to_all``, each pair of blocks
+      was copied by the second of its two ranks to arrive), and ``ops``: per operator (``psum``,
+      ``pmax``, ``pmin``, ``psum_scatter``, ``all_gather``, ``all_to_all``, ``ppermute``,
+      ``pbroadcast``, ``ragged_all_to_all``, ``moe.dispatch``, ``moe.combine``, ``moe.combine
+      (weights cotangent)``, ``moe.low_latency_dispatch``, ``moe.low_latency_combine``; only those
       called; each rank's call counted once) a dict with ``calls``, ``bytes`` (input bytes per
-      rank, summed),
-      ``algorithm`` (``{"one_shot": n, "two_shot": m}`` for the all-reduces, ``{"direct": n}``
-      otherwise), ``p50_s``/``p99_s`` (time in the handler, from a histogram with 12.5%
-      buckets), ``total_s``, ``wait_s`` (until every peer had arrived) and ``move_s`` (the rest:
-      the algorithm moving data, and the departure; on the pairs path of ``pair_calls`` the
-      copies happen while peers arrive, and the whole call counts as ``wait_s``).
+      rank, summed), ``algorithm`` (``{"one_shot": n, "two_shot": m}`` for the all-reduces,
+      ``{"direct": n}`` otherwise), ``p50_s``/``p99_s`` (time in the handler, from a histogram
+      with 12.5% buckets), ``total_s``, ``wait_s`` (until every peer had arrived) and ``move_s``
+      (the rest: the algorithm moving data, and the departure; on the pairs path of ``pair_calls``
+      the copies happen while peers arrive, and the whole call counts as ``wait_s``).
       ``STRATA_STATS=0`` turns the per-operator
       counters off (their cost is measured in tests/test_comm_stats.py).
     """

@@ -3,9 +3,12 @@
 Run under the launcher: ``python -m strata_jax.launch -n P check_low_latency.py``. Checks, each
 rank its own shards, against numpy on the same global data:
 
-1. every operator on both sides of the threshold (STRATA_LL_BYTES, 64 KiB by default: float32
-   counts 16383, 16384 per rank take the low-latency path, 16385 the general one; comm_stats'
-   ``low_latency_calls`` says which path each took), several dtypes, and psum against jax.lax;
+1. every operator on both sides of the direct form's threshold (STRATA_DIRECT_BYTES, 4 KiB by
+   default: float32 counts 1, 1001 per rank take a slot, 1025 and more the direct form, which
+   reads the callers' own buffers), several dtypes, and psum against jax.lax; then, on a
+   communicator made with the direct form off, on both sides of the slots' size
+   (STRATA_LL_BYTES, 64 KiB: float32 counts 16383, 16384 per rank take a slot, 16385 the general
+   path); comm_stats' ``low_latency_calls`` and ``direct_calls`` say which path each took;
 2. many consecutive calls reusing the slots: a 300-step scan whose steps psum 4 B, 1028 B,
    64 KiB + 4 B and 16 KiB arrays derived from the step (exact int32), two independent
    collectives in one program (XLA runs them at once on a device), and 200 dispatches of a
@@ -41,6 +44,7 @@ native().set_ll_stage_bytes(0)
 import jax  # noqa: E402
 import jax.experimental.multihost_utils  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -83,15 +87,29 @@ def check(name: str, out, want: np.ndarray) -> None:
         checks += 1
 
 
-def ll_calls() -> int:
-    return int(sj.comm_stats()["low_latency_calls"])
+def ll_calls() -> tuple[int, int]:
+    s = sj.comm_stats()
+    return int(s["low_latency_calls"]), int(s["direct_calls"])
 
 
-def expect_path(name: str, before: int, calls: int, low_latency: bool) -> None:
-    got = ll_calls() - before
-    want = calls if low_latency else 0
+DIRECT = native().get_direct_bytes()  # 4 KiB unless STRATA_DIRECT_BYTES says otherwise
+LL = sj.get_low_latency_threshold()  # 64 KiB
+
+
+def path_of(nbytes: int, direct: bool = True) -> str:
+    """Where a one-input call of `nbytes` per rank goes: a slot, the direct form or (with the
+    direct form off) the general path."""
+    if direct and nbytes > DIRECT:
+        return "direct"
+    return "slot" if nbytes <= LL else "general"
+
+
+def expect_path(name: str, before: tuple[int, int], calls: int, path: str) -> None:
+    ll, direct = ll_calls()
+    got = (ll - before[0], direct - before[1])
+    want = {"slot": (calls, 0), "direct": (0, calls), "general": (0, 0)}[path]
     if got != want:
-        fail(f"{name}: {got} low-latency calls, want {want}")
+        fail(f"{name}: {got} (low-latency, direct) calls, want {want} ({path})")
 
 
 def reduce_np(x: np.ndarray, op: str) -> np.ndarray:
@@ -123,13 +141,13 @@ if sys.argv[1:] == ["kill"]:
         print(f"OK ll killed peer after {dt:.3f} s: {msg[:300]}", flush=True)
     os._exit(0)
 
-# ---- 1. every operator, both sides of the threshold, several dtypes ----
+# ---- 1. every operator, both sides of the thresholds, several dtypes ----
 seed = 100
 for op in ("psum", "pmax", "pmin"):
     for dtype in ("float32", "bfloat16", "int32", "int8", "bool"):
         if dtype == "bool" and op != "psum":
             continue
-        counts = (1, 1001, 16383, 16384, 16385) if dtype == "float32" else (3, 5000)
+        counts = (1, 1001, 1025, 16385) if dtype == "float32" else (3, 5000)
         for n in counts:
             seed += 1
             x = data(seed, (N, n), dtype)
@@ -137,7 +155,8 @@ for op in ("psum", "pmax", "pmin"):
             out = sm(lambda v, op=op: getattr(sj, op)(v, "x"))(global_array(x))
             want = np.broadcast_to(reduce_np(x, op), (N, n))
             check(f"{op} {dtype}[{n}]", out, want.astype(out.dtype))
-            expect_path(f"{op} {dtype}[{n}]", before, jax.local_device_count(), 4 * n <= 65536)
+            nbytes = n * np.dtype(out.dtype).itemsize
+            expect_path(f"{op} {dtype}[{n}]", before, jax.local_device_count(), path_of(nbytes))
 
 # psum against jax.lax (over gloo) on the same data, below the threshold
 x = data(7, (N, 2048), "float32")
@@ -171,10 +190,36 @@ for n in (7, 16385):
     check(f"ppermute [{n}]", out, np.roll(x, 1, axis=0))
     out = sm(lambda v: sj.pbroadcast(v, "x", N - 1))(global_array(x))
     check(f"pbroadcast [{n}]", out, np.broadcast_to(x[N - 1], x.shape))
+
+# The same on a communicator made with the direct form off (the devices in reverse order: a
+# group of its own, whose channel keeps the threshold it was made with): slots up to 64 KiB, the
+# general path above.
+native().set_direct_bytes(1 << 50)
+mesh_r = Mesh(np.array(devs[::-1]), ("x",))
+for n in (1001, 16383, 16384, 16385):
+    seed += 1
+    x = data(seed, (N, n), "float32")
+    xr = jax.make_array_from_callback(x.shape, NamedSharding(mesh_r, spec), lambda i, x=x: x[i])
+    for op in ("psum", "pmax"):
+        before = ll_calls()
+        f = jax.jit(
+            jax.shard_map(
+                lambda v, op=op: getattr(sj, op)(v, "x"), mesh=mesh_r, in_specs=spec, out_specs=spec
+            )
+        )
+        out = f(xr)
+        check(f"{op} [{n}], direct form off", out, np.broadcast_to(reduce_np(x, op), (N, n)))
+        expect_path(
+            f"{op} [{n}], direct form off",
+            before,
+            jax.local_device_count(),
+            path_of(4 * n, direct=False),
+        )
+native().set_direct_bytes(-1)
 print(f"OK ll operators rank {rank}", flush=True)
 
 # ---- 2. many consecutive calls: slot reuse, both paths alternating, two calls at once ----
-SIZES = (1, 257, 16385, 4096)  # 4 B, 1028 B, 64 KiB + 4 B (general path), 16 KiB
+SIZES = (1, 257, 16385, 4096)  # 4 B, 1028 B (slots), 64 KiB + 4 B, 16 KiB (the direct form)
 
 
 def scan_body(v):
@@ -201,7 +246,9 @@ want = np.array(
     np.int64,
 ).astype(np.int32)
 check("scan of 300 steps x 4 sizes", out, np.broadcast_to(want, (N, len(SIZES))))
-expect_path("scan", before, 900 * jax.local_device_count(), True)
+ll, direct = ll_calls()
+if (ll - before[0], direct - before[1]) != (600 * jax.local_device_count(),) * 2:
+    fail(f"scan: {ll - before[0]} low-latency and {direct - before[1]} direct calls")
 
 
 def two_at_once(v):
@@ -229,11 +276,15 @@ back = sm(lambda u: sj.psum(u, "x"))(v)
 check("200 chained calls keep the sum", back, np.broadcast_to(S.astype(np.int32), (N, 1024)))
 print(f"OK ll consecutive calls rank {rank}", flush=True)
 
-# ---- 3. ranks that disagree fail fast, on one path and across the two ----
-for mine, theirs, label in ((1000, 1002, "both low-latency"), (1000, 100_000, "across paths")):
+# ---- 3. ranks that disagree fail fast, on one path and across two ----
+for mine, theirs, m, label in (
+    (500, 502, mesh, "both low-latency"),
+    (1000, 100_000, mesh, "across paths"),  # a slot and the direct form
+    (1000, 100_000, mesh_r, "slot and general path"),  # the direct form off
+):
     n = mine if rank == 0 else theirs
-    g = sm(lambda u: sj.psum(u, "x"))
-    arr = local_ones(mesh, spec, n, devs)
+    g = jax.jit(jax.shard_map(lambda u: sj.psum(u, "x"), mesh=m, in_specs=spec, out_specs=spec))
+    arr = local_ones(m, spec, n, devs)
     g.lower(arr).compile()
     msg, dt = expect_fast_failure(
         g,
