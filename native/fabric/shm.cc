@@ -73,7 +73,8 @@ uint64_t slot_tag(uint64_t comm, uint64_t exec, uint64_t op, uint64_t occ) {
 }
 
 char* ShmFabric::ll_region() const {
-  return reinterpret_cast<char*>(ctl_) + ShmControl::control_bytes(static_cast<int>(ctl_->max_ranks));
+  return reinterpret_cast<char*>(ctl_) +
+         ShmControl::control_bytes(static_cast<int>(ctl_->max_ranks));
 }
 
 ShmFabric::CallSeq ShmFabric::next_seq(const Placement& pl, int64_t run_id, int64_t op_id) {
@@ -175,8 +176,8 @@ Bounce* ShmFabric::acquire_bounce(size_t bytes, bool critical, std::string* err)
   // A bounce buffer made for a call is faulted in whole (the call copies through it now); the
   // one made at connect time (bytes 0) only its first 256 KiB: faulting in all 4 MiB cost every
   // process 4 MiB whether it ever staged or not (64 processes: 256 MiB of the host).
-  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | (bytes ? MAP_POPULATE : 0),
-                    fd, 0);
+  void* base =
+      mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | (bytes ? MAP_POPULATE : 0), fd, 0);
 #ifdef MADV_POPULATE_WRITE
   if (base != MAP_FAILED && !bytes) madvise(base, size_t{256} << 10, MADV_POPULATE_WRITE);
 #endif

@@ -109,7 +109,7 @@ bool all_resident(void* base, size_t size) {
 // the same JAX program without strata; 64 ranks kept 8 GiB of it on a 24 GiB host.
 size_t fabric_reserve_bytes(int nprocs) {
   if (std::getenv("STRATA_ALLOC_RESERVE_BYTES")) return SIZE_MAX;  // the user's, as set
-  struct sysinfo si {};
+  struct sysinfo si{};
   if (sysinfo(&si) != 0 || nprocs < 1) return SIZE_MAX;
   const uint64_t total = static_cast<uint64_t>(si.totalram) * si.mem_unit;
   constexpr uint64_t kUnit = uint64_t{64} << 20;

@@ -79,7 +79,7 @@ int main(int argc, char** argv) {
   for (int j = 0; j < n; ++j) device_ids[j] = parts[j] = j;
   std::vector<int> errors(n, 0);
   const size_t count = 3 * static_cast<size_t>(n) + 5;  // not a multiple of n: uneven chunks
-  const size_t gcount = 5;                               // all_gather: n blocks of 5
+  const size_t gcount = 5;                              // all_gather: n blocks of 5
   std::vector<std::thread> threads;
   threads.reserve(n);
   for (int r = 0; r < n; ++r) {
@@ -99,8 +99,8 @@ int main(int argc, char** argv) {
         pl.device_ids = device_ids.data();
         for (int op = 0; op < 3 && !errors[r]; ++op) {
           std::string e;
-          auto team = f.join(pl, /*run_id=*/it + 1, /*op_id=*/op, op == 2 ? "all_gather" : "psum",
-                             &e);
+          auto team =
+              f.join(pl, /*run_id=*/it + 1, /*op_id=*/op, op == 2 ? "all_gather" : "psum", &e);
           if (!team) {
             std::fprintf(stderr, "rank %d: %s\n", r, e.c_str());
             errors[r] = 1;
@@ -128,8 +128,8 @@ int main(int argc, char** argv) {
             if (op < 2) {
               const int64_t want = rank_sum + static_cast<int64_t>(n) * (k + it);
               if (out[k] != static_cast<int32_t>(want)) {
-                std::fprintf(stderr, "FAILED psum rank %d iter %d elem %zu: %d != %lld\n", r, it,
-                             k, out[k], static_cast<long long>(want));
+                std::fprintf(stderr, "FAILED psum rank %d iter %d elem %zu: %d != %lld\n", r, it, k,
+                             out[k], static_cast<long long>(want));
                 errors[r] = 1;
               }
             } else {
