@@ -95,7 +95,6 @@ else:
 t["import_cpu"], t["import_wall"] = c1 - c0, w1 - w0
 t["init_cpu"], t["init_wall"] = c2 - c1, w2 - w1
 
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402

@@ -170,7 +170,12 @@ Bounce* ShmFabric::acquire_bounce(size_t bytes, bool critical, std::string* err)
   int fd = static_cast<int>(syscall(SYS_memfd_create, "strata_bounce", MFD_CLOEXEC));
   if (fd < 0 || ftruncate(fd, static_cast<off_t>(size)) != 0) {
     if (fd >= 0) close(fd);
-    *err = std::string("cannot create a bounce buffer: ") + strerror(errno);
+    const int e = errno;
+    *err = std::string("cannot create a bounce buffer: ") + strerror(e);
+    if (e == EMFILE || e == ENFILE)
+      *err +=
+          " (RLIMIT_NOFILE, the process's limit of open files, is reached: raise it with "
+          "`ulimit -n` before starting the job)";
     return nullptr;
   }
   // A bounce buffer made for a call is faulted in whole (the call copies through it now); the

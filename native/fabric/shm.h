@@ -361,6 +361,7 @@ class ShmFabric {
   mutable std::shared_mutex map_mu_;
   std::condition_variable_any map_cv_;
   std::map<std::pair<int, uint64_t>, std::pair<char*, size_t>> mapped_;
+  std::map<std::pair<int, uint64_t>, std::string> map_errors_;  // segments that failed to map
 
   std::mutex bounce_mu_;
   std::vector<std::unique_ptr<Bounce>> bounces_;

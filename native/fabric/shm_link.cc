@@ -463,12 +463,16 @@ char* ShmFabric::translate(int proc, uint64_t seg, uint64_t off, uint64_t bytes,
   auto it = mapped_.end();
   map_cv_.wait_until(lock, deadline, [&] {
     it = mapped_.find(key);
-    return it != mapped_.end() || !peer_alive(proc);
+    return it != mapped_.end() || !peer_alive(proc) || map_errors_.count(key);
   });
   const uint64_t ns = static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
   stats().reg_critical.fetch_add(1, std::memory_order_relaxed);
   stats().reg_critical_ns.fetch_add(ns, std::memory_order_relaxed);
+  if (it == mapped_.end() && map_errors_.count(key)) {
+    *err = map_errors_[key];
+    return nullptr;
+  }
   if (it == mapped_.end()) {
     *err = "segment " + std::to_string(seg) + " of process " + std::to_string(proc) +
            (peer_alive(proc) ? " was never registered here (timed out)"
@@ -524,8 +528,22 @@ void ShmFabric::receiver_main() {
         void* base = mmap(nullptr, m.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         close(fd);
         if (base == MAP_FAILED) {
-          std::fprintf(stderr, "strata_jax: mapping a segment of process %d failed: %s\n", who[i],
-                       strerror(errno));
+          // A collective waiting for this segment fails at once with this (translate), not at
+          // the timeout. ENOMEM here is nearly always vm.max_map_count (maps per process).
+          const int e = errno;
+          std::string why = "mapping segment " + std::to_string(m.id) + " (" +
+                            std::to_string(m.size >> 20) + " MiB) of process " +
+                            std::to_string(who[i]) + " failed: " + strerror(e);
+          if (e == ENOMEM)
+            why +=
+                " (the process may have reached vm.max_map_count, its limit of memory maps; "
+                "raise it as root: sysctl -w vm.max_map_count=N)";
+          std::fprintf(stderr, "strata_jax: %s\n", why.c_str());
+          {
+            std::lock_guard<std::shared_mutex> lock(map_mu_);
+            map_errors_[{who[i], m.id}] = why;
+          }
+          map_cv_.notify_all();
           continue;
         }
 #ifdef MADV_POPULATE_WRITE
