@@ -208,3 +208,15 @@ def expert_chunk_arg(value: str) -> int | None:
             f"--expert-chunk must be a positive number of rows or 'none', got {value!r}"
         )
     return n
+
+
+def impl_list(parser: Any, text: str, choices: Sequence[str]) -> list[str]:
+    """``--impl``'s comma list as names of ``choices`` (:func:`parse_list`), or the parser's
+    error saying what is wrong: an unknown name, or none at all."""
+    try:
+        names = parse_list(text, choices)
+    except ValueError as e:
+        parser.error(f"--impl: {e}")
+    if not names:
+        parser.error(f"--impl: name at least one of {tuple(choices)}")
+    return names

@@ -98,12 +98,10 @@ ENV_VARS = (
 
 def _cpu_model() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        from strata_jax.info import cpu_model  # the description strata's bug reports give
+    except Exception:  # noqa: BLE001 - strata_jax not importable (only --impl xla needs none)
+        return platform.processor() or platform.machine()
+    return cpu_model()
 
 
 def _mem_total() -> str:
@@ -268,3 +266,14 @@ def print_machine(info: dict[str, Any], write: Callable[[str], Any] = print) -> 
     env = info["env"]
     envs = " ".join(f"{k}={v}" for k, v in env.items()) if env else "(none set)"
     write(f"# env        : {envs}")
+
+
+def print_header(write: Callable[[str], Any], *lines: str | None) -> dict[str, Any]:
+    """Prints what a run is measured on (:func:`print_machine`) and then the run's own header
+    ``lines`` (a None line is left out); returns the :func:`machine_info` it printed."""
+    info = machine_info()
+    print_machine(info, write)
+    for line in lines:
+        if line is not None:
+            write(line)
+    return info

@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,18 @@ class Table:
             lines.append("#" + self.sep.join(parts))
         lines.append("#" + self.sep.join(c.header.rjust(c.width) for c in self.columns))
         return lines
+
+    @classmethod
+    def of(cls, spec: str) -> Table:
+        """A table from ``"impl 13 | first loss 10 .4f | ..."``: each column's header, its width
+        and, for numbers, its format spec, columns separated by ``|``."""
+        columns = []
+        for part in spec.split("|"):
+            words = part.split()
+            fmt = words.pop() if words[-1][0] in ".," else ""
+            width = int(words.pop())
+            columns.append(Column(" ".join(words), width, fmt))
+        return cls(columns)
 
     def row(self, values: Sequence[Any]) -> str:
         return " " + self.sep.join(
@@ -277,3 +289,46 @@ def plot_lines(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def args_record(args: Any) -> dict[str, Any]:
+    """A run's arguments as its JSON records them (paths as strings)."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+
+
+def write_results(
+    out: Path,
+    name: str,
+    record: dict[str, Any],
+    say: Callable[[str], Any],
+    plot: Callable[[Any], Any] | None = None,
+) -> None:
+    """The files a workload writes at the end of a run, under ``out``: ``<name>.png``, the figure
+    ``plot(plt)`` returns (pyplot; without matplotlib a line says so), and ``<name>.json``, the
+    ``record``; ``say`` names each file written."""
+    out.mkdir(parents=True, exist_ok=True)
+    if plot is not None:
+        plt = pyplot()
+        if plt is None:
+            say(f"# {NO_MATPLOTLIB}")
+        else:
+            png = out / f"{name}.png"
+            fig = plot(plt)
+            for ax in fig.axes:
+                ax.grid(True, alpha=0.3)
+                if ax.get_legend_handles_labels()[0]:
+                    ax.legend()
+            fig.tight_layout()
+            fig.savefig(png, dpi=110)
+            plt.close(fig)
+            say(f"# wrote {png}")
+    js = out / f"{name}.json"
+    write_json(js, record)
+    say(f"# wrote {js}")
+
+
+def lead_print() -> Callable[..., Any]:
+    """``print`` in process 0 of the job, a no-op in the others: the lines a run prints once."""
+    import jax
+
+    return print if jax.process_index() == 0 else (lambda *a, **k: None)

@@ -22,8 +22,8 @@ def time_calls(
     """Call ``fn(*args)`` ``warmup`` times, then ``iters`` times, each blocked to completion.
 
     Every call is waited for before the next is dispatched: dispatching many multi-device launches
-    ahead can deadlock XLA CPU (see DESIGN.md). Returns the per-call times in seconds and the last
-    output. ``block`` defaults to ``jax.block_until_ready``.
+    ahead can deadlock XLA CPU (strata_jax/_src/runtime.py: configure_launch_threads). Returns the
+    per-call times in seconds and the last output. ``block`` defaults to ``jax.block_until_ready``.
     """
     if block is None:
         import jax

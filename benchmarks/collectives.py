@@ -53,7 +53,7 @@ where first-touch page faults on fresh outputs dominate every implementation at 
 Notes: jax.lax.pbroadcast has no CPU lowering in jaxlib 0.10, so the 'xla' pbroadcast is its
 documented equivalent ``psum(where(axis_index == source, x, 0))``.
 Each call is waited for before the next is dispatched: dispatching multi-device launches far ahead
-deadlocks XLA CPU (see DESIGN.md).
+deadlocks XLA CPU (strata_jax/_src/runtime.py: configure_launch_threads).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # imported from elsewh
 from _args import format_size, parse_list, parse_size, size_sweep  # noqa: E402
 from _collective_ops import make_body  # noqa: E402  (the per-shard op, one definition)
 from _machine import machine_info, print_machine  # noqa: E402
-from _report import write_json  # noqa: E402
+from _report import lead_print, write_json  # noqa: E402
 from _timing import time_interleaved  # noqa: E402
 
 CHILD_ENV = "STRATA_BENCH_CHILD"
@@ -96,8 +96,8 @@ def child(args: argparse.Namespace) -> int:
     devs = sorted(jax.devices(), key=lambda d: d.id)
     n = len(devs)
     mesh = Mesh(np.array(devs), (AXIS,))
-    main = jax.process_index() == 0
-    write = print if main else (lambda *a, **k: None)
+    write = lead_print()
+    lead = jax.process_index() == 0
     info = machine_info()
     write("# strata_jax small-message latency across processes (benchmarks/latency.py)")
     print_machine(info, write)
@@ -200,7 +200,7 @@ def child(args: argparse.Namespace) -> int:
                 )
             sj.reset_stats()
             rows.append({"op": op, "bytes": count * 4, "pct": pct, "wrong": wrong})
-            if main and args.goal and op == "psum" and {"strata", "xla", "noop"} <= set(impls):
+            if lead and args.goal and op == "psum" and {"strata", "xla", "noop"} <= set(impls):
                 i_s, i_x, i_n = impls.index("strata"), impls.index("xla"), impls.index("noop")
                 r0, rmax = s[1] / no[1], p50max[i_s] / p50max[i_n]
                 g0, gmax = xl[1] / s[1], p50max[i_x] / p50max[i_s]
@@ -211,7 +211,7 @@ def child(args: argparse.Namespace) -> int:
                     f"strata p50 = {g0:.1f} on rank 0, {gmax:.1f} slowest ranks (goal >= 20: "
                     f"{'met' if min(g0, gmax) >= 20 else 'not met'})"
                 )
-    if main and args.json:
+    if lead and args.json:
         write_json(Path(args.json), {"machine": info, "rows": rows})
     return 0
 
@@ -237,7 +237,11 @@ def main() -> int:
         action="store_true",
         help="also time strata's general path (low-latency path off) on another communicator",
     )
-    ap.add_argument("--goal", action="store_true", help="print issue 9's goals for psum")
+    ap.add_argument(
+        "--goal",
+        action="store_true",
+        help="print the latency goals for psum (strata below jax.lax at every size)",
+    )
     ap.add_argument(
         "--impl",
         default="strata,xla,noop",

@@ -47,8 +47,8 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _args import format_size, parse_list  # noqa: E402
-from _machine import machine_info, print_machine, reexec_with_allocator  # noqa: E402
-from _report import Column, Table, write_csv, write_json  # noqa: E402
+from _machine import print_header, reexec_with_allocator  # noqa: E402
+from _report import Table, write_csv, write_json  # noqa: E402
 from _timing import median, stream_add_step, time_interleaved  # noqa: E402
 
 IMPLS = ("strata", "gshard", "xla-gather")
@@ -249,24 +249,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         fns["strata dispatch"] = lambda: f_sd(x, idx)[0]
         fns["strata combine"] = lambda: f_sc(ey, lay, wj)
         fns["strata d+c"] = lambda: f_sf(x, idx, wj)[0]
-    if "gshard" in impls:
-        f_gd, f_gc, f_gf = (
-            smap(g_dispatch, 2, spec),
-            smap(g_combine, 3, spec),
-            smap(g_full, 3, spec),
-        )
-        fns["gshard dispatch"] = lambda: f_gd(x, idx)
-        fns["gshard combine"] = lambda: f_gc(ey, idx, wj)
-        fns["gshard d+c"] = lambda: f_gf(x, idx, wj)
-    if "xla-gather" in impls:
-        f_xd, f_xc, f_xf = (
-            smap(x_dispatch, 2, spec),
-            smap(x_combine, 3, spec),
-            smap(x_full, 3, spec),
-        )
-        fns["xla-gather dispatch"] = lambda: f_xd(x, idx)
-        fns["xla-gather combine"] = lambda: f_xc(ey, idx, wj)
-        fns["xla-gather d+c"] = lambda: f_xf(x, idx, wj)
+    baselines = {
+        "gshard": (g_dispatch, g_combine, g_full),
+        "xla-gather": (x_dispatch, x_combine, x_full),
+    }
+    for name, (disp, comb, full) in baselines.items():
+        if name in impls:
+            f_d, f_c, f_f = smap(disp, 2, spec), smap(comb, 3, spec), smap(full, 3, spec)
+            fns[f"{name} dispatch"] = lambda f_d=f_d: f_d(x, idx)
+            fns[f"{name} combine"] = lambda f_c=f_c: f_c(ey, idx, wj)
+            fns[f"{name} d+c"] = lambda f_f=f_f: f_f(x, idx, wj)
 
     # ---- bytes and reference --------------------------------------------------------
     dest = idx_host // el
@@ -285,9 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for k in range(K):
         ref += (wf[:, k] * sc[idx_host[:, k]])[:, None] * xs
 
-    info = machine_info()
-    print_machine(info)
-    print(f"# allocator  : {args.allocator}")
+    info = print_header(print, f"# allocator  : {args.allocator}")
     print(
         f"# moe        : R={R} T={T}/rank H={H} E={E} K={K} dtype={dt.name} "
         f"capacity={cap} per expert (= R * {cs}, cf {args.capacity_factor}), "
@@ -330,16 +320,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         checks[name] = float(np.abs(y - ref).max() / max(1e-30, np.abs(ref).max()))
     strata_drops = int(np.asarray(f_sf(x, idx, wj)[1]).sum()) if "strata" in impls else 0
 
-    table = Table(
-        [
-            Column("impl", 10),
-            Column("phase", 8),
-            Column("time(ms)", 9, ".2f"),
-            Column("GB/s/rank", 9, ".2f"),
-            Column("floor(ms)", 9, ".2f"),
-            Column("x floor", 7, ".2f"),
-            Column("vs strata", 9, ".2f"),
-        ]
+    table = Table.of(
+        "impl 10 | phase 8 | time(ms) 9 .2f | GB/s/rank 9 .2f | floor(ms) 9 .2f | "
+        "x floor 7 .2f | vs strata 9 .2f"
     )
     print(
         f"# floor      : the bytes each phase must move, all ranks (dispatch: token rows "
@@ -430,9 +413,7 @@ def low_latency(args: argparse.Namespace) -> int:
     def smap(body, in_specs, out_specs):
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
 
-    info = machine_info()
-    print_machine(info)
-    print(f"# allocator  : {args.allocator}")
+    info = print_header(print, f"# allocator  : {args.allocator}")
     print(
         f"# moe ll     : R={R} H={H} E={E} K={K} dtype={dt.name}, T per rank {tokens}; "
         f"receive buffer [E/R, R*T, H] for every impl; {args.ll_iters} timed calls per "
@@ -440,16 +421,9 @@ def low_latency(args: argparse.Namespace) -> int:
         "per-call wall time (jitted shard_map, blocked)"
     )
     print(f"# impls      : {', '.join(impls)}")
-    table = Table(
-        [
-            Column("T/rank", 6),
-            Column("impl", 14),
-            Column("disp p50 us", 11, ".0f"),
-            Column("disp p99 us", 11, ".0f"),
-            Column("comb p50 us", 11, ".0f"),
-            Column("comb p99 us", 11, ".0f"),
-            Column("p50 speedup", 11, ".2f"),
-        ]
+    table = Table.of(
+        "T/rank 6 | impl 14 | disp p50 us 11 .0f | disp p99 us 11 .0f | comb p50 us 11 .0f | "
+        "comb p99 us 11 .0f | p50 speedup 11 .2f"
     )
     for line in table.header_lines():
         print(line)

@@ -49,8 +49,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _args import format_size, parse_list, parse_size  # noqa: E402
-from _machine import machine_info, print_machine, reexec_with_allocator  # noqa: E402
-from _report import write_json  # noqa: E402
+from _machine import print_header, reexec_with_allocator  # noqa: E402
+from _report import lead_print, write_json  # noqa: E402
 from _timing import median, time_interleaved  # noqa: E402
 
 AXIS = "x"
@@ -143,14 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     n = len(devs)
     mesh = Mesh(np.array(devs), (AXIS,))
     main_proc = jax.process_index() == 0
-    write = print if main_proc else (lambda *a, **k: None)
+    write = lead_print()
     dtype = np.dtype(jnp.dtype(args.dtype))
     total_elems = max(1, args.total_bytes // dtype.itemsize)
 
-    info = machine_info()
     write(f"# strata_jax pytree all-reduce: {args.op} of many leaves, strata vs jax.lax")
-    print_machine(info, write)
-    write(f"# allocator  : {allocator}")
+    info = print_header(write, f"# allocator  : {allocator}")
     write(
         f"# ranks      : {n} = {jax.process_count()} process(es) x {args.devices} device(s); "
         f"jax.lax{' over gloo' if multi else ' (XLA CPU in-process all-reduce)'}"

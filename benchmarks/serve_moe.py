@@ -62,10 +62,22 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import train_moe  # noqa: E402
-from _args import add_expert_chunk_args, add_preset, parse_list, preset_line, processes_env  # noqa: E402
-from _machine import allocator_for_script, machine_info, print_machine  # noqa: E402
+from _args import (  # noqa: E402
+    add_expert_chunk_args,
+    add_preset,
+    impl_list,
+    preset_line,
+    processes_env,
+)
+from _machine import allocator_for_script, print_header  # noqa: E402
 from _nocomm import no_exchange  # noqa: E402
-from _report import NO_MATPLOTLIB, Column, Table, communication_share, progress, pyplot, write_json  # noqa: E402
+from _report import (  # noqa: E402
+    Table,
+    args_record,
+    communication_share,
+    progress,
+    write_results,
+)
 from _timing import align_processes, slowest_process  # noqa: E402
 from moe_model import attention_cached, load_params, rms  # noqa: E402
 
@@ -181,12 +193,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--d-ff", type=int, default=None, help="default: train_moe.py's")
     add_preset(p, PRESETS, argv, PRESET_WHY)
     args = p.parse_args(argv)
-    try:
-        args.impls = parse_list(args.impl, IMPLS)
-    except ValueError as e:
-        p.error(f"--impl: {e}")
-    if not args.impls:
-        p.error(f"--impl: name at least one of {IMPLS}")
+    args.impls = impl_list(p, args.impl, IMPLS)
     if args.gen < 2 or args.prompt < 1 or args.requests < 1:
         p.error("need --gen >= 2, --prompt >= 1, --requests >= 1")
     if args.batch < 1 or args.devices < 1 or args.train_steps < 2:
@@ -425,13 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     key = put(np.asarray(jax.random.key_data(jax.random.key(args.seed))), P())
     positions = [put(np.asarray(Pn + i, np.int32), P()) for i in range(G)]
 
-    info = machine_info()
-    print_machine(info, say)
     n_dense = sum(a.size for a in jax.tree.leaves(dense_np))
     n_exp = sum(a.size for a in jax.tree.leaves(experts_np))
-    say(f"# allocator  : {allocator}")
-    if preset_line(args, PRESETS):
-        say(preset_line(args, PRESETS))
+    info = print_header(say, f"# allocator  : {allocator}", preset_line(args, PRESETS))
     say(f"# data       : {corpus_name}, {corpus.size:,} bytes; prompts cut at random offsets")
     say(
         f"# experts    : MLPs in chunks of {args.expert_chunk} rows (baselines: "
@@ -593,15 +596,9 @@ def main(argv: list[str] | None = None) -> int:
                 tokens_per_s=args.requests * B * G / total,
             )
         )
-    table = Table(
-        [
-            Column("impl", 24),
-            Column("TTFT p50 ms", 11, ".2f"),
-            Column("TTFT p99 ms", 11, ".2f"),
-            Column("step p50 ms", 11, ".2f"),
-            Column("step p99 ms", 11, ".2f"),
-            Column("tokens/s", 10, ",.0f"),
-        ]
+    table = Table.of(
+        "impl 24 | TTFT p50 ms 11 .2f | TTFT p99 ms 11 .2f | step p50 ms 11 .2f | "
+        "step p99 ms 11 .2f | tokens/s 10 ,.0f"
     )
     say("")
     say(
@@ -638,28 +635,19 @@ def main(argv: list[str] | None = None) -> int:
                 say(line)
 
     if lead:
-        args.out.mkdir(parents=True, exist_ok=True)
-        png = args.out / "serve_moe.png"
-        if _plot(png, runs):
-            say(f"# wrote {png}")
-        else:
-            say(f"# {NO_MATPLOTLIB}")
-        write_json(
-            args.out / "serve_moe.json",
-            dict(
-                args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                machine=info,
-                checkpoint=str(ckpt),
-                results=rows,
-                strata_speedup=ratios,
-                communication=communication,
-                differing_bytes=same,
-                distinct_generated_bytes=distinct,
-                ttft_s={k: r["ttft"] for k, r in runs.items()},
-                step_s={k: r["steps"] for k, r in runs.items()},
-            ),
+        record = dict(
+            args=args_record(args),
+            machine=info,
+            checkpoint=str(ckpt),
+            results=rows,
+            strata_speedup=ratios,
+            communication=communication,
+            differing_bytes=same,
+            distinct_generated_bytes=distinct,
+            ttft_s={k: r["ttft"] for k, r in runs.items()},
+            step_s={k: r["steps"] for k, r in runs.items()},
         )
-        say(f"# wrote {args.out / 'serve_moe.json'}")
+        write_results(args.out, "serve_moe", record, say, lambda plt: _plot(plt, runs))
 
     if "nocomm" in runs and "xla_sort" in runs:
         bound = next(r for r in rows if r["impl"] == "nocomm")
@@ -695,12 +683,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-def _plot(path: Path, runs: dict[str, dict[str, Any]]) -> bool:
+def _plot(plt: Any, runs: dict[str, dict[str, Any]]) -> Any:
+    """The decode step latencies of every impl, as histograms with their p50 and p99."""
     import numpy as np
 
-    plt = pyplot()
-    if plt is None:
-        return False
     fig, ax = plt.subplots(figsize=(8, 4.5))
     all_ms = np.concatenate([1e3 * np.asarray(r["steps"]) for r in runs.values()])
     bins = np.geomspace(all_ms.min() * 0.9, all_ms.max() * 1.1, 60)
@@ -716,12 +702,7 @@ def _plot(path: Path, runs: dict[str, dict[str, Any]]) -> bool:
         ylabel="steps",
         title="serve_moe: per-step decode latency",
     )
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return fig
 
 
 if __name__ == "__main__":

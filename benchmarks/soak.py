@@ -25,7 +25,7 @@ Usage::
     python benchmarks/soak.py --calls 300 --max-bytes 1M   # the short version the tests run
 
 The calls run one after the other, each blocked to completion (dispatching multi-device
-launches far ahead deadlocks XLA CPU; see DESIGN.md). Timings on a shared machine are
+launches far ahead deadlocks XLA CPU; strata_jax/_src/runtime.py). Timings on a shared machine are
 indicative only; the point of the soak is the zero and the flat RSS/fd lines.
 """
 

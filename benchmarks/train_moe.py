@@ -449,17 +449,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _args import preset_line
-    from _machine import allocator_for_script, machine_info, print_machine
+    from _machine import allocator_for_script, print_header
     from _nocomm import no_exchange
     from _report import (
-        NO_MATPLOTLIB,
-        Column,
         Table,
+        args_record,
         bound_sentence,
         communication_share,
         progress,
         speed_sentence,
-        write_json,
+        write_results,
     )
     from _timing import align_processes, slowest_process
 
@@ -494,13 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     dense_np, experts_np = init_params(args)
     tokens_per_step = global_batch * args.seq
 
-    info = machine_info()
-    print_machine(info, say)
+    info = print_header(say, f"# allocator  : {allocator}", preset_line(args, PRESETS))
     n_dense = sum(a.size for a in jax.tree.leaves(dense_np))
     n_exp = sum(a.size for a in jax.tree.leaves(experts_np))
-    say(f"# allocator  : {allocator}")
-    if preset_line(args, PRESETS):
-        say(preset_line(args, PRESETS))
     say(f"# data       : {corpus_name}, {corpus.size:,} bytes")
     say(
         f"# model      : byte-level decoder, {args.layers} layers, d_model {args.d_model}, "
@@ -592,19 +587,10 @@ def main(argv: list[str] | None = None) -> int:
     # ---- results -------------------------------------------------------------------------------
     base = next((b for b in XLA_IMPLS if b in runs), None)
     rows = []
-    table = Table(
-        [
-            Column("impl", 13),
-            Column("steps", 6),
-            Column("first loss", 10, ".4f"),
-            Column("final loss", 10, ".4f"),
-            Column("tokens/s", 10, ",.0f"),
-            Column("median ms", 10, ".1f"),
-            Column("p10 ms", 8, ".1f"),
-            Column("p90 ms", 8, ".1f"),
-            Column("compile s", 9, ".1f"),
-            Column(f"{base} ms/this" if base else "vs base", 16, ".2f"),
-        ]
+    last = f"{base} ms/this" if base else "vs base"
+    table = Table.of(
+        f"impl 13 | steps 6 | first loss 10 .4f | final loss 10 .4f | tokens/s 10 ,.0f | "
+        f"median ms 10 .1f | p10 ms 8 .1f | p90 ms 8 .1f | compile s 9 .1f | {last} 16 .2f"
     )
     for r in runs.values():
         r["times"] = slowest_process(r["times"])  # several processes: the slowest one's
@@ -711,51 +697,29 @@ def main(argv: list[str] | None = None) -> int:
             save_params(args.save, *host, vars(args))
             say(f"# wrote {args.save} ({saved}'s parameters after {args.steps} steps)")
     if lead:
-        args.out.mkdir(parents=True, exist_ok=True)
-        png = args.out / "train_moe.png"
-        if _plot(png, runs):
-            say(f"# wrote {png}")
-        else:
-            say(f"# {NO_MATPLOTLIB}")
-        js = args.out / "train_moe.json"
-        write_json(
-            js,
-            {
-                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                "machine": info,
-                "corpus": corpus_name,
-                "results": rows,
-                "loss_diffs": diffs,
-                "communication": communication,
-                "losses": {k: r["losses"] for k, r in runs.items()},
-                "step_times_s": {k: r["times"] for k, r in runs.items()},
-            },
-        )
-        say(f"# wrote {js}")
+        record = {
+            "args": args_record(args),
+            "machine": info,
+            "corpus": corpus_name,
+            "results": rows,
+            "loss_diffs": diffs,
+            "communication": communication,
+            "losses": {k: r["losses"] for k, r in runs.items()},
+            "step_times_s": {k: r["times"] for k, r in runs.items()},
+        }
+        write_results(args.out, "train_moe", record, say, lambda plt: _plot(plt, runs))
     return 0 if ok else 1
 
 
-def _plot(path: Path, runs: dict[str, dict[str, Any]]) -> bool:
-    from _report import (
-        pyplot,
-    )
-
-    plt = pyplot()
-    if plt is None:
-        return False
+def _plot(plt: Any, runs: dict[str, dict[str, Any]]) -> Any:
+    """Loss and step time per step of every impl."""
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for k, r in runs.items():
         ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=k, lw=1.2)
         ax2.plot(range(1, len(r["times"]) + 1), [1e3 * t for t in r["times"]], label=k, lw=1)
     ax.set(xlabel="step", ylabel="loss (next-byte cross-entropy, nats)", title="loss")
     ax2.set(xlabel="step", ylabel="step time (ms)", title="step time", yscale="log")
-    for a in (ax, ax2):
-        a.grid(True, alpha=0.3)
-        a.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return fig
 
 
 if __name__ == "__main__":

@@ -59,19 +59,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import recsys_model as rm  # noqa: E402
-from _args import add_preset, parse_list, preset_line  # noqa: E402
-from _machine import machine_info, print_machine  # noqa: E402
+from _args import add_preset, impl_list, parse_list, preset_line  # noqa: E402
+from _machine import print_header  # noqa: E402
 from _nocomm import no_exchange  # noqa: E402
 from _report import (  # noqa: E402
-    NO_MATPLOTLIB,
-    Column,
     Table,
+    args_record,
     bound_sentence,
     communication_share,
     progress,
-    pyplot,
     speed_sentence,
-    write_json,
+    write_results,
 )
 from _timing import align_processes, slowest_process  # noqa: E402
 from train_moe import start_runtime  # noqa: E402
@@ -186,12 +184,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_preset(p, PRESETS, argv, PRESET_WHY)
     args = p.parse_args(argv)
-    try:
-        args.impls = parse_list(args.impl, IMPLS)
-    except ValueError as e:
-        p.error(f"--impl: {e}")
-    if not args.impls:
-        p.error("--impl: empty")
+    args.impls = impl_list(p, args.impl, IMPLS)
     for name in ("batch", "eval_every", "dim", "tables"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -323,13 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     slots = min(capacity, B * cfg.tables)
 
-    info = machine_info()
-    print_machine(info, say)
+    info = print_header(say, preset_line(args, PRESETS))
     dense_np, _ = rm.init_params(cfg, args.seed)
     n_dense = sum(a.size for a in jax.tree.leaves(dense_np))
     n_emb = sum(cfg.rows) * cfg.dim
-    if preset_line(args, PRESETS):
-        say(preset_line(args, PRESETS))
     say(f"# data       : {data_name}")
     say(
         f"# model      : DLRM, {cfg.tables} tables x {cfg.dim} "
@@ -463,22 +453,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- results -------------------------------------------------------------------------------
     base = "xla" if "xla" in runs else None
-    table = Table(
-        [
-            Column("impl", 8),
-            Column("steps", 6),
-            Column("first loss", 10, ".4f"),
-            Column("final loss", 10, ".4f"),
-            Column("final AUC", 9, ".4f"),
-            Column("drops", 8),
-            Column("samples/s", 10, ",.0f"),
-            Column("median ms", 10, ".1f"),
-            Column("p10 ms", 8, ".1f"),
-            Column("p90 ms", 8, ".1f"),
-            Column("cpu ms", 8, ".1f"),
-            Column("compile s", 9, ".1f"),
-            Column("xla/this", 8, ".2f"),
-        ]
+    table = Table.of(
+        "impl 8 | steps 6 | first loss 10 .4f | final loss 10 .4f | final AUC 9 .4f | drops 8 | "
+        "samples/s 10 ,.0f | median ms 10 .1f | p10 ms 8 .1f | p90 ms 8 .1f | cpu ms 8 .1f | "
+        "compile s 9 .1f | xla/this 8 .2f"
     )
     rows = []
     for impl, r in runs.items():
@@ -618,33 +596,23 @@ def main(argv: list[str] | None = None) -> int:
         say(line)
 
     if lead:
-        args.out.mkdir(parents=True, exist_ok=True)
-        png = args.out / "train_recsys.png"
-        if _plot(png, runs):
-            say(f"# wrote {png}")
-        else:
-            say(f"# {NO_MATPLOTLIB}")
-        js = args.out / "train_recsys.json"
-        write_json(
-            js,
-            {
-                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                "machine": info,
-                "data": data_name,
-                "capacity": capacity,
-                "results": rows,
-                "loss_diff": diffs,
-                "communication": communication,
-                "strata_ops": strata_ops,
-                "losses": {k: r["losses"] for k, r in runs.items()},
-                "auc": {k: r["auc"] for k, r in runs.items()},
-                "drops": {k: r["drops"] for k, r in runs.items()},
-                "invalid_ids": {k: r["invalid"] for k, r in runs.items()},
-                "step_times_s": {k: r["times"] for k, r in runs.items()},
-                "step_cpu_s": {k: r["cpu"] for k, r in runs.items()},
-            },
-        )
-        say(f"# wrote {js}")
+        record = {
+            "args": args_record(args),
+            "machine": info,
+            "data": data_name,
+            "capacity": capacity,
+            "results": rows,
+            "loss_diff": diffs,
+            "communication": communication,
+            "strata_ops": strata_ops,
+            "losses": {k: r["losses"] for k, r in runs.items()},
+            "auc": {k: r["auc"] for k, r in runs.items()},
+            "drops": {k: r["drops"] for k, r in runs.items()},
+            "invalid_ids": {k: r["invalid"] for k, r in runs.items()},
+            "step_times_s": {k: r["times"] for k, r in runs.items()},
+            "step_cpu_s": {k: r["cpu"] for k, r in runs.items()},
+        }
+        write_results(args.out, "train_recsys", record, say, lambda plt: _plot(plt, runs))
     return 0 if ok else 1
 
 
@@ -653,10 +621,8 @@ def _in_order(arr: Any) -> list[Any]:
     return sorted(arr.addressable_shards, key=lambda s: s.index[0].start or 0)
 
 
-def _plot(path: Path, runs: dict[str, dict[str, Any]]) -> bool:
-    plt = pyplot()
-    if plt is None:
-        return False
+def _plot(plt: Any, runs: dict[str, dict[str, Any]]) -> Any:
+    """Loss per step and AUC per window of every impl."""
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for (k, r), style in zip(runs.items(), ("-", "--"), strict=False):
         ax.plot(range(1, len(r["losses"]) + 1), r["losses"], style, label=k, lw=1.2)
@@ -664,13 +630,7 @@ def _plot(path: Path, runs: dict[str, dict[str, Any]]) -> bool:
         ax2.plot(xs, ys, style, marker="o", markersize=3, label=k, lw=1.2)
     ax.set(xlabel="step", ylabel="loss (binary cross-entropy, nats)", title="training loss")
     ax2.set(xlabel="step", ylabel="AUC (progressive, per window)", title="AUC")
-    for a in (ax, ax2):
-        a.grid(True, alpha=0.3)
-        a.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return fig
 
 
 if __name__ == "__main__":

@@ -89,6 +89,7 @@ from strata_jax._src.collectives import (  # noqa: E402
     pmean,
     pmin,
     ppermute,
+    pprod,
     psum,
     psum_scatter,
 )
@@ -110,6 +111,10 @@ from strata_jax._src.topology import topology  # noqa: E402
 
 _jax_compat.warn_if_untested()  # one warning on a JAX newer than the tested range
 
+from strata_jax._src import extension as _extension  # noqa: E402
+
+_extension.check_installed()  # a build for a newer jaxlib's FFI API fails here, with the fix
+
 __version__ = "0.2.0"  # the one place the version is written (pyproject.toml reads it)
 
 __all__ = [
@@ -117,6 +122,7 @@ __all__ = [
     "pmean",
     "pmax",
     "pmin",
+    "pprod",
     "all_gather",
     "psum_scatter",
     "all_to_all",

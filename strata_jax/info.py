@@ -19,7 +19,8 @@ import strata_jax  # first: sizes XLA's launch pool before the backend exists
 from strata_jax._src import allocator  # noqa: E402
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what the platform module says."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -66,7 +67,7 @@ def collect() -> dict:
         "numpy": np.__version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": f"{os.cpu_count()} (usable: {len(os.sched_getaffinity(0))})",
         "devices": f"{len(devices)} ({jax.local_device_count()} local): "
         + ", ".join(str(d) for d in devices[:8])

@@ -17,17 +17,10 @@ import os
 import sys
 from collections.abc import Sequence
 
+from strata_jax._src.launch_env import preload_env
 from strata_jax.launch import ALLOC_LIBRARY_NAME, ENV_ALLOC_LIB, alloc_library_path
 
 __all__ = ["main", "preload_env"]
-
-
-def preload_env(environ: dict[str, str], lib: str) -> dict[str, str]:
-    """``environ`` with ``lib`` first in ``LD_PRELOAD`` (kept once if already there)."""
-    env = dict(environ)
-    parts = [p for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p and p != lib]
-    env["LD_PRELOAD"] = ":".join([lib, *parts])
-    return env
 
 
 def main(argv: Sequence[str] | None = None) -> int:

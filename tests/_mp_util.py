@@ -1,6 +1,7 @@
 """Starting `python -m strata_jax.launch` from tests, and checking what a job leaves behind.
 
-Shared by the round-2 cases, the fault campaign and the soak test. Ranks import the same
+Shared by the tests that start processes: the launcher's, the multi-process checks, the fault
+campaign, the soak test. Ranks import the same
 strata_jax as the test process (the installed package with its native extension); the
 launcher runs from the package's parent folder, never the source root, which would shadow it.
 """
@@ -13,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -27,14 +29,35 @@ PKG_PARENT = str(Path(strata_jax.__file__).resolve().parent.parent)
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 
+def environ_without_settings(*more_prefixes: str, **extra: str) -> dict[str, str]:
+    """The test's environment without strata's, JAX's and XLA's settings and LD_PRELOAD (nor
+    variables starting with `more_prefixes`), plus `extra`."""
+    prefixes = ("STRATA_", "XLA_FLAGS", "JAX_", "LD_PRELOAD", *more_prefixes)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+    env.update(extra)
+    return env
+
+
+def run_python(
+    args: list[str], *, env: dict[str, str], cwd: str | Path, timeout: float
+) -> subprocess.CompletedProcess:
+    """``python args`` (this interpreter) to its end, its output captured as text."""
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def write_script(tmp_path: Path, body: str, name: str) -> str:
+    """``body`` (dedented) as the file ``name`` in ``tmp_path``; returns its path."""
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(body))
+    return str(p)
+
+
 def job_env(**extra: str) -> dict[str, str]:
     """The test's environment without strata/jax/XLA settings (XLA_FLAGS is TEST_XLA_FLAGS),
     plus `extra`."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("STRATA_", "XLA_FLAGS", "JAX_", "LD_PRELOAD"))
-    }
+    env = environ_without_settings()
     env["XLA_FLAGS"] = TEST_XLA_FLAGS
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [PKG_PARENT, env.get("PYTHONPATH")]))
     env.update(extra)
@@ -60,18 +83,26 @@ def launch_cmd(nproc: int, script: str | Path, *args: str, devices: int = 1, gra
     ]
 
 
+def _job(env: dict[str, str]) -> dict:
+    """How a job is started: the tests' environment, from the package's parent folder, its
+    stdout and stderr together as text."""
+    return dict(
+        env=job_env(**env),
+        cwd=PKG_PARENT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
 def popen(
     nproc: int, script: str | Path, *args: str, devices: int = 1, grace: float = 1, **env: str
 ):
     """Starts a job in its own session (so a test can kill what is left by process group)."""
     return subprocess.Popen(
         launch_cmd(nproc, script, *args, devices=devices, grace=grace),
-        env=job_env(**env),
-        cwd=PKG_PARENT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
         start_new_session=True,
+        **_job(env),
     )
 
 
@@ -90,13 +121,7 @@ def launch(
     long one, so that a rank which ignores SIGTERM shows up as slow instead of being killed."""
     t = time.monotonic()
     r = subprocess.run(
-        launch_cmd(nproc, script, *args, devices=devices, grace=grace),
-        env=job_env(**env),
-        cwd=PKG_PARENT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
+        launch_cmd(nproc, script, *args, devices=devices, grace=grace), timeout=timeout, **_job(env)
     )
     return r, time.monotonic() - t
 
@@ -119,6 +144,38 @@ def run_benchmark(
 
 def shm_names() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def shm_left_behind(before: set[str]) -> list[str]:
+    """The /dev/shm entries new since ``before`` (:func:`shm_names`) that a job may have left
+    behind: made by this user and held (open or mapped) by no live process. The machine's
+    other programs make entries of their own meanwhile (a browser, an Open MPI job's
+    vader_segment files, the other pytest-xdist worker's mpirun tests); those are someone
+    else's, in use, or gone again."""
+    uid = os.geteuid()
+    new = set()
+    for name in shm_names() - before:
+        try:
+            if os.lstat(f"/dev/shm/{name}").st_uid == uid:
+                new.add(name)
+        except OSError:  # removed meanwhile
+            pass
+    if not new:
+        return []
+    held = set()
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            text = Path(f"/proc/{p}/maps").read_text()
+            links = [os.readlink(f"/proc/{p}/fd/{fd}") for fd in os.listdir(f"/proc/{p}/fd")]
+        except OSError:  # gone, or not ours to read
+            continue
+        for name in new:
+            path = f"/dev/shm/{name}"
+            if path in text or any(link.startswith(path) for link in links):
+                held.add(name)
+    return sorted(n for n in new - held if os.path.lexists(f"/dev/shm/{n}"))
 
 
 def procs_with(token: str) -> list[int]:

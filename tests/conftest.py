@@ -1,10 +1,16 @@
 """Test configuration: 8 in-process CPU devices; strata_jax imported before the JAX backend."""
 
 import os
+import re
 
-os.environ.setdefault("XLA_FLAGS", "")
-if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+# The tests are written for 8 CPU devices: a device count from the user's shell
+# (XLA_FLAGS=--xla_force_host_platform_device_count=4 or JAX_NUM_CPU_DEVICES=4, which JAX users
+# set for their own work) is replaced, not kept (with 4, every 8-device test failed).
+os.environ["XLA_FLAGS"] = re.sub(
+    r"--xla_force_host_platform_device_count=\S*", "", os.environ.get("XLA_FLAGS", "")
+)
+os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+os.environ.pop("JAX_NUM_CPU_DEVICES", None)
 # LLVM's -O0 for the programs the tests compile (XLA's HLO passes, which decide what the program
 # computes, are unchanged; the benchmarks keep XLA's default): a fifth less CPU time, most of a
 # test's time being compilation. _mp_util.TEST_XLA_FLAGS passes it to the processes tests start.

@@ -65,3 +65,19 @@ def random_plan(rng, n: int, per: int, max_rows: int, spare: int = 2, groups=Non
                 pos += count[j, i]
             m_rows = max(m_rows, pos)
     return n_rows, m_rows, in_off, count, out_off, recv
+
+
+def ragged_grad_reference(operand, w, input_offsets, send_sizes, output_offsets, n: int):
+    """The gradients of ``sum(ragged_all_to_all(operand, output) * w)`` over ``n`` ranks (each
+    plan array [n, K]): the operand's rows get the weights of the output rows they land in, the
+    output's rows keep their weights where nothing lands. Returns (d operand, d output)."""
+    d_operand = np.zeros_like(operand)
+    d_output = np.array(w, copy=True)
+    per = input_offsets.shape[1] // n
+    for j in range(n):
+        for i in range(input_offsets.shape[1]):
+            d, s = i // per, input_offsets[j, i]
+            o, c = output_offsets[j, i], send_sizes[j, i]
+            d_operand[j, s : s + c] = w[d, o : o + c]
+            d_output[d, o : o + c] = 0
+    return d_operand, d_output

@@ -5,12 +5,10 @@ dispatch-ahead deadlock when strata_jax is imported late, narrow dtypes and pmap
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
 import sys
-import textwrap
 from io import BytesIO
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _mp_util import MISUSE_CASES
+from _mp_util import MISUSE_CASES, environ_without_settings, run_python, write_script
 from jax.sharding import PartitionSpec as P
 
 import strata_jax as sj
@@ -30,30 +28,15 @@ INSTALLED = Path(sj.__file__).resolve().parent
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("STRATA_", "XLA_FLAGS", "LD_PRELOAD", "JAX_", "PJRT_NPROC"))
-    }
-    env.update(extra)
-    return env
+    return environ_without_settings("PJRT_NPROC", **extra)
 
 
 def _run(args, *, cwd, env=None, timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, *args],
-        cwd=cwd,
-        env=env if env is not None else _clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_python(args, cwd=cwd, env=env if env is not None else _clean_env(), timeout=timeout)
 
 
 def _script(tmp_path: Path, body: str, name: str = "script.py") -> str:
-    p = tmp_path / name
-    p.write_text(textwrap.dedent(body))
-    return str(p)
+    return write_script(tmp_path, body, name)
 
 
 needs_unbuilt_source = pytest.mark.skipif(

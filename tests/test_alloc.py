@@ -35,8 +35,8 @@ def check_prog(tmp_path_factory) -> str:
 def _env(lib: str | None, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_ALLOC_")}
     env.pop("LD_PRELOAD", None)
-    if lib:
-        env["LD_PRELOAD"] = lib
+    if lib:  # as the launcher and strata-run preload it (a path with a space included)
+        env = launch_module().preload_env(env, lib)
     env.update(extra)
     return env
 

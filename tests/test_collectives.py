@@ -1,5 +1,6 @@
-"""Every collective against jax.lax (or numpy where jax.lax has no CPU lowering) on the same
-fresh random inputs: dtypes x shapes x parameters, on 8 devices and on a 2x4 mesh.
+"""Every collective against jax.lax (or numpy where jax.lax has no CPU lowering, or no such
+operator: pprod) on the same fresh random inputs: dtypes x shapes x parameters, on 8 devices and
+on a 2x4 mesh.
 
 Each case compiles its own programs (XLA's compile time grows with the number of collectives in
 a program, so putting several cases in one program saves nothing), so the grids run as a
@@ -212,6 +213,90 @@ def test_pmean_mixed_pytree_and_transforms(rng):
     assert_close(vmapped(sj), vmapped(jax.lax), "float32", 8, "vmap")
 
 
+# pprod: jax.lax has none, so against numpy's product in rank order and jax.lax's all_gather
+# followed by a product.
+
+
+def rank_order_product(x: np.ndarray) -> np.ndarray:
+    """x[0] * x[1] * ... * x[n-1] in numpy (integers wrap, bool is AND); bfloat16 and float16
+    multiplied in float32 and rounded once, as strata's kernels do."""
+    dt = x.dtype
+    wide = x.astype(np.float32) if dt in (jnp.bfloat16, np.float16) else x
+    out = wide[0]
+    for r in wide[1:]:
+        out = out * r
+    return out.astype(dt)
+
+
+def lax_pprod(v, axis_name):
+    """The product over the group with jax.lax: all_gather, then a product over the ranks."""
+    g = jax.lax.all_gather(v, axis_name)
+    if g.dtype == jnp.bool_:
+        return jnp.all(g, axis=0)
+    return jax.lax.reduce(g, np.ones((), g.dtype), jax.lax.mul, (0,))
+
+
+@pytest.mark.parametrize("dtype", [d for d in ALL_DTYPES if "complex" not in d])
+def test_pprod_dtypes(rng, dtype):
+    """Bitwise numpy's product in rank order on every rank, and jax.lax's all_gather + product
+    within the dtype's tolerance (XLA's reduce multiplies in its own order)."""
+    x = random_array(rng, (8, 3, 37), dtype)
+    got = shard_run(per_rank(lambda v: sj.pprod(v, "x")), mesh1d(), x)
+    want = rank_order_product(x)
+    for r in range(8):
+        np.testing.assert_array_equal(got[r].view(np.uint8), want.view(np.uint8), err_msg=dtype)
+    ref = shard_run(per_rank(lambda v: lax_pprod(v, "x")), mesh1d(), x)
+    assert_close(got, ref, dtype, 8, dtype)
+
+
+def test_pprod_one_shot_and_two_shot(rng):
+    """Both all-reduce algorithms multiply in rank order (bitwise numpy's), sizes off any
+    chunk boundary and zero-size included; comm_stats counts the calls under "pprod", split by
+    algorithm."""
+    old = sj.get_two_shot_threshold()
+    try:
+        for thr in (0, 1 << 40):
+            sj.set_two_shot_threshold(thr)
+            sj.reset_stats()
+            for shape in [(), (0,), (1,), (40_001,)]:
+                x = random_array(rng, (8, *shape), "float32")
+                got = shard_run(per_rank(lambda v: sj.pprod(v, "x")), mesh1d(), x)
+                np.testing.assert_array_equal(got, np.broadcast_to(rank_order_product(x), x.shape))
+            split = sj.comm_stats()["ops"]["pprod"]["algorithm"]
+            assert split["two_shot" if thr == 0 else "one_shot"] > 0, (thr, split)
+    finally:
+        sj.set_two_shot_threshold(old)
+
+
+def test_pprod_pytree_vmap_constants_and_errors(rng):
+    """A pytree is one call; under vmap over a mesh axis and for a constant the product is the
+    group's; complex, axis_index_groups and differentiation are clear errors."""
+    tree = {"f": random_array(rng, (8, 9), "float32"), "i": random_array(rng, (8, 4), "int16")}
+    mesh = mesh1d()
+    specs = jax.tree_util.tree_map(lambda _: P("x"), tree)
+    body = lambda t: sj.pprod(jax.tree_util.tree_map(lambda a: a[0], t), "x")  # noqa: E731
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=P()))
+    assert f.lower(tree).as_text().count("custom_call @strata_all_reduce_list") == 1
+    got = f(tree)
+    for k in tree:
+        np.testing.assert_array_equal(np.asarray(got[k]), rank_order_product(tree[k]), err_msg=k)
+    x = random_array(rng, (4, 2, 10), "float32")
+    mesh2 = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("y",))
+    inner = lambda v: sj.pprod(v, ("v", "y"))  # noqa: E731
+    vbody = lambda v: jax.vmap(inner, axis_name="v")(v[:, 0])[:, None]  # noqa: E731
+    out = shard_run(vbody, mesh2, x, in_specs=P(None, "y"), out_specs=P(None, "y"), check_vma=False)
+    want = np.prod(x.astype(np.float64), axis=(0, 1)).astype(np.float32)
+    assert_close(out, np.broadcast_to(want[None, None], x.shape), "float32", 8, "vmap")
+    const = shard_run(lambda v: v * 0 + sj.pprod(np.float32(1.5), "x"), mesh, tree["f"])
+    np.testing.assert_array_equal(const, np.full((8, 9), np.float32(1.5) ** 8))
+    with pytest.raises(TypeError, match="real numbers"):
+        shard_run(lambda v: sj.pprod(v, "x"), mesh, random_array(rng, (8, 3), "complex64"))
+    with pytest.raises(NotImplementedError, match="axis_index_groups"):
+        shard_run(lambda v: sj.pprod(v, "x", axis_index_groups=[[0, 1]]), mesh, tree["f"])
+    with pytest.raises(NotImplementedError, match="jnp.prod"):
+        shard_run(jax.grad(lambda v: sj.pprod(v, "x").sum()), mesh, tree["f"])
+
+
 def test_two_shot_threshold_paths_agree(rng):
     """Both all-reduce algorithms, on a size just below and above the switch point."""
     x = random_array(rng, (8, 40_001), "float32")
@@ -287,7 +372,7 @@ def test_all_gather_sizes(rng, shape):
 def test_psum_scatter(rng, dtype, dim, tiled):
     shape = (8, 16, 8) if tiled else (8, 8, 8)
     x = random_array(rng, (8, *shape[1:]), dtype)
-    # jax.lax.psum_scatter rejects negative dimensions on CPU; strata accepts them (case 8).
+    # jax.lax.psum_scatter rejects negative dimensions on CPU; strata accepts them.
     compare(
         lambda impl: (
             lambda v: impl.psum_scatter(

@@ -1,4 +1,4 @@
-"""The all-reduce combiner of use_for_jax_lax() (issue 24 section 3): JAX binds one all-reduce
+"""The all-reduce combiner of use_for_jax_lax() (combiner.py): JAX binds one all-reduce
 per pytree leaf (and autodiff one per parameter); under use_for_jax_lax() a run of them over the
 same axes is one strata call (strata_all_reduce_list), as XLA's combiner makes one all-reduce.
 

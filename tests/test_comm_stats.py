@@ -174,3 +174,35 @@ def test_strata_debug_info_logs_communicators_and_switches(tmp_path):
     assert len(lines) == 3, r.stderr  # one communicator, one-shot, switch to two-shot
     assert "new communicator: axes ('b',) (4 ranks)" in lines[0]
     assert "one-shot" in lines[1] and "two-shot" in lines[2] and "was one-shot" in lines[2]
+
+
+def test_debug_log_names_the_native_algorithm(monkeypatch, capsys):
+    """STRATA_DEBUG=INFO names the all-reduce algorithm the native library runs: two ranks stay
+    one-shot below 16 MiB per rank and go two-shot from there (the log used to say one-shot for
+    both, deciding on its own), four ranks go two-shot from the threshold; pmean likewise."""
+    from strata_jax._src import debug
+
+    monkeypatch.setenv("STRATA_DEBUG", "INFO")
+    monkeypatch.setattr(debug, "_last_algo", {})
+    monkeypatch.setattr(debug, "_seen_groups", set())
+
+    def logged(n, nbytes, op=sj.psum):
+        mesh = Mesh(np.array(jax.devices()[:n]), ("x",))
+        f = jax.jit(
+            jax.shard_map(lambda a: op(a, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        )
+        debug._last_algo.clear()
+        f.lower(jax.ShapeDtypeStruct((n * nbytes // 4,), jnp.float32))
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if "all-reduce for" in ln]
+        assert len(lines) == 1, lines
+        return lines[0]
+
+    threshold = sj.get_two_shot_threshold()
+    assert f"one-shot all-reduce for {8 << 20} B per rank over 2 ranks" in logged(2, 8 << 20)
+    assert f"two-shot all-reduce for {16 << 20} B per rank over 2 ranks" in logged(2, 16 << 20)
+    assert f"two-shot all-reduce for {threshold} B per rank over 4 ranks" in logged(4, threshold)
+    assert "one-shot all-reduce for 256 B" in logged(4, 256)
+    assert "pmean: two-shot" in logged(2, 16 << 20, sj.pmean)
+    # The same choice the native library reports for a call of that size
+    assert runtime.native().all_reduce_algorithm(2, 16 << 20) == "two_shot"
+    assert runtime.native().all_reduce_algorithm(2, (16 << 20) - 4) == "one_shot"

@@ -1,4 +1,4 @@
-"""Fault campaign across processes (issue 8 section 5) and a second user (section 6).
+"""Fault campaign across processes, and a second user on the same host.
 
 Every job runs under the launcher with a private TMPDIR (so its run dir is ours to check) and a
 short STRATA_TIMEOUT_S. After each case: no process of the job left, the run dir gone, nothing
@@ -72,6 +72,12 @@ class Job:
         hits = self.wait_for(r"\] PID \d+ \d+$", n)
         return {int(h.split()[-2]): int(h.split()[-1]) for h in hits}
 
+    def looping(self, n: int) -> dict[int, int]:
+        """The pids of the job's ``n`` ranks once every one has said it loops (fault_loop.py)."""
+        pids = self.pids(n)
+        self.wait_for(r"\] LOOPING$", n)
+        return pids
+
     def finish(self, timeout: float = 60) -> int:
         try:
             return self.proc.wait(timeout)
@@ -120,8 +126,7 @@ def test_sigstop_past_timeout_then_sigcont(clean_host):
         STRATA_TIMEOUT_S="3",
     )
     try:
-        pids = job.pids(3)
-        job.wait_for(r"\] LOOPING$", 3)
+        pids = job.looping(3)
         time.sleep(0.3)
         os.kill(pids[2], signal.SIGSTOP)
         t_stop = time.monotonic()
@@ -180,8 +185,7 @@ def test_kill_while_peers_read_then_fresh_job(clean_host):
         FAULT_LEAD="1",
     )
     try:
-        pids = job.pids(3)
-        job.wait_for(r"\] LOOPING$", 3)
+        pids = job.looping(3)
         time.sleep(1.0)
         os.kill(pids[1], signal.SIGKILL)
         rc = job.finish(60)

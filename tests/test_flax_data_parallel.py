@@ -52,7 +52,7 @@ def test_flax_loop_bitwise_and_every_all_reduce_on_strata(check_vma):
     assert [v.tobytes() for v in losses[True]] == [v.tobytes() for v in losses[False]]
     n = rec.on_strata  # 2 per parameter (the implicit pvary's transpose and the pmean) + BN's
     assert rec.on_xla == 0 and n == all_reduces == (19 if check_vma else 12), str(rec)
-    # Combined (issue 24 sec. 3): far fewer strata calls than all-reduces, each one a call.
+    # Combined: far fewer strata calls than all-reduces, each one a call.
     calls = hlo[True].count('custom_call_target="strata_all_reduce"') + hlo[True].count(
         'custom_call_target="strata_all_reduce_list"'
     )

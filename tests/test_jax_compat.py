@@ -65,9 +65,10 @@ def _warnings_for(monkeypatch, version: str) -> list[str]:
 
 def test_a_newer_jax_gets_one_warning_naming_the_tested_range(monkeypatch):
     newest = jax_compat._version(jax_compat.TESTED[1])
-    newer = f"{newest[0]}.{newest[1] + 1}.0"
-    (msg,) = _warnings_for(monkeypatch, newer)
-    assert f"jax {newer}" in msg and jax_compat.TESTED[0] in msg and jax_compat.TESTED[1] in msg
+    for newer in (f"{newest[0]}.{newest[1] + 1}.0", f"{newest[0]}.{newest[1]}.{newest[2] + 1}"):
+        (msg,) = _warnings_for(monkeypatch, newer)
+        assert f"jax {newer}" in msg and jax_compat.TESTED[0] in msg, msg
+        assert jax_compat.TESTED[1] in msg, msg
     assert _warnings_for(monkeypatch, jax_compat.TESTED[1]) == []
     assert _warnings_for(monkeypatch, jax_compat.TESTED[0]) == []
 
@@ -86,9 +87,7 @@ def test_importing_strata_warns_only_outside_the_tested_range():
         cwd=ROOT.parent,
     )
     assert r.returncode == 0, r.stderr
-    tested = (
-        jax_compat._version(jax.__version__)[:2] <= jax_compat._version(jax_compat.TESTED[1])[:2]
-    )
+    tested = jax_compat._version(jax.__version__) <= jax_compat._version(jax_compat.TESTED[1])
     assert ("is tested with jax/jaxlib" in r.stderr) != tested, r.stderr
 
 
@@ -104,6 +103,27 @@ def test_an_extension_built_for_a_newer_ffi_api_is_refused_with_the_fix():
         extension.check_build(newer)
     same = types.SimpleNamespace(build_info=lambda: {"jaxlib": "x", "ffi_api": running})
     extension.check_build(same)
+
+
+def test_importing_strata_refuses_an_extension_built_for_a_newer_ffi_api(tmp_path):
+    """The check runs at ``import strata_jax``, not at the first strata call inside a traced
+    program: here the running jaxlib's headers say an older FFI API than the build's."""
+    built = tuple(extension.load().build_info()["ffi_api"])
+    older = (built[0], built[1] - 1) if built[1] > 0 else (built[0] - 1, 99)
+    api = tmp_path / "xla" / "ffi" / "api"
+    api.mkdir(parents=True)
+    (api / "c_api.h").write_text(
+        f"#define XLA_FFI_API_MAJOR {older[0]}\n#define XLA_FFI_API_MINOR {older[1]}\n"
+    )
+    code = f"import jax\njax.ffi.include_dir = lambda: {str(tmp_path)!r}\nimport strata_jax\n"
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent
+    )
+    assert r.returncode != 0, r.stdout + r.stderr
+    err = r.stderr.strip().splitlines()[-1]
+    assert err.startswith("ImportError: strata_jax's native extension was built against"), err
+    assert f"(API {built[0]}.{built[1]})" in err and f"(API {older[0]}.{older[1]})" in err, err
+    assert "pip install --no-cache-dir --force-reinstall --no-deps" in err, err
 
 
 def test_closed_jaxprs_are_met_on_every_release():

@@ -11,11 +11,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
+from _mp_util import environ_without_settings, run_python, write_script
 from alloc_helpers.common import LAUNCH_PY, ROOT, find_or_build_alloc_library, launch_module
 
 
@@ -25,34 +25,19 @@ def alloc_lib(tmp_path_factory) -> str:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("STRATA_", "XLA_FLAGS", "LD_PRELOAD", "JAX_"))
-    }
-    env.update(extra)
-    return env
+    return environ_without_settings(**extra)
 
 
 def _launch(args: list[str], env: dict[str, str] | None = None, timeout: float = 60, module=False):
     """Runs the launcher (as a module or as the source file) and returns the CompletedProcess."""
-    head = (
-        [sys.executable, "-m", "strata_jax.launch"] if module else [sys.executable, str(LAUNCH_PY)]
-    )
-    return subprocess.run(
-        head + args,
-        env=env if env is not None else _env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+    head = ["-m", "strata_jax.launch"] if module else [str(LAUNCH_PY)]
+    return run_python(
+        head + args, env=env if env is not None else _env(), cwd=ROOT, timeout=timeout
     )
 
 
 def _script(tmp_path: Path, body: str, name: str = "rank.py") -> str:
-    p = tmp_path / name
-    p.write_text(textwrap.dedent(body))
-    return str(p)
+    return write_script(tmp_path, body, name)
 
 
 REPORT = """
@@ -307,7 +292,30 @@ def test_preload_on_by_default(tmp_path, alloc_lib):
     script = _script(tmp_path, PRELOAD_CHECK)
     r = _launch(["-n", "2", script], env=_env(STRATA_ALLOC_LIB=alloc_lib))
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count(f"preload {alloc_lib} active 1") == 2
+    # The library's path, or its file name where the path has a space (preload_env)
+    entry = launch_module().preload_env({}, alloc_lib)["LD_PRELOAD"]
+    assert r.stdout.count(f"preload {entry} active 1") == 2
+    assert "cannot be preloaded" not in r.stderr, r.stderr
+
+
+def test_preload_from_a_folder_with_a_space(tmp_path, alloc_lib):
+    """ld.so splits LD_PRELOAD at spaces and colons with no escape: a venv in "~/my work" had
+    the allocator preloaded nowhere ("ERROR: ld.so: object '/root/my' ... cannot be preloaded",
+    every byte staged). The launcher names it by file name, its folder first in
+    LD_LIBRARY_PATH; a folder with a colon cannot be named at all and is left out."""
+    folder = tmp_path / "my work"
+    folder.mkdir()
+    lib = folder / "libstrata_alloc.so"
+    shutil.copy(alloc_lib, lib)
+    env = launch_module().preload_env({"LD_PRELOAD": "", "LD_LIBRARY_PATH": "/x"}, str(lib))
+    assert env["LD_PRELOAD"] == "libstrata_alloc.so"
+    assert env["LD_LIBRARY_PATH"] == f"{folder}:/x"
+    assert launch_module().preload_env({"A": "1"}, "/a:b/libstrata_alloc.so") == {"A": "1"}
+    script = _script(tmp_path, PRELOAD_CHECK)
+    r = _launch(["-n", "2", script], env=_env(STRATA_ALLOC_LIB=str(lib)))
+    assert r.returncode == 0, r.stderr
+    assert "cannot be preloaded" not in r.stderr, r.stderr
+    assert r.stdout.count("preload libstrata_alloc.so active 1") == 2, r.stdout + r.stderr
 
 
 def test_preload_keeps_existing_ld_preload(tmp_path, alloc_lib):
@@ -320,7 +328,8 @@ def test_preload_keeps_existing_ld_preload(tmp_path, alloc_lib):
     env = _env(STRATA_ALLOC_LIB=alloc_lib, LD_PRELOAD=other)
     r = _launch(["-n", "2", script], env=env)
     assert r.returncode == 0, r.stderr
-    expected = f"{alloc_lib}:{other}" if other else alloc_lib
+    entry = launch_module().preload_env({}, alloc_lib)["LD_PRELOAD"]
+    expected = f"{entry}:{other}" if other else entry
     assert r.stdout.count(f"preload {expected} active 1") == 2
 
 

@@ -1,4 +1,4 @@
-"""Case 34 of ../shared/cases/edge-cases.md (issue 26): lowering from several threads.
+"""Lowering from several threads.
 
 strata's lowering keeps its state in the module being lowered and swaps nothing of JAX's, so
 programs lowered and compiled at the same time by several threads are each what they are when
@@ -45,10 +45,19 @@ def _program(k: int, lax_psum: bool = False):
     )
 
 
+def _in_threads(work, n: int) -> None:
+    """Runs work(k) for k in range(n), each on a thread of its own, and waits for them all."""
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 @pytest.mark.parametrize(
     "rounds", [2, pytest.param(10, marks=pytest.mark.slow, id="10-the-case's-own")]
 )
-def test_34_lowering_from_eight_threads(rng, rounds):
+def test_lowering_from_eight_threads(rng, rounds):
     """8 threads each lower and compile a different program over 4 devices, ``rounds`` times
     (the case's 10 behind -m slow: a minute on this machine)."""
     x = jnp.asarray(rng.standard_normal((4 * 2, 3)).astype(np.float32))
@@ -66,11 +75,7 @@ def test_34_lowering_from_eight_threads(rng, rounds):
             errors.append(e)
             barrier.abort()
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _in_threads(work, 8)
     assert not errors, errors
     assert mlir.jaxpr_subcomp is JAXPR_SUBCOMP
     for r in range(rounds):
@@ -78,7 +83,7 @@ def test_34_lowering_from_eight_threads(rng, rounds):
             np.testing.assert_array_equal(np.asarray(compiled[r][k](x)), alone[k], f"{r=} {k=}")
 
 
-def test_34_jax_lax_psums_lowered_from_threads_under_use_for_jax_lax(rng):
+def test_jax_lax_psums_lowered_from_threads_under_use_for_jax_lax(rng):
     """The same with jax.lax.psum under use_for_jax_lax() (entered in each thread: the
     setting is thread-local), 4 threads, 2 rounds: each program on strata and as alone."""
     x = jnp.asarray(rng.standard_normal((4 * 2, 3)).astype(np.float32))
@@ -96,11 +101,7 @@ def test_34_jax_lax_psums_lowered_from_threads_under_use_for_jax_lax(rng):
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _in_threads(work, 4)
     assert not errors, errors
     assert mlir.jaxpr_subcomp is JAXPR_SUBCOMP
     for (_, k), c in sorted(compiled.items()):

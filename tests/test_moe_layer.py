@@ -388,7 +388,7 @@ def test_reference_dispatch_combine_random_routing(capacity, rng):
 
 
 def test_reference_weights_applied_once():
-    """Edge case 15: 0.3*c1*x + 0.7*c2*x; [e, e] gives (w1+w2)*c_e*x; -1 gives nothing."""
+    """Weights applied once: 0.3*c1*x + 0.7*c2*x; [e, e] gives (w1+w2)*c_e*x; -1 gives nothing."""
     e, h = 8, 4
     x = np.zeros((R, h), np.float32)
     x[0] = [1, 2, 3, 4]
@@ -410,7 +410,8 @@ def test_reference_weights_applied_once():
 
 
 def test_reference_two_dispatches_in_flight(rng):
-    """Edge case 16: dispatch A, dispatch B, combine A, combine B == sequential results."""
+    """Two dispatches in flight: dispatch A, dispatch B, combine A, combine B == sequential
+    results."""
     e, k, t, h = 8, 2, 6, 4
     x = jnp.asarray(rng.standard_normal((R * t, h)), jnp.float32)
     ia = jnp.asarray(rng.integers(0, e, (R * t, k)), jnp.int32)
@@ -620,8 +621,7 @@ def test_expert_mlp_counts_past_int32(rng):
 
 
 # ------------------------------------------------------------------------------------------------
-# Round 3 (issue 26): routing weights keep their precision (case 36); one bad row poisons
-# nothing else (case 37)
+# Routing weights keep their precision; one bad row poisons nothing else
 # ------------------------------------------------------------------------------------------------
 
 
@@ -647,7 +647,7 @@ def _moe2(impl, e, k, *, activation=jax.nn.gelu, expert_chunk=None, n=2):
     ),
 )
 def test_case36_routing_weights_keep_their_precision(impl, dtypes):
-    """Case 36: E = 2 (one expert per rank), top-2, one token per rank, H = F = 1, x = 1,
+    """E = 2 (one expert per rank), top-2, one token per rank, H = F = 1, x = 1,
     identity activation, w2 = 100 on rank 0 and 0 on rank 1: y = 100 * 0.2999247 rounded once
     = 30.0 in bfloat16 (and float16). Rounding the float32 weight to x's dtype first gave
     30.125 (bfloat16) / 29.984375 (float16) with strata_ragged, xla_sort and xla."""
@@ -691,7 +691,7 @@ def test_route_keeps_router_weights_in_float32():
     ),
 )
 def test_case37_one_bad_row_poisons_nothing_else(impl, chunk, dtype, rng):
-    """Case 37: decode batch, 2 devices, E = 4, top-2, T = 4 per rank, H = 8, F = 16,
+    """Decode batch, 2 devices, E = 4, top-2, T = 4 per rank, H = 8, F = 16,
     capacity None. Rank 1's row 3 set to NaN, then +inf, then -inf: every other row of y is
     bitwise what it is without the bad row (GShard's one-hot einsums multiplied the bad row by
     the zeros of every other slot: 0 x NaN = NaN on all of rank 1's rows)."""

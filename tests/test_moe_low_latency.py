@@ -215,8 +215,8 @@ def test_combine_order_same_as_normal_mode(rng, dtype, k):
 
 def test_not_differentiable_says_what_to_do():
     """grad through the low-latency pair names the public function and the normal mode (not
-    JAX's stock "Differentiation rule for 'strata_moe_ll_dispatch' not implemented"); inputs
-    passed through stop_gradient need no rule."""
+    JAX's stock "Differentiation rule for 'strata_moe_low_latency_dispatch' not implemented");
+    inputs passed through stop_gradient need no rule."""
     n, e, t = 2, 4, 3
     idx = jnp.zeros((n * t, 2), jnp.int32).at[:, 1].set(3)
     w = jnp.ones((n * t, 2), jnp.float32)
@@ -266,7 +266,7 @@ def test_wide_ids_do_not_wrap():
 
 @pytest.mark.parametrize("algo", ["pull", "push"])
 def test_one_bad_row_poisons_nothing_else(rng, algo):
-    """Issue 26 case 37's kind on serving's decode path (route, low_latency_dispatch, chunked
+    """A bad row on serving's decode path (route, low_latency_dispatch, chunked
     expert MLP, low_latency_combine): a NaN or infinite row leaves every other row's output
     bitwise unchanged, and NaN written into the receive rows no token uses (past the counts)
     is never read by the combine."""

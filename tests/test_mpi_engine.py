@@ -1,4 +1,4 @@
-"""XLA's MPI collectives as JAX's engine, under Open MPI's mpirun (issue 25, section 2).
+"""XLA's MPI collectives as JAX's engine, under Open MPI's mpirun.
 
 With ``JAX_CPU_COLLECTIVES_IMPLEMENTATION=mpi``, ``strata_jax.init()`` sets what XLA needs to
 run at all (``jax_cpu_enable_async_dispatch=False``: XLA makes a communicator only on MPI's main

@@ -1,4 +1,4 @@
-"""strata_jax under Open MPI's mpirun, without strata's launcher (issue 25, section 1).
+"""strata_jax under Open MPI's mpirun, without strata's launcher.
 
 ``mpirun -n 2 python script.py`` with ``strata_jax.init()`` must give registration on
 allocation: ``import strata_jax`` hooks libstrata_alloc into jaxlib (no LD_PRELOAD), so a large

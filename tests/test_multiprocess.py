@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _mp_util import job_env, shm_left_behind, shm_names
 
 import strata_jax
 
@@ -155,7 +156,7 @@ def test_two_processes_every_collective(digests, job_2x2, mode):
         r = _launch(2, "check_collectives.py", str(digests), devices=2, mode=mode)
         out = r.stdout + r.stderr
         assert r.returncode == 0, out[-6000:]
-    assert out.count(f"OK 110 checks, mode {mode}") == 2, out[-3000:]
+    assert out.count(f"OK 128 checks, mode {mode}") == 2, out[-3000:]
 
 
 def test_modes_give_the_same_bits(digests):
@@ -231,7 +232,7 @@ def test_timeout_then_sigkill_leaves_nothing():
     import tempfile
 
     tmp = Path(tempfile.mkdtemp(prefix="strata-t-", dir="/tmp"))  # short: socket paths
-    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    shm_before = shm_names()
     try:
         r = _launch(2, "timeout_then_kill.py", tmpdir=tmp, timeout=120)
         out = r.stdout + r.stderr
@@ -242,8 +243,7 @@ def test_timeout_then_sigkill_leaves_nothing():
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     assert left == [], f"left behind: {left}"
-    shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    assert shm_after <= shm_before, f"left in /dev/shm: {shm_after - shm_before}"
+    assert not shm_left_behind(shm_before), f"left in /dev/shm: {shm_left_behind(shm_before)}"
 
 
 @pytest.mark.slow  # out of the default run for its 6-minute budget (8-14 s here)
@@ -262,8 +262,8 @@ def test_uncaught_exception_on_one_rank_stops_everyone_quickly():
 
 
 def test_recsys_compact_exchange_across_processes(job_2x2):
-    """benchmarks/recsys_model.py's compact exchange (ragged_all_to_all into strata_jax.empty,
-    issue 28) equals the padded all_to_all step bit for bit across 2 processes x 2 devices."""
+    """benchmarks/recsys_model.py's compact exchange (ragged_all_to_all into strata_jax.empty)
+    equals the padded all_to_all step bit for bit across 2 processes x 2 devices."""
     out = _part(job_2x2, "check_recsys_compact.py")
     assert out.count("OK recsys compact") == 2, out[-3000:]
 
@@ -305,14 +305,14 @@ def test_low_latency_staged_form(job_2x2):
 
 
 # --------------------------------------------------------------------------------------
-# How calls meet, and how a failed job ends (issue 8: edge cases 17-20)
+# How calls meet, and how a failed job ends
 # --------------------------------------------------------------------------------------
 
 
 def test_calls_meet_by_communicator_not_call_site(job_2x2):
-    """2 processes x 2 devices (local and remote peers in one group). Case 17: the same
-    function called from two source lines returns the sum on every rank. Case 18: ranks
-    disagree on the size: all raise within a second naming psum and both sizes (20 s timeout).
+    """2 processes x 2 devices (local and remote peers in one group). The same function called
+    from two source lines returns the sum on every rank. Ranks that disagree on the size all
+    raise within a second naming psum and both sizes (20 s timeout), also when one is empty.
     Independent collectives inside one program (XLA runs them at once on a device; equal ones,
     psum(v) and psum(sin v), once paired wrongly across processes when JAX shared one lowering
     and so one op id between them) and dispatch-ahead of several programs: right values, never
@@ -320,27 +320,45 @@ def test_calls_meet_by_communicator_not_call_site(job_2x2):
     permutations: all fail at once. The exception types a failed collective raises
     (strata_jax.COLLECTIVE_ERRORS)."""
     out = _part(job_2x2, "call_matching.py")
-    assert out.count("OK case 17 two call sites [4.0, 4.0, 4.0, 4.0]") == 2, out[-3000:]
-    assert out.count("OK case 18 mismatch raised") == 2, out[-3000:]
-    assert out.count("OK case 18b empty on one rank raised") == 2, out[-3000:]
+    assert out.count("OK two call sites [4.0, 4.0, 4.0, 4.0]") == 2, out[-3000:]
+    assert out.count("OK sizes differ mismatch raised") == 2, out[-3000:]
+    assert out.count("OK empty on one rank raised") == 2, out[-3000:]
     assert out.count("OK ppermute permutations differ raised") == 2, out[-3000:]
     assert out.count("OK errors") == 1, out[-3000:]
     assert out.count("OK all") == 2, out[-3000:]
 
 
-def _shm() -> set:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm here")
+def test_shm_check_tells_a_leftover_from_another_programs_segment():
+    """What the /dev/shm checks count: an entry nobody holds (left behind), not one another
+    program has open meanwhile (an Open MPI job's vader_segment; it failed this file's check
+    when a job started during the test)."""
+    before = shm_names()
+    left = f"/dev/shm/strata-test-left-{os.getpid()}"
+    used = f"/dev/shm/strata-test-used-{os.getpid()}"
+    code = "import sys, time; f = open(sys.argv[1], 'w'); print('open', flush=True); time.sleep(60)"
+    other = subprocess.Popen([sys.executable, "-c", code, used], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline() == "open\n"
+        Path(left).write_bytes(b"x")
+        assert shm_left_behind(before) == [Path(left).name]
+    finally:
+        other.kill()
+        other.wait()
+        for path in (left, used):
+            Path(path).unlink(missing_ok=True)
+    assert shm_left_behind(before) == []
 
 
 def test_sigkilled_rank_ends_the_job_fast_and_a_rerun_passes(tmp_path):
-    """Case 19 (launch -n 4 in the case; 3 ranks show it): looping psum, rank 2 SIGKILLs
+    """A killed rank (3 ranks show it): looping psum, rank 2 SIGKILLs
     itself: every other rank is gone within ~2 s of the kill (was 5.0-5.3 s: JAX catches
     SIGTERM), the launcher exits non-zero, /dev/shm is unchanged and an immediate rerun (2
     ranks) passes."""
     import time
 
     _require_allocator()
-    shm_before = _shm()
+    shm_before = shm_names()
     # The launcher's default grace (5 s): the kill must not wait for it.
     r = _launch(3, "failure_modes.py", "kill", str(tmp_path), timeout=120, grace=None)
     ended = time.time()
@@ -348,11 +366,11 @@ def test_sigkilled_rank_ends_the_job_fast_and_a_rerun_passes(tmp_path):
     assert r.returncode != 0, out[-3000:]
     assert "rank 2 was killed by SIGKILL" in out, out[-3000:]
     gone_after = ended - float((tmp_path / "killed").read_text())
-    print(f"case 19: launcher done {gone_after:.2f} s after the kill")
+    print(f"killed rank: launcher done {gone_after:.2f} s after the kill")
     assert gone_after < 4.0, f"survivors lived {gone_after:.2f} s after the kill"  # 2 s unloaded
     for pid_file in tmp_path.glob("pid-*"):
         assert not Path(f"/proc/{pid_file.read_text()}").exists(), f"{pid_file.name} alive"
-    assert _shm() <= shm_before, f"left in /dev/shm: {_shm() - shm_before}"
+    assert not shm_left_behind(shm_before), f"left in /dev/shm: {shm_left_behind(shm_before)}"
     rerun = tmp_path / "rerun"
     rerun.mkdir()
     r = _launch(2, "failure_modes.py", "none", str(rerun), timeout=120)
@@ -361,7 +379,7 @@ def test_sigkilled_rank_ends_the_job_fast_and_a_rerun_passes(tmp_path):
 
 
 def test_rank_exiting_after_a_collective_error_ends_the_job_fast(tmp_path):
-    """Case 20: rank 0 catches a collective timeout (STRATA_TIMEOUT_S=2 here, 5 in the case)
+    """Rank 0 catches a collective timeout (STRATA_TIMEOUT_S=2)
     and calls sys.exit(1) while rank 1 sleeps 120 s: the job ends within a few seconds of the
     error (was 122 s: jax.distributed's shutdown waited for the sleeping peer)."""
     import time
@@ -375,7 +393,7 @@ def test_rank_exiting_after_a_collective_error_ends_the_job_fast(tmp_path):
     assert r.returncode == 1, out[-3000:]
     assert "rank 0 exited with code 1" in out and "timed out" in out, out[-3000:]
     after = ended - float((tmp_path / "caught").read_text())
-    print(f"case 20: launcher done {after:.2f} s after the error was caught")
+    print(f"exit after a timeout: launcher done {after:.2f} s after the error was caught")
     assert after < 6.0, f"the job lived {after:.2f} s after the error"
 
 
@@ -401,14 +419,7 @@ def _start_by_hand(script: str, nproc: int, *args: str, strata_timeout: float = 
     jax.distributed.initialize itself (coordinator address and rank on its command line)."""
     from strata_jax import launch
 
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("STRATA_", "XLA_FLAGS", "JAX_", "LD_PRELOAD"))
-    }
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # as tests/_mp_util.TEST_XLA_FLAGS
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PKG_PARENT, env.get("PYTHONPATH")]))
-    env["STRATA_TIMEOUT_S"] = str(strata_timeout)
+    env = job_env(STRATA_TIMEOUT_S=str(strata_timeout))
     lib = launch.alloc_library_path()
     if lib:
         env["LD_PRELOAD"] = lib
@@ -436,8 +447,8 @@ def _reap(procs) -> list[str]:
 
 
 def test_without_launcher_a_killed_rank_does_not_hang_the_others(tmp_path):
-    """Case 2(c), mpirun/srun style (plain jax.distributed.initialize, no strata launcher):
-    rank 2 is SIGKILLed; the surviving ranks (60 s collective timeout) fail their next
+    """A failed job started mpirun/srun style (plain jax.distributed.initialize, no strata
+    launcher): rank 2 is SIGKILLed; the surviving ranks (60 s collective timeout) fail their next
     collective at once, naming the dead rank, and exit non-zero by themselves."""
     import time
 
@@ -462,7 +473,7 @@ def test_without_launcher_a_killed_rank_does_not_hang_the_others(tmp_path):
 
 
 def test_without_launcher_a_rank_exiting_after_an_error_does_not_hang(tmp_path):
-    """Case 2(c) for case 20: rank 0 catches a collective timeout and calls sys.exit(1) while
+    """The same started by hand: rank 0 catches a collective timeout and calls sys.exit(1) while
     rank 1 sleeps: rank 0's process ends right away (it does not wait in jax.distributed's
     shutdown for rank 1); stopping rank 1 is then mpirun's/srun's job, as for any failed rank."""
     import time

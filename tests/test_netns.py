@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _mp_util import job_env
 
 import strata_jax as sj
 from strata_jax import launch
@@ -77,15 +78,7 @@ needs_mpi = pytest.mark.skipif(_mpi_reason() is not None, reason=str(_mpi_reason
 
 
 def _env(tmpdir: Path) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("STRATA_", "XLA_FLAGS", "JAX_", "LD_PRELOAD"))
-    }
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # as tests/_mp_util.TEST_XLA_FLAGS
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PKG_PARENT, env.get("PYTHONPATH")]))
-    env["TMPDIR"] = str(tmpdir)
-    return env
+    return job_env(TMPDIR=str(tmpdir))
 
 
 def _mpi_env(tmpdir: Path) -> dict[str, str]:

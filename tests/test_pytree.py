@@ -252,7 +252,7 @@ def test_psum_scatter_and_all_gather_in_place_over_a_non_leading_dim(rng, dtype,
     got, hlo = run(sj.psum_scatter, scatter_dimension=dim, tiled=tiled)
     want, _ = run(jax.lax.psum_scatter, scatter_dimension=dim, tiled=tiled)
     _assert_bitwise(got, want)
-    assert "strata_reduce_scatter_rows" in hlo
+    assert "strata_psum_scatter_rows" in hlo
     _no_layout_change(hlo)
     got, hlo = run(sj.all_gather, axis=dim, tiled=tiled)
     want, _ = run(jax.lax.all_gather, axis=dim, tiled=tiled)
@@ -260,7 +260,7 @@ def test_psum_scatter_and_all_gather_in_place_over_a_non_leading_dim(rng, dtype,
     _no_layout_change(hlo)
     if dtype == "float32":  # JAX's own primitives under use_for_jax_lax take the same calls
         for op, kw, target in (
-            (jax.lax.psum_scatter, {"scatter_dimension": dim}, "strata_reduce_scatter_rows"),
+            (jax.lax.psum_scatter, {"scatter_dimension": dim}, "strata_psum_scatter_rows"),
             (jax.lax.all_gather, {"axis": dim}, "strata_all_gather_rows"),
         ):
             want, _ = run(op, tiled=tiled, **kw)
@@ -300,7 +300,7 @@ def test_fsdp_tp_step_is_bitwise_equal_to_jax_lax(rng):
     f_x = jax.jit(jax.value_and_grad(lambda *a: loss(jax.lax, *a), argnums=(0, 1)))
     _assert_bitwise(f_s(w1, w2, x), f_x(w1, w2, x))
     compiled = f_s.lower(w1, w2, x).compile().as_text()
-    assert "strata_reduce_scatter_rows" in compiled and "strata_all_gather_rows" in compiled
+    assert "strata_psum_scatter_rows" in compiled and "strata_all_gather_rows" in compiled
     assert " all-reduce(" not in compiled and " reduce-scatter(" not in compiled
 
 

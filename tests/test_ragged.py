@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from ragged_reference import ragged_reference, random_plan
+from ragged_reference import ragged_grad_reference, ragged_reference, random_plan
 
 import strata_jax as sj
 
@@ -111,14 +111,7 @@ def test_grad_against_numpy(rng):
         return jnp.sum(_ragged(mesh, a, b, *plan) * w)
 
     ga, gb = jax.grad(loss, argnums=(0, 1))(operand, output)
-    want_a = np.zeros_like(operand)
-    want_b = np.array(w, copy=True)
-    per = io.shape[1] // n
-    for j in range(n):
-        for i in range(io.shape[1]):
-            d, s, o, c = i // per, io[j, i], oo[j, i], ss[j, i]
-            want_a[j, s : s + c] = w[d, o : o + c]
-            want_b[d, o : o + c] = 0
+    want_a, want_b = ragged_grad_reference(operand, w, io, ss, oo, n)
     np.testing.assert_allclose(np.asarray(ga), want_a)
     np.testing.assert_allclose(np.asarray(gb), want_b)
 
@@ -358,11 +351,11 @@ def test_across_processes(mode):
     assert r.stdout.count("OK ragged") == 2, r.stdout[-2000:]
 
 
-# ---- empty slices: moved nothing, wherever their offsets point (edge case 33) ----------------
+# ---- empty slices: moved nothing, wherever their offsets point ----------------------------
 
 
 def _case33(idx_dtype=jnp.int32):
-    """Edge case 33's exact values: rank 0 sends 2 rows to rank 1; every other slice is empty,
+    """Exact values: rank 0 sends 2 rows to rank 1; every other slice is empty,
     with offsets past the operand's or output's end (as size truncation leaves them)."""
     operand = jnp.array([[1, 2, 3, 4], [11, 12, 13, 14]], jnp.float32)[..., None]
     output = jnp.full((2, 4, 1), -1, jnp.float32)
@@ -481,7 +474,7 @@ def test_vmap_slice_stays_inside_its_batch_element():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(a))
 
 
-# ---- large calls in one process: the pairs path (issue 28) ---------------------------------
+# ---- large calls in one process: the pairs path ---------------------------------------------
 
 
 def _large_case(rng, n, dtype):

@@ -315,7 +315,7 @@ def test_auc():
 
 
 # ------------------------------------------------------------------------------------------------
-# Round 3 (issue 26, case 38): ids outside their table are dropped and counted
+# Ids outside their table are dropped and counted
 # ------------------------------------------------------------------------------------------------
 
 
@@ -327,8 +327,8 @@ def test_auc():
         for j, s in enumerate(["row", "table"])
     ],
 )
-def test_case38_id_outside_its_table_is_dropped_and_counted(sharding, bad):
-    """Case 38: 2 tables of 4 rows over 2 devices. Table 0's id 4 (its row count) used to land
+def test_id_outside_its_table_is_dropped_and_counted(sharding, bad):
+    """2 tables of 4 rows over 2 devices. Table 0's id 4 (its row count) used to land
     on table 1's row 0 (row sharding) or the next table's / a padding row (table sharding);
     ids below 0 other than the padding id -1 likewise. Now: not sent anywhere, counted as
     ``invalid`` (not as a capacity drop), and the routing of the other ids is unchanged."""

@@ -181,6 +181,10 @@ def test_hierarchical_in_process(two_fake_fabrics, rng, order, one_way, monkeypa
         "psum": (lambda v: sj.psum(v, "x"), lambda v: jax.lax.psum(v, "x")),
         "psum_odd": (lambda v: sj.psum(v[:3, :3], "x"), lambda v: jax.lax.psum(v[:3, :3], "x")),
         "pmax": (lambda v: sj.pmax(v, "x"), lambda v: jax.lax.pmax(v, "x")),
+        "pprod": (
+            lambda v: sj.pprod(v, "x"),
+            lambda v: jnp.prod(jax.lax.all_gather(v, "x"), axis=0),
+        ),
         "all_gather": (
             lambda v: sj.all_gather(v, "x", axis=1, tiled=True),
             lambda v: jax.lax.all_gather(v, "x", axis=1, tiled=True),
@@ -302,7 +306,7 @@ def test_psum_scatter_across_fake_fabrics_reads_blocks_in_place(
     two_fake_fabrics, rng, order, dtype, dim, tiled
 ):
     """The intra-fabric reduce-scatter sums each member's (local index, fabric) blocks where
-    they lie in the input (strata_reduce_scatter_placed; with two fabrics the partner's block
+    they lie in the input (strata_psum_scatter_placed; with two fabrics the partner's block
     goes to a result of its own, _divert): equal to jax.lax for contiguous, reversed and
     interleaved fabrics, with no reorder pass left in the program."""
     devs = sorted(jax.devices(), key=lambda d: d.id)[:4]
@@ -315,7 +319,7 @@ def test_psum_scatter_across_fake_fabrics_reads_blocks_in_place(
         ]
 
     f_sj = jax.jit(jax.shard_map(body(sj), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-    assert "strata_reduce_scatter_placed_divert" in f_sj.lower(x).as_text()  # F = 2
+    assert "strata_psum_scatter_placed_divert" in f_sj.lower(x).as_text()  # F = 2
     got, want = _both(mesh, body(sj), body(jax.lax), x)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-4)
 

@@ -1,4 +1,4 @@
-"""The short soak (issue 8 section 3): a few hundred mixed, checked calls of benchmarks/soak.py.
+"""The short soak: a few hundred mixed, checked calls of benchmarks/soak.py.
 
 In-process on the 8 test devices by default (100 calls, up to 64 KiB); 300 calls up to 1 MiB,
 and over ``launch -n 4``, behind ``-m slow``. The full

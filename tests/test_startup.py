@@ -1,4 +1,4 @@
-"""strata_jax.init() with a peer that is late, never comes or dies (edge case 35, issue 26 §3).
+"""strata_jax.init() with a peer that is late, never comes or dies.
 
 Every wait of init() gives, on the process that waits, an error naming ``strata_jax.init``, the
 missing processes and ``timeout_s``; a process that arrives after another gave up fails at once
@@ -69,7 +69,7 @@ def _check_late(rc: int, out: str) -> None:
 
 
 def test_35_late_peer_at_init():
-    """Edge case 35's values: jax.distributed started by hand and the backend created; rank 1
+    """A late peer's values: jax.distributed started by hand and the backend created; rank 1
     sleeps 8 s before strata_jax.init(timeout_s=5). With a 3 s sleep both connect and a psum
     over the two processes is right. Both jobs run at once."""
     late, ok = _start("8", "5"), _start("3", "5")

@@ -87,7 +87,7 @@ def test_jvp_matches_jax_lax(rng, op):
 
 
 def test_vmap_of_shard_map_psum_over_tuple(rng):
-    """Edge case 10: vmap of a shard_map whose body psums over a tuple of axis names."""
+    """vmap of a shard_map whose body psums over a tuple of axis names."""
     mesh = mesh2d()
     x = rng.standard_normal((3, 8, 5)).astype(np.float32)
     res = {}
@@ -188,7 +188,7 @@ def test_scan_cond_while_program_order(rng):
 
 
 def test_rank_dependent_trip_count(rng):
-    """Case 13: a while loop whose trip count depends on data that differs per rank, with
+    """A while loop whose trip count depends on data that differs per rank, with
     the collective's participation kept uniform (the count is agreed with pmax first)."""
     x = rng.integers(1, 6, size=(8,)).astype(np.int32)
     res = {}

@@ -398,7 +398,7 @@ def test_gradients_of_collectives_bitwise_with_check_vma(rng):
 
 def test_gradient_through_all_gather_of_a_non_leading_dimension_bitwise(rng):
     """all_gather(axis=1) before a dot: its transpose is psum_scatter(scatter_dimension=1),
-    which strata runs in place (no transpose for XLA to fold into the dot: issue 24 sec. 4)."""
+    which strata runs in place (no transpose for XLA to fold into the dot)."""
     w = jnp.asarray(rng.standard_normal((12, 8)).astype(np.float32))
 
     def loss(p, v):
@@ -509,7 +509,7 @@ def test_ppermute_named_out_of_mesh_order_follows_the_running_jax(rng):
     if order == "mesh":
         want, got, _, hlo_in = _both(f, x)
         np.testing.assert_array_equal(got, want)
-        assert "strata_permute" in hlo_in
+        assert "strata_ppermute" in hlo_in
         return
     assert order == "raise"
     with sj.use_for_jax_lax(), pytest.raises(RuntimeError, match="same order"):
@@ -518,4 +518,4 @@ def test_ppermute_named_out_of_mesh_order_follows_the_running_jax(rng):
         want, got, _, hlo_in = _both(f, x)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got, ppermute_reference(np.asarray(x), ("b", "a"), perm))
-    assert "strata_permute" in hlo_in
+    assert "strata_ppermute" in hlo_in

@@ -2,6 +2,8 @@
 
 * ``strata-perf``: a directive that renders the benchmark JSON files under ``docs/perf/`` as
   tables and plots (with the machine, date, command and commit each was measured with).
+* ``strata-operators``: a directive that renders the operator table (native/common/ops.h, as
+  ``strata_jax._src.operators`` reads it) as a table: the docs' list of operators is that table.
 * A check that every public name of the documented modules has a docstring: a missing one is a
   Sphinx warning, so ``sphinx -W`` fails on it.
 """
@@ -95,11 +97,53 @@ def _data_directive() -> Any:
     return StrataData
 
 
+def operator_rows() -> list[list[str]]:
+    """The operator table as the docs show it: one row per operator (header first)."""
+    from strata_jax._src import operators
+
+    rows = [["operator", "kind", "jax.lax primitives it runs", "FFI target", "comm_stats name",
+             "algorithms"]]  # fmt: skip
+    for op in operators.OPERATORS:
+        rows.append(
+            [
+                f"``strata_jax.{op.api}``" if op.stats == op.api else f"(inside ``{op.api}``)",
+                str(op.kind),
+                ", ".join(f"``{p}``" for p in op.lax) or "-",
+                f"``{op.target}``",
+                f"``{op.stats}``",
+                ", ".join(op.algorithms),
+            ]
+        )
+    return rows
+
+
+def _operators_directive() -> Any:
+    """``.. strata-operators::``: the operator table (:func:`operator_rows`) as a table."""
+    from docutils.statemachine import StringList
+    from sphinx.util.docutils import SphinxDirective
+
+    class StrataOperators(SphinxDirective):
+        def run(self) -> list[Any]:
+            from docutils import nodes
+
+            rows = operator_rows()
+            lines = [".. list-table::", "   :header-rows: 1", ""]
+            for row in rows:
+                lines.append("   * - " + row[0])
+                lines += ["     - " + cell for cell in row[1:]]
+            container = nodes.container()
+            self.state.nested_parse(StringList(lines), self.content_offset, container)
+            return list(container.children)
+
+    return StrataOperators
+
+
 def setup(app: Any) -> dict[str, Any]:
     """Register the docstring check and the ``strata-perf`` directive (Sphinx entry point)."""
     import strata_perf
 
     app.add_directive("strata-data", _data_directive())
+    app.add_directive("strata-operators", _operators_directive())
 
     app.connect("builder-inited", _check_docstrings)
     strata_perf.setup(app)

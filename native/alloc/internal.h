@@ -3,7 +3,7 @@
 // Rules for everything in this folder (it runs inside malloc, possibly before main):
 //  - no malloc/new, no std containers, no C++ dynamic initialisation of globals (all globals are
 //    constant-initialised PODs, atomics or pthread objects with static initialisers);
-//  - metadata lives in memory taken straight from mmap (MetaArena, PtrMap);
+//  - metadata lives in memory taken straight from mmap (alloc/meta.h: MetaArena, PtrMap);
 //  - nothing that may call malloc runs while the pool mutex is held.
 #ifndef STRATA_ALLOC_INTERNAL_H_
 #define STRATA_ALLOC_INTERNAL_H_
@@ -57,10 +57,6 @@ void* ImplReallocOwned(void* p, size_t n);
 bool Resolve();
 // true once strata_alloc_hook rewrote a library's allocation slots (hook.cc).
 bool Hooked();
-
-// ---- metadata memory straight from mmap ----
-void* MetaMap(size_t bytes);  // zeroed, page-aligned, nullptr on failure
-void MetaUnmap(void* p, size_t bytes);
 
 // ---- the segment lookup table (table.cc): a sorted interval array under a seqlock ----
 struct TableHit {

@@ -9,10 +9,9 @@
 //  - One mutex (g_mu) guards all of it. Syscalls that may be slow (memfd_create, mmap, munmap) run
 //    outside it. Nothing under it calls malloc.
 //  - Callbacks run on one background thread, started by the first callback installation (an
-//  ordinary
-//    API call, never from inside malloc). Once it exists, segment releases are handed to it so the
-//    freed-segment callback runs before munmap/close and never races an announcement of the same
-//    fd.
+//    ordinary API call, never from inside malloc). Once it exists, segment releases are handed to
+//    it so the freed-segment callback runs before munmap/close and never races an announcement of
+//    the same fd.
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -26,14 +25,9 @@
 #include <unistd.h>
 
 #include "alloc/internal.h"
+#include "alloc/meta.h"
 
 namespace strata::alloc {
-
-void* MetaMap(size_t bytes) {
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  return p == MAP_FAILED ? nullptr : p;
-}
-void MetaUnmap(void* p, size_t bytes) { munmap(p, bytes); }
 
 [[noreturn]] void Fatal(const char* msg) {
   const char prefix[] = "strata_alloc: fatal: ";
@@ -76,101 +70,6 @@ struct Segment {
   bool exportable;
 };
 
-// Fixed-size objects from mmap'd slabs, recycled through a free list. Never returned to the OS.
-template <typename T>
-struct MetaArena {
-  struct Node {
-    Node* next;
-  };
-  Node* free_list;
-  T* Get() {
-    if (!free_list) {
-      constexpr size_t kSlab = 256 * 1024;
-      char* slab = static_cast<char*>(MetaMap(kSlab));
-      if (!slab) return nullptr;
-      constexpr size_t kSz = sizeof(T) > sizeof(Node) ? sizeof(T) : sizeof(Node);
-      for (size_t off = 0; off + kSz <= kSlab; off += kSz) {
-        Node* n = reinterpret_cast<Node*>(slab + off);
-        n->next = free_list;
-        free_list = n;
-      }
-    }
-    Node* n = free_list;
-    free_list = n->next;
-    T* t = reinterpret_cast<T*>(n);
-    memset(static_cast<void*>(t), 0, sizeof(T));
-    return t;
-  }
-  void Put(T* t) {
-    Node* n = reinterpret_cast<Node*>(t);
-    n->next = free_list;
-    free_list = n;
-  }
-};
-
-// user pointer -> allocated Block*. Linear probing, backward-shift deletion, grows at 1/2 load.
-struct PtrMap {
-  struct Slot {
-    uintptr_t key;
-    Block* val;
-  };
-  Slot* slots;
-  size_t cap;  // power of two (0 before first use)
-  size_t count;
-
-  static size_t Hash(uintptr_t k, size_t cap) {
-    return static_cast<size_t>(((k >> 12) * 0x9E3779B97F4A7C15ull) >> 20) & (cap - 1);
-  }
-  bool Grow() {
-    size_t ncap = cap ? cap * 2 : 1024;
-    Slot* ns = static_cast<Slot*>(MetaMap(ncap * sizeof(Slot)));
-    if (!ns) return false;
-    for (size_t i = 0; i < cap; ++i) {
-      if (!slots[i].key) continue;
-      size_t j = Hash(slots[i].key, ncap);
-      while (ns[j].key) j = (j + 1) & (ncap - 1);
-      ns[j] = slots[i];
-    }
-    if (slots) MetaUnmap(slots, cap * sizeof(Slot));
-    slots = ns;
-    cap = ncap;
-    return true;
-  }
-  bool Reserve() { return (count + 1) * 2 <= cap || Grow(); }
-  void Insert(uintptr_t k, Block* v) {  // after Reserve()
-    size_t j = Hash(k, cap);
-    while (slots[j].key) j = (j + 1) & (cap - 1);
-    slots[j] = {k, v};
-    ++count;
-  }
-  Block* Find(uintptr_t k) const {
-    if (!cap) return nullptr;
-    for (size_t j = Hash(k, cap);; j = (j + 1) & (cap - 1)) {
-      if (!slots[j].key) return nullptr;
-      if (slots[j].key == k) return slots[j].val;
-    }
-  }
-  void Erase(uintptr_t k) {
-    size_t j = Hash(k, cap);
-    while (slots[j].key != k) {
-      if (!slots[j].key) return;
-      j = (j + 1) & (cap - 1);
-    }
-    // Backward shift: move later members of the probe run into the hole when allowed.
-    size_t hole = j;
-    for (size_t i = (j + 1) & (cap - 1); slots[i].key; i = (i + 1) & (cap - 1)) {
-      size_t home = Hash(slots[i].key, cap);
-      bool movable = hole <= i ? (home <= hole || home > i) : (home <= hole && home > i);
-      if (movable) {
-        slots[hole] = slots[i];
-        hole = i;
-      }
-    }
-    slots[hole] = {0, nullptr};
-    --count;
-  }
-};
-
 constexpr int kBins = 48;
 
 struct Released {  // a segment to unmap and close outside the lock
@@ -185,7 +84,7 @@ pthread_cond_t g_work_cv = PTHREAD_COND_INITIALIZER;  // background thread waits
 pthread_cond_t g_idle_cv = PTHREAD_COND_INITIALIZER;  // flush / callback setters wait for a batch
 MetaArena<Block> g_blocks;
 MetaArena<Segment> g_segs;
-PtrMap g_map;
+PtrMap<Block> g_map;
 Block* g_bins[kBins];
 Segment* g_live;
 Segment* g_pending;

@@ -48,7 +48,8 @@ void CopyEntry(Entry& dst, const Entry& src) {
   dst.fd.store(src.fd.load(std::memory_order_relaxed), std::memory_order_relaxed);
 }
 
-// Index of the first entry with base > p (writer side: no concurrent writer).
+// Index of the first entry with base > p among the first n. Relaxed loads: the writer holds the
+// table's lock, a reader checks the sequence number around it (TableFind).
 size_t UpperBound(size_t n, uintptr_t p) {
   size_t lo = 0, hi = n;
   while (lo < hi) {
@@ -114,15 +115,8 @@ bool TableFind(uintptr_t p, size_t len, TableHit* hit) {
       __builtin_ia32_pause();
       continue;
     }
-    size_t n = std::min(g_count.load(std::memory_order_relaxed), kMaxSegments);
-    size_t lo = 0, hi = n;
-    while (lo < hi) {
-      size_t mid = (lo + hi) / 2;
-      if (g_entries[mid].base.load(std::memory_order_relaxed) <= p)
-        lo = mid + 1;
-      else
-        hi = mid;
-    }
+    const size_t lo =
+        UpperBound(std::min(g_count.load(std::memory_order_relaxed), kMaxSegments), p);
     bool found = false;
     TableHit h{};
     if (lo > 0) {

@@ -33,6 +33,12 @@ bool use_two_shot(size_t bytes);
 // at 4 MiB, 0.79-1.33x at 64 KiB-1 MiB (three alternated runs, docs/guide/hosts.md).
 constexpr size_t kTwoShotPairBytes = size_t{16} << 20;
 inline bool two_shot_for(int n, size_t bytes) { return n > 2 || bytes >= kTwoShotPairBytes; }
+// The all-reduce algorithm a team of n ranks runs for `bytes` per rank (rank 0's proposal,
+// use_two_shot, as every team takes it, two_shot_for), unless the fabric's path cannot run
+// two-shot (a low-latency team: one-shot). What strata_jax's debug log reports.
+inline bool all_reduce_two_shot(int n, size_t bytes) {
+  return use_two_shot(bytes) && two_shot_for(n, bytes);
+}
 
 // `two_shot` must be the same on every rank: callers take rank 0's published choice.
 std::string all_reduce(Team& t, int32_t dtype, ReduceOp op, size_t count, bool two_shot);

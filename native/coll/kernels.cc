@@ -85,7 +85,7 @@ const char* dtype_name(int32_t dtype) {
 bool reduce_supported(int32_t dtype, ReduceOp op) {
   auto t = static_cast<DT>(dtype);
   if (t == DT::C64 || t == DT::C128) return op == ReduceOp::kSum;
-  if (static_cast<int32_t>(op) < 0 || static_cast<int32_t>(op) > 3) return false;
+  if (static_cast<int32_t>(op) < 0 || static_cast<int32_t>(op) >= kReductions) return false;
   if (op == ReduceOp::kMean) return t == DT::F32 || t == DT::F64 || t == DT::BF16 || t == DT::F16;
   return dtype_size(dtype) != 0;
 }

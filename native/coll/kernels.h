@@ -9,13 +9,14 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/ops.h"
+
 namespace strata {
 
-// kMean: the sum over the n sources divided by n (pmean), on floating types only: the sum is
-// rounded to the element type, then multiplied by 1/n (and rounded again), bitwise what psum
-// followed by XLA CPU's divide gives, but inside the reduction's own pass over the output
-// instead of in one more.
-enum class ReduceOp : int32_t { kSum = 0, kMax = 1, kMin = 2, kMean = 3 };
+// The reductions (ReduceOp) are rows of common/ops.h's STRATA_REDUCTIONS. kMean: the sum over
+// the n sources divided by n (pmean), on floating types only: the sum is rounded to the element
+// type, then multiplied by 1/n (and rounded again), bitwise what psum followed by XLA CPU's
+// divide gives, but inside the reduction's own pass over the output instead of in one more.
 
 // Element types as XLA FFI numbers them (xla::ffi::DataType).
 int dtype_size(int32_t dtype);  // bytes per element, 0 if unsupported
@@ -47,13 +48,13 @@ constexpr size_t kStreamBytes = size_t{2} << 20;
 // non-temporal stores from this size per tile, whatever the output's size: a line the owner
 // still holds in its cache (last step's gradients, read by its optimizer) would otherwise be
 // taken from it for ownership, and the owner then reads it back from this core's cache.
-// Measured: train_moe.py --preset paper under launch -n 4, whose gradient pmean is such an
-// all-reduce, with plain stores there 1.38-1.42x xla_sort against 1.46-1.50x before (three
-// alternated runs each), and 1.44-1.47x (against 1.34-1.42x) with this rule (two more each).
-// Pushed copies (all_gather, pbroadcast) follow stream_output: with this rule they lost what
-// plain stores gained (all_gather 1 MiB, 2 processes: 0.92x XLA over MPI against 1.52x).
+// train_moe.py --preset paper under launch -n 4, whose gradient pmean is such an all-reduce,
+// runs 1.44-1.50x xla_sort's speed so, 1.38-1.42x with plain stores there. Pushed copies
+// (all_gather, pbroadcast) follow stream_output instead: under this rule they run at 0.92x XLA
+// over MPI's speed (all_gather 1 MiB, 2 processes), under stream_output at 1.52x.
 constexpr size_t kPeerStreamBytes = 32 * 1024;
-// zero_bytes' threshold (MoE dispatch's unused capacity rows, measured in commit e2cf04a).
+// zero_bytes' threshold (MoE dispatch's unused capacity rows, zeroed with non-temporal stores
+// from this size on).
 constexpr size_t kZeroStreamBytes = 32 * 1024;
 void copy_bytes(void* dst, const void* src, size_t bytes);
 // The threshold: STRATA_STREAM_BYTES (K/M/G suffixes), else kStreamBytes.

@@ -50,14 +50,28 @@ inline A op_min(A a, A b) {
   }
 }
 
+// Integer products wrap like sums, computed in an unsigned type at least as wide as int (two
+// uint16 would be promoted to int, whose overflow is undefined); bool's (bytes 0/1) is AND.
+template <class A>
+inline A op_prod(A a, A b) {
+  if constexpr (std::is_integral_v<A>) {
+    using U = std::conditional_t<(sizeof(A) < sizeof(unsigned)), unsigned, std::make_unsigned_t<A>>;
+    return static_cast<A>(static_cast<U>(a) * static_cast<U>(b));
+  } else {
+    return a * b;
+  }
+}
+
 template <ReduceOp OP, class A>
 inline A op_apply(A a, A b) {
   if constexpr (OP == ReduceOp::kSum || OP == ReduceOp::kMean) {
     return op_sum<A>(a, b);
   } else if constexpr (OP == ReduceOp::kMax) {
     return op_max<A>(a, b);
-  } else {
+  } else if constexpr (OP == ReduceOp::kMin) {
     return op_min<A>(a, b);
+  } else {
+    return op_prod<A>(a, b);
   }
 }
 
@@ -177,6 +191,8 @@ void reduce_dispatch_op(ReduceOp op, const void* const* srcs, int n, void* dst, 
       if constexpr (std::is_floating_point_v<typename Elem<T>::Acc>)
         return reduce_typed<T, ReduceOp::kMean>(srcs, n, dst, b, e);
       return;  // integers: reduce_supported refuses them
+    case ReduceOp::kProd:
+      return reduce_typed<T, ReduceOp::kProd>(srcs, n, dst, b, e);
   }
 }
 

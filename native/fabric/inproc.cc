@@ -95,15 +95,7 @@ void InProcFabric::record_failure(const CallKey& key, const std::string& msg) {
 
 InProcTeam::InProcTeam(std::shared_ptr<CallSlot> slot, const CallKey& key, const Placement& pl,
                        const char* op_name)
-    : slot_(std::move(slot)),
-      key_(key),
-      rank_(pl.rank),
-      size_(pl.size),
-      partition_(pl.partition),
-      device_(pl.device),
-      member_parts_(pl.member_parts),
-      device_ids_(pl.device_ids),
-      op_name_(op_name) {
+    : SeatedTeam(pl, op_name), slot_(std::move(slot)), key_(key) {
   Doing& d = doing_of(device_);
   d.device.store(device_, std::memory_order_relaxed);
   d.run.store(key_.run_id, std::memory_order_relaxed);
@@ -188,19 +180,14 @@ std::string InProcTeam::wait_arrivals(uint32_t target, const char* phase) {
 std::string InProcTeam::wait_word(std::atomic<uint32_t>* word, uint32_t target, const char* phase) {
   static const int cores = static_cast<int>(std::thread::hardware_concurrency());
   auto deadline = Clock::now() + std::chrono::milliseconds(settings().timeout_ms.load());
-  // Spin only where every rank can have a CPU (a peer may then answer within a microsecond);
+  // Spin only where every rank can have a CPU (a peer may then answer within a microsecond):
   // with more ranks than CPUs a spinning waiter holds the CPU that the ranks it waits for need
-  // (8 devices on 2 cores at load 27, two alternated runs of all_gather, psum and ppermute at
-  // 4-64 KiB against jax.lax: 1.01-1.24x without the spin, 0.93-1.16x with 64 pauses).
-  // Then sleep: no sched_yield. Under EEVDF (Linux 6.6+) every sched_yield pushes the caller's
-  // deadline one slice later, and the push lasts until the thread has run that long or sleeps.
-  // These are XLA's device threads, so a yielding waiter left them behind every other runnable
-  // thread of the machine for the rest of the call and for the XLA work after it. Measured with
-  // 8 devices on a loaded machine: pinned to one core beside 4 busy loops, pmax 256 KiB took
-  // 15.9 ms with 16 yields against 0.74 ms without (jax.lax: 0.99 and 0.73 ms); on 2 cores at
-  // load 11-13, a jax.lax psum of 4 KiB interleaved with strata calls took 580 us after
-  // yielding ones and 420 us after sleeping ones, while strata's own 4 KiB call was within
-  // noise either way (354-407 us against 374-379 us).
+  // (8 devices on 2 cores: 0.93-1.16x jax.lax's speed with 64 pauses, 1.01-1.24x without).
+  // Then sleep, never sched_yield: under EEVDF (Linux 6.6+) each sched_yield pushes the caller's
+  // deadline one slice later until it has run that long or sleeps, and these are XLA's device
+  // threads, so a yielding waiter falls behind every other runnable thread for the rest of the
+  // call and the XLA work after it (pmax 256 KiB on one busy core: 15.9 ms with 16 yields,
+  // 0.74 ms sleeping).
   bool ok = wait_until(
       word, [&] { return word->load(std::memory_order_acquire) >= target; },
       [&] { return slot_->failed.load(std::memory_order_acquire); }, deadline, /*shared=*/false,
@@ -214,12 +201,9 @@ std::string InProcTeam::wait_word(std::atomic<uint32_t>* word, uint32_t target, 
   for (int j = 0; j < size_; ++j)
     if (slot_->peers[j].reached.load(std::memory_order_acquire) < barriers_) missing.push_back(j);
   std::ostringstream os;
-  os << "strata_jax " << op_name_ << ": timed out after " << settings().timeout_ms.load() / 1000.0
-     << " s in phase '" << phase << "' waiting for rank(s) [";
-  for (size_t i = 0; i < missing.size(); ++i) os << (i ? ", " : "") << missing[i];
-  os << "] of a group of " << size_ << " (group " << key_.group << ", op " << key_.op_id << ", run "
-     << static_cast<uint64_t>(key_.run_id) << "); reported by rank " << rank_ << " (partition "
-     << partition_ << "). ";
+  os << timed_out_waiting(op_name_, phase, missing) << " of a group of " << size_ << " (group "
+     << key_.group << ", op " << key_.op_id << ", run " << static_cast<uint64_t>(key_.run_id)
+     << "); reported by rank " << rank_ << " (partition " << partition_ << "). ";
   // What the missing ranks do, ranks doing the same thing named together.
   std::vector<std::pair<std::string, std::vector<int>>> doing_what;
   for (int j : missing) {
@@ -271,8 +255,8 @@ std::string InProcTeam::check_desc(const OpDesc& desc, int j) const {
      << desc.name << ", dtype " << dtype_name(desc.dtype) << ", " << desc.in_bytes << " B in, "
      << desc.out_bytes << " B out; rank " << j << ": " << o.name << ", dtype "
      << dtype_name(o.dtype) << ", " << o.in_bytes << " B in, " << o.out_bytes << " B out";
-  if (o.aux != desc.aux)
-    os << "; their parameters differ (" << desc.aux << " vs " << o.aux
+  if (o.params != desc.params)
+    os << "; their parameters differ (" << desc.params.describe() << " vs " << o.params.describe()
        << "): e.g. ppermute's permutation (hashed) or pbroadcast's root";
   os << "). Every rank of a group must call the same collective with the same shape, dtype "
         "and parameters.";
@@ -418,7 +402,7 @@ std::string InProcTeam::arrive_multi(const OpDesc& desc, const BufRef* bufs, int
 }
 
 std::string InProcTeam::arrive_list(const OpDesc& desc, const OperandRef* ops, int nops) {
-  (void)nops;  // the descriptors' signature (OpDesc::aux) makes every rank's count the same
+  (void)nops;  // the descriptors' signature (OpParams::signature) makes every rank's count the same
   slot_->peers[rank_].ops = ops;
   // arrive()'s barrier (acq_rel) publishes the array pointer stored above to every peer.
   return arrive(desc, nullptr, nullptr);

@@ -98,13 +98,11 @@ struct CallSlot {
   std::mutex fail_mu;
 };
 
-class InProcTeam final : public Team {
+class InProcTeam final : public SeatedTeam {
  public:
   InProcTeam(std::shared_ptr<CallSlot> slot, const CallKey& key, const Placement& pl,
              const char* op_name);
   ~InProcTeam() override;
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
   const void* peer_in(int j) const override { return slot_->peers[j].in; }
   void* peer_out(int j) const override { return slot_->peers[j].out; }
   const void* peer_buf(int j, int i) const override { return slot_->peers[j].bufs[i]; }
@@ -164,15 +162,7 @@ class InProcTeam final : public Team {
   std::string whereabouts(int j) const;
   std::shared_ptr<CallSlot> slot_;
   CallKey key_;
-  int rank_, size_;
-  int64_t partition_;
-  int64_t device_;
-  // The members' global device ids (Placement::member_device), valid while the handler runs,
-  // which the team never outlives.
-  const int64_t* member_parts_;
-  const int64_t* device_ids_;
   uint32_t barriers_ = 0;
-  const char* op_name_;
 };
 
 class InProcFabric {

@@ -4,26 +4,17 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common/ops.h"
+
 namespace strata {
 namespace {
 
-// The operators the FFI handlers name (ffi/handlers.cc); the last slot takes any other name.
-constexpr const char* kNames[] = {"psum",
-                                  "pmean",
-                                  "pmax",
-                                  "pmin",
-                                  "psum_scatter",
-                                  "all_gather",
-                                  "all_to_all",
-                                  "ppermute",
-                                  "pbroadcast",
-                                  "ragged_all_to_all",
-                                  "moe.dispatch",
-                                  "moe.combine",
-                                  "moe.combine (weights cotangent)",
-                                  "moe.low_latency_dispatch",
-                                  "moe.low_latency_combine",
-                                  "other"};
+// The operators' names in comm_stats() (common/ops.h); the last slot takes any other name.
+constexpr const char* kNames[] = {
+#define STRATA_STATS_NAME(id, api, lax, target, stats, algorithms, reduce) stats,
+    STRATA_OPERATORS(STRATA_STATS_NAME)
+#undef STRATA_STATS_NAME
+        "other"};
 constexpr int kSlots = sizeof(kNames) / sizeof(kNames[0]);
 
 OpStats* slots() {

@@ -212,15 +212,9 @@ void ShmFabric::release_bounce(Bounce* b) {
 // ---- the team ----
 
 ShmTeam::ShmTeam(ShmFabric* f, ShmSlot* slot, const Placement& pl, const char* op_name)
-    : f_(f),
+    : SeatedTeam(pl, op_name),
+      f_(f),
       slot_(slot),
-      rank_(pl.rank),
-      size_(pl.size),
-      partition_(pl.partition),
-      device_(pl.device),
-      member_parts_(pl.member_parts),
-      device_ids_(pl.device_ids),
-      op_name_(op_name),
       in_(pl.size, nullptr),
       out_(pl.size, nullptr),
       bufs_(static_cast<size_t>(pl.size) * kMaxBufs, nullptr) {}
@@ -290,12 +284,10 @@ std::string ShmTeam::barrier(const char* phase) {
   for (int j = 0; j < size_; ++j)
     if (slot_->peer(j).reached.load(std::memory_order_acquire) < barriers_) missing.push_back(j);
   std::ostringstream os;
-  os << "strata_jax " << op_name_ << ": timed out after " << settings().timeout_ms.load() / 1000.0
-     << " s in phase '" << phase << "' waiting for rank(s) [";
-  for (size_t i = 0; i < missing.size(); ++i) os << (i ? ", " : "") << missing[i];
-  os << "] of a group of " << size_ << " (execution #" << slot_->exec << " on communicator "
-     << std::hex << slot_->comm << std::dec << "); reported by rank " << rank_ << " (partition "
-     << partition_ << ", process " << f_->proc() << ")";
+  os << timed_out_waiting(op_name_, phase, missing) << " of a group of " << size_ << " (execution #"
+     << slot_->exec << " on communicator " << std::hex << slot_->comm << std::dec
+     << "); reported by rank " << rank_ << " (partition " << partition_ << ", process "
+     << f_->proc() << ")";
   std::string dead = f_->dead_peers();
   if (!dead.empty()) os << "; process(es) " << dead << " disconnected (exited or killed)";
   os << ". A peer never reached this collective: check that every device executes the same "
@@ -351,7 +343,7 @@ void ShmTeam::publish_desc(const OpDesc& desc) {
   me.kind = desc.kind;
   me.dtype = desc.dtype;
   me.reduce = desc.reduce;
-  me.aux = desc.aux;
+  me.params = desc.params.digest();
   me.algo = desc.algo;
   me.in_bytes = desc.in_bytes;
   me.out_bytes = desc.out_bytes;
@@ -364,15 +356,23 @@ std::string ShmTeam::check_peers(const OpDesc& desc) const {
     const ShmPeer& o = slot_->peer(j);
     if (j == rank_ || o.reached.load(std::memory_order_acquire) < 1) continue;  // not yet here
     differ = o.kind != desc.kind || o.dtype != desc.dtype || o.reduce != desc.reduce ||
-             o.aux != desc.aux || o.in_bytes != desc.in_bytes || o.out_bytes != desc.out_bytes;
+             o.params != desc.params.digest() || o.in_bytes != desc.in_bytes ||
+             o.out_bytes != desc.out_bytes;
   }
   if (!differ) return {};
-  auto describe = [](std::ostringstream& os, int j, const ShmPeer& o) {
+  // The parameters' digests are shown only when they are part of the disagreement.
+  bool params_differ = false;
+  for (int j = 0; j < size_; ++j) {
+    const ShmPeer& o = slot_->peers[j];
+    if (j != rank_ && o.reached.load(std::memory_order_acquire) >= 1)
+      params_differ |= o.params != desc.params.digest();
+  }
+  auto describe = [params_differ](std::ostringstream& os, int j, const ShmPeer& o) {
     const int es = dtype_size(o.dtype);
     os << "rank " << j << " (device " << o.device << "): " << o.name << " " << dtype_name(o.dtype)
        << "[" << (es ? o.in_bytes / es : 0) << "] (" << o.in_bytes << " B in, " << o.out_bytes
        << " B out";
-    if (o.aux) os << ", parameters " << o.aux;
+    if (params_differ) os << ", parameters " << std::hex << o.params << std::dec;
     os << ")";
   };
   std::ostringstream os;
@@ -647,7 +647,7 @@ std::string ShmTeam::arrive_list(const OpDesc& desc, const OperandRef* ops, int 
       if (!tab) return fail(std::string("strata_jax ") + op_name_ + ": " + err);
     }
     for (int i = 0; i < nb; ++i) {
-      // Every rank's operands have this rank's sizes: the descriptors' signature (aux) agrees.
+      // Every rank's operands have this rank's sizes: the descriptors' signature agrees.
       const uint64_t bytes = buf_of(i).second;
       if (!bytes) continue;
       const ListEntry e = tab[i];

@@ -23,7 +23,7 @@
 //    of the lowered module (collectives.py: next_op_id), and the occurrence counts the call's
 //    executions inside this execution (loops). XLA's RunId cannot key calls across
 //    processes: it derives from the executable's fingerprint, which includes source locations,
-//    so one jitted function called from two call sites gets two run ids (edge case 17 hung).
+//    so one jitted function called from two call sites gets two run ids.
 //    Why not a plain per-call sequence number: measured with InFlight (fabric/inflight.h) on
 //    8 in-process devices, XLA CPU runs independent strata calls of ONE execution at once on
 //    a device (2 in flight: psum(v) + pmax(2v) + ... in one program), so their start order
@@ -33,12 +33,11 @@
 //    per device over 1000 chained calls of 4 programs dispatched ahead), so counting
 //    executions is well defined; a call that overlaps another execution's call on its device
 //    fails loudly instead of risking a wrong pairing (ffi/common.h).
-//    At arrival every rank publishes its descriptor (op, dtype, bytes, reduce, root/aux) and
-//    compares it with those already published: the first rank to see a disagreement fails the
-//    slot naming every rank's op, dtype and size, and waiting ranks see the failure flag at
-//    once (never the timeout).
-//    Out of scope, by nature: an extra identical execution on one rank pairs with its peers'
-//    next identical one (NCCL and gloo behave the same).
+//    At arrival every rank publishes its descriptor (op, dtype, bytes, reduce, a digest of its
+//    parameters) and compares it with those already published: the first rank to see a disagreement
+//    fails the slot naming every rank's op, dtype and size, and waiting ranks see the failure flag
+//    at once (never the timeout). Out of scope, by nature: an extra identical execution on one rank
+//    pairs with its peers' next identical one (NCCL and gloo behave the same).
 //  - The low-latency path (shm_ll.h): calls of at most STRATA_LL_BYTES per rank skip the slot
 //    and both barriers; the data travels with its key through per-rank slot rings in the region
 //    after the control block, under the same keys and with the same checks.
@@ -104,7 +103,7 @@ constexpr uint64_t kBounceIdBit = uint64_t{1} << 62;
 struct ShmPeer {
   int32_t proc;  // process index of the rank
   int32_t kind, dtype, reduce;
-  int64_t aux;
+  uint64_t params;  // OpParams::digest() of the call
   uint64_t in_bytes, out_bytes;
   uint64_t in_seg, in_off, out_seg, out_off;  // where peers find the buffers (seg 0: none)
   uint64_t in_ptr, out_ptr;                   // the same, as addresses in the owner process
@@ -166,12 +165,10 @@ class ShmFabric;
 // The hash of a call's key (comm, exec, op, occ); never 0 (0 marks a free slot).
 uint64_t slot_tag(uint64_t comm, uint64_t exec, uint64_t op, uint64_t occ);
 
-class ShmTeam final : public Team {
+class ShmTeam final : public SeatedTeam {
  public:
   ShmTeam(ShmFabric* f, ShmSlot* slot, const Placement& pl, const char* op_name);
   ~ShmTeam() override;
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
   const void* peer_in(int j) const override { return in_[j]; }
   void* peer_out(int j) const override { return out_[j]; }
   const void* peer_buf(int j, int i) const override { return bufs_[j * kMaxBufs + i]; }
@@ -216,15 +213,10 @@ class ShmTeam final : public Team {
                       uint64_t* ptr);
   ShmFabric* f_;
   ShmSlot* slot_;
-  int rank_, size_;
   int local_ranks_ = 1;  // ranks of this call in this process (set at arrival)
-  int64_t partition_, device_;
-  const int64_t* member_parts_;  // Placement::member_parts/device_ids (valid during the call)
-  const int64_t* device_ids_;
   // The missing ranks whose process has disconnected: "" if none (checked while waiting).
   std::string dead_members() const;
   uint32_t barriers_ = 0;
-  const char* op_name_;
   const OpDesc* arriving_ = nullptr;  // set while in the arrival barrier: checked while waiting
   std::vector<const void*> in_;
   std::vector<void*> out_;

@@ -179,16 +179,10 @@ std::unique_ptr<ShmLlTeam> ShmLlTeam::join(ShmFabric* f, const Placement& pl, in
 
 ShmLlTeam::ShmLlTeam(ShmFabric* f, LlChannel* ch, char* region, const Placement& pl,
                      const char* op_name)
-    : f_(f),
+    : SeatedTeam(pl, op_name),
+      f_(f),
       ch_(ch),
       region_(region),
-      rank_(pl.rank),
-      size_(pl.size),
-      partition_(pl.partition),
-      device_(pl.device),
-      member_parts_(pl.member_parts),
-      device_ids_(pl.device_ids),
-      op_name_(op_name),
       in_(pl.size, nullptr),
       bufs_(static_cast<size_t>(pl.size) * kMaxBufs, nullptr),
       found_(pl.size, nullptr) {}
@@ -411,7 +405,7 @@ std::string ShmLlTeam::publish_and_wait(const OpDesc& desc, const BufRef* bufs, 
   me->kind = desc.kind;
   me->dtype = desc.dtype;
   me->reduce = desc.reduce;
-  me->aux = desc.aux;
+  me->params = desc.params.digest();
   me->proc = f_->proc();
   me->device = device_;
   me->in_bytes = desc.in_bytes;
@@ -447,8 +441,8 @@ std::string ShmLlTeam::publish_and_wait(const OpDesc& desc, const BufRef* bufs, 
         same_bufs = same_bufs && e->buf_bytes[i] == (i < nbufs ? bufs[i].bytes : 0);
       if (failed_.empty() &&
           (e->kind != desc.kind || e->dtype != desc.dtype || e->reduce != desc.reduce ||
-           e->aux != desc.aux || e->in_bytes != desc.in_bytes || e->out_bytes != desc.out_bytes ||
-           !same_bufs)) {
+           e->params != desc.params.digest() || e->in_bytes != desc.in_bytes ||
+           e->out_bytes != desc.out_bytes || !same_bufs)) {
         failed_ = mismatch(desc);
         notify(&ch_->epoch, &ch_->sleepers);  // waiters see it now, not at their next slice
       }
@@ -539,6 +533,10 @@ std::string ShmLlTeam::mismatch(const OpDesc& desc) const {
   os << "strata_jax " << op_name_ << ": ranks disagree on a collective call (execution #" << exec_
      << " on their communicator, op " << op_ << ", occurrence " << occ_ << ", group of " << size_
      << "): ";
+  // The parameters' digests are shown only when they are part of the disagreement.
+  bool params_differ = false;
+  for (int j = 0; j < size_; ++j)
+    if (found_[j]) params_differ |= found_[j]->params != desc.params.digest();
   int shown = 0;
   for (int j = 0; j < size_; ++j) {
     const LlEntry* o = found_[j];
@@ -552,10 +550,9 @@ std::string ShmLlTeam::mismatch(const OpDesc& desc) const {
     os << "rank " << j << " (device " << o->device << "): " << o->name << " "
        << dtype_name(o->dtype) << "[" << (es ? o->in_bytes / es : 0) << "] (" << o->in_bytes
        << " B in, " << o->out_bytes << " B out";
-    if (o->aux) os << ", parameters " << o->aux;
+    if (params_differ) os << ", parameters " << std::hex << o->params << std::dec;
     os << ")";
   }
-  (void)desc;
   os << ". Every rank of a group must make the same sequence of collective calls with the same "
         "op, shape, dtype and parameters (e.g. ppermute's permutation, hashed, or pbroadcast's "
         "root).";
@@ -617,12 +614,10 @@ std::string ShmLlTeam::straddler(const OpDesc& desc) {
 
 std::string ShmLlTeam::missing_message(const char* phase, const std::vector<int>& missing) const {
   std::ostringstream os;
-  os << "strata_jax " << op_name_ << ": timed out after " << settings().timeout_ms.load() / 1000.0
-     << " s in phase '" << phase << "' waiting for rank(s) [";
-  for (size_t i = 0; i < missing.size(); ++i) os << (i ? ", " : "") << missing[i];
-  os << "] of a group of " << size_ << " (execution #" << exec_ << " on communicator " << std::hex
-     << comm_ << std::dec << ", low-latency path); reported by rank " << rank_ << " (partition "
-     << partition_ << ", process " << f_->proc() << ")";
+  os << timed_out_waiting(op_name_, phase, missing) << " of a group of " << size_ << " (execution #"
+     << exec_ << " on communicator " << std::hex << comm_ << std::dec
+     << ", low-latency path); reported by rank " << rank_ << " (partition " << partition_
+     << ", process " << f_->proc() << ")";
   std::string dead = f_->dead_peers();
   if (!dead.empty()) os << "; process(es) " << dead << " disconnected (exited or killed)";
   if (std::strcmp(phase, "reuse") == 0)

@@ -5,8 +5,8 @@
 // publishes buffer addresses, passes an arrival barrier, runs the algorithm on the peers' own
 // buffers and passes a departure barrier before anyone may reuse them. Two barriers are two
 // rounds of sleeping and waking every process; with 4 processes on 2 cores each round costs a
-// context switch per process. Measured on main (4 processes, 2 cores, loaded): 4 KiB psum
-// handler p50 420 us, 67% of it waiting, against a jitted no-op launch of 52-70 us.
+// context switch per process: with 4 processes on 2 cores a 4 KiB psum on the general path
+// spends 420 us (p50) in its handler, 67% of it waiting, against a jitted no-op's 52-70 us.
 //
 // What: below a threshold (STRATA_LL_BYTES, default 64 KiB of input per rank) a call copies its
 // input into a slot of its own in shared memory and publishes it with one store of the call's
@@ -20,12 +20,12 @@
 //
 // Keys: exactly the general path's (communicator, execution number on it, op index,
 // occurrence) from ShmFabric::next_seq, hashed into the stamp; the slot also holds the exact
-// key and the descriptor (op, dtype, sizes, reduce, aux), compared with every peer's when
-// found: a disagreement fails every rank that sees it at once, naming each rank's op, dtype
-// and size. Ranks that disagree on the path itself (sizes straddling the threshold: one rank in
-// the general rendezvous, one here) are found by the waiting LL rank in the control segment's
-// slot table, which fails both with the same message. A dead peer's process is detected while
-// waiting (the links close) and named; otherwise the call times out naming the missing ranks.
+// key and the descriptor (op, dtype, sizes, reduce, a digest of the parameters), compared with
+// every peer's when found: a disagreement fails every rank that sees it at once, naming each rank's
+// op, dtype and size. Ranks that disagree on the path itself (sizes straddling the threshold: one
+// rank in the general rendezvous, one here) are found by the waiting LL rank in the control
+// segment's slot table, which fails both with the same message. A dead peer's process is detected
+// while waiting (the links close) and named; otherwise the call times out naming the missing ranks.
 //
 // Waiting: spin, yield, then sleep on the channel's futex word `epoch`, counted in `sleepers`
 // so that the waker makes the system call only when someone sleeps; only the last rank to
@@ -50,11 +50,10 @@
 // ranks that had finished their copy wait for a descheduled peer (measured under launch -n 4 on
 // 2 cores, train_recsys's 8 MiB all_to_alls: 1-32 ms per call in the departure barrier for
 // 0.7-1.8 ms of copying). What it costs: one copy of the input per call, and an all-reduce runs
-// one-shot (every rank reads every peer's whole input). Default: off. It was 1 MiB when processes
-// outnumbered cores until calls timed back to back (collectives.py --batch, mpirun -n 4 on 2
-// cores) showed it 1.2-2.4x slower than the general path at 256 KiB-1 MiB for every operator,
-// while train_moe, serve_moe and train_recsys (--preset paper, launch -n 4, alternated with it
-// off) were no faster with it (docs/design.md, the staged form).
+// one-shot (every rank reads every peer's whole input). Default: off: calls timed back to back
+// (collectives.py --batch, mpirun -n 4 on 2 cores) run 1.2-2.4x slower staged than on the
+// general path at 256 KiB-1 MiB for every operator, and train_moe, serve_moe and train_recsys
+// (--preset paper, launch -n 4) are no faster with it (docs/design.md, the staged form).
 #pragma once
 
 #include <atomic>
@@ -91,7 +90,8 @@ struct LlEntry {
   std::atomic<uint32_t> claim;
   uint64_t exec, op, occ;  // the exact key (the stamp is its hash)
   int32_t kind, dtype, reduce, proc;
-  int64_t aux, device;
+  uint64_t params;  // OpParams::digest() of the call
+  int64_t device;
   uint64_t in_bytes, out_bytes;
   // Staged form: the data's place in the owner's bounce buffer (data_seg 0: inside the slot);
   // data_ptr is the owner's own address of it (for ranks of the same process).
@@ -142,7 +142,7 @@ int64_t get_ll_bytes();
 void set_ll_stage_bytes(int64_t bytes);
 int64_t get_ll_stage_bytes();
 
-class ShmLlTeam final : public Team {
+class ShmLlTeam final : public SeatedTeam {
  public:
   // The low-latency team for this call, or nullptr when the call takes the general path (too
   // large, no channel): then *err is empty and nothing was consumed (next_seq not called).
@@ -157,8 +157,6 @@ class ShmLlTeam final : public Team {
   static uint64_t multi_bytes(const BufRef* bufs, int nbufs, bool* eligible);
   ShmLlTeam(ShmFabric* f, LlChannel* ch, char* region, const Placement& pl, const char* op_name);
   ~ShmLlTeam() override;  // marks the peers' slots read if depart() did not (a failed call)
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
   const void* peer_in(int j) const override { return in_[j]; }
   // Only this rank's own output is reachable: every operator on this path writes its own.
   void* peer_out(int j) const override { return j == rank_ ? out_ : nullptr; }
@@ -195,11 +193,6 @@ class ShmLlTeam final : public Team {
   ShmFabric* f_;
   LlChannel* ch_;
   char* region_;
-  int rank_, size_;
-  int64_t partition_, device_;
-  const int64_t* member_parts_;
-  const int64_t* device_ids_;
-  const char* op_name_;
   uint64_t comm_ = 0, tag_ = 0, exec_ = 0, op_ = 0, occ_ = 0;
   std::string failed_;  // set by a failed check inside wait()
   bool read_marked_ = false;

@@ -8,16 +8,18 @@
 #include <string>
 #include <vector>
 
+#include "common/ops.h"
+
 namespace strata {
 
 // What every participant of one collective call must agree on. Checked at arrival so that a
 // mismatch (different op, dtype or size on some rank) fails loudly instead of corrupting memory.
 struct OpDesc {
   const char* name = "";   // user-facing op name, e.g. "psum"
-  int32_t kind = 0;        // OpKind
+  int32_t kind = 0;        // the operator (Op of common/ops.h)
   int32_t dtype = 0;       // xla::ffi::DataType
   int32_t reduce = 0;      // ReduceOp for reductions
-  int64_t aux = 0;         // op-specific (root rank, ...)
+  OpParams params;         // the operator's own parameters (root rank, axes, form ...)
   int32_t algo = 0;        // algorithm choice; not compared: every rank follows rank 0's
   uint64_t in_bytes = 0;   // per-rank input bytes
   uint64_t out_bytes = 0;  // per-rank output bytes
@@ -27,7 +29,7 @@ struct OpDesc {
   // only its own output, and one-shot costs it no more than otherwise.
   bool may_stage = false;
   bool same_as(const OpDesc& o) const {
-    return kind == o.kind && dtype == o.dtype && reduce == o.reduce && aux == o.aux &&
+    return kind == o.kind && dtype == o.dtype && reduce == o.reduce && params == o.params &&
            in_bytes == o.in_bytes && out_bytes == o.out_bytes;
   }
 };
@@ -97,11 +99,41 @@ struct Placement {
   int64_t member_device(int r) const { return device_ids[member_parts[r]]; }
 };
 
+// What every fabric's team keeps of where its rank sits in the call (its Placement: the member
+// arrays stay valid while the handler runs, which the team never outlives) and of the call's
+// name (for messages), with Team's rank() and size().
+class SeatedTeam : public Team {
+ public:
+  SeatedTeam(const Placement& pl, const char* op_name)
+      : rank_(pl.rank),
+        size_(pl.size),
+        partition_(pl.partition),
+        device_(pl.device),
+        member_parts_(pl.member_parts),
+        device_ids_(pl.device_ids),
+        op_name_(op_name) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+ protected:
+  int rank_, size_;
+  int64_t partition_, device_;
+  // The members' global device ids (Placement::member_device).
+  const int64_t* member_parts_;
+  const int64_t* device_ids_;
+  const char* op_name_;
+};
+
 // Computes the placement of `partition` in explicit groups: `groups` holds `num_groups` rows
 // of `group_size` partition indices (row-major), rank = position in the row; `device_ids[p]`
 // is partition p's global device id. Returns an error if the partition is in no row.
 std::string place_in_groups(int64_t partition, const int64_t* groups, size_t groups_len,
                             int64_t group_size, const int64_t* device_ids, size_t num_devices,
                             Placement* out);
+
+// The words every fabric's timeout message starts with: "strata_jax <op>: timed out after <s> s
+// in phase '<phase>' waiting for rank(s) [<missing>]"; each fabric goes on with where the call
+// was and what the missing ranks do.
+std::string timed_out_waiting(const char* op, const char* phase, const std::vector<int>& missing);
 
 }  // namespace strata

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "coll/kernels.h"
@@ -62,6 +63,54 @@ struct GroupAttrs {
 #define STRATA_GROUP_ATTRS \
   Attr<int64_t>("op_id").Attr<I64s>("groups").Attr<int64_t>("group_size").Attr<I64s>("device_ids")
 
+namespace bind {
+// N >= 1 buffer arguments (kResults: results) appended to binding b. Every step returns the next
+// stage as a prvalue: a Binding cannot be moved from outside XLA's own code.
+template <int N, bool kResults, class B>
+auto buffers(B&& b) {
+  using xla::ffi::AnyBuffer;
+  if constexpr (N == 1 && kResults)
+    return std::move(b).template Ret<AnyBuffer>();
+  else if constexpr (N == 1)
+    return std::move(b).template Arg<AnyBuffer>();
+  else if constexpr (kResults)
+    return buffers<N - 1, true>(std::move(b).template Ret<AnyBuffer>());
+  else
+    return buffers<N - 1, false>(std::move(b).template Arg<AnyBuffer>());
+}
+// The binding of a call that meets its peers (lowering.lower_strata_call): the run id,
+// `kOperands` buffers, the partition id and the optional After, then `kResults` results and the
+// optional Done, then the group attributes (STRATA_GROUP_ATTRS); the handler's own attributes
+// follow.
+template <int kOperands, int kResults>
+auto call() {
+  using xla::ffi::AnyBuffer;
+  return buffers<kResults, true>(
+             buffers<kOperands + 1, false>(xla::ffi::Ffi::Bind().Ctx<xla::ffi::RunId>())
+                 .template OptionalArg<AnyBuffer>())
+      .template OptionalRet<AnyBuffer>()
+      .template Attr<int64_t>("op_id")
+      .template Attr<I64s>("groups")
+      .template Attr<int64_t>("group_size")
+      .template Attr<I64s>("device_ids");
+}
+}  // namespace bind
+// bind::call<kOperands, kResults>() as XLA_FFI_DEFINE_HANDLER_SYMBOL takes a binding (in
+// parentheses, so that its comma does not split the macro's arguments).
+#define STRATA_BIND_CALL(operands, results) (::strata::bind::call<operands, results>())
+
+// The descriptor of one call of operator `op` through target `form`: its element type and its
+// bytes per rank in and out (the operator's parameters and reduction are the caller's to add).
+inline OpDesc make_desc(Op op, Target form, int32_t dtype, uint64_t in_bytes, uint64_t out_bytes) {
+  OpDesc d;
+  d.kind = static_cast<int32_t>(op);
+  d.params.form = form;
+  d.dtype = dtype;
+  d.in_bytes = in_bytes;
+  d.out_bytes = out_bytes;
+  return d;
+}
+
 // Where this device sits in the collective: from its partition id (an operand computed by
 // the program itself, so it is right for any device assignment) and the groups.
 inline std::string placement(xla::ffi::AnyBuffer pid, const GroupAttrs& g, Placement* pl) {
@@ -77,7 +126,7 @@ inline std::string placement(xla::ffi::AnyBuffer pid, const GroupAttrs& g, Place
 // (InProcTeam::arrive_lead), as XLA's in-process collectives do; larger calls run each rank's
 // part on its own thread between an arrival and a departure barrier. With 8 devices on 2 cores
 // the second barrier's round of sleeps and wake-ups cost more than the parts of a small call
-// (measured in docs/design.md, "Small calls in one process").
+// (measured in docs/notes/2026-12-03-in-process-collectives.md, "Small calls in one process").
 constexpr uint64_t kLeadBytes = 256 * 1024;
 inline bool lead_in_process(const OpDesc& d, int n) {
   return n > 1 && d.in_bytes <= kLeadBytes && d.out_bytes <= kLeadBytes;

@@ -1,3 +1,7 @@
+// XLA FFI handlers of the collectives inside one fabric: each decodes its buffers and
+// attributes, joins the call on the fabric (ffi/collective.h: run_collective), runs the
+// algorithm from coll/ and leaves. The two-fabric forms of the hierarchical collectives are in
+// hier_handlers.cc; both call the operators' implementations defined here.
 #include "ffi/handlers.h"
 
 #include <cstring>
@@ -6,79 +10,18 @@
 #include <vector>
 
 #include "coll/collectives.h"
+#include "common/ops.h"
 #include "fabric/inproc.h"
 #include "fabric/op_stats.h"
 #include "fabric/shm.h"
 #include "fabric/stats.h"
+#include "ffi/collective.h"
 #include "ffi/common.h"
 
 namespace ffi = xla::ffi;
 
 namespace strata {
 namespace {
-
-enum OpKind : int32_t {
-  kAllReduce = 1,
-  kReduceScatter,
-  kAllGather,
-  kAllToAll,
-  kPermute,
-  kBroadcast,
-  kAllGatherReduce,
-  kAllReduceList,
-  kReduceScatterRows,
-  kAllGatherRows,
-  kAllGatherPart
-};
-
-// `peers_write`: the algorithm writes into the peers' outputs, which the low-latency path of the
-// shared-memory fabric (shm_ll.h: slots hold copies of the inputs only) does not offer.
-// `block` (optional): the call's per-source copy (team, src) for InProcTeam::arrive_pairs.
-template <class Body, class Block = std::nullptr_t>
-ffi::Error run_collective(const char* name, ffi::RunId run, int64_t op_id, ffi::AnyBuffer pid,
-                          const GroupAttrs& ga, OpDesc desc, const void* in, void* out, Body body,
-                          bool peers_write = false, Block block = nullptr) {
-  Placement pl;
-  std::string err = placement(pid, ga, &pl);
-  if (!err.empty()) return to_error(std::string("strata_jax ") + name + ": " + err);
-  // Nothing to move. In one process every rank has the same shapes (one SPMD program), so all
-  // skip together; across processes a rank's shapes may differ from its peers' (different
-  // programs), so the call still meets them and a zero-vs-nonzero mismatch fails at once.
-  if (desc.in_bytes == 0 && desc.out_bytes == 0 && !ShmFabric::active())
-    return ffi::Error::Success();
-  desc.name = name;
-  // The staged low-latency form (fabric/shm_ll.h) runs every algorithm one-shot from copies of
-  // the inputs: for exchanges that costs one copy of the input; an all-reduce would read every
-  // peer's whole input instead of a share of it (two-shot), and a broadcast would copy every
-  // rank's input for the root's alone, so those take it only up to the slots' largest size.
-  desc.may_stage =
-      (desc.kind != kAllReduce && desc.kind != kBroadcast) || desc.in_bytes <= kLlMaxBytes;
-  stats().calls.fetch_add(1, std::memory_order_relaxed);
-  OpTimer timer(name, desc.in_bytes, desc.algo);  // comm_stats()["ops"] (fabric/op_stats.h)
-  if constexpr (!std::is_same_v<Block, std::nullptr_t>) {
-    if (!ShmFabric::active() && pairs_in_process(desc, pl.size))
-      return join_and_run_pairs(name, run.run_id, op_id, pl, desc, in, out,
-                                [&](Team& t, int src) { return block(t, pl, src); });
-  }
-  return join_and_run(
-      name, run.run_id, op_id, pl, desc, in, out, /*cross_process=*/true,
-      [&](Team& t) { return body(t, pl); }, /*may_ll=*/!peers_write);
-}
-
-ffi::Error check_dtype(const char* name, ffi::AnyBuffer x, bool reduce, ReduceOp op) {
-  const int32_t dt = static_cast<int32_t>(x.element_type());
-  if (dtype_size(dt) == 0 || (reduce && !reduce_supported(dt, op)))
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      std::string("strata_jax ") + name + ": unsupported dtype " + dtype_name(dt));
-  return ffi::Error::Success();
-}
-
-// Whether the algorithms may write into the peers' outputs: every team publishes them except
-// the low-latency path of the shared-memory fabric (shm_ll.h: its slots hold copies of the
-// inputs only). All ranks of a team are on the same path, so they all choose alike.
-bool peers_publish_outputs(const Team& t) {
-  return t.peer_out((t.rank() + 1) % t.size()) != nullptr;
-}
 
 // As peers_publish_outputs, for a call of several operands (arrive_list): its outputs are
 // published per operand (peer_out_at), never as the single buffer peer_out reads, so that test
@@ -90,23 +33,17 @@ bool peers_publish_list_outputs(const Team& t, const Operand* ops, int64_t n) {
   return false;
 }
 
-const char* reduce_name(int32_t r) {
-  return r == 0 ? "psum" : r == 1 ? "pmax" : r == 2 ? "pmin" : "pmean";
-}
-
 ffi::Error AllReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
                          ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
                          int64_t group_size, I64s device_ids, int32_t reduce) {
   const ReduceOp op = static_cast<ReduceOp>(reduce);
-  const char* name = reduce_name(reduce);
+  const Op kind = op_of_reduce(reduce);
+  const char* name = op_info(kind).api;
   if (auto e = check_dtype(name, x, true, op); e.failure()) return e;
   const int32_t dt = static_cast<int32_t>(x.element_type());
   const size_t count = x.element_count();
-  OpDesc d;
-  d.kind = kAllReduce;
-  d.dtype = dt;
+  OpDesc d = make_desc(kind, Target::all_reduce, dt, x.size_bytes(), x.size_bytes());
   d.reduce = reduce;
-  d.in_bytes = d.out_bytes = x.size_bytes();
   d.algo = use_two_shot(x.size_bytes()) ? 1 : 0;
   return run_collective(
       name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d, x.untyped_data(),
@@ -130,7 +67,8 @@ ffi::Error AllReduceListImpl(ffi::RunId run, ffi::RemainingArgs args, ffi::Remai
                              int64_t op_id, I64s groups, int64_t group_size, I64s device_ids,
                              int32_t reduce, int64_t num_operands) {
   const ReduceOp op = static_cast<ReduceOp>(reduce);
-  const char* name = reduce_name(reduce);
+  const Op kind = op_of_reduce(reduce);
+  const char* name = op_info(kind).api;
   const int64_t n = num_operands;
   if (n < 1 || args.size() < static_cast<size_t>(n + 1) ||
       args.size() > static_cast<size_t>(n + 2) || rets.size() < static_cast<size_t>(n) ||
@@ -167,13 +105,10 @@ ffi::Error AllReduceListImpl(ffi::RunId run, ffi::RemainingArgs args, ffi::Remai
   std::string err = placement(*pid, GroupAttrs{groups, group_size, device_ids}, &pl);
   if (!err.empty()) return to_error(std::string("strata_jax ") + name + ": " + err);
   if (total == 0 && !ShmFabric::active()) return ffi::Error::Success();
-  OpDesc d;
+  OpDesc d = make_desc(kind, Target::all_reduce_list, meta[0].dtype, total, total);
   d.name = name;
-  d.kind = kAllReduceList;
-  d.dtype = meta[0].dtype;
   d.reduce = reduce;
-  d.aux = static_cast<int64_t>(sig >> 1);
-  d.in_bytes = d.out_bytes = total;
+  d.params.signature = sig;
   d.algo = use_two_shot(total) ? 1 : 0;
   stats().calls.fetch_add(1, std::memory_order_relaxed);
   OpTimer timer(name, total, d.algo);  // comm_stats()["ops"] (fabric/op_stats.h)
@@ -248,20 +183,17 @@ bool rows_and_run(ffi::Span<const int64_t> dims, int64_t dimension, int n, size_
 
 // psum_scatter over `dimension` in place (collectives.h reduce_scatter_rows): the output keeps
 // the input's layout with that dimension n times smaller, so the program needs no transpose.
-ffi::Error ReduceScatterRowsImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
-                                 ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
-                                 int64_t group_size, I64s device_ids, int32_t reduce,
-                                 int64_t dimension) {
+ffi::Error PsumScatterRowsImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
+                               ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
+                               int64_t group_size, I64s device_ids, int32_t reduce,
+                               int64_t dimension) {
   const ReduceOp op = static_cast<ReduceOp>(reduce);
   if (auto e = check_dtype("psum_scatter", x, true, op); e.failure()) return e;
   const int32_t dt = static_cast<int32_t>(x.element_type());
-  OpDesc d;
-  d.kind = kReduceScatterRows;
-  d.dtype = dt;
+  OpDesc d =
+      make_desc(Op::psum_scatter, Target::psum_scatter_rows, dt, x.size_bytes(), y->size_bytes());
+  d.params.dimension = dimension;
   d.reduce = reduce;
-  d.in_bytes = x.size_bytes();
-  d.out_bytes = y->size_bytes();
-  d.aux = dimension;
   return run_collective(
       "psum_scatter", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
       x.untyped_data(), y->untyped_data(), [&](Team& t, const Placement&) -> std::string {
@@ -276,17 +208,14 @@ ffi::Error ReduceScatterRowsImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffe
 }
 
 // all_gather along `dimension` in place (collectives.h all_gather_rows): the transpose of
-// ReduceScatterRowsImpl, with no transpose in the program either.
+// PsumScatterRowsImpl, with no transpose in the program either.
 ffi::Error AllGatherRowsImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
                              ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
                              int64_t group_size, I64s device_ids, int64_t dimension) {
   if (auto e = check_dtype("all_gather", x, false, ReduceOp::kSum); e.failure()) return e;
-  OpDesc d;
-  d.kind = kAllGatherRows;
-  d.dtype = static_cast<int32_t>(x.element_type());
-  d.in_bytes = x.size_bytes();
-  d.out_bytes = y->size_bytes();
-  d.aux = dimension;
+  OpDesc d = make_desc(Op::all_gather, Target::all_gather_rows,
+                       static_cast<int32_t>(x.element_type()), x.size_bytes(), y->size_bytes());
+  d.params.dimension = dimension;
   const int es = dtype_size(d.dtype);
   return run_collective(
       "all_gather", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
@@ -304,8 +233,11 @@ ffi::Error AllGatherRowsImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pi
       });
 }
 
+}  // namespace
+
 // Whether `place` (nb entries) is a permutation of [0, nb). The placement tables are written by
 // hierarchy/ and checked anyway: a wrong one would read or write outside the buffers.
+namespace {
 bool is_permutation(const int64_t* place, size_t len, int64_t nb) {
   if (static_cast<int64_t>(len) != nb) return false;
   std::vector<char> seen(nb, 0);
@@ -315,6 +247,7 @@ bool is_permutation(const int64_t* place, size_t len, int64_t nb) {
   }
   return true;
 }
+}  // namespace
 
 // The sub-blocks per rank of a placement table with one row per group (`groups` has
 // groups.size() / group_size rows; every row holds group_size * parts entries).
@@ -345,21 +278,17 @@ std::string placement_row(I64s placement, I64s groups, const Team& t, const Plac
 // (rank, sub-block) (collectives.h reduce_scatter).
 // `divert` (per partition; empty: none): the sub-block of this rank's output written to `y2`
 // instead (collectives.h reduce_scatter).
-ffi::Error reduce_scatter_impl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
-                               ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
-                               int64_t group_size, I64s device_ids, int32_t reduce, I64s placement,
-                               I64s divert = I64s(), void* y2 = nullptr, size_t y2_bytes = 0) {
+ffi::Error psum_scatter_impl(Target form, ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
+                             ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
+                             int64_t group_size, I64s device_ids, int32_t reduce, I64s placement,
+                             I64s divert, void* y2, size_t y2_bytes) {
   const ReduceOp op = static_cast<ReduceOp>(reduce);
   if (auto e = check_dtype("psum_scatter", x, true, op); e.failure()) return e;
   const int32_t dt = static_cast<int32_t>(x.element_type());
   const int parts = placement_parts(placement, groups, group_size);
-  OpDesc d;
-  d.kind = kReduceScatter;
-  d.dtype = dt;
+  OpDesc d = make_desc(Op::psum_scatter, form, dt, x.size_bytes(), y->size_bytes());
+  d.params.parts = parts;
   d.reduce = reduce;
-  d.in_bytes = x.size_bytes();
-  d.out_bytes = y->size_bytes();
-  d.aux = parts;
   const size_t out_count = y->element_count();
   return run_collective(
       "psum_scatter", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
@@ -387,46 +316,16 @@ ffi::Error reduce_scatter_impl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer 
       });
 }
 
-// The two-fabric psum_scatter (strata_jax/_src/hierarchy/): the partner fabric's sub-block,
-// divert[p] for partition p, goes to `y2`, which XLA's collective-permute sends as it is.
-ffi::Error ReduceScatterPlacedDivertImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
-                                         After, ffi::Result<ffi::AnyBuffer> y,
-                                         ffi::Result<ffi::AnyBuffer> y2, Done, int64_t op_id,
-                                         I64s groups, int64_t group_size, I64s device_ids,
-                                         int32_t reduce, I64s placement, I64s divert) {
-  if (!divert.size())
-    return to_error("strata_jax psum_scatter: internal error: an empty divert table");
-  return reduce_scatter_impl(run, x, pid, y, op_id, groups, group_size, device_ids, reduce,
-                             placement, divert, y2->untyped_data(), y2->size_bytes());
-}
-
-ffi::Error ReduceScatterImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
-                             ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
-                             int64_t group_size, I64s device_ids, int32_t reduce) {
-  return reduce_scatter_impl(run, x, pid, y, op_id, groups, group_size, device_ids, reduce, I64s());
-}
-
-ffi::Error ReduceScatterPlacedImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
-                                   ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
-                                   int64_t group_size, I64s device_ids, int32_t reduce,
-                                   I64s placement) {
-  return reduce_scatter_impl(run, x, pid, y, op_id, groups, group_size, device_ids, reduce,
-                             placement);
-}
-
 // `placement`: empty, or per group (one row per row of `groups`) the output block of each
 // (rank, sub-block) (collectives.h all_gather).
-ffi::Error all_gather_impl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
+ffi::Error all_gather_impl(Target form, ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
                            ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
                            int64_t group_size, I64s device_ids, I64s placement) {
   if (auto e = check_dtype("all_gather", x, false, ReduceOp::kSum); e.failure()) return e;
   const int parts = placement_parts(placement, groups, group_size);
-  OpDesc d;
-  d.kind = kAllGather;
-  d.dtype = static_cast<int32_t>(x.element_type());
-  d.in_bytes = x.size_bytes();
-  d.out_bytes = y->size_bytes();
-  d.aux = parts;
+  OpDesc d = make_desc(Op::all_gather, form, static_cast<int32_t>(x.element_type()), x.size_bytes(),
+                       y->size_bytes());
+  d.params.parts = parts;
   return run_collective(
       "all_gather", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
       x.untyped_data(), y->untyped_data(), [&](Team& t, const Placement& pl) -> std::string {
@@ -444,185 +343,25 @@ ffi::Error all_gather_impl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
       });
 }
 
-ffi::Error AllGatherImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
-                         ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
-                         int64_t group_size, I64s device_ids) {
-  return all_gather_impl(run, x, pid, y, op_id, groups, group_size, device_ids, I64s());
-}
-
-ffi::Error AllGatherPlacedImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
-                               ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
-                               int64_t group_size, I64s device_ids, I64s placement) {
-  return all_gather_impl(run, x, pid, y, op_id, groups, group_size, device_ids, placement);
-}
-
-// One sub-block of an all_gather whose output is `parts` sub-blocks per member: member j's input
-// x lands at output block placement[j * parts + part] (blocks of x's size) of every member's
-// output, and the other blocks are left as they are: unwritten (`base` null), or `base`'s, which
-// the output aliases. The two-fabric all_gather (strata_jax/_src/hierarchy/) writes the own
-// fabric's blocks (part 0) before its ring crossing and the blocks that crossed (part 1, into
-// the same output) after it, so the first half overlaps the crossing and nothing is copied twice.
-ffi::Error all_gather_part_impl(ffi::RunId run, ffi::AnyBuffer x, const ffi::AnyBuffer* base,
-                                ffi::AnyBuffer pid, ffi::Result<ffi::AnyBuffer> y, int64_t op_id,
-                                I64s groups, int64_t group_size, I64s device_ids, I64s placement,
-                                int64_t part) {
-  if (auto e = check_dtype("all_gather", x, false, ReduceOp::kSum); e.failure()) return e;
-  const int parts = placement_parts(placement, groups, group_size);
-  if (!placement.size() || part < 0 || part >= parts)
-    return to_error("strata_jax all_gather: internal error: no placement for a sub-block");
-  if (base) {
-    if (base->size_bytes() != y->size_bytes())
-      return to_error("strata_jax all_gather: internal error: the base differs from the output");
-    if (base->untyped_data() != y->untyped_data() && y->size_bytes() > 0)
-      std::memcpy(y->untyped_data(), base->untyped_data(), y->size_bytes());
-  }
-  OpDesc d;
-  d.kind = kAllGatherPart;
-  d.dtype = static_cast<int32_t>(x.element_type());
-  d.in_bytes = x.size_bytes();
-  d.out_bytes = y->size_bytes();
-  d.aux = parts * 1024 + part;
-  return run_collective(
-      "all_gather", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
-      x.untyped_data(), y->untyped_data(), [&](Team& t, const Placement& pl) -> std::string {
-        if (x.size_bytes() * t.size() * parts != y->size_bytes())
-          return "strata_jax all_gather: output size is not the group size times the parts "
-                 "times the input size";
-        const int64_t* place = nullptr;
-        if (auto err = placement_row(placement, groups, t, pl, parts, "all_gather", &place);
-            !err.empty())
-          return err;
-        std::vector<int64_t> mine(t.size());  // this sub-block's output block, per member
-        for (int j = 0; j < t.size(); ++j) mine[j] = place[j * parts + part];
-        count_peer_bytes(t, x.size_bytes() * (t.size() - 1));
-        return all_gather(t, x.size_bytes(), peers_publish_outputs(t), mine.data(), 1);
-      });
-}
-
-ffi::Error AllGatherPartImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
-                             ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
-                             int64_t group_size, I64s device_ids, I64s placement, int64_t part) {
-  return all_gather_part_impl(run, x, nullptr, pid, y, op_id, groups, group_size, device_ids,
-                              placement, part);
-}
-
-ffi::Error AllGatherPartIntoImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer base,
-                                 ffi::AnyBuffer pid, After, ffi::Result<ffi::AnyBuffer> y, Done,
-                                 int64_t op_id, I64s groups, int64_t group_size, I64s device_ids,
-                                 I64s placement, int64_t part) {
-  return all_gather_part_impl(run, x, &base, pid, y, op_id, groups, group_size, device_ids,
-                              placement, part);
-}
-
-// Shards up to this size take the packed, pull form of all_gather_reduce (the input published
-// is [x | z]), which the low-latency path can run; larger ones the push form. A constant, so
-// that every rank picks the same form whatever its settings.
-constexpr size_t kPackedShardBytes = 512 * 1024;
-
-// y = all_gather(x op z) over the group: the last two steps of a two-fabric all-reduce
-// (strata_jax/_src/hierarchy/), where z is the partner fabric's shard. `z_first[p]` (per
-// partition) puts z before x so that both partners combine the two shards in the same order and
-// hold the same bits (pmax of +0 and -0, the sign of a NaN). `x_from[p]` (per partition; -1:
-// p itself) names the partition whose x pairs with p's z: the two-fabric ring psum, where the
-// member that receives the partner fabric's shard k is not the one holding the own shard k
-// (hierarchy/algorithms.py: all_reduce); that pair's result goes to the x holder's output block.
-ffi::Error AllGatherReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer z,
-                               ffi::AnyBuffer pid, After, ffi::Result<ffi::AnyBuffer> y, Done,
-                               int64_t op_id, I64s groups, int64_t group_size, I64s device_ids,
-                               int32_t reduce, I64s z_first, I64s x_from) {
-  const ReduceOp op = static_cast<ReduceOp>(reduce);
-  const char* name = reduce_name(reduce);
-  if (auto e = check_dtype(name, x, true, op); e.failure()) return e;
-  if (op == ReduceOp::kMean)  // a pair of shards: dividing by 2 would not be the group's mean
-    return to_error(std::string("strata_jax ") + name +
-                    ": internal error: all_gather_reduce takes no mean (hierarchy/ divides)");
-  if (z.element_type() != x.element_type() || z.size_bytes() != x.size_bytes())
-    return to_error(std::string("strata_jax ") + name +
-                    ": internal error: the two shards of an all_gather_reduce differ");
-  const int32_t dt = static_cast<int32_t>(x.element_type());
-  const size_t bytes = x.size_bytes(), count = x.element_count();
-  const bool packed = bytes <= kPackedShardBytes;
-  std::vector<char> pair;  // packed: [x | z], published as this rank's input
-  if (packed) {
-    pair.resize(2 * bytes);
-    if (bytes) {
-      std::memcpy(pair.data(), x.untyped_data(), bytes);
-      std::memcpy(pair.data() + bytes, z.untyped_data(), bytes);
-    }
-  }
-  OpDesc d;
-  d.kind = kAllGatherReduce;
-  d.dtype = dt;
-  d.reduce = reduce;
-  d.in_bytes = packed ? 2 * bytes : bytes;
-  d.out_bytes = y->size_bytes();
-  auto order = [&](int64_t partition) -> int {  // 1: z first, -1: no order given
-    if (partition < 0 || static_cast<size_t>(partition) >= z_first.size()) return -1;
-    return z_first[partition] != 0 ? 1 : 0;
-  };
-  // The partition whose x pairs with this partition's z (its own unless x_from says another).
-  auto x_source = [&](int64_t partition) -> int64_t {
-    if (partition < 0 || static_cast<size_t>(partition) >= x_from.size() || x_from[partition] < 0)
-      return partition;
-    return x_from[partition];
-  };
-  return run_collective(
-      name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
-      packed ? static_cast<const void*>(pair.data()) : x.untyped_data(), y->untyped_data(),
-      [&](Team& t, const Placement& pl) -> std::string {
-        if (bytes * t.size() != y->size_bytes())
-          return "strata_jax all_gather_reduce: output size is not the group size times the "
-                 "input size";
-        for (int j = 0; j < t.size(); ++j)
-          if (order(pl.member_parts[j]) < 0)
-            return "strata_jax all_gather_reduce: internal error: no operand order for a "
-                   "member";
-        // x_src[j]: the member whose x pairs with member j's z; its block is where the pair
-        // lands. A permutation of the members (every output block written once).
-        std::vector<int> x_src(t.size(), -1);
-        std::vector<char> hit(t.size(), 0);
-        for (int j = 0; j < t.size(); ++j) {
-          const int64_t want = x_source(pl.member_parts[j]);
-          for (int k = 0; k < t.size(); ++k)
-            if (pl.member_parts[k] == want) x_src[j] = k;
-          if (x_src[j] < 0 || hit[x_src[j]]++)
-            return "strata_jax all_gather_reduce: internal error: x_from is not a permutation "
-                   "of the members";
-        }
-        count_peer_bytes(t, (packed ? 2 * bytes : bytes) * (t.size() - 1));
-        if (packed)
-          return all_gather_reduce_packed(
-              t, dt, op, count, [&](int j) { return order(pl.member_parts[j]) == 1; },
-              [&](int j) { return x_src[j]; });
-        const int xr = x_src[t.rank()];
-        const void* own_x = xr == t.rank() ? x.untyped_data() : t.peer_in(xr);
-        const bool swap = order(pl.partition) == 1;
-        const void* a = swap ? z.untyped_data() : own_x;
-        const void* b = swap ? own_x : z.untyped_data();
-        return all_gather_reduce(t, dt, op, a, b, count, xr);
-      },
-      /*peers_write=*/!packed);
-}
-
 // `divert` (per partition; empty: none): index divert[p] of the output's `divert_axis` goes to
 // `y2` instead, and the output is laid out with that axis at `move_to` (collectives.h: Divert).
 // The two-fabric all_to_all (strata_jax/_src/hierarchy/) hands y2, the partner fabric's
 // aggregate, to XLA's collective-permute and puts what comes back into y in place.
-ffi::Error all_to_all_impl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
+ffi::Error all_to_all_impl(Target form, ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
                            ffi::Result<ffi::AnyBuffer> y, int64_t op_id, I64s groups,
                            int64_t group_size, I64s device_ids, int64_t split_axis,
-                           int64_t concat_axis, int64_t divert_axis = -1, int64_t move_to = -1,
-                           I64s divert = I64s(), void* y2 = nullptr, size_t y2_bytes = 0,
-                           I64s divert_dest = I64s()) {
+                           int64_t concat_axis, int64_t divert_axis, int64_t move_to, I64s divert,
+                           void* y2, size_t y2_bytes, I64s divert_dest) {
   if (auto e = check_dtype("all_to_all", x, false, ReduceOp::kSum); e.failure()) return e;
   const bool diverted = divert.size() != 0;
-  OpDesc d;
-  d.kind = kAllToAll;
-  d.dtype = static_cast<int32_t>(x.element_type());
-  d.in_bytes = x.size_bytes();
-  d.out_bytes = y->size_bytes();
-  d.aux = split_axis * 64 + concat_axis;
-  if (diverted) d.aux = (d.aux * 64 + divert_axis + 1) * 64 + move_to + 1;
+  OpDesc d = make_desc(Op::all_to_all, form, static_cast<int32_t>(x.element_type()), x.size_bytes(),
+                       y->size_bytes());
+  d.params.split_axis = split_axis;
+  d.params.concat_axis = concat_axis;
+  if (diverted) {
+    d.params.divert_axis = divert_axis;
+    d.params.move_to = move_to;
+  }
   auto dims = x.dimensions();
   std::vector<int64_t> shape(dims.begin(), dims.end());
   const int es = dtype_size(d.dtype);
@@ -664,43 +403,45 @@ ffi::Error all_to_all_impl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid,
                         body, /*peers_write=*/false, block);
 }
 
+namespace {
+
+ffi::Error PsumScatterImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
+                           ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
+                           int64_t group_size, I64s device_ids, int32_t reduce) {
+  return psum_scatter_impl(Target::psum_scatter, run, x, pid, y, op_id, groups, group_size,
+                           device_ids, reduce, I64s());
+}
+
+ffi::Error AllGatherImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
+                         ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
+                         int64_t group_size, I64s device_ids) {
+  return all_gather_impl(Target::all_gather, run, x, pid, y, op_id, groups, group_size, device_ids,
+                         I64s());
+}
+
 ffi::Error AllToAllImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
                         ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
                         int64_t group_size, I64s device_ids, int64_t split_axis,
                         int64_t concat_axis) {
-  return all_to_all_impl(run, x, pid, y, op_id, groups, group_size, device_ids, split_axis,
-                         concat_axis);
+  return all_to_all_impl(Target::all_to_all, run, x, pid, y, op_id, groups, group_size, device_ids,
+                         split_axis, concat_axis);
 }
 
-ffi::Error AllToAllDivertImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
-                              ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> y2, Done,
-                              int64_t op_id, I64s groups, int64_t group_size, I64s device_ids,
-                              int64_t split_axis, int64_t concat_axis, int64_t divert_axis,
-                              int64_t move_to, I64s divert, I64s divert_dest) {
-  if (!divert.size())
-    return to_error("strata_jax all_to_all: internal error: an empty divert table");
-  return all_to_all_impl(run, x, pid, y, op_id, groups, group_size, device_ids, split_axis,
-                         concat_axis, divert_axis, move_to, divert, y2->untyped_data(),
-                         y2->size_bytes(), divert_dest);
-}
-
-ffi::Error PermuteImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
-                       ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
-                       int64_t group_size, I64s device_ids, I64s sources) {
+ffi::Error PpermuteImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
+                        ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
+                        int64_t group_size, I64s device_ids, I64s sources) {
   if (auto e = check_dtype("ppermute", x, false, ReduceOp::kSum); e.failure()) return e;
-  OpDesc d;
-  d.kind = kPermute;
-  d.dtype = static_cast<int32_t>(x.element_type());
-  d.in_bytes = d.out_bytes = x.size_bytes();
+  OpDesc d = make_desc(Op::ppermute, Target::ppermute, static_cast<int32_t>(x.element_type()),
+                       x.size_bytes(), x.size_bytes());
   // The permutation is compared across the group like the shape: ranks that reach a ppermute
   // with different permutations (a rank-dependent branch) fail instead of each following its
-  // own. FNV-1a of the source table, kept positive and non-zero.
+  // own. FNV-1a of the source table.
   uint64_t h = 0xcbf29ce484222325ull;
   for (size_t i = 0; i < sources.size(); ++i) {
     h ^= static_cast<uint64_t>(sources[i]) + 2;
     h *= 0x100000001b3ull;
   }
-  d.aux = static_cast<int64_t>((h >> 2) | 1);
+  d.params.signature = h;
   return run_collective("ppermute", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
                         x.untyped_data(), y->untyped_data(),
                         [&](Team& t, const Placement& pl) -> std::string {
@@ -712,15 +453,13 @@ ffi::Error PermuteImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, Aft
                         });
 }
 
-ffi::Error BroadcastImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
-                         ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
-                         int64_t group_size, I64s device_ids, int64_t root) {
+ffi::Error PbroadcastImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, After,
+                          ffi::Result<ffi::AnyBuffer> y, Done, int64_t op_id, I64s groups,
+                          int64_t group_size, I64s device_ids, int64_t root) {
   if (auto e = check_dtype("pbroadcast", x, false, ReduceOp::kSum); e.failure()) return e;
-  OpDesc d;
-  d.kind = kBroadcast;
-  d.dtype = static_cast<int32_t>(x.element_type());
-  d.in_bytes = d.out_bytes = x.size_bytes();
-  d.aux = root;
+  OpDesc d = make_desc(Op::pbroadcast, Target::pbroadcast, static_cast<int32_t>(x.element_type()),
+                       x.size_bytes(), x.size_bytes());
+  d.params.root = root;
   return run_collective(
       "pbroadcast", run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d,
       x.untyped_data(), y->untyped_data(), [&](Team& t, const Placement&) -> std::string {
@@ -730,38 +469,10 @@ ffi::Error BroadcastImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, A
       });
 }
 
-// Every handler's binding: (x, partition id, optional After) -> (y, [y2,] optional Done), then
-// the group attributes of lowering.lower_strata_call; the handler's own attributes follow.
-#define STRATA_BIND_ARGS     \
-  ffi::Ffi::Bind()           \
-      .Ctx<ffi::RunId>()     \
-      .Arg<ffi::AnyBuffer>() \
-      .Arg<ffi::AnyBuffer>() \
-      .OptionalArg<ffi::AnyBuffer>()
-#define STRATA_COMMON_BIND \
-  STRATA_BIND_ARGS.Ret<ffi::AnyBuffer>().OptionalRet<ffi::AnyBuffer>().STRATA_GROUP_ATTRS
-// Two operands (x and z: the all_gather_reduce/all_gather_part_into forms), one result.
-#define STRATA_TWO_OPERANDS_BIND     \
-  ffi::Ffi::Bind()                   \
-      .Ctx<ffi::RunId>()             \
-      .Arg<ffi::AnyBuffer>()         \
-      .Arg<ffi::AnyBuffer>()         \
-      .Arg<ffi::AnyBuffer>()         \
-      .OptionalArg<ffi::AnyBuffer>() \
-      .Ret<ffi::AnyBuffer>()         \
-      .OptionalRet<ffi::AnyBuffer>() \
-      .STRATA_GROUP_ATTRS
-// The two-fabric forms (Divert): a second result, the block that crosses to the other fabric.
-#define STRATA_TWO_RESULTS_BIND          \
-  STRATA_BIND_ARGS.Ret<ffi::AnyBuffer>() \
-      .Ret<ffi::AnyBuffer>()             \
-      .OptionalRet<ffi::AnyBuffer>()     \
-      .STRATA_GROUP_ATTRS
-
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceHandler, AllReduceImpl,
-                              STRATA_COMMON_BIND.Attr<int32_t>("reduce"));
+                              STRATA_BIND_CALL(1, 1).Attr<int32_t>("reduce"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceListHandler, AllReduceListImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::RunId>()
@@ -770,41 +481,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceListHandler, AllReduceListImpl,
                                   .STRATA_GROUP_ATTRS.Attr<int32_t>("reduce")
                                   .Attr<int64_t>("num_operands"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    ReduceScatterRowsHandler, ReduceScatterRowsImpl,
-    STRATA_COMMON_BIND.Attr<int32_t>("reduce").Attr<int64_t>("dimension"));
+    PsumScatterRowsHandler, PsumScatterRowsImpl,
+    STRATA_BIND_CALL(1, 1).Attr<int32_t>("reduce").Attr<int64_t>("dimension"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherRowsHandler, AllGatherRowsImpl,
-                              STRATA_COMMON_BIND.Attr<int64_t>("dimension"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceScatterHandler, ReduceScatterImpl,
-                              STRATA_COMMON_BIND.Attr<int32_t>("reduce"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceScatterPlacedHandler, ReduceScatterPlacedImpl,
-                              STRATA_COMMON_BIND.Attr<int32_t>("reduce").Attr<I64s>("placement"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    ReduceScatterPlacedDivertHandler, ReduceScatterPlacedDivertImpl,
-    STRATA_TWO_RESULTS_BIND.Attr<int32_t>("reduce").Attr<I64s>("placement").Attr<I64s>("divert"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherHandler, AllGatherImpl, STRATA_COMMON_BIND);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherPlacedHandler, AllGatherPlacedImpl,
-                              STRATA_COMMON_BIND.Attr<I64s>("placement"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    AllGatherReduceHandler, AllGatherReduceImpl,
-    STRATA_TWO_OPERANDS_BIND.Attr<int32_t>("reduce").Attr<I64s>("z_first").Attr<I64s>("x_from"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherPartHandler, AllGatherPartImpl,
-                              STRATA_COMMON_BIND.Attr<I64s>("placement").Attr<int64_t>("part"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    AllGatherPartIntoHandler, AllGatherPartIntoImpl,
-    STRATA_TWO_OPERANDS_BIND.Attr<I64s>("placement").Attr<int64_t>("part"));
+                              STRATA_BIND_CALL(1, 1).Attr<int64_t>("dimension"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PsumScatterHandler, PsumScatterImpl,
+                              STRATA_BIND_CALL(1, 1).Attr<int32_t>("reduce"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherHandler, AllGatherImpl, STRATA_BIND_CALL(1, 1));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AllToAllHandler, AllToAllImpl,
-    STRATA_COMMON_BIND.Attr<int64_t>("split_axis").Attr<int64_t>("concat_axis"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AllToAllDivertHandler, AllToAllDivertImpl,
-                              STRATA_TWO_RESULTS_BIND.Attr<int64_t>("split_axis")
-                                  .Attr<int64_t>("concat_axis")
-                                  .Attr<int64_t>("divert_axis")
-                                  .Attr<int64_t>("move_to")
-                                  .Attr<I64s>("divert")
-                                  .Attr<I64s>("divert_dest"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PermuteHandler, PermuteImpl,
-                              STRATA_COMMON_BIND.Attr<I64s>("sources"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BroadcastHandler, BroadcastImpl,
-                              STRATA_COMMON_BIND.Attr<int64_t>("root"));
+    STRATA_BIND_CALL(1, 1).Attr<int64_t>("split_axis").Attr<int64_t>("concat_axis"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PpermuteHandler, PpermuteImpl,
+                              STRATA_BIND_CALL(1, 1).Attr<I64s>("sources"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PbroadcastHandler, PbroadcastImpl,
+                              STRATA_BIND_CALL(1, 1).Attr<int64_t>("root"));
 
 }  // namespace strata

@@ -1,5 +1,5 @@
-#include "ffi/moe_handlers.h"
-
+// XLA FFI handlers of MoE dispatch/combine (native/moe/): decode buffers and attributes, join
+// the call on the fabric as the collectives do (ffi/common.h), move the rows, leave.
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -8,20 +8,13 @@
 #include "fabric/inproc.h"
 #include "fabric/stats.h"
 #include "ffi/common.h"
+#include "ffi/handlers.h"
 #include "moe/moe.h"
 
 namespace ffi = xla::ffi;
 
 namespace strata {
 namespace {
-
-enum MoeOpKind : int32_t {
-  kMoeDispatch = 101,
-  kMoeCombine,
-  kMoeGather,
-  kMoeLowLatencyDispatch,
-  kMoeLowLatencyCombine
-};
 
 ffi::Error invalid(const char* name, const std::string& what) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument,
@@ -47,6 +40,26 @@ ffi::Error run_moe(const char* name, ffi::RunId run, int64_t op_id, ffi::AnyBuff
 
 bool is_i32(ffi::AnyBuffer b) { return b.element_type() == ffi::DataType::S32; }
 
+// The rows of every MoE call: a dtype the row kernels move (moe/moe.h), or an error naming it.
+ffi::Error check_rows(const char* name, int32_t dt) {
+  if (moe::row_dtype_supported(dt)) return ffi::Error::Success();
+  return invalid(name, std::string("unsupported dtype ") + dtype_name(dt));
+}
+
+// The shape of one MoE call (moe/moe.h) from its operands' sizes (ranks: once the team is known).
+moe::MoeShape moe_shape(int64_t tokens, int64_t hidden, int64_t topk, int64_t local_experts,
+                        int64_t capacity, int32_t dtype) {
+  moe::MoeShape s;
+  s.tokens = tokens;
+  s.hidden = hidden;
+  s.topk = topk;
+  s.local_experts = local_experts;
+  s.capacity = capacity;
+  s.dtype = dtype;
+  s.esize = dtype_size(dtype);
+  return s;
+}
+
 // Weights come in the rows' accumulator type: float64 for float64 rows, float32 otherwise.
 ffi::DataType acc_type(ffi::DataType rows) {
   return rows == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
@@ -61,8 +74,7 @@ ffi::Error MoeDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer weig
                            int64_t group_size, I64s device_ids, int64_t weighted) {
   const char* name = "moe.dispatch";
   const int32_t dt = static_cast<int32_t>(x.element_type());
-  if (!moe::row_dtype_supported(dt))
-    return invalid(name, std::string("unsupported dtype ") + dtype_name(dt));
+  if (auto e = check_rows(name, dt); e.failure()) return e;
   auto xd = x.dimensions(), sd = slots.dimensions(), od = out->dimensions();
   if (xd.size() != 2 || sd.size() != 2 || od.size() != 3 || !is_i32(slots) || !is_i32(counts) ||
       out->element_type() != x.element_type() || counts.element_count() != size_t(od[0]) ||
@@ -70,25 +82,16 @@ ffi::Error MoeDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer weig
       (weighted && (weights.element_type() != acc_type(x.element_type()) ||
                     weights.element_count() != size_t(xd[0] * sd[1]))))
     return invalid(name, "internal error: operand shapes or dtypes do not match the plan");
-  moe::MoeShape s;
-  s.tokens = xd[0];
-  s.hidden = xd[1];
-  s.topk = sd[1];
-  s.local_experts = od[0];
-  s.capacity = od[1];
-  s.dtype = dt;
-  s.esize = dtype_size(dt);
+  moe::MoeShape s = moe_shape(xd[0], xd[1], sd[1], od[0], od[1], dt);
   if (out->size_bytes() == 0) return ffi::Error::Success();  // same on every rank
   BufRef bufs[moe::kDispBufs];
   bufs[moe::kDispX] = BufRef{x.untyped_data(), x.size_bytes(), false};
   if (weighted)
     bufs[moe::kDispWeights] = BufRef{weights.untyped_data(), weights.size_bytes(), false};
-  OpDesc d;
-  d.kind = kMoeDispatch;
-  d.dtype = dt;
-  d.aux = weighted * 1'000'000 + s.topk;
-  d.in_bytes = x.size_bytes();
-  d.out_bytes = out->size_bytes();
+  OpDesc d =
+      make_desc(Op::moe_dispatch, Target::moe_dispatch, dt, x.size_bytes(), out->size_bytes());
+  d.params.weighted = weighted;
+  d.params.topk = s.topk;
   return run_moe(name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d, bufs,
                  moe::kDispBufs, [&](Team& t) -> std::string {
                    s.ranks = t.size();
@@ -114,8 +117,7 @@ ffi::Error MoeCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyBuffer weig
                           int64_t op_id, I64s groups, int64_t group_size, I64s device_ids) {
   const char* name = "moe.combine";
   const int32_t dt = static_cast<int32_t>(ey.element_type());
-  if (!moe::row_dtype_supported(dt))
-    return invalid(name, std::string("unsupported dtype ") + dtype_name(dt));
+  if (auto e = check_rows(name, dt); e.failure()) return e;
   auto ed = ey.dimensions(), wd = weights.dimensions(), sd = slots.dimensions(),
        yd = y->dimensions(), pd = partials->dimensions();
   if (ed.size() != 3 || wd.size() != 2 || sd.size() != 2 || yd.size() != 2 || pd.size() != 2 ||
@@ -124,24 +126,13 @@ ffi::Error MoeCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyBuffer weig
       yd[0] != wd[0] || yd[1] != ed[2] || sd[1] != wd[1] || pd[1] != ed[2] ||
       rows.element_count() != size_t(sd[0]))
     return invalid(name, "internal error: operand shapes or dtypes do not match the plan");
-  moe::MoeShape s;
-  s.tokens = wd[0];
-  s.topk = wd[1];
-  s.hidden = ed[2];
-  s.local_experts = ed[0];
-  s.capacity = ed[1];
-  s.dtype = dt;
-  s.esize = dtype_size(dt);
+  moe::MoeShape s = moe_shape(wd[0], ed[2], wd[1], ed[0], ed[1], dt);
   if (y->size_bytes() == 0) return ffi::Error::Success();  // T = 0 on every rank (static shapes)
   BufRef bufs[moe::kCombBufs];
   bufs[moe::kCombExpertY] = BufRef{ey.untyped_data(), ey.size_bytes(), false};
   bufs[moe::kCombSlots] = BufRef{slots.untyped_data(), slots.size_bytes(), false};
-  OpDesc d;
-  d.kind = kMoeCombine;
-  d.dtype = dt;
-  d.aux = s.topk;
-  d.in_bytes = ey.size_bytes();
-  d.out_bytes = y->size_bytes();
+  OpDesc d = make_desc(Op::moe_combine, Target::moe_combine, dt, ey.size_bytes(), y->size_bytes());
+  d.params.topk = s.topk;
   d.may_stage = true;  // every rank reads its tokens' rows from the peers' expert_y
   return run_moe(name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d, bufs,
                  moe::kCombBufs, [&](Team& t) -> std::string {
@@ -233,21 +224,14 @@ ffi::Error MoeGatherImpl(ffi::RunId run, ffi::AnyBuffer values, ffi::AnyBuffer s
       out->element_type() != values.element_type() || !is_i32(slots) || !is_i32(topk_idx) ||
       sd[1] != td[1] || out->element_count() != topk_idx.element_count())
     return invalid(name, "internal error: operand shapes or dtypes do not match the plan");
-  moe::MoeShape s;
-  s.tokens = td[0];
-  s.topk = td[1];
-  s.local_experts = vd[0];
-  s.capacity = vd[1];
-  s.dtype = static_cast<int32_t>(values.element_type());
+  moe::MoeShape s =
+      moe_shape(td[0], 0, td[1], vd[0], vd[1], static_cast<int32_t>(values.element_type()));
   if (out->size_bytes() == 0) return ffi::Error::Success();
   BufRef bufs[moe::kGathBufs];
   bufs[moe::kGathValues] = BufRef{values.untyped_data(), values.size_bytes(), false};
   bufs[moe::kGathSlots] = BufRef{slots.untyped_data(), slots.size_bytes(), false};
-  OpDesc d;
-  d.kind = kMoeGather;
-  d.dtype = s.dtype;
-  d.in_bytes = values.size_bytes();
-  d.out_bytes = out->size_bytes();
+  OpDesc d = make_desc(Op::moe_gather, Target::moe_gather, s.dtype, values.size_bytes(),
+                       out->size_bytes());
   return run_moe(name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d, bufs,
                  moe::kGathBufs, [&](Team& t) -> std::string {
                    s.ranks = t.size();
@@ -271,8 +255,7 @@ ffi::Error MoeLowLatencyDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyB
                                      int64_t max_tokens, int64_t push) {
   const char* name = "moe.low_latency_dispatch";
   const int32_t dt = static_cast<int32_t>(x.element_type());
-  if (!moe::row_dtype_supported(dt))
-    return invalid(name, std::string("unsupported dtype ") + dtype_name(dt));
+  if (auto e = check_rows(name, dt); e.failure()) return e;
   auto xd = x.dimensions(), id = idx.dimensions(), rd = recv->dimensions();
   if (xd.size() != 2 || id.size() != 2 || rd.size() != 3 || !is_i32(idx) ||
       recv->element_type() != x.element_type() || id[0] != xd[0] || rd[2] != xd[1] ||
@@ -280,25 +263,17 @@ ffi::Error MoeLowLatencyDispatchImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyB
       src_slots->element_type() != ffi::DataType::S32 ||
       src_slots->element_count() != idx.element_count() || max_tokens < xd[0])
     return invalid(name, "internal error: operand shapes or dtypes do not match");
-  moe::MoeShape s;
-  s.tokens = xd[0];
-  s.hidden = xd[1];
-  s.topk = id[1];
-  s.local_experts = rd[0];
-  s.capacity = rd[1];
-  s.dtype = dt;
-  s.esize = dtype_size(dt);
+  moe::MoeShape s = moe_shape(xd[0], xd[1], id[1], rd[0], rd[1], dt);
   BufRef bufs[moe::kLLDispBufs];
   bufs[moe::kLLX] = BufRef{x.untyped_data(), x.size_bytes(), false};
   bufs[moe::kLLIdx] = BufRef{idx.untyped_data(), idx.size_bytes(), false};
   bufs[moe::kLLRecv] = BufRef{recv->untyped_data(), push ? recv->size_bytes() : 0, true};
-  OpDesc d;
-  d.kind = kMoeLowLatencyDispatch;
-  d.dtype = dt;
-  d.aux = (push * 1'000'000 + s.topk) * 1'000'000 + max_tokens;
+  OpDesc d = make_desc(Op::moe_low_latency_dispatch, Target::moe_low_latency_dispatch, dt,
+                       x.size_bytes(), recv->size_bytes());
+  d.params.push = push;
+  d.params.topk = s.topk;
+  d.params.max_tokens = max_tokens;
   d.algo = static_cast<int32_t>(push);
-  d.in_bytes = x.size_bytes();
-  d.out_bytes = recv->size_bytes();
   // Pull: destinations read the sources' rows and ids, each writes its own outputs, so across
   // processes the call may take the low-latency path, staged when large (fabric/shm_ll.h).
   d.may_stage = true;
@@ -329,8 +304,7 @@ ffi::Error MoeLowLatencyCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyB
                                     int64_t max_tokens) {
   const char* name = "moe.low_latency_combine";
   const int32_t dt = static_cast<int32_t>(ey.element_type());
-  if (!moe::row_dtype_supported(dt))
-    return invalid(name, std::string("unsupported dtype ") + dtype_name(dt));
+  if (auto e = check_rows(name, dt); e.failure()) return e;
   auto ed = ey.dimensions(), wd = weights.dimensions(), yd = y->dimensions();
   if (ed.size() != 3 || wd.size() != 2 || yd.size() != 2 ||
       weights.element_type() != acc_type(ey.element_type()) || !is_i32(idx) || !is_i32(src_slots) ||
@@ -338,22 +312,13 @@ ffi::Error MoeLowLatencyCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyB
       idx.element_count() != weights.element_count() ||
       src_slots.element_count() != weights.element_count())
     return invalid(name, "internal error: operand shapes or dtypes do not match");
-  moe::MoeShape s;
-  s.tokens = wd[0];
-  s.topk = wd[1];
-  s.hidden = ed[2];
-  s.local_experts = ed[0];
-  s.capacity = ed[1];
-  s.dtype = dt;
-  s.esize = dtype_size(dt);
+  moe::MoeShape s = moe_shape(wd[0], ed[2], wd[1], ed[0], ed[1], dt);
   BufRef bufs[moe::kLLCombBufs];
   bufs[moe::kLLExpertY] = BufRef{ey.untyped_data(), ey.size_bytes(), false};
-  OpDesc d;
-  d.kind = kMoeLowLatencyCombine;
-  d.dtype = dt;
-  d.aux = s.topk * 1'000'000 + max_tokens;
-  d.in_bytes = ey.size_bytes();
-  d.out_bytes = y->size_bytes();
+  OpDesc d = make_desc(Op::moe_low_latency_combine, Target::moe_low_latency_combine, dt,
+                       ey.size_bytes(), y->size_bytes());
+  d.params.topk = s.topk;
+  d.params.max_tokens = max_tokens;
   d.may_stage = true;  // every rank reads its tokens' rows from the peers' expert_y
   return run_moe(
       name, run, op_id, pid, GroupAttrs{groups, group_size, device_ids}, d, bufs, moe::kLLCombBufs,
@@ -376,30 +341,8 @@ ffi::Error MoeLowLatencyCombineImpl(ffi::RunId run, ffi::AnyBuffer ey, ffi::AnyB
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeDispatchHandler, MoeDispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .OptionalArg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .OptionalRet<ffi::AnyBuffer>()
-                                  .STRATA_GROUP_ATTRS.Attr<int64_t>("weighted"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeCombineHandler, MoeCombineImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .OptionalArg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .OptionalRet<ffi::AnyBuffer>()
-                                  .STRATA_GROUP_ATTRS);
+                              STRATA_BIND_CALL(4, 1).Attr<int64_t>("weighted"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeCombineHandler, MoeCombineImpl, STRATA_BIND_CALL(4, 2));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePlanHandler, MoePlanImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
@@ -409,41 +352,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePlanHandler, MoePlanImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("capacity"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGatherHandler, MoeGatherImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .OptionalArg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .OptionalRet<ffi::AnyBuffer>()
-                                  .STRATA_GROUP_ATTRS);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeLowLatencyDispatchHandler, MoeLowLatencyDispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .OptionalArg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .OptionalRet<ffi::AnyBuffer>()
-                                  .STRATA_GROUP_ATTRS.Attr<int64_t>("max_tokens")
-                                  .Attr<int64_t>("push"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGatherHandler, MoeGatherImpl, STRATA_BIND_CALL(3, 1));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MoeLowLatencyDispatchHandler, MoeLowLatencyDispatchImpl,
+    STRATA_BIND_CALL(2, 3).Attr<int64_t>("max_tokens").Attr<int64_t>("push"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeLowLatencyCombineHandler, MoeLowLatencyCombineImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .OptionalArg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .OptionalRet<ffi::AnyBuffer>()
-                                  .STRATA_GROUP_ATTRS.Attr<int64_t>("max_tokens"));
+                              STRATA_BIND_CALL(4, 1).Attr<int64_t>("max_tokens"));
 
 }  // namespace strata

@@ -1,7 +1,5 @@
 // XLA FFI handler of strata_jax.ragged_all_to_all: operands (operand [N, ...], output [M, ...]
 // aliased to the result, plan s64 [4, K], partition id), one result [M, ...].
-#include "ffi/ragged_handler.h"
-
 #include <cstring>
 #include <string>
 #include <vector>
@@ -10,13 +8,12 @@
 #include "coll/ragged.h"
 #include "fabric/stats.h"
 #include "ffi/common.h"
+#include "ffi/handlers.h"
 
 namespace ffi = xla::ffi;
 
 namespace strata {
 namespace {
-
-constexpr int32_t kRaggedKind = 201;
 
 ffi::Error invalid(const std::string& what) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "strata_jax ragged_all_to_all: " + what);
@@ -75,13 +72,10 @@ ffi::Error RaggedAllToAllImpl(ffi::RunId run, ffi::AnyBuffer operand, ffi::AnyBu
     err = ragged_all_to_all(self, s, res);
     return err.empty() ? ffi::Error::Success() : invalid(err);
   }
-  OpDesc d;
+  OpDesc d = make_desc(Op::ragged_all_to_all, Target::ragged_all_to_all, dt, operand.size_bytes(),
+                       output.size_bytes());
   d.name = "ragged_all_to_all";
-  d.kind = kRaggedKind;
-  d.dtype = dt;
-  d.aux = s.slices;
-  d.in_bytes = operand.size_bytes();
-  d.out_bytes = output.size_bytes();
+  d.params.slices = s.slices;
   BufRef bufs[kRaggedBufs];
   bufs[kRaggedOperand] = BufRef{operand.untyped_data(), operand.size_bytes(), false};
   bufs[kRaggedPlan] = BufRef{plan.untyped_data(), plan.size_bytes(), false};
@@ -120,15 +114,6 @@ ffi::Error EmptyImpl(ffi::Result<ffi::AnyBuffer>) { return ffi::Error::Success()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EmptyHandler, EmptyImpl, ffi::Ffi::Bind().Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedAllToAllHandler, RaggedAllToAllImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .OptionalArg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .OptionalRet<ffi::AnyBuffer>()
-                                  .STRATA_GROUP_ATTRS.Attr<I64s>("bounds"));
+                              STRATA_BIND_CALL(3, 1).Attr<I64s>("bounds"));
 
 }  // namespace strata

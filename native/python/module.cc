@@ -5,8 +5,11 @@
 #include <nanobind/stl/vector.h>
 
 #include <stdexcept>
+#include <utility>
 
+#include "coll/collectives.h"
 #include "coll/kernels.h"
+#include "common/ops.h"
 #include "common/settings.h"
 #include "fabric/inproc.h"
 #include "fabric/op_stats.h"
@@ -14,9 +17,6 @@
 #include "fabric/shm_ll.h"
 #include "fabric/stats.h"
 #include "ffi/handlers.h"
-#include "ffi/hier_handlers.h"
-#include "ffi/moe_handlers.h"
-#include "ffi/ragged_handler.h"
 
 namespace nb = nanobind;
 
@@ -78,36 +78,48 @@ NB_MODULE(_strata, m) {
         return true;  // the handle stays open for the exit
       },
       nb::arg("library"));
+  // Every FFI target of the table (common/ops.h), as "strata_<target>" -> handler capsule.
   m.def("handlers", [] {
     nb::dict d;
-    d["strata_all_reduce"] = capsule(strata::AllReduceHandler);
-    d["strata_all_reduce_list"] = capsule(strata::AllReduceListHandler);
-    d["strata_reduce_scatter_rows"] = capsule(strata::ReduceScatterRowsHandler);
-    d["strata_all_gather_rows"] = capsule(strata::AllGatherRowsHandler);
-    d["strata_reduce_scatter"] = capsule(strata::ReduceScatterHandler);
-    d["strata_reduce_scatter_placed"] = capsule(strata::ReduceScatterPlacedHandler);
-    d["strata_all_gather"] = capsule(strata::AllGatherHandler);
-    d["strata_all_gather_placed"] = capsule(strata::AllGatherPlacedHandler);
-    d["strata_all_gather_reduce"] = capsule(strata::AllGatherReduceHandler);
-    d["strata_all_gather_part"] = capsule(strata::AllGatherPartHandler);
-    d["strata_all_gather_part_into"] = capsule(strata::AllGatherPartIntoHandler);
-    d["strata_all_to_all"] = capsule(strata::AllToAllHandler);
-    d["strata_all_to_all_divert"] = capsule(strata::AllToAllDivertHandler);
-    d["strata_reduce_scatter_placed_divert"] = capsule(strata::ReduceScatterPlacedDivertHandler);
-    d["strata_permute"] = capsule(strata::PermuteHandler);
-    d["strata_broadcast"] = capsule(strata::BroadcastHandler);
-    d["strata_moe_dispatch"] = capsule(strata::MoeDispatchHandler);
-    d["strata_moe_combine"] = capsule(strata::MoeCombineHandler);
-    d["strata_moe_gather"] = capsule(strata::MoeGatherHandler);
-    d["strata_moe_plan"] = capsule(strata::MoePlanHandler);
-    d["strata_ragged_all_to_all"] = capsule(strata::RaggedAllToAllHandler);
-    d["strata_empty"] = capsule(strata::EmptyHandler);
-    d["strata_moe_ll_dispatch"] = capsule(strata::MoeLowLatencyDispatchHandler);
-    d["strata_moe_ll_combine"] = capsule(strata::MoeLowLatencyCombineHandler);
-    d["strata_count_inter_fabric"] = capsule(strata::CountInterFabricHandler);
-    d["strata_check_across_fabrics"] = capsule(strata::CheckAcrossFabricsHandler);
-    d["strata_order"] = capsule(strata::OrderHandler);
+#define STRATA_HANDLER_ENTRY(target, handler) d["strata_" #target] = capsule(strata::handler);
+    STRATA_TARGETS(STRATA_HANDLER_ENTRY)
+#undef STRATA_HANDLER_ENTRY
     return d;
+  });
+  // The operator table (common/ops.h), one dict per operator in table order; `kind` is the
+  // number its calls carry (strata_jax/_src/operators.py reads it).
+  m.def("operators", [] {
+    nb::list out;
+    int count = 0;
+    const strata::OpInfo* rows = strata::op_table(&count);
+    for (int i = 0; i < count; ++i) {
+      nb::dict d;
+      d["id"] = rows[i].id;
+      d["kind"] = static_cast<int>(rows[i].op);
+      d["api"] = rows[i].api;
+      d["lax"] = rows[i].lax;
+      d["target"] = std::string("strata_") + rows[i].target;
+      d["stats"] = rows[i].stats;
+      d["algorithms"] = rows[i].algorithms;
+      d["reduce"] = rows[i].reduce;
+      out.append(d);
+    }
+    return out;
+  });
+  // The reductions (common/ops.h), one dict per reduction in code order.
+  m.def("reductions", [] {
+    nb::list out;
+    auto row = [&out](strata::ReduceOp op, const char* kind, const char* element) {
+      nb::dict d;
+      d["code"] = static_cast<int>(op);
+      d["kind"] = kind;
+      d["element"] = element;
+      out.append(d);
+    };
+#define STRATA_REDUCTION_ROW(kind, name, element) row(strata::ReduceOp::name, #kind, #element);
+    STRATA_REDUCTIONS(STRATA_REDUCTION_ROW)
+#undef STRATA_REDUCTION_ROW
+    return out;
   });
   m.def(
       "set_timeout", [](double s) { strata::settings().timeout_ms.store(int64_t(s * 1000)); },
@@ -140,32 +152,43 @@ NB_MODULE(_strata, m) {
       "set_two_shot_bytes", [](int64_t b) { strata::settings().two_shot_bytes.store(b); },
       nb::arg("nbytes"));
   m.def("get_two_shot_bytes", [] { return strata::settings().two_shot_bytes.load(); });
+  m.def(
+      "all_reduce_algorithm",
+      [](int ranks, int64_t nbytes) {
+        return strata::all_reduce_two_shot(ranks, static_cast<size_t>(nbytes)) ? "two_shot"
+                                                                               : "one_shot";
+      },
+      nb::arg("ranks"), nb::arg("nbytes"));
+  m.def("get_two_shot_pair_bytes", [] { return static_cast<int64_t>(strata::kTwoShotPairBytes); });
   m.def("get_stream_bytes", [] { return static_cast<int64_t>(strata::stream_bytes()); });
   m.def("set_ll_bytes", [](int64_t b) { strata::set_ll_bytes(b); });
   m.def("get_ll_bytes", [] { return strata::get_ll_bytes(); });
   m.def("set_ll_stage_bytes", [](int64_t b) { strata::set_ll_stage_bytes(b); });
   m.def("get_ll_stage_bytes", [] { return strata::get_ll_stage_bytes(); });
   m.def("comm_stats", [] {
-    auto& s = strata::stats();
+    const auto& s = strata::stats();
+    // Its counters (fabric/stats.h) by the name comm_stats() gives them.
+    const std::pair<const char*, const std::atomic<uint64_t>*> counters[] = {
+        {"calls", &s.calls},
+        {"zero_copy_bytes", &s.zero_copy_bytes},
+        {"staged_bytes", &s.staged_bytes},
+        {"one_shot_all_reduce", &s.one_shot},
+        {"two_shot_all_reduce", &s.two_shot},
+        {"timeouts", &s.timeouts},
+        {"moe_calls", &s.moe_calls},
+        {"inter_fabric_calls", &s.inter_fabric_calls},
+        {"inter_fabric_bytes", &s.inter_fabric_bytes},
+        {"max_calls_in_flight_per_device", &s.max_calls_in_flight},
+        {"max_runs_in_flight_per_device", &s.max_runs_in_flight},
+        {"mismatches", &s.mismatches},
+        {"low_latency_calls", &s.low_latency_calls},
+        {"lead_calls", &s.lead_calls},
+        {"pair_calls", &s.pair_calls},
+        {"failures", &s.failures}};
     nb::dict d;
-    d["calls"] = s.calls.load(std::memory_order_relaxed);
-    d["zero_copy_bytes"] = s.zero_copy_bytes.load(std::memory_order_relaxed);
-    d["staged_bytes"] = s.staged_bytes.load(std::memory_order_relaxed);
-    d["one_shot_all_reduce"] = s.one_shot.load(std::memory_order_relaxed);
-    d["two_shot_all_reduce"] = s.two_shot.load(std::memory_order_relaxed);
-    d["timeouts"] = s.timeouts.load(std::memory_order_relaxed);
-    d["moe_calls"] = s.moe_calls.load(std::memory_order_relaxed);
+    for (const auto& [name, counter] : counters) d[name] = counter->load(std::memory_order_relaxed);
     d["intra_fabric_bytes"] = s.zero_copy_bytes.load(std::memory_order_relaxed) +
                               s.peer_bounce_bytes.load(std::memory_order_relaxed);
-    d["inter_fabric_calls"] = s.inter_fabric_calls.load(std::memory_order_relaxed);
-    d["inter_fabric_bytes"] = s.inter_fabric_bytes.load(std::memory_order_relaxed);
-    d["max_calls_in_flight_per_device"] = s.max_calls_in_flight.load(std::memory_order_relaxed);
-    d["max_runs_in_flight_per_device"] = s.max_runs_in_flight.load(std::memory_order_relaxed);
-    d["mismatches"] = s.mismatches.load(std::memory_order_relaxed);
-    d["low_latency_calls"] = s.low_latency_calls.load(std::memory_order_relaxed);
-    d["lead_calls"] = s.lead_calls.load(std::memory_order_relaxed);
-    d["pair_calls"] = s.pair_calls.load(std::memory_order_relaxed);
-    d["failures"] = s.failures.load(std::memory_order_relaxed);
     return d;
   });
 

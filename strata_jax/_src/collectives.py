@@ -22,25 +22,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax._src import debug, hierarchy, lowering, topology
-from strata_jax._src.jax_compat import ad, batching, core, mlir
+from strata_jax._src import debug, hierarchy, lowering, operators, topology
+from strata_jax._src.jax_compat import ad, core, mlir
 
 AxisName = Any
 
 # jax.lax's own collectives, bound before strata_jax.enable() can redirect the jax.lax names.
 _LAX = {n: getattr(jax.lax, n) for n in ("psum", "pmax", "pmin", "all_gather")}
 
-__all__ = [
-    "psum",
-    "pmean",
-    "pmax",
-    "pmin",
-    "all_gather",
-    "psum_scatter",
-    "all_to_all",
-    "ppermute",
-    "pbroadcast",
-]
+
+def _constant_pprod(v, axis_name):
+    """pprod of a value that is the same on every rank (jax.lax has no pprod): its n-th power
+    for a group of n, multiplied out in rank order as the kernels do."""
+    n = lowering.axis_size(lowering.axis_tuple(axis_name))
+    v = jnp.asarray(v)
+    out = v
+    for _ in range(n - 1):
+        out = out * v
+    return out
+
+
+_LAX["pprod"] = _constant_pprod
+
 
 # --------------------------------------------------------------------------------------
 # Helpers of the collectives here (the ones every primitive shares: lowering.py)
@@ -53,7 +56,7 @@ def _canon_axis(axis: int, ndim: int, what: str) -> int:
     return axis % ndim
 
 
-def _ffi_call_lowering(target: str, api: str):
+def ffi_call_lowering(target: str, api: str):
     """Lowering over mesh axes: operands (x, partition_id), groups as jax.lax forms them."""
 
     def lower(ctx, x, *, axes, **attrs):
@@ -106,7 +109,7 @@ def _profiled(api: str):
 # uint2/uint4, the float8 and float4 families) travels widened: floats as float32 (so sums
 # accumulate in float32 and round once, like bfloat16), integers as int32/uint32 (sums wrap
 # when cast back, as in jax.lax). Moving data widened is exact both ways.
-_NATIVE_DTYPES = frozenset(
+NATIVE_DTYPES = frozenset(
     np.dtype(t)
     for t in (
         np.bool_,
@@ -128,10 +131,10 @@ _NATIVE_DTYPES = frozenset(
 )
 
 
-def _widen(v, api: str):
+def widen(v, api: str):
     """Returns (v in a dtype the native kernels handle, the dtype to cast back to or None)."""
     dt = np.dtype(v.dtype)
-    if dt in _NATIVE_DTYPES:
+    if dt in NATIVE_DTYPES:
         return v, None
     if jnp.issubdtype(dt, jnp.floating):
         wide = np.float32
@@ -140,7 +143,7 @@ def _widen(v, api: str):
     elif jnp.issubdtype(dt, jnp.unsignedinteger):
         wide = np.uint32
     else:
-        names = ", ".join(sorted(str(d) for d in _NATIVE_DTYPES))
+        names = ", ".join(sorted(str(d) for d in NATIVE_DTYPES))
         raise TypeError(
             f"strata_jax.{api} does not support dtype {dt}; supported: {names}, and the narrow "
             "int/uint/float types (int4, float8_e4m3fn, ...), which travel widened."
@@ -160,10 +163,10 @@ def _typed_unreduced_or_reduced(v) -> bool:
 
 
 # --------------------------------------------------------------------------------------
-# all-reduce: psum / pmax / pmin (and pmean)
+# all-reduce: psum / pmax / pmin / pprod (and pmean)
 # --------------------------------------------------------------------------------------
 
-_REDUCE_CODES = {"sum": 0, "max": 1, "min": 2, "mean": 3}
+_REDUCE_CODES = operators.REDUCE_CODES_BY_KIND  # sum 0, max 1, min 2, mean 3, prod 4
 # The dtypes whose pmean the native reduction divides itself (kernels.h ReduceOp::kMean); every
 # other dtype is psum'd and then divided by XLA, as jax.lax.pmean does.
 _MEAN_DTYPES = frozenset(np.dtype(t) for t in (np.float16, jnp.bfloat16, np.float32, np.float64))
@@ -195,10 +198,15 @@ def _all_reduce(x, axis_name, axis_index_groups, reduce: str, api: str):
             continue
         if reduce == "sum" and v.dtype == np.bool_:
             v = v.astype(np.int32)
+        if jnp.issubdtype(v.dtype, jnp.complexfloating) and reduce == "prod":
+            raise TypeError(
+                f"strata_jax.pprod multiplies real numbers only; got {v.dtype}. Multiply complex "
+                "numbers with jnp.prod(jax.lax.all_gather(x, axis_name), axis=0)."
+            )
         if jnp.issubdtype(v.dtype, jnp.complexfloating) and reduce != "sum":
             raise TypeError(f"strata_jax.{api} does not order complex numbers; got {v.dtype}.")
         lowering.check_axis_names(axes, api)
-        v, dt = _widen(lowering.pvary_missing(v, axes), api)
+        v, dt = widen(lowering.pvary_missing(v, axes), api)
         operands.append((i, v, dt))
     if operands:
         ys = all_reduce_p.bind(
@@ -305,6 +313,40 @@ def pmean(x, axis_name: AxisName, *, axis_index_groups=None):
     return jax.tree_util.tree_unflatten(tree, outs)
 
 
+@_profiled("pprod")
+def pprod(x, axis_name: AxisName, *, axis_index_groups=None):
+    """All-reduce product of ``x`` over ``axis_name`` (jax.lax has no pprod).
+
+    The all-reduce with NCCL's ``ncclProd`` and MPI's ``MPI_PROD``: every rank gets
+    ``x_0 * x_1 * ... * x_{n-1}``, multiplied in rank order whatever the rank, so bitwise the
+    same on every rank and equal to ``jnp.prod(jax.lax.all_gather(x, axis_name), axis=0)`` up to
+    that order.
+
+    Args:
+      x: array or pytree of arrays, any shape (0-d and zero-size included); real dtypes
+        (complex raises TypeError). bool multiplies as logical AND (numpy's ``np.multiply``)
+        and stays bool. Narrow types (int4, float8_*, ...) multiply in int32/uint32/float32
+        and are cast back once.
+      axis_name: a mesh axis name or a tuple of them, as :func:`psum`.
+      axis_index_groups: not supported (raises NotImplementedError).
+
+    Returns:
+      The product over the group, same shape and dtype as ``x``. Integer products wrap (as
+      numpy's); float16/bfloat16 multiply in float32 and round once.
+
+    Raises:
+      NameError: an axis name is not bound by an enclosing shard_map.
+      NotImplementedError: ``axis_index_groups`` given, or not inside shard_map; under
+        differentiation (as mpi4jax's allreduce, only sums differentiate: differentiate
+        ``jnp.prod(jax.lax.all_gather(x, axis_name), axis=0)`` instead).
+      TypeError: a complex ``x``.
+
+    Algorithm: the all-reduce of :func:`psum` (one-shot or two-shot, StrataCL, Hu et al. 2026)
+    with multiplication as its reduction.
+    """
+    return _all_reduce(x, axis_name, axis_index_groups, "prod", "pprod")
+
+
 def _all_reduce_abstract_eval(*avals, axes, reduce, invariant):
     api = "pmean" if reduce == "mean" else "psum"
     lowering.check_axis_names(axes, api)
@@ -341,6 +383,8 @@ def _all_reduce_transpose(cts, *xs, axes, reduce, invariant):
 def _local_reduce(v, d, reduce):
     if reduce == "sum":
         return jax.lax.reduce(v, np.zeros((), v.dtype), jax.lax.add, (d,))
+    if reduce == "prod":
+        return jax.lax.reduce(v, np.ones((), v.dtype), jax.lax.mul, (d,))
     if reduce == "max":
         return jnp.max(v, axis=d)
     return jnp.min(v, axis=d)
@@ -364,7 +408,11 @@ def _all_reduce_batcher(axis_data, vals_in, dims_in, *, axes, reduce, invariant)
     outs = []
     for v, d in zip(vals_in, dims_in, strict=True):
         if d is None:
-            outs.append(v * np.asarray(axis_data.size, v.dtype) if reduce == "sum" else v)
+            if reduce == "sum":
+                v = v * np.asarray(axis_data.size, v.dtype)
+            elif reduce == "prod":  # the same value on each of the batched ranks
+                v = functools.reduce(jax.lax.mul, [v] * axis_data.size)
+            outs.append(v)
         else:
             outs.append(_local_reduce(v, d, reduce))
     if rest:
@@ -387,7 +435,7 @@ def _all_reduce_lowering(ctx, *xs, axes, reduce, invariant):
     if len(xs) == 1:
         # One result either way (the call's, or the hierarchical lowering's).
         api = "pmean" if reduce == "mean" else "psum"
-        return _ffi_call_lowering("strata_all_reduce", api)(ctx, xs[0], axes=axes, reduce=code)
+        return ffi_call_lowering("strata_all_reduce", api)(ctx, xs[0], axes=axes, reduce=code)
     if hierarchy.plan(ctx, axes) is not None:
         # Across fabrics: the hierarchical all-reduce (hierarchy/) takes one operand; each
         # leaf is lowered as its own call there.
@@ -409,6 +457,11 @@ def _all_reduce_lowering(ctx, *xs, axes, reduce, invariant):
 
 
 def _all_reduce_jvp(primals, tangents, *, axes, reduce, invariant):
+    if reduce == "prod":
+        raise NotImplementedError(
+            "Differentiation rule for strata_jax.pprod is not implemented; differentiate "
+            "jnp.prod(jax.lax.all_gather(x, axis_name), axis=0) instead."
+        )
     if reduce not in ("sum", "mean"):
         raise NotImplementedError(
             f"Differentiation rule for strata_jax.p{reduce} is not implemented (jax.lax.p{reduce} "
@@ -429,11 +482,14 @@ def _all_reduce_jvp(primals, tangents, *, axes, reduce, invariant):
     return outs, t_out
 
 
-all_reduce_p.def_effectful_abstract_eval(_all_reduce_abstract_eval)
-ad.deflinear2(all_reduce_p, _all_reduce_transpose)
-ad.primitive_jvps[all_reduce_p] = _all_reduce_jvp
-batching.fancy_primitive_batchers[all_reduce_p] = _all_reduce_batcher
-mlir.register_lowering(all_reduce_p, _all_reduce_lowering, platform="cpu", cacheable=False)
+lowering.register(
+    all_reduce_p,
+    _all_reduce_abstract_eval,
+    _all_reduce_lowering,
+    linear_transpose=_all_reduce_transpose,
+    jvp=_all_reduce_jvp,
+    batcher=_all_reduce_batcher,
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -499,7 +555,7 @@ def all_gather(
                 "or reshape x to (1,) first."
             )
         ax = _canon_axis(axis, v.ndim if tiled else v.ndim + 1, "axis")
-        v, dt = _widen(lowering.pvary_missing(v, axes), "all_gather")
+        v, dt = widen(lowering.pvary_missing(v, axes), "all_gather")
         n = lowering.axis_size(axes)
         # Gathered in place along `ax` (untiled: the new axis is made by the call itself): no
         # transpose, reshape or copy before or after.
@@ -544,7 +600,7 @@ def _all_gather_abstract_eval(aval, *, axes, axis_size, dimension, tiled):
 
 def _all_gather_transpose(ct, x, *, axes, axis_size, dimension, tiled):
     return [
-        reduce_scatter_p.bind(ct, axes=axes, axis_size=axis_size, dimension=dimension, tiled=tiled)
+        psum_scatter_p.bind(ct, axes=axes, axis_size=axis_size, dimension=dimension, tiled=tiled)
     ]
 
 
@@ -582,7 +638,7 @@ def _all_gather_batcher(axis_data, vals_in, dims_in, *, axes, axis_size, dimensi
 
 
 def _rows_lowering(target: str, api: str, dim0_target: str):
-    """Lowering of all_gather_p / reduce_scatter_p over ``dimension``. In one fabric, a
+    """Lowering of all_gather_p / psum_scatter_p over ``dimension``. In one fabric, a
     non-leading dimension goes to ``target``, which works in place with strided rows
     (collectives.h: all_gather_rows, reduce_scatter_rows), and the leading one to
     ``dim0_target``: no transpose, reshape or copy in the program either way (an untiled call
@@ -595,8 +651,8 @@ def _rows_lowering(target: str, api: str, dim0_target: str):
     def lower(ctx, x, *, axes, axis_size, dimension, tiled, **attrs):
         if hierarchy.plan(ctx, axes) is not None:
             if dimension == 0 and tiled:
-                return _ffi_call_lowering(dim0_target, api)(ctx, x, axes=axes, **attrs)
-            prim = all_gather_p if gather else reduce_scatter_p
+                return ffi_call_lowering(dim0_target, api)(ctx, x, axes=axes, **attrs)
+            prim = all_gather_p if gather else psum_scatter_p
 
             def moved(v):
                 if gather and not tiled:
@@ -629,18 +685,21 @@ def _rows_lowering(target: str, api: str, dim0_target: str):
     return lower
 
 
-_all_gather_lowering = _rows_lowering("strata_all_gather_rows", "all_gather", "strata_all_gather")
-mlir.register_lowering(all_gather_p, _all_gather_lowering, platform="cpu", cacheable=False)
-all_gather_p.def_effectful_abstract_eval(_all_gather_abstract_eval)
-ad.deflinear2(all_gather_p, _all_gather_transpose)
-batching.fancy_primitive_batchers[all_gather_p] = _all_gather_batcher
+all_gather_lowering = _rows_lowering("strata_all_gather_rows", "all_gather", "strata_all_gather")
+lowering.register(
+    all_gather_p,
+    _all_gather_abstract_eval,
+    all_gather_lowering,
+    linear_transpose=_all_gather_transpose,
+    batcher=_all_gather_batcher,
+)
 
 
 # --------------------------------------------------------------------------------------
 # psum_scatter (primitive scatters dimension 0, tiled)
 # --------------------------------------------------------------------------------------
 
-reduce_scatter_p = core.Primitive("strata_reduce_scatter")
+psum_scatter_p = core.Primitive("strata_psum_scatter")
 
 
 @_profiled("psum_scatter")
@@ -694,10 +753,10 @@ def psum_scatter(
                 f"{v.shape[d]} but must equal the axis size {n}; pass "
                 "tiled=True to scatter blocks."
             )
-        v, dt = _widen(lowering.pvary_missing(v, axes), "psum_scatter")
+        v, dt = widen(lowering.pvary_missing(v, axes), "psum_scatter")
         # Scattered in place along `d` (untiled: the call itself drops it): no transpose,
         # reshape or copy before or after.
-        y = reduce_scatter_p.bind(v, axes=axes, axis_size=n, dimension=d, tiled=tiled)
+        y = psum_scatter_p.bind(v, axes=axes, axis_size=n, dimension=d, tiled=tiled)
         return _narrow(y, dt)
 
     return _tree_map(leaf, x)
@@ -731,23 +790,26 @@ def _reduce_scatter_batcher(axis_data, vals_in, dims_in, *, axes, axis_size, dim
             "the batch dimension."
         )
     if d is None:
-        return reduce_scatter_p.bind(
+        return psum_scatter_p.bind(
             v, axes=axes, axis_size=axis_size, dimension=dimension, tiled=tiled
         ), None
     # The batch dimension stays in place (no transpose); the scattered one shifts past it.
     dim, out_d = _batched_dimension(d, dimension, tiled, -1)
-    y = reduce_scatter_p.bind(v, axes=axes, axis_size=axis_size, dimension=dim, tiled=tiled)
+    y = psum_scatter_p.bind(v, axes=axes, axis_size=axis_size, dimension=dim, tiled=tiled)
     return y, out_d
 
 
-_reduce_scatter_lowering = functools.partial(
-    _rows_lowering("strata_reduce_scatter_rows", "psum_scatter", "strata_reduce_scatter"),
+psum_scatter_lowering = functools.partial(
+    _rows_lowering("strata_psum_scatter_rows", "psum_scatter", "strata_psum_scatter"),
     reduce=np.int32(0),
 )
-mlir.register_lowering(reduce_scatter_p, _reduce_scatter_lowering, platform="cpu", cacheable=False)
-reduce_scatter_p.def_effectful_abstract_eval(_reduce_scatter_abstract_eval)
-ad.deflinear2(reduce_scatter_p, _reduce_scatter_transpose)
-batching.fancy_primitive_batchers[reduce_scatter_p] = _reduce_scatter_batcher
+lowering.register(
+    psum_scatter_p,
+    _reduce_scatter_abstract_eval,
+    psum_scatter_lowering,
+    linear_transpose=_reduce_scatter_transpose,
+    batcher=_reduce_scatter_batcher,
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -804,7 +866,7 @@ def all_to_all(
                     f"all_to_all: split_axis {s} of size {v.shape[s]} is not "
                     f"divisible by the axis size {n}."
                 )
-            v, dt = _widen(lowering.pvary_missing(v, axes), "all_to_all")
+            v, dt = widen(lowering.pvary_missing(v, axes), "all_to_all")
             y = all_to_all_p.bind(v, axes=axes, split_axis=s, concat_axis=c, axis_size=n)
             return _narrow(y, dt)
         if v.shape[s] != n:
@@ -815,7 +877,7 @@ def all_to_all(
         # Untiled = tiled on x with a unit axis inserted where the new axis will appear.
         ins = c if c <= s else c + 1
         s2 = s + 1 if c <= s else s
-        v, dt = _widen(lowering.pvary_missing(jnp.expand_dims(v, ins), axes), "all_to_all")
+        v, dt = widen(lowering.pvary_missing(jnp.expand_dims(v, ins), axes), "all_to_all")
         y = all_to_all_p.bind(v, axes=axes, split_axis=s2, concat_axis=ins, axis_size=n)
         return _narrow(jnp.squeeze(y, s2), dt)
 
@@ -859,17 +921,15 @@ def _all_to_all_batcher(axis_data, vals_in, dims_in, *, axes, split_axis, concat
     ), 0
 
 
-mlir.register_lowering(
+lowering.register(
     all_to_all_p,
-    lambda ctx, x, *, axes, split_axis, concat_axis, axis_size: _ffi_call_lowering(
+    _all_to_all_abstract_eval,
+    lambda ctx, x, *, axes, split_axis, concat_axis, axis_size: ffi_call_lowering(
         "strata_all_to_all", "all_to_all"
     )(ctx, x, axes=axes, split_axis=int(split_axis), concat_axis=int(concat_axis)),
-    platform="cpu",
-    cacheable=False,
+    linear_transpose=_all_to_all_transpose,
+    batcher=_all_to_all_batcher,
 )
-all_to_all_p.def_effectful_abstract_eval(_all_to_all_abstract_eval)
-ad.deflinear2(all_to_all_p, _all_to_all_transpose)
-batching.fancy_primitive_batchers[all_to_all_p] = _all_to_all_batcher
 
 
 # --------------------------------------------------------------------------------------
@@ -923,7 +983,7 @@ def ppermute(x, axis_name: AxisName, perm: Sequence[tuple[int, int]]):
         v = jnp.asarray(v)
         lowering.check_axis_names(axes, "ppermute")
         p = _check_perm(perm, lowering.axis_size(axes))
-        v, dt = _widen(lowering.pvary_missing(v, axes), "ppermute")
+        v, dt = widen(lowering.pvary_missing(v, axes), "ppermute")
         return _narrow(ppermute_p.bind(v, axes=axes, perm=p), dt)
 
     return _tree_map(leaf, x)
@@ -958,7 +1018,7 @@ def _ppermute_batcher(axis_data, vals_in, dims_in, *, axes, perm):
     return jnp.where(mask, taken, jnp.zeros_like(taken)), d
 
 
-def _ppermute_lowering(ctx, x, *, axes, perm, mesh_order=False):
+def ppermute_lowering(ctx, x, *, axes, perm, mesh_order=False):
     # A multi-axis group is indexed in the order of ``axes`` (as axis_index counts), or, with
     # ``mesh_order``, in the mesh's order (what jax.lax.ppermute of JAX 0.10 does: the hook).
     mesh_shape, idx = lowering.mesh_placement(ctx, axes, "ppermute")
@@ -968,13 +1028,16 @@ def _ppermute_lowering(ctx, x, *, axes, perm, mesh_order=False):
     sources = np.full(int(np.prod(mesh_shape[idx])), -1, np.int64)
     for s, d in perm:
         sources[d] = s
-    return _ffi_call_lowering("strata_permute", "ppermute")(ctx, x, axes=axes, sources=sources)
+    return ffi_call_lowering("strata_ppermute", "ppermute")(ctx, x, axes=axes, sources=sources)
 
 
-ppermute_p.def_effectful_abstract_eval(_ppermute_abstract_eval)
-ad.deflinear2(ppermute_p, _ppermute_transpose)
-batching.fancy_primitive_batchers[ppermute_p] = _ppermute_batcher
-mlir.register_lowering(ppermute_p, _ppermute_lowering, platform="cpu", cacheable=False)
+lowering.register(
+    ppermute_p,
+    _ppermute_abstract_eval,
+    ppermute_lowering,
+    linear_transpose=_ppermute_transpose,
+    batcher=_ppermute_batcher,
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -1013,7 +1076,7 @@ def pbroadcast(x, axis_name: AxisName, source: int):
         n = lowering.axis_size(axes)
         if not 0 <= int(source) < n:
             raise ValueError(f"pbroadcast: source {source} is outside [0, {n}).")
-        v, dt = _widen(lowering.pvary_missing(v, axes), "pbroadcast")
+        v, dt = widen(lowering.pvary_missing(v, axes), "pbroadcast")
         return _narrow(pbroadcast_p.bind(v, axes=axes, source=int(source)), dt)
 
     return _tree_map(leaf, x)
@@ -1046,14 +1109,12 @@ def _pbroadcast_batcher(axis_data, vals_in, dims_in, *, axes, source):
     return jnp.take(v, np.full(axis_data.size, source), axis=d), d
 
 
-pbroadcast_p.def_effectful_abstract_eval(_pbroadcast_abstract_eval)
-ad.deflinear2(pbroadcast_p, _pbroadcast_transpose)
-batching.fancy_primitive_batchers[pbroadcast_p] = _pbroadcast_batcher
-mlir.register_lowering(
+lowering.register(
     pbroadcast_p,
-    lambda ctx, x, *, axes, source: _ffi_call_lowering("strata_broadcast", "pbroadcast")(
+    _pbroadcast_abstract_eval,
+    lambda ctx, x, *, axes, source: ffi_call_lowering("strata_pbroadcast", "pbroadcast")(
         ctx, x, axes=axes, root=int(source)
     ),
-    platform="cpu",
-    cacheable=False,
+    linear_transpose=_pbroadcast_transpose,
+    batcher=_pbroadcast_batcher,
 )

@@ -14,8 +14,8 @@ import collections
 import dataclasses
 import threading
 
-from strata_jax._src import collectives, debug, ragged
-from strata_jax._src.jax_compat import lowering_rule, mlir
+from strata_jax._src import collectives, debug, operators, ragged  # noqa: F401  (their primitives)
+from strata_jax._src.jax_compat import lowering_rule, mlir, registered_primitives
 
 _KEEP = 256
 _KEY = ("strata_jax", "coverage")
@@ -122,25 +122,18 @@ def coverage() -> list[ProgramCoverage]:
         ]
 
 
+def strata_primitives() -> list:
+    """strata's own primitives: those named after an operator's target in the operator table
+    (operators.py), as their modules registered them (collectives, ragged, moe)."""
+    import strata_jax.moe  # noqa: F401  (registers the MoE primitives)
+
+    names = operators.targets()
+    return [p for p in registered_primitives("cpu") if p.name in names]
+
+
 def _record_strata_operators() -> None:
     """Wraps the CPU lowering of strata's own operators so they are recorded too."""
-    from strata_jax.moe import _dispatch, _low_latency
-
-    prims = [
-        collectives.all_reduce_p,
-        collectives.all_gather_p,
-        collectives.reduce_scatter_p,
-        collectives.all_to_all_p,
-        collectives.ppermute_p,
-        collectives.pbroadcast_p,
-        ragged.ragged_all_to_all_p,
-        _dispatch.moe_dispatch_p,
-        _dispatch.moe_combine_p,
-        _dispatch.moe_gather_p,
-        _low_latency.moe_ll_dispatch_p,
-        _low_latency.moe_ll_combine_p,
-    ]
-    for prim in prims:
+    for prim in strata_primitives():
         rule = lowering_rule(prim, "cpu")
 
         def recorded(ctx, *args, rule=rule, name=prim.name, **params):

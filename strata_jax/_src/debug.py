@@ -2,8 +2,9 @@
 
 NCCL_DEBUG's idea at trace time: the first time this process traces a strata collective over a
 group (mesh and axes) it logs the group, and whenever the all-reduce algorithm the size selects
-(one-shot / two-shot, by ``set_two_shot_threshold``) differs from the previous one for that
-operator it logs the switch. Lines start with ``strata_jax INFO [rank R]``. Any other value
+(one-shot / two-shot, as the native library chooses it: ``set_two_shot_threshold``, and from
+16 MiB only with two ranks) differs from the previous one for that operator it logs the
+switch. Lines start with ``strata_jax INFO [rank R]``. Any other value
 (or unset) logs nothing; the check costs one dict lookup per traced call.
 """
 
@@ -14,6 +15,8 @@ import sys
 import threading
 
 import numpy as np
+
+from strata_jax._src import operators
 
 _LEVELS = {"INFO": 1, "DEBUG": 2, "TRACE": 2}
 _lock = threading.Lock()
@@ -55,7 +58,8 @@ def on_trace(api: str, x, axis_name) -> None:
     size = int(np.prod([shape.get(a, 1) for a in axes]))
     if new_group:
         log(f"new communicator: axes {axes} ({size} ranks) of mesh {shape} (first: {api})")
-    if api not in ("psum", "pmean", "pmax", "pmin"):
+    op = operators.BY_STATS.get(api)
+    if op is None or "two_shot" not in op.algorithms:
         return
     from strata_jax._src import runtime
 
@@ -64,12 +68,14 @@ def on_trace(api: str, x, axis_name) -> None:
         return
     nbytes = max(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in leaves)
     threshold = runtime.get_two_shot_threshold()
-    algo = "two-shot" if nbytes >= threshold and size > 2 else "one-shot"  # as ffi/handlers.cc
+    # The native library's own choice (coll/collectives.h: all_reduce_two_shot).
+    algo = runtime.native().all_reduce_algorithm(size, nbytes).replace("_", "-")
     with _lock:
         prev = _last_algo.get(api)
         _last_algo[api] = algo
     if prev != algo:
         log(
-            f"{api}: {algo} all-reduce for {nbytes} B per rank (two-shot from {threshold} B)"
+            f"{api}: {algo} all-reduce for {nbytes} B per rank over {size} ranks (two-shot from "
+            f"{threshold} B, with two ranks from {runtime.native().get_two_shot_pair_bytes()} B)"
             + (f", was {prev}" if prev else "")
         )

@@ -3,9 +3,10 @@
 This is the one module that imports the extension. It imports nothing of strata_jax (the
 extension is found by its full name, never read back from the package's ``__init__``), so
 every module may use it without an import cycle; ``runtime.native()`` is the front door the
-rest of the package calls (it adds the launch-pool check at first use). The extension is
-loaded lazily, at the first lowering or setting that needs it, as before. A missing extension
-is reported once, at ``import strata_jax``, by the package's ``__init__``.
+rest of the package calls (it adds the launch-pool check at first use). Its handlers are
+registered lazily, at the first lowering or setting that needs them, as before. A missing
+extension is reported once, at ``import strata_jax``, by the package's ``__init__``, and so is
+an extension built for a newer jaxlib than the running one (:func:`check_installed`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def _installed_ffi_api() -> tuple[int, int] | None:
     import jax
 
     try:
-        text = open(os.path.join(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h")).read()
+        with open(os.path.join(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h")) as f:
+            text = f.read()
     except OSError:
         return None
     found = [re.search(rf"#define XLA_FFI_API_{k}\s+(\d+)", text) for k in ("MAJOR", "MINOR")]
@@ -45,8 +47,22 @@ def check_build(module: ModuleType) -> None:
             f"headers (API {built[0]}.{built[1]}), newer than this jaxlib {jaxlib.__version__} "
             f"(API {running[0]}.{running[1]}), which refuses its handlers. Rebuild it against "
             "the jaxlib installed now: pip install --no-cache-dir --force-reinstall --no-deps "
-            "<strata_jax source> (the build takes the FFI headers of the installed jaxlib)."
+            "<strata_jax source> (the build takes the FFI headers of the installed jaxlib; where "
+            "that jaxlib is outside the environment's own site-packages, as in a venv made with "
+            "--system-site-packages, add --no-build-isolation after `pip install "
+            "scikit-build-core nanobind`: pip's isolated build does not see it)."
         )
+
+
+def check_installed() -> None:
+    """:func:`check_build` on the extension, without registering its handlers: run at
+    ``import strata_jax``, so a build for a newer jaxlib fails there, with the fix, and not at
+    the first strata call inside a traced program (importing the module costs about 0.5 ms).
+
+    Raises:
+      ImportError: the extension was built against a newer jaxlib's FFI API.
+    """
+    check_build(importlib.import_module(NAME))
 
 
 def load() -> ModuleType:

@@ -143,7 +143,9 @@ def warn_if_untested() -> None:
                 stacklevel=3,
             )
             return
-    newer = {name: v for name, v in found.items() if _version(v)[:2] > newest[:2]}
+    # Any release after the newest tested one, a patch release too: JAX's x.y.z releases
+    # break things as well (0.11.1's ppermute rule, 0.11.2's XLA crash, 0.12.1's lowering).
+    newer = {name: v for name, v in found.items() if _version(v) > newest}
     if newer:
         what = ", ".join(f"{name} {v}" for name, v in newer.items())
         warnings.warn(
@@ -340,8 +342,11 @@ def mark_uncacheable(prim: core.Primitive) -> None:
     mlir._uncacheable_primitives.add(prim)
 
 
-def registered_primitives() -> list[core.Primitive]:
-    """Every primitive that has a lowering rule for all platforms."""
+def registered_primitives(platform: str | None = None) -> list[core.Primitive]:
+    """Every primitive that has a lowering rule for all platforms, or with ``platform`` one for
+    that platform (``mlir._platform_specific_lowerings``, the same in every release)."""
+    if platform is not None:
+        return list(mlir._platform_specific_lowerings.get(platform, {}))
     return list(mlir._lowerings)
 
 

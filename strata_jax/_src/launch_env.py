@@ -76,6 +76,30 @@ _CLUSTER_VARS = (
 )
 
 
+def preload_env(environ: Mapping[str, str], lib: str) -> dict[str, str]:
+    """``environ`` with ``lib`` first in ``LD_PRELOAD`` (kept once if already there).
+
+    The dynamic loader splits ``LD_PRELOAD`` at spaces and colons, with no escape for either
+    (ld.so(8)): a library under a path with a space (a venv in "~/My Projects") is named by its
+    file name there, its folder going first in ``LD_LIBRARY_PATH`` (split at colons only), else
+    ld.so found no library and printed "cannot be preloaded" for each piece. A folder with a
+    colon in its name cannot be given to the loader at all: then ``environ`` comes back as it
+    is (``import strata_jax`` hooks the allocator into jaxlib instead, ``allocator.py``).
+    """
+    env = dict(environ)
+    folder, name = os.path.split(lib)
+    entry = lib
+    if " " in lib or ":" in lib:
+        if ":" in folder or " " in name or ":" in name or not folder:
+            return env
+        entry = name
+        paths = [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p and p != folder]
+        env["LD_LIBRARY_PATH"] = ":".join([folder, *paths])
+    parts = env.get("LD_PRELOAD", "").replace(" ", ":").split(":")
+    env["LD_PRELOAD"] = ":".join([entry, *(p for p in parts if p and p not in (lib, entry))])
+    return env
+
+
 def cluster_env(environ: Mapping[str, str] | None = None) -> tuple[str, int, int]:
     """What a cluster launcher (Open MPI's mpirun, a PMI launcher such as MPICH's, Slurm's srun)
     set for this process: ``(variable, number of processes, this process's rank)``, or
@@ -148,10 +172,7 @@ def rank_env(
     env[ENV_LOCAL_DEVICES] = str(devices_per_proc)
     env[ENV_RUN_DIR] = run_dir
     env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the prefixer as they are printed
-    if preload:
-        existing = env.get("LD_PRELOAD", "")
-        env["LD_PRELOAD"] = f"{preload}:{existing}" if existing else preload
-    return env
+    return preload_env(env, preload) if preload else env
 
 
 # gloo prints one such line per rank when XLA's CPU collectives connect (std::cout, no log

@@ -41,6 +41,7 @@ from strata_jax._src import (
     collectives,
     coverage,
     lowering,
+    operators,
     program_order,
     ragged,
 )
@@ -143,12 +144,12 @@ def _hook(prim, strata_rule: Callable, cause: Callable, may_run: bool = True) ->
 
 
 def _native(aval) -> bool:
-    return np.dtype(aval.dtype) in collectives._NATIVE_DTYPES
+    return np.dtype(aval.dtype) in collectives.NATIVE_DTYPES
 
 
 def wide(aval):
     """``aval`` in the dtype strata's kernels use for it (narrow types travel widened, as in
-    ``collectives._widen``)."""
+    ``collectives.widen``)."""
     if _native(aval):
         return aval
     dt = np.dtype(aval.dtype)
@@ -168,7 +169,7 @@ def _call(ctx, target: str, api: str, x, aval_in, aval_out, axes: tuple, **attrs
     if win is not aval_in:
         x = mlir.convert_hlo(ctx, x, aval_in, win)
     sub = ctx.replace(avals_in=[win], avals_out=[wout])
-    (y,) = collectives._ffi_call_lowering(target, api)(sub, x, axes=axes, **attrs)
+    (y,) = collectives.ffi_call_lowering(target, api)(sub, x, axes=axes, **attrs)
     if wout is not aval_out:
         y = mlir.convert_hlo(ctx, y, wout, aval_out)
     return y
@@ -178,7 +179,7 @@ def _axes(axis_name) -> tuple:
     return lowering.axis_tuple(axis_name)
 
 
-REDUCE_CODES = {"psum": 0, "pmax": 1, "pmin": 2}
+REDUCE_CODES = operators.REDUCE_CODES
 _LOCAL = {"psum": jax.lax.reduce_sum, "pmax": jax.lax.reduce_max, "pmin": jax.lax.reduce_min}
 
 
@@ -213,9 +214,9 @@ def _all_reduce_cause(reduce: str):
 
 
 def _rows_call(ctx, lower, x, *, axis_name, axis_size, dimension, tiled):
-    """strata's all_gather / psum_scatter lowering (``collectives._all_gather_lowering``,
-    ``_reduce_scatter_lowering``) over ``dimension``, in place: no transpose or reshape around
-    it (issue 24 section 4); narrow dtypes widened as in ``_call``."""
+    """strata's all_gather / psum_scatter lowering (``collectives.all_gather_lowering``,
+    ``psum_scatter_lowering``) over ``dimension``, in place: no transpose or reshape around
+    it; narrow dtypes widened as in ``_call``."""
     (aval,), (out,) = ctx.avals_in, ctx.avals_out
     win, wout = wide(aval), wide(out)
     if win is not aval:
@@ -234,28 +235,26 @@ def _rows_call(ctx, lower, x, *, axis_name, axis_size, dimension, tiled):
     return [y]
 
 
-def _all_gather_rule(ctx, x, *, all_gather_dimension, axis_name, axis_size, tiled, **_):
-    return _rows_call(
-        ctx,
-        collectives._all_gather_lowering,
-        x,
-        axis_name=axis_name,
-        axis_size=axis_size,
-        dimension=all_gather_dimension,
-        tiled=tiled,
-    )
+def _rows_rule(lower, dimension_param: str):
+    """The rule of jax.lax's all_gather (``dimension_param`` all_gather_dimension) or
+    reduce_scatter (scatter_dimension): strata's ``lower`` over that dimension, in place."""
+
+    def rule(ctx, x, *, axis_name, axis_size, tiled, **params):
+        return _rows_call(
+            ctx,
+            lower,
+            x,
+            axis_name=axis_name,
+            axis_size=axis_size,
+            dimension=params[dimension_param],
+            tiled=tiled,
+        )
+
+    return rule
 
 
-def _reduce_scatter_rule(ctx, x, *, scatter_dimension, axis_name, axis_size, tiled, **_):
-    return _rows_call(
-        ctx,
-        collectives._reduce_scatter_lowering,
-        x,
-        axis_name=axis_name,
-        axis_size=axis_size,
-        dimension=scatter_dimension,
-        tiled=tiled,
-    )
+_all_gather_rule = _rows_rule(collectives.all_gather_lowering, "all_gather_dimension")
+_reduce_scatter_rule = _rows_rule(collectives.psum_scatter_lowering, "scatter_dimension")
 
 
 def _group_cause(ctx, *, axis_name, axis_index_groups=None, **_):
@@ -298,7 +297,7 @@ def _ppermute_rule(ctx, x, *, axis_name, perm):
     win = wide(aval)
     if win is not aval:
         x = mlir.convert_hlo(ctx, x, aval, win)
-    (y,) = collectives._ppermute_lowering(
+    (y,) = collectives.ppermute_lowering(
         ctx.replace(avals_in=[win], avals_out=[win]),
         x,
         axes=axes,
@@ -313,7 +312,7 @@ def _ppermute_rule(ctx, x, *, axis_name, perm):
 def _pbroadcast_rule(ctx, x, *, axis_name, source):
     (aval,) = ctx.avals_in
     y = _call(
-        ctx, "strata_broadcast", "pbroadcast", x, aval, aval, _axes(axis_name), root=int(source)
+        ctx, "strata_pbroadcast", "pbroadcast", x, aval, aval, _axes(axis_name), root=int(source)
     )
     return [y]
 
@@ -347,26 +346,25 @@ def _unsupported_cause(what: str):
     return cause
 
 
+# The rule and the cause of each operator that runs jax.lax primitives, by its name in the
+# operator table (operators.py); the table says which jax.lax primitives each one runs.
+RULES = {
+    "psum": (_all_reduce_rule("psum"), _all_reduce_cause("psum")),
+    "pmax": (_all_reduce_rule("pmax"), _all_reduce_cause("pmax")),
+    "pmin": (_all_reduce_rule("pmin"), _all_reduce_cause("pmin")),
+    "all_gather": (_all_gather_rule, _group_cause),
+    "psum_scatter": (_reduce_scatter_rule, _reduce_scatter_cause),
+    "all_to_all": (_all_to_all_rule, _group_cause),
+    "ppermute": (_ppermute_rule, _group_cause),
+    "pbroadcast": (_pbroadcast_rule, _group_cause),
+    "ragged_all_to_all": (_ragged_rule, _ragged_cause),
+}
 # jax.lax's collective primitives (by name: jax_compat.lax_primitive; a name the running JAX
-# release lacks is skipped), each with its rule and cause.
+# release lacks is skipped), each with its operator's rule and cause.
 _HOOKS = [
-    (prim, rule, cause)
-    for name, rule, cause in (
-        ("psum", _all_reduce_rule("psum"), _all_reduce_cause("psum")),
-        ("psum_invariant", _all_reduce_rule("psum"), _all_reduce_cause("psum")),
-        ("unreduced_psum", _all_reduce_rule("psum"), _all_reduce_cause("psum")),
-        ("pmax", _all_reduce_rule("pmax"), _all_reduce_cause("pmax")),
-        ("pmin", _all_reduce_rule("pmin"), _all_reduce_cause("pmin")),
-        ("all_gather", _all_gather_rule, _group_cause),
-        ("all_gather_invariant", _all_gather_rule, _group_cause),
-        ("all_gather_reduced", _all_gather_rule, _group_cause),
-        ("reduce_scatter", _reduce_scatter_rule, _reduce_scatter_cause),
-        ("unreduced_reduce_scatter", _reduce_scatter_rule, _reduce_scatter_cause),
-        ("all_to_all", _all_to_all_rule, _group_cause),
-        ("ppermute", _ppermute_rule, _group_cause),
-        ("pbroadcast", _pbroadcast_rule, _group_cause),
-        ("ragged_all_to_all", _ragged_rule, _ragged_cause),
-    )
+    (prim, *RULES[op.id])
+    for op in operators.OPERATORS
+    for name in op.lax
     if (prim := lax_primitive(name)) is not None
 ]
 # Collectives strata does not run, each with the reason coverage() records (JAX 0.11+ adds

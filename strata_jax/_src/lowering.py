@@ -10,6 +10,7 @@ transpose rules; what they all need comes from here, by public names:
   :func:`require_varying`, :func:`varying_out`; effects: :func:`effects`;
 - placement: :func:`spmd_mesh`, :func:`mesh_placement`, :func:`mesh_groups`,
   :func:`partition_device_ids`, :func:`check_groups_inside_fabrics`;
+- the registration block that ends each primitive: :func:`register`;
 - the call: :func:`lower_strata_call`, which loads the native extension (``runtime.native()``)
   and emits the custom call with its rendezvous attributes, in program order
   (``program_order.py``).
@@ -28,11 +29,12 @@ import jax
 import numpy as np
 
 from strata_jax._src import program_order, runtime, topology
-from strata_jax._src.jax_compat import SPMDAxisContext, config, core, hlo, ir
+from strata_jax._src.jax_compat import SPMDAxisContext, ad, batching, config, core, hlo, mlir
 
 AxisName = Any
 
 __all__ = [
+    "register",
     "axis_size",
     "axis_tuple",
     "check_axis_names",
@@ -263,37 +265,41 @@ def lower_strata_call(
     rule = jax.ffi.ffi_lowering(
         target, has_side_effect=True, operand_output_aliases=operand_output_aliases
     )
-    ordered = program_order.keep_program_order()
-    chain = program_order.chain(ctx) if ordered else {}
-    block = ir.InsertionPoint.current.block
-    after = chain.get(block)
-    # Every call takes the previous one's Done, also a call that reads the previous call's
-    # results: XLA's simplifier may remove that path (a p * 0 of integers, a full overwrite),
-    # leaving the two calls unordered in the compiled program. (Chaining those calls as well
-    # once made tests/test_moe_layer.py::test_gradients_match_dense[strata_ragged] deadlock in 3
-    # of 3 runs, but only because the forward and backward shard_map regions were not chained
-    # to each other then: program_order._chain_shard_map_regions.)
-    extra = [after] if after is not None else []
-    # The next call is ordered after this one through one byte of result (``Done``, never
-    # written), not through a real result, whose buffer would then stay alive until the next
-    # call. It also orders a call whose results are all empty.
-    done = [program_order.DONE_AVAL] if ordered else []
-    sub = ctx.replace(
-        avals_in=[*ctx.avals_in, core.ShapedArray((), np.uint32), *(a for _, a in extra)],
-        avals_out=[*ctx.avals_out, *done],
-    )
-    results = rule(
-        sub,
-        *operands,
-        hlo.partition_id(),
-        *(v for v, _ in extra),
+    return program_order.chained(
+        ctx,
+        rule,
+        [*operands, hlo.partition_id()],
+        [*ctx.avals_in, core.ShapedArray((), np.uint32)],
         op_id=program_order.next_op_id(ctx),
         groups=g.ravel(),
         group_size=np.int64(g.shape[1]),
         device_ids=partition_device_ids(ctx, num_partitions),
         **attrs,
     )
-    results = list(results)
-    if done:
-        chain[block] = (results.pop(), program_order.DONE_AVAL)
-    return results
+
+
+def register(
+    prim: core.Primitive,
+    abstract_eval,
+    lowering,
+    *,
+    linear_transpose=None,
+    transpose=None,
+    jvp=None,
+    batcher=None,
+) -> None:
+    """The registration block that ends each strata primitive (as in jax/_src/lax/parallel.py):
+    its abstract evaluation (with effects), its transpose (``linear_transpose``: the primitive
+    is linear, ``ad.deflinear2``; or ``transpose`` alone), its JVP (over the linear one), its
+    batching rule, and its CPU lowering, never cached (each application gets op ids of its own:
+    program_order.py)."""
+    prim.def_effectful_abstract_eval(abstract_eval)
+    if linear_transpose is not None:
+        ad.deflinear2(prim, linear_transpose)
+    if transpose is not None:
+        ad.primitive_transposes[prim] = transpose
+    if jvp is not None:
+        ad.primitive_jvps[prim] = jvp
+    if batcher is not None:
+        batching.fancy_primitive_batchers[prim] = batcher
+    mlir.register_lowering(prim, lowering, platform="cpu", cacheable=False)

@@ -8,8 +8,8 @@ buffers they share, so this module makes the order explicit while a program is l
   call's rendezvous key); the branches of a ``cond`` restart from the id at the cond, so ranks
   that take different branches meet at the same id;
 - the chain: each strata call takes the previous call's ``Done`` byte as one more operand
-  (:func:`chain`, :data:`DONE_AVAL`, used by ``lowering.lower_strata_call`` and the
-  hierarchical steps), and a ``cond`` or ``while`` loop holding strata calls joins the chain of
+  (:func:`chained`, which ``lowering.lower_strata_call`` and the check across fabrics emit
+  their calls with), and a ``cond`` or ``while`` loop holding strata calls joins the chain of
   the block around it;
 - shard_map regions: consecutive regions of one block hand a token from one to the next;
 - inline lowering: nested jits and other higher-order primitives whose bodies hold strata
@@ -67,8 +67,8 @@ def next_op_id(ctx) -> int:
     # Every strata primitive registers its lowering with cacheable=False: JAX otherwise lowers
     # equal applications (same primitive, params and avals, e.g. psum(v) and psum(sin v)) once
     # and reuses that lowering, so they would share one op id and be told apart only by their
-    # run-time start order, which differs between devices: across processes psum(v) then
-    # paired with psum(sin v) (found by tests/mp_scripts/call_matching.py).
+    # run-time start order, which differs between devices: across processes psum(v) would pair
+    # with psum(sin v) (tests/mp_scripts/call_matching.py checks it does not).
     # ModuleContext has slots; its primitive-lowering cache is one dict shared by every
     # context of the module, so it can hold the counter under a private key.
     cache = ctx.module_context.cached_primitive_lowerings
@@ -79,11 +79,11 @@ def next_op_id(ctx) -> int:
 def _number_branches_from_the_cond() -> None:
     """Op ids count strata calls in program order; the branches of a ``lax.cond``/``switch``
     are alternatives, so each branch restarts from the id at the cond and the cond ends at the
-    largest. Ranks that take different branches (edge case 13) then meet at the same op id, and
+    largest. Ranks that take different branches then meet at the same op id, and
     equal calls in one branch still get ids of their own. Done by wrapping JAX's cond lowering
     and giving each branch a mark at both ends (``_branch_mark_p``), whose lowering moves the
     counter; the state stays in the module's cache (JAX's own functions are never swapped,
-    which was not safe with several threads lowering at once: edge case 34)."""
+    which was not safe with several threads lowering at once)."""
     rule = lowering_rule(cond_p)
 
     def cond_lowering(ctx, *args, **params):
@@ -113,7 +113,7 @@ def _number_branches_from_the_cond() -> None:
     def _numbered_cond(ctx, *args, branches, **params):
         # Each branch starts with a mark that sets the counter back to the cond's and ends with
         # one that notes how far it went: the state lives in this module's cache, and nothing
-        # of JAX is swapped, so several threads may lower at once (edge case 34).
+        # of JAX is swapped, so several threads may lower at once.
         cache = ctx.module_context.cached_primitive_lowerings
         start = cache.get(_OP_COUNTER, 0)
         cond = cache[_COND_IDS] = cache.get(_COND_IDS, 0) + 1
@@ -163,6 +163,32 @@ def _with_branch_marks(branch, start: int, cond: int):
 DONE_AVAL = core.ShapedArray((1,), np.uint8)
 
 _CHAIN = ("strata_jax", "program_order_chain")
+
+
+def chained(ctx, rule, operands, avals_in, **attrs) -> list:
+    """Emits ``rule`` (a ``jax.ffi.ffi_lowering``) on ``operands`` (of ``avals_in``) giving
+    ``ctx.avals_out`` as a link of its block's chain of strata calls: it takes the block's last
+    strata call's Done as one more operand, and, with calls chained, has a Done of its own, one
+    byte never written, for the next call to take (``chain``). Returns its real results.
+
+    Every call takes the previous one's Done, also a call that reads the previous call's
+    results: XLA's simplifier may remove that path (a p * 0 of integers, a full overwrite),
+    leaving the two calls unordered in the compiled program. Its own Done is one byte, not a real
+    result, whose buffer would then stay alive until the next call; it also orders a call whose
+    results are all empty."""
+    ordered = keep_program_order()
+    links = chain(ctx) if ordered else {}
+    block = ir.InsertionPoint.current.block
+    after = links.get(block)
+    extra = [after] if after is not None else []
+    done = [DONE_AVAL] if ordered else []
+    sub = ctx.replace(
+        avals_in=[*avals_in, *(a for _, a in extra)], avals_out=[*ctx.avals_out, *done]
+    )
+    results = list(rule(sub, *operands, *(v for v, _ in extra), **attrs))
+    if done:
+        links[block] = (results.pop(), DONE_AVAL)
+    return results
 
 
 def keep_program_order() -> bool:
@@ -368,7 +394,7 @@ def _order_control_flow() -> None:
                 args = (*args[:k], _order_after_chain(ctx, args[k], aval), *args[k + 1 :])
         # Not under a batched predicate (jax.vmap of a loop whose stop differs per example):
         # JAX then selects every carry by the predicate, which has no batch dimension in the
-        # token (a review found the assertion).
+        # token.
         batched = cond_jaxpr.out_avals[0].shape != ()
         key = None if ordered or batched or not _at_top(ctx) else _top_region_key(body_jaxpr.jaxpr)
         if key is not None:  # shard_maps in the body, outside any shard_map: thread the token
@@ -610,10 +636,11 @@ def _thread_region_token(ctx, key, args, lower):
 _chain_shard_map_regions()
 
 
-# Other higher-order primitives that JAX lowers cacheably, as a function of its own (a review
-# found strata calls inside custom_vmap, custom_linear_solve and custom_vjp(optimize_remat=True)
-# outside the chain): lowered inline instead, so their calls join the chain of the block around
-# them. By name, since some live in modules that ``import jax`` need not load.
+# Other higher-order primitives that JAX lowers cacheably, as a function of its own, which would
+# leave the strata calls inside custom_vmap, custom_linear_solve and
+# custom_vjp(optimize_remat=True) outside the chain: lowered inline instead, so their calls join
+# the chain of the block around them. By name, since some live in modules that ``import jax``
+# need not load.
 _INLINE_HIGHER_ORDER = (
     "custom_linear_solve",
     "custom_vmap_call",

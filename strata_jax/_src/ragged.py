@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax._src import lowering
-from strata_jax._src.jax_compat import ad, batching, core, hlo, ir, mlir
+from strata_jax._src.jax_compat import ad, batching, core, hlo, ir
 
 AxisName = Any
 
@@ -115,33 +115,17 @@ def ragged_all_to_all(
     return ragged_all_to_all_p.bind(*args, axis_name=axes, axis_index_groups=groups, bounds=None)
 
 
-def _abstract_eval(
-    operand,
-    output,
-    input_offsets,
-    send_sizes,
-    output_offsets,
-    recv_sizes,
-    *,
-    axis_name,
-    axis_index_groups,
-    bounds,
-):
+# The four [K] operands after operand and output, in the primitive's order.
+_SIZES = ("input_offsets", "send_sizes", "output_offsets", "recv_sizes")
+
+
+def _abstract_eval(operand, output, *sizes, axis_name, axis_index_groups, bounds):
+    input_offsets, send_sizes, output_offsets, recv_sizes = sizes
     # The first checks and their messages are jax.lax.ragged_all_to_all's, in its order.
-    for name, v in (
-        ("input_offsets", input_offsets),
-        ("send_sizes", send_sizes),
-        ("output_offsets", output_offsets),
-        ("recv_sizes", recv_sizes),
-    ):
+    for name, v in zip(_SIZES, sizes, strict=True):
         if not jnp.issubdtype(v.dtype, np.integer):
             raise ValueError(f"ragged_all_to_all {name} must be integer type.")
-    for name, v in (
-        ("input_offsets", input_offsets),
-        ("send_sizes", send_sizes),
-        ("output_offsets", output_offsets),
-        ("recv_sizes", recv_sizes),
-    ):
+    for name, v in zip(_SIZES, sizes, strict=True):
         if len(v.shape) != 1 or v.shape[0] < 1:
             raise ValueError(
                 f"ragged_all_to_all {name} must be rank 1 with positive dimension size, "
@@ -177,19 +161,7 @@ def _abstract_eval(
     return out, lowering.effects(axis_name)
 
 
-def _lowering(
-    ctx,
-    operand,
-    output,
-    input_offsets,
-    send_sizes,
-    output_offsets,
-    recv_sizes,
-    *,
-    axis_name,
-    axis_index_groups,
-    bounds,
-):
+def _lowering(ctx, operand, output, *sizes, axis_name, axis_index_groups, bounds):
     base = lowering.mesh_groups(ctx, axis_name, "ragged_all_to_all")  # [G, n]: the axis groups
     if axis_index_groups:
         # Each index group of each axis group is a team of its own: rank = position in it.
@@ -200,9 +172,7 @@ def _lowering(
     # buffer a peer reads to find its slices, whatever integer types the caller used.
     i64 = ir.IntegerType.get_signless(64)
     rows = []
-    for v, aval in zip(
-        (input_offsets, send_sizes, output_offsets, recv_sizes), ctx.avals_in[2:], strict=True
-    ):
+    for v, aval in zip(sizes, ctx.avals_in[2:], strict=True):
         k = aval.shape[0]
         conv = hlo.convert(ir.RankedTensorType.get([k], i64), v)
         rows.append(hlo.reshape(ir.RankedTensorType.get([1, k], i64), conv))
@@ -411,8 +381,11 @@ def _impl(*args, **kwargs):
 
 
 ragged_all_to_all_p.def_impl(_impl)
-ragged_all_to_all_p.def_effectful_abstract_eval(_abstract_eval)
-ad.primitive_jvps[ragged_all_to_all_p] = _jvp
-ad.primitive_transposes[ragged_all_to_all_p] = _transpose
-mlir.register_lowering(ragged_all_to_all_p, _lowering, platform="cpu", cacheable=False)
-batching.fancy_primitive_batchers[ragged_all_to_all_p] = _batcher
+lowering.register(
+    ragged_all_to_all_p,
+    _abstract_eval,
+    _lowering,
+    transpose=_transpose,
+    jvp=_jvp,
+    batcher=_batcher,
+)

@@ -33,15 +33,14 @@ def _requested_cpu_devices() -> int:
 def configure_launch_threads() -> None:
     """Gives XLA's CPU client enough launch threads that dispatch-ahead cannot deadlock.
 
-    XLA CPU gang-schedules every multi-device launch: a launch needs all N devices' threads of
-    the "XLAPjRtCpuClient" pool at once, and each launch also takes a per-device in-flight slot
-    (32) *on a pool thread*. When Python runs ~33 launches ahead, one pool thread blocks on
-    that semaphore and the oldest launch gets only N-1 threads: every participant of a
-    collective waits for the missing one and XLA aborts ("only 7 of 8 arrived"). The pool has
-    ``max(PJRT_NPROC, N)`` threads; with at least 2N threads the blocked semaphore waiter can
-    no longer starve a launch (measured in ../shared/DESIGN.md: 20 of 20 runs of 1000 chained
-    calls on 8 devices). No handler-side fix exists, so strata sets PJRT_NPROC here, before the
-    backend is created, unless the user already chose a value.
+    XLA CPU gang-schedules every multi-device launch: a launch needs all N devices' threads of the
+    "XLAPjRtCpuClient" pool at once, and each launch also takes a per-device in-flight slot (32) *on
+    a pool thread*. When Python runs ~33 launches ahead, one pool thread blocks on that semaphore
+    and the oldest launch gets only N-1 threads: every participant of a collective waits for the
+    missing one and XLA aborts ("only 7 of 8 arrived"). The pool has ``max(PJRT_NPROC, N)`` threads;
+    with at least 2N threads the blocked semaphore waiter can no longer starve a launch (measured:
+    20 of 20 runs of 1000 chained calls on 8 devices). No handler-side fix exists, so strata sets
+    PJRT_NPROC here, before the backend is created, unless the user already chose a value.
     """
     want = max(_MIN_LAUNCH_THREADS, 2 * _requested_cpu_devices())
     cur = os.environ.get("PJRT_NPROC")

@@ -116,14 +116,13 @@ _SHUTDOWN_WAIT_S = 1.0
 def _skip_distributed_shutdown_if_broken() -> None:
     """atexit (runs before jax's own clean-up, which was registered at ``import jax``).
 
-    jax.distributed's shutdown waits in a barrier for every process. After a collective
-    failed, a peer may be stuck (asleep, or waiting in another call) and never arrive: a rank
-    that caught the error and called ``sys.exit(1)`` hung there for minutes (edge case 20:
-    122 s). So when this process saw a strata collective fail, or a peer disconnect, the
-    shutdown gets ``_SHUTDOWN_WAIT_S`` seconds; if the peers have not all arrived by then, the
-    jax.distributed objects are detached (kept alive: their destructors would wait too) and
-    the process exits with its own exit code; the launcher, mpirun or srun stops the peers.
-    A healthy job never takes this path.
+    jax.distributed's shutdown waits in a barrier for every process. After a collective failed, a
+    peer may be stuck (asleep, or waiting in another call) and never arrive: a rank that caught the
+    error and called ``sys.exit(1)`` hung there for minutes (122 s). So when this process saw a
+    strata collective fail, or a peer disconnect, the shutdown gets ``_SHUTDOWN_WAIT_S`` seconds; if
+    the peers have not all arrived by then, the jax.distributed objects are detached (kept alive:
+    their destructors would wait too) and the process exits with its own exit code; the launcher,
+    mpirun or srun stops the peers. A healthy job never takes this path.
     """
     import sys
     import threading
@@ -206,7 +205,7 @@ class _Startup:
     ``_FAILED``; a process arriving later reads it and fails at once with a message naming
     the process that gave up, instead of waiting out its own timeout for a peer that is gone.
     JAX's own waits (``blocking_key_value_get``, ``wait_at_barrier``) would say only
-    ``DEADLINE_EXCEEDED: GetKeyValue() timed out with key ...`` (edge case 35).
+    ``DEADLINE_EXCEEDED: GetKeyValue() timed out with key ...``.
     """
 
     def __init__(self, client, pid: int, n: int, timeout_s: float):
@@ -411,7 +410,7 @@ def _initialize_distributed(timeout_s: float, **kwargs) -> None:
     JAX's connection runs in a thread of its own, with a wait ``_JAX_CONNECT_MARGIN_S`` longer
     than ``timeout_s``; this thread waits ``timeout_s`` for it. A process that misses the wait
     therefore fails here with a StartupError naming the processes and ``timeout_s``, instead of
-    being aborted by JAX's client when its own wait runs out (issue 26 §3). The thread, left
+    being aborted by JAX's client when its own wait runs out. The thread, left
     waiting, is never joined: the process ends (the launcher's, mpirun's or srun's stop, or the
     uncaught error's exit) before JAX's longer wait runs out.
     """

@@ -7,7 +7,7 @@ counted here.
 
 from __future__ import annotations
 
-from strata_jax._src import allocator, topology
+from strata_jax._src import allocator, operators, topology
 from strata_jax._src.runtime import native
 
 
@@ -41,14 +41,16 @@ def comm_stats() -> dict:
     ops = {}
     for d in nat.op_stats():
         name = d["name"]
-        reduce = name in ("psum", "pmax", "pmin")
+        op = operators.BY_STATS.get(name)
+        algos = op.algorithms if op is not None else ("direct",)
         ops[name] = {
             "calls": d["calls"],
             "bytes": d["bytes"],
+            # The native counters split calls in two (``one_shot``: the first algorithm).
             "algorithm": (
-                {"one_shot": d["one_shot"], "two_shot": d["two_shot"]}
-                if reduce
-                else {"direct": d["calls"]}
+                {algos[0]: d["one_shot"], algos[1]: d["two_shot"]}
+                if len(algos) == 2
+                else {algos[0]: d["calls"]}
             ),
             "p50_s": d["p50_s"],
             "p99_s": d["p99_s"],

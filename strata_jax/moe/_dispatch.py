@@ -728,18 +728,13 @@ def combine(expert_y, layout: MoELayout, topk_weights):
     The token's rank pulls each kept choice's row straight from the expert rank's buffer and
     sums them in one pass (expert ranks in rank order, choices in k order).
     """
-    if not isinstance(layout, MoELayout):
-        raise ValueError(
-            "strata_jax.moe.combine: layout must be the MoELayout returned by "
-            f"strata_jax.moe.dispatch, got {type(layout).__name__}."
-        )
     axes, expert_y, topk_weights = check_combine(
         "combine",
-        layout.axis_name,
-        layout.num_experts,
+        layout,
+        MoELayout,
+        "dispatch",
         lambda r: layout.capacity,
         "capacity",
-        layout.topk_idx,
         expert_y,
         topk_weights,
     )

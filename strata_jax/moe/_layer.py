@@ -338,19 +338,10 @@ def moe_mlp(
             return _experts(recv, w1, w2, activation)
         return _experts_in_chunks(recv, counts(), w1, w2, activation, expert_chunk)
 
+    args = (x, topk_idx, topk_w, w1, w2)
+    common = dict(num_experts=num_experts, axis_name=axis_name, activation=activation)
     if impl == "xla":
-        return _gshard(
-            x,
-            topk_idx,
-            topk_w,
-            w1,
-            w2,
-            num_experts=num_experts,
-            axis_name=axis_name,
-            capacity=capacity,
-            activation=activation,
-            experts=experts,
-        )
+        return _gshard(*args, capacity=capacity, experts=experts, **common)
 
     if impl == "xla_sort":
         nr = jax.lax.axis_size(axis_name)
@@ -366,16 +357,7 @@ def moe_mlp(
         return _sort.combine_rows(back, flat, topk_w).astype(x.dtype)  # summed in float32
 
     if impl == "strata_ragged":
-        return _dropless(
-            x,
-            topk_idx,
-            topk_w,
-            w1,
-            w2,
-            num_experts=num_experts,
-            axis_name=axis_name,
-            activation=activation,
-        )
+        return _dropless(*args, **common)
 
     if impl == "strata":
         dispatch, combine = _native_ops()

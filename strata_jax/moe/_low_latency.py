@@ -78,8 +78,8 @@ class LowLatencyHandle:
 
 # ll_dispatch_p(x [T, H], idx [T, K] i32) -> recv [E_local, R * M, H], counts [E_local] i32,
 #   src_slots [T, K] i32
-moe_ll_dispatch_p = core.Primitive("strata_moe_ll_dispatch")
-moe_ll_dispatch_p.multiple_results = True
+moe_low_latency_dispatch_p = core.Primitive("strata_moe_low_latency_dispatch")
+moe_low_latency_dispatch_p.multiple_results = True
 
 
 def _ll_dispatch_abstract_eval(x, idx, *, axes, ranks, local_experts, max_tokens, push):
@@ -90,11 +90,11 @@ def _ll_dispatch_abstract_eval(x, idx, *, axes, ranks, local_experts, max_tokens
     return [recv, counts, slots], lowering.effects(axes)
 
 
-moe_ll_dispatch_p.def_effectful_abstract_eval(_ll_dispatch_abstract_eval)
+moe_low_latency_dispatch_p.def_effectful_abstract_eval(_ll_dispatch_abstract_eval)
 mlir.register_lowering(
-    moe_ll_dispatch_p,
+    moe_low_latency_dispatch_p,
     lambda ctx, x, idx, *, axes, ranks, local_experts, max_tokens, push: lower(
-        "strata_moe_ll_dispatch", "moe.low_latency_dispatch"
+        "strata_moe_low_latency_dispatch", "moe.low_latency_dispatch"
     )(ctx, x, idx, axes=axes, max_tokens=np.int64(max_tokens), push=np.int64(push)),
     platform="cpu",
     cacheable=False,
@@ -102,7 +102,7 @@ mlir.register_lowering(
 
 # ll_combine_p(expert_y [E_local, R * M, H], w [T, K] acc dtype, idx [T, K], src_slots [T, K])
 #   -> y [T, H]
-moe_ll_combine_p = core.Primitive("strata_moe_ll_combine")
+moe_low_latency_combine_p = core.Primitive("strata_moe_low_latency_combine")
 
 
 def _ll_combine_abstract_eval(ey, w, idx, slots, *, axes, max_tokens):
@@ -111,11 +111,11 @@ def _ll_combine_abstract_eval(ey, w, idx, slots, *, axes, max_tokens):
     ), lowering.effects(axes)
 
 
-moe_ll_combine_p.def_effectful_abstract_eval(_ll_combine_abstract_eval)
+moe_low_latency_combine_p.def_effectful_abstract_eval(_ll_combine_abstract_eval)
 mlir.register_lowering(
-    moe_ll_combine_p,
+    moe_low_latency_combine_p,
     lambda ctx, ey, w, idx, slots, *, axes, max_tokens: lower(
-        "strata_moe_ll_combine", "moe.low_latency_combine"
+        "strata_moe_low_latency_combine", "moe.low_latency_combine"
     )(ctx, ey, w, idx, slots, axes=axes, max_tokens=np.int64(max_tokens)),
     platform="cpu",
     cacheable=False,
@@ -146,8 +146,8 @@ _ll_no_jvp = _ll_unsupported(
     "gradient should flow through this call, pass its inputs through jax.lax.stop_gradient."
 )
 for _p, _name in (
-    (moe_ll_dispatch_p, "low_latency_dispatch"),
-    (moe_ll_combine_p, "low_latency_combine"),
+    (moe_low_latency_dispatch_p, "low_latency_dispatch"),
+    (moe_low_latency_combine_p, "low_latency_combine"),
 ):
     batching.fancy_primitive_batchers[_p] = _ll_no_vmap(_name)
     ad.primitive_jvps[_p] = _ll_no_jvp(_name)
@@ -211,7 +211,7 @@ def low_latency_dispatch(
             f"strata_jax.moe.low_latency_dispatch: algo must be one of {_LL_ALGOS}, got {algo!r}."
         )
     idx = lowering.pvary_missing(sanitize_ids(topk_idx, num_experts), axes)
-    recv, counts, slots = moe_ll_dispatch_p.bind(
+    recv, counts, slots = moe_low_latency_dispatch_p.bind(
         lowering.pvary_missing(x, axes),
         idx,
         axes=axes,
@@ -254,18 +254,13 @@ def low_latency_combine(expert_y, handle: LowLatencyHandle, topk_weights):
     One arrival publishes expert_y; each token's rank pulls its K rows straight from the
     expert ranks' buffers and applies its own weights, so there is no partial-sum phase.
     """
-    if not isinstance(handle, LowLatencyHandle):
-        raise ValueError(
-            "strata_jax.moe.low_latency_combine: handle must be the LowLatencyHandle returned "
-            f"by strata_jax.moe.low_latency_dispatch, got {type(handle).__name__}."
-        )
     axes, expert_y, topk_weights = check_combine(
         "low_latency_combine",
-        handle.axis_name,
-        handle.num_experts,
+        handle,
+        LowLatencyHandle,
+        "low_latency_dispatch",
         lambda r: r * handle.max_tokens_per_rank,
         "R * max_tokens_per_rank",
-        handle.topk_idx,
         expert_y,
         topk_weights,
     )
@@ -278,6 +273,6 @@ def low_latency_combine(expert_y, handle: LowLatencyHandle, topk_weights):
             handle.src_slots,
         )
     )
-    return moe_ll_combine_p.bind(
+    return moe_low_latency_combine_p.bind(
         ey, w, idx, slots, axes=axes, max_tokens=handle.max_tokens_per_rank
     )

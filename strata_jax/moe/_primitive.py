@@ -52,18 +52,26 @@ def check_routing(name: str, axes: tuple, num_experts: int, topk_idx, x=None):
 
 def check_combine(
     name: str,
-    axis_name,
-    num_experts: int,
+    handle,
+    handle_type: type,
+    made_by: str,
     rows: Callable[[int], int],
     rows_text: str,
-    topk_idx,
     expert_y,
     topk_weights,
 ):
-    """Checks the inputs of ``strata_jax.moe.<name>`` (a combine): ``expert_y`` [E_local,
-    rows(R), H] in a float dtype (``rows_text`` names the second size in the error), and
-    ``topk_weights`` floats shaped like ``topk_idx``. Returns (axes, expert_y, topk_weights),
-    the two as arrays; ValueError saying what to change."""
+    """Checks the inputs of ``strata_jax.moe.<name>`` (a combine): ``handle`` the
+    ``handle_type`` that ``strata_jax.moe.<made_by>`` returned, ``expert_y`` [E_local, rows(R),
+    H] in a float dtype (``rows_text`` names the second size in the error), and
+    ``topk_weights`` floats shaped like the handle's ``topk_idx``. Returns (axes, expert_y,
+    topk_weights), the two as arrays; ValueError saying what to change."""
+    if not isinstance(handle, handle_type):
+        arg = "layout" if made_by == "dispatch" else "handle"
+        raise ValueError(
+            f"strata_jax.moe.{name}: {arg} must be the {handle_type.__name__} returned by "
+            f"strata_jax.moe.{made_by}, got {type(handle).__name__}."
+        )
+    axis_name, num_experts, topk_idx = handle.axis_name, handle.num_experts, handle.topk_idx
     axes = lowering.axis_tuple(axis_name)
     lowering.check_axis_names(axes, f"moe.{name}")
     expert_y = jnp.asarray(expert_y)

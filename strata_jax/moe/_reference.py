@@ -1,6 +1,6 @@
 """Pure-JAX reference of MoE dispatch/combine: the semantics of ``strata_jax.moe``, slowly.
 
-Same signatures and semantics as ``strata_jax.moe.dispatch`` / ``combine`` (issue 4), written
+Same signatures and semantics as ``strata_jax.moe.dispatch`` / ``combine``, written
 with ``jax.lax`` collectives and scatter/gather only. Two uses:
 
 * a test oracle for the native implementation and for :func:`strata_jax.moe._layer.moe_mlp`;

@@ -1,15 +1,15 @@
-"""How calls meet across processes (edge cases 17 and 18), and the ordering they rely on.
+"""How calls meet across processes, and the ordering they rely on.
 
 Run under the launcher with -n 2 --devices-per-proc 2 (or 1):
 
-- case 17: one jitted shard_map psum, called on a different source line on each rank: every
+- two call sites: one jitted shard_map psum, called on a different source line on each rank: every
   rank gets the sum (XLA's run ids differ per call site; strata keys calls by communicator);
 - independent collectives inside one program (XLA runs them at once on a device) and several
   programs dispatched ahead without blocking: every result equals numpy, and no two
   executions were ever in flight on one device (comm_stats);
-- case 18: rank 0 psums f32[409600], rank 1 f32[409598] (per device) with a 20 s timeout:
+- sizes that differ: rank 0 psums f32[409600], rank 1 f32[409598] (per device) with a 20 s timeout:
   every rank raises well under a second, naming psum and both sizes;
-- case 18b: rank 0's array is empty, rank 1's is not: both fail at once naming both sizes
+- empty on one rank: rank 0's array is empty, rank 1's is not: both fail at once naming both sizes
   (the empty call runs too: its program-order token keeps XLA from removing it);
 - processes whose programs give a ppermute different permutations: every rank fails at once,
   saying the parameters differ;
@@ -33,6 +33,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mp_checks import expect_fast_failure, local_ones  # noqa: E402  (tests/mp_checks.py)
 
 from strata_jax._src.jax_compat import distributed  # noqa: E402
 
@@ -64,7 +67,7 @@ def fail(msg: str) -> None:
     sys.exit(3)
 
 
-# ---- case 17: the same function from two call sites ----
+# ---- the same function from two call sites ----
 f = sm(lambda v: sj.psum(v, "x"))
 x = global_array(np.ones(4 * N, np.float32))
 if rank == 0:
@@ -72,8 +75,8 @@ if rank == 0:
 else:
     y = f(x)
 if not np.array_equal(local(y), np.full(4 * L, N, np.float32)):
-    fail(f"case 17: {local(y)}")
-print("OK case 17 two call sites", local(y)[:4].tolist(), flush=True)
+    fail(f"two call sites: {local(y)}")
+print("OK two call sites", local(y)[:4].tolist(), flush=True)
 
 # ---- independent collectives in one program; several programs dispatched ahead ----
 rng = np.random.default_rng(7)
@@ -112,49 +115,24 @@ print(
     flush=True,
 )
 
-# ---- case 18: the ranks disagree on the size ----
+# ---- the ranks disagree on the size ----
 n = 409600 if rank == 0 else 409598
 g = sm(lambda v: sj.psum(v, "x"))
-local_devs = [d for d in devs if d.process_index == rank]
-sh = jax.make_array_from_single_device_arrays(
-    (N * n,), spec, [jax.device_put(np.ones(n, np.float32), d) for d in local_devs]
-)
+sh = local_ones(mesh, spec, n, devs)
 g.lower(sh).compile()
-t = time.monotonic()
-try:
-    g(sh).block_until_ready()
-    fail("case 18 returned a value")
-except sj.COLLECTIVE_ERRORS as e:
-    dt = time.monotonic() - t
-    msg = str(e)
-    named = "psum" in msg and "[409600]" in msg and "[409598]" in msg
-    if not named or dt > 2.0:
-        fail(f"case 18 after {dt:.2f} s: {msg[:600]}")
-    print(f"OK case 18 mismatch raised after {dt:.3f} s: {msg[:400]}", flush=True)
+msg, dt = expect_fast_failure(g, (sh,), ("psum", "[409600]", "[409598]"), fail, "sizes differ")
+print(f"OK sizes differ mismatch raised after {dt:.3f} s: {msg[:400]}", flush=True)
 
 
-# ---- case 18b: one rank's array is empty ----
+# ---- one rank's array is empty ----
 # XLA removes a computation whose results are all empty, but the shard_map region's
 # program-order token (program_order.py: _chain_shard_map_regions) is not empty, so rank 0's empty
 # call runs and meets rank 1's: they differ (f32[0] vs f32[5]) and both fail at once, naming
 # both. (Before the token, rank 0's empty call ran nothing and its next call, f32[3], met
 # rank 1's; a rank that does not reach that next call never fails.)
-def local_array(n: int):
-    return jax.make_array_from_single_device_arrays(
-        (N * n,), spec, [jax.device_put(np.ones(n, np.float32), d) for d in local_devs]
-    )
-
-
-t = time.monotonic()
-try:
-    g(local_array(0 if rank == 0 else 5)).block_until_ready()
-    fail("case 18b returned a value")
-except sj.COLLECTIVE_ERRORS as e:
-    dt = time.monotonic() - t
-    msg = str(e)
-    if "[0]" not in msg or "[5]" not in msg or dt > 2.0:
-        fail(f"case 18b after {dt:.2f} s: {msg[:600]}")
-    print(f"OK case 18b empty on one rank raised after {dt:.3f} s", flush=True)
+empty = local_ones(mesh, spec, 0 if rank == 0 else 5, devs)
+_, dt = expect_fast_failure(g, (empty,), ("[0]", "[5]"), fail, "empty on one rank")
+print(f"OK empty on one rank raised after {dt:.3f} s", flush=True)
 
 # ---- ranks (processes running different programs) disagree on a ppermute's permutation ----
 # Process 0 sends right, process 1 left (N >= 3: with 2 devices both are the same swap). Each
@@ -163,16 +141,15 @@ except sj.COLLECTIVE_ERRORS as e:
 if N >= 3:
     perm = [(i, (i + 1) % N) if rank == 0 else (i, (i - 1) % N) for i in range(N)]
     pp = sm(lambda v: sj.ppermute(v, "x", perm))
-    t = time.monotonic()
-    try:
-        pp(global_array(np.arange(N * 8, dtype=np.float32))).block_until_ready()
-        fail("ppermute with different permutations returned a value")
-    except sj.COLLECTIVE_ERRORS as e:
-        dt = time.monotonic() - t
-        msg = str(e)
-        if "ppermute" not in msg or "parameters" not in msg or dt > 2.0:
-            fail(f"ppermute permutations after {dt:.2f} s: {msg[:600]}")
-        print(f"OK ppermute permutations differ raised after {dt:.3f} s", flush=True)
+    x8 = global_array(np.arange(N * 8, dtype=np.float32))
+    _, dt = expect_fast_failure(
+        pp,
+        (x8,),
+        ("ppermute", "parameters"),
+        fail,
+        "ppermute with different permutations",
+    )
+    print(f"OK ppermute permutations differ raised after {dt:.3f} s", flush=True)
 
 # ---- which exception a failed collective raises (JAX decides: runtime.COLLECTIVE_ERRORS) ----
 # Last: rank 0 times out alone in these calls, leaving its executions ahead of rank 1's.

@@ -82,6 +82,12 @@ def reduce_np(x: np.ndarray, op: str, axis: int) -> np.ndarray:
         return x.sum(axis, keepdims=True, dtype=x.dtype)
     if op == "pmean":
         return (x.astype(np.float64).mean(axis, keepdims=True)).astype(x.dtype)
+    if op == "pprod":  # in rank order; bfloat16 multiplied in float32 and rounded once
+        wide = x.astype(np.float32) if x.dtype == jnp.bfloat16 else x
+        out = np.take(wide, [0], axis)
+        for r in range(1, x.shape[axis]):
+            out = out * np.take(wide, [r], axis)
+        return out.astype(x.dtype)
     return (x.max if op == "pmax" else x.min)(axis, keepdims=True)
 
 
@@ -90,7 +96,7 @@ mesh = Mesh(np.array(devs), ("x",))
 # line) and above the allocator's threshold (64 KiB: pool memory, zero-copy), 4 MiB (two-shot).
 SIZES = [1, 1001, 96_001, 1 << 20]
 seed = 0
-for op in ("psum", "pmax", "pmin", "pmean"):
+for op in ("psum", "pmax", "pmin", "pmean", "pprod"):
     for dtype, sizes in (("float32", SIZES), ("bfloat16", SIZES[:3]), ("int32", SIZES[1:3])):
         if op == "pmean" and dtype == "int32":
             continue

@@ -22,8 +22,8 @@ Prints ``OK ll staged <n> checks rank <r>`` at the end; exits non-zero on the fi
 
 from __future__ import annotations
 
+import os
 import sys
-import time
 
 import numpy as np
 
@@ -34,8 +34,11 @@ sj.init()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import mp_checks  # noqa: E402  (tests/mp_checks.py)
+from mp_checks import expect_fast_failure, fail, local_ones  # noqa: E402
 
 sj.set_timeout(30)
 native().set_ll_stage_bytes(16 << 20)
@@ -43,22 +46,9 @@ devs = sorted(jax.devices(), key=lambda d: d.id)
 devs = devs[1:] + devs[:1]  # a communicator of this script's own
 N = len(devs)
 rank = jax.process_index()
-mesh = Mesh(np.array(devs), ("x",))
+mesh, sm, global_array = mp_checks.on_devices(devs)
 spec = P("x")
 checks = 0
-
-
-def fail(msg: str) -> None:
-    print(f"FAIL rank {rank}: {msg}", flush=True)
-    sys.exit(3)
-
-
-def sm(body):
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
-
-
-def global_array(x: np.ndarray):
-    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i: x[i])
 
 
 def data(seed: int, shape, dtype="float32") -> np.ndarray:
@@ -170,23 +160,16 @@ for op, mine, theirs, label, fn in cases:
     if fn is None:
         fn = lambda u: sj.all_to_all(u, "x", 0, 0, tiled=True)  # noqa: E731
     g = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec))
-    local = [d for d in devs if d.process_index == rank]
-    arr = jax.make_array_from_single_device_arrays(
-        (N * n,),
-        NamedSharding(mesh, spec),
-        [jax.device_put(np.ones(n, np.float32), d) for d in local],
-    )
+    arr = local_ones(mesh, spec, n, devs)
     g.lower(arr).compile()
-    t = time.monotonic()
-    try:
-        g(arr).block_until_ready()
-        fail(f"mismatch {label} returned a value")
-    except sj.COLLECTIVE_ERRORS as e:
-        dt = time.monotonic() - t
-        msg = str(e)
-        if not (op in msg and f"[{mine}]" in msg and f"[{theirs}]" in msg) or dt > 2.0:
-            fail(f"mismatch {label} after {dt:.2f} s: {msg[:600]}")
-        print(f"OK ll staged mismatch {label} raised after {dt:.3f} s: {msg[:200]}", flush=True)
+    msg, dt = expect_fast_failure(
+        g,
+        (arr,),
+        (op, f"[{mine}]", f"[{theirs}]"),
+        fail,
+        f"mismatch {label}",
+    )
+    print(f"OK ll staged mismatch {label} raised after {dt:.3f} s: {msg[:200]}", flush=True)
 
 x = data(7, (N, N, 30_000))
 for _ in range(5):

@@ -41,29 +41,19 @@ native().set_ll_stage_bytes(0)
 import jax  # noqa: E402
 import jax.experimental.multihost_utils  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import mp_checks  # noqa: E402  (tests/mp_checks.py)
+from mp_checks import expect_fast_failure, fail, local_ones  # noqa: E402
 
 sj.set_timeout(30)
 devs = sorted(jax.devices(), key=lambda d: d.id)
 N = len(devs)
 rank = jax.process_index()
-mesh = Mesh(np.array(devs), ("x",))
+mesh, sm, global_array = mp_checks.on_devices(devs)
 spec = P("x")
 checks = 0
-
-
-def fail(msg: str) -> None:
-    print(f"FAIL rank {rank}: {msg}", flush=True)
-    sys.exit(3)
-
-
-def sm(body, out_spec=spec):
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=out_spec))
-
-
-def global_array(x: np.ndarray):
-    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i: x[i])
 
 
 def data(seed: int, shape, dtype) -> np.ndarray:
@@ -243,23 +233,16 @@ print(f"OK ll consecutive calls rank {rank}", flush=True)
 for mine, theirs, label in ((1000, 1002, "both low-latency"), (1000, 100_000, "across paths")):
     n = mine if rank == 0 else theirs
     g = sm(lambda u: sj.psum(u, "x"))
-    local = [d for d in devs if d.process_index == rank]
-    arr = jax.make_array_from_single_device_arrays(
-        (N * n,),
-        NamedSharding(mesh, spec),
-        [jax.device_put(np.ones(n, np.float32), d) for d in local],
-    )
+    arr = local_ones(mesh, spec, n, devs)
     g.lower(arr).compile()
-    t = time.monotonic()
-    try:
-        g(arr).block_until_ready()
-        fail(f"mismatch {label} returned a value")
-    except sj.COLLECTIVE_ERRORS as e:
-        dt = time.monotonic() - t
-        msg = str(e)
-        if not ("psum" in msg and f"[{mine}]" in msg and f"[{theirs}]" in msg) or dt > 2.0:
-            fail(f"mismatch {label} after {dt:.2f} s: {msg[:600]}")
-        print(f"OK ll mismatch {label} raised after {dt:.3f} s: {msg[:300]}", flush=True)
+    msg, dt = expect_fast_failure(
+        g,
+        (arr,),
+        ("psum", f"[{mine}]", f"[{theirs}]"),
+        fail,
+        f"mismatch {label}",
+    )
+    print(f"OK ll mismatch {label} raised after {dt:.3f} s: {msg[:300]}", flush=True)
 
 # the job goes on computing right after the failures
 x = data(12, (N, 300), "int32")

@@ -170,7 +170,7 @@ print(
     flush=True,
 )
 if info["registration"] != "staging":
-    # Case 3's x and expert rows (> 256 KiB per rank) are pool memory: shared, never staged.
+    # The large case's x and expert rows (> 256 KiB per rank) are pool memory: shared, never staged.
     assert stats["staged_bytes"] < 256 * 1024, stats
 # After the staging check above (its small buffers are staged); a mismatch exits non-zero.
 transforms_case(4, t=6, h=300, capacity=3)

@@ -18,24 +18,22 @@ import strata_jax as sj
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moe_reference import ref_plan  # noqa: E402  (tests/moe_reference.py)
+from mp_checks import put as put_on  # noqa: E402
+from mp_checks import start  # noqa: E402  (tests/mp_checks.py)
 
-info = sj.init()
+info, devs, mesh = start(timeout_s=60)
 
 import jax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-sj.set_timeout(60)
-devs = sorted(jax.devices(), key=lambda d: d.id)
 R = len(devs)
-mesh = Mesh(np.array(devs), ("x",))
 spec = P("x")
 E_LOCAL, H = 2, 16
 checks = 0
 
 
 def put(a: np.ndarray):
-    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
+    return put_on(mesh, a)
 
 
 def fail(msg: str) -> None:

@@ -136,7 +136,7 @@ f = jax.jit(
         out_specs=P("x"),
     )
 )
-assert "strata_reduce_scatter_rows" in f.lower(xs).as_text()
+assert "strata_psum_scatter_rows" in f.lower(xs).as_text()
 out = f(xs)
 total = fold(x, "psum")  # [6, 4N, 5]
 for s in out.addressable_shards:

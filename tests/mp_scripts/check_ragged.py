@@ -17,26 +17,24 @@ import numpy as np
 import strata_jax as sj
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ragged_reference import ragged_reference, random_plan  # noqa: E402
+from mp_checks import put as put_on  # noqa: E402  (tests/mp_checks.py)
+from mp_checks import start  # noqa: E402
+from ragged_reference import ragged_grad_reference, ragged_reference, random_plan  # noqa: E402
 
-info = sj.init()
+info, devs, mesh = start(timeout_s=60)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-sj.set_timeout(60)
-devs = sorted(jax.devices(), key=lambda d: d.id)
 R = len(devs)
-mesh = Mesh(np.array(devs), ("x",))
 spec = P("x")
 rng = np.random.default_rng(1234)
 checks = 0
 
 
 def put(a: np.ndarray):
-    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
+    return put_on(mesh, a)
 
 
 def check(name, out, want):
@@ -73,17 +71,11 @@ for dtype, per, max_rows, trailing in (
             return jnp.sum(exchange(a, b, *plan) * w)
 
         ga, gb = jax.jit(jax.grad(loss, argnums=(0, 1)))(put(operand), put(output), wj, *plan)
-        want_a, want_b = np.zeros_like(operand), w.copy()
-        k = io.shape[1] // R
-        for j in range(R):
-            for i in range(io.shape[1]):
-                d, s, o, c = i // k, io[j, i], oo[j, i], ss[j, i]
-                want_a[j, s : s + c] = w[d, o : o + c]
-                want_b[d, o : o + c] = 0
+        want_a, want_b = ragged_grad_reference(operand, w, io, ss, oo, R)
         check("grad operand", ga, want_a)
         check("grad output", gb, want_b)
 
-# Edge case 33 (on 2 ranks): empty slices whose offsets point past the end move nothing.
+# On 2 ranks: empty slices whose offsets point past the end move nothing.
 if R == 2:
     operand = np.array([[1, 2, 3, 4], [11, 12, 13, 14]], np.float32)[..., None]
     output = np.full((2, 4, 1), -1, np.float32)
@@ -93,6 +85,6 @@ if R == 2:
     ]
     want = np.array([[-1, -1, -1, -1], [-1, 2, 3, -1]], np.float32)[..., None]
     got = jax.jit(exchange)(put(operand), put(output), *(put(a) for a in plan))
-    check("case 33 empty slices", got, want)
+    check("empty slices past the end", got, want)
 
 print(f"OK ragged {checks} checks (process {info['process_id']})", flush=True)

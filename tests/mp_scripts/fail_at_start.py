@@ -1,4 +1,4 @@
-"""Case 32: ranks that fail at start (``launch -n 3``).
+"""Ranks that fail at start (``launch -n 3``).
 
 Ranks 1 and 2 raise right after init (printing ``FAILING <unix time>`` first); rank 0 enters an
 all_gather they never join. The argument is a token the test finds leftover processes by.

@@ -1,4 +1,5 @@
-"""How a failed multi-process job ends (edge cases 19 and 20, and the same without the launcher).
+"""How a failed multi-process job ends: a killed rank, a rank that exits after catching a
+timeout, and the same without the launcher.
 
 Usage: ``failure_modes.py MODE OUT_DIR``, under the launcher or started by hand (then argv
 continues with ``COORDINATOR NUM_PROCESSES PROCESS_ID`` and the script calls

@@ -1,4 +1,4 @@
-"""A job that holds its fabric open for a test to probe from another user (issue 8 section 6).
+"""A job that holds its fabric open for a test to probe from another user.
 
 Run with ``launch -n 2``; argument: a file to wait for. After a psum over registered memory,
 rank 0 prints ``HOLD <pid> <run dir> <memfd fd numbers, comma separated> <buffer address>``

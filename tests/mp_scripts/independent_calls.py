@@ -1,4 +1,5 @@
-"""Many independent strata collectives in one program, run again and again (issue 7's hang).
+"""Many independent strata collectives in one program, run again and again (they
+once hung: independent calls started in different orders on different ranks).
 
 XLA CPU starts independent thunks in whatever order they become ready, differently on each
 rank. Before every strata call took the previous one's result as an extra operand

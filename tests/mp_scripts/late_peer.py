@@ -1,4 +1,4 @@
-"""Edge case 35: a peer late at ``strata_jax.init()`` (``launch -n 2``, or ``mpirun -n 2``).
+"""A peer late at ``strata_jax.init()`` (``launch -n 2``, or ``mpirun -n 2``).
 
 Every rank calls ``jax.distributed.initialize`` itself and creates its JAX backend
 (``jax.devices()``); then rank 1 sleeps ``argv[1]`` seconds before ``strata_jax.init(timeout_s=

@@ -1,4 +1,4 @@
-"""strata_jax with XLA's MPI collectives as JAX's engine, under mpirun (issue 25, section 2).
+"""strata_jax with XLA's MPI collectives as JAX's engine, under mpirun.
 
 Run as ``mpirun -n P -x MPITRAMPOLINE_LIB -x JAX_CPU_COLLECTIVES_IMPLEMENTATION=mpi python
 mpi_engine.py [HOSTS]``. With HOSTS > 1 each rank sets ``STRATA_FABRIC_ID=host<rank*HOSTS//P>``
@@ -17,7 +17,6 @@ hostname (no STRATA_FABRIC_ID), and the result also gives this host's name, this
 rank and the bytes this host's ``eth0`` (its one link) sent while the collectives ran.
 """
 
-import json
 import os
 import sys
 
@@ -41,6 +40,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mp_checks import report  # noqa: E402  (tests/mp_checks.py)
 
 from strata_jax._src import mpi_engine  # noqa: E402
 
@@ -120,6 +122,4 @@ out = {
     "zero_copy_bytes": ms["zero_copy_bytes"],
     "staged_bytes": ms["staged_bytes"],
 }
-sys.stdout.write("RESULT " + json.dumps(out) + "\n")  # one write: lines of ranks interleave
-sys.stdout.flush()
-sys.exit(1 if failures else 0)
+report(out, not failures)

@@ -6,7 +6,7 @@ adds ``strata-run``). Checks the psum against numpy on fresh random inputs and p
 allocator mode, and the zero-copy and staged byte counters after three 16 MiB psums.
 """
 
-import json
+import os
 import sys
 
 import strata_jax
@@ -17,6 +17,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mp_checks import report  # noqa: E402  (tests/mp_checks.py)
 
 n_proc, me = jax.process_count(), jax.process_index()
 mesh = Mesh(np.array(jax.devices()), ("x",))
@@ -48,6 +51,4 @@ out = {
     "zero_copy_bytes": ms["zero_copy_bytes"],
     "staged_bytes": ms["staged_bytes"],
 }
-sys.stdout.write("RESULT " + json.dumps(out) + "\n")  # one write: lines of ranks interleave
-sys.stdout.flush()
-sys.exit(0 if ok else 1)
+report(out, ok)

@@ -1,4 +1,4 @@
-"""Ranks on different simulated hosts that disagree on a call's shape (issue 26, section 2).
+"""Ranks on different simulated hosts that disagree on a call's shape.
 
 Run as ``python -m strata_jax.launch -n 4 --hosts 2 shape_mismatch_hosts.py``: one flat axis
 over the 4 devices (2 fabrics of 2). For psum, all_gather, all_to_all, psum_scatter and MoE

@@ -1,4 +1,4 @@
-"""Case 31: a stuck rank (``launch -n 2``, ``STRATA_TIMEOUT_S=5``).
+"""A stuck rank (``launch -n 2``, ``STRATA_TIMEOUT_S=5``).
 
 Ten psum steps; rank 1 sleeps 120 s at step 5. Rank 0 prints ``RAISED <unix time> after <s>:
 <message>`` and re-raises, so the launcher stops the job.

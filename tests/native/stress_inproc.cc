@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "coll/collectives.h"
+#include "common/ops.h"
 #include "common/settings.h"
 #include "fabric/inproc.h"
 
@@ -46,7 +47,7 @@ int main(int argc, char** argv) {
           {
             auto team = InProcFabric::instance().join(1, 7, pl, "psum");
             OpDesc d;
-            d.kind = 1;
+            d.kind = static_cast<int32_t>(Op::psum);
             d.dtype = kS32;
             d.in_bytes = d.out_bytes = count * 4;
             d.algo = static_cast<int32_t>(mine() % 2);
@@ -71,7 +72,7 @@ int main(int argc, char** argv) {
           {
             auto team = InProcFabric::instance().join(1, 8, pl, "all_gather");
             OpDesc d;
-            d.kind = 3;
+            d.kind = static_cast<int32_t>(Op::all_gather);
             d.dtype = kS32;
             d.in_bytes = count * 4;
             d.out_bytes = count * 4 * n;
@@ -108,7 +109,7 @@ int main(int argc, char** argv) {
             const Divert dv{1, (it / 2) % 2, reinterpret_cast<char*>(side.data()), moved ? 0 : -1};
             auto team = InProcFabric::instance().join(1, 9, pl, "all_to_all");
             OpDesc d;
-            d.kind = 4;
+            d.kind = static_cast<int32_t>(Op::all_to_all);
             d.dtype = kS32;
             d.in_bytes = d.out_bytes = src.size() * 4;
             std::string e;
@@ -156,7 +157,7 @@ int main(int argc, char** argv) {
             const int part = divert ? (it / 2) % 2 : -1;
             auto team = InProcFabric::instance().join(1, 10, pl, "psum_scatter");
             OpDesc d;
-            d.kind = 2;
+            d.kind = static_cast<int32_t>(Op::psum_scatter);
             d.dtype = kS32;
             d.in_bytes = big.size() * 4;
             d.out_bytes = red.size() * 4;
@@ -200,9 +201,9 @@ int main(int argc, char** argv) {
             const Operand meta[3] = {{kS32, c0}, {kS8, c1}, {kS64, c2}};
             auto team = InProcFabric::instance().join(1, 11, pl, "psum");
             OpDesc d;
-            d.kind = 8;
+            d.kind = static_cast<int32_t>(Op::psum);
             d.dtype = kS32;
-            d.aux = static_cast<int64_t>(c0 * 1000003 + c1 * 1009 + c2);
+            d.params.signature = c0 * 1000003 + c1 * 1009 + c2;
             d.in_bytes = d.out_bytes = c0 * 4 + c1 + c2 * 8;
             d.algo = static_cast<int32_t>(mine() % 2);
             std::string e = team->arrive_list(d, ops, 3);
@@ -251,9 +252,9 @@ int main(int argc, char** argv) {
             {
               auto team = InProcFabric::instance().join(1, 12, pl, "psum_scatter");
               OpDesc d;
-              d.kind = 9;
+              d.kind = static_cast<int32_t>(Op::psum_scatter);
               d.dtype = kS32;
-              d.aux = 1;
+              d.params.dimension = 1;
               d.in_bytes = big.size() * 4;
               d.out_bytes = red.size() * 4;
               e = team->arrive(d, big.data(), red.data());
@@ -263,9 +264,9 @@ int main(int argc, char** argv) {
             if (e.empty()) {
               auto team = InProcFabric::instance().join(1, 13, pl, "all_gather");
               OpDesc d;
-              d.kind = 10;
+              d.kind = static_cast<int32_t>(Op::all_gather);
               d.dtype = kS32;
-              d.aux = 1;
+              d.params.dimension = 1;
               d.in_bytes = red.size() * 4;
               d.out_bytes = gat.size() * 4;
               e = team->arrive(d, red.data(), gat.data());

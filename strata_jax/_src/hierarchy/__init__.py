@@ -33,7 +33,7 @@ StrataCL's supernode/scale-out, Hu et al. 2026). Inter-fabric bytes are per devi
   fabric's blocks are gathered first, the own block crosses along the ring, and the blocks
   that crossed are gathered into the same output (strata_all_gather_part[_into]).
 - psum_scatter: reduce-scatter inside, each member summing the F blocks of its local index
-  where they lie (strata_reduce_scatter_placed; no reorder pass), then reduce-scatter across
+  where they lie (strata_psum_scatter_placed; no reorder pass), then reduce-scatter across
   fabrics (F = 2: the partner's block, which strata writes to a result of its own, by one
   collective-permute, reduced on arrival).
   Crosses (F-1)/F of S/L.

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax._src import mpi_engine, runtime
+from strata_jax._src import mpi_engine, operators, runtime
 from strata_jax._src.hierarchy.checks import check_across, check_on, lower_checked
 from strata_jax._src.hierarchy.plan import Plan, plan
 from strata_jax._src.hierarchy.steps import (
@@ -131,7 +131,7 @@ def _exchange(send, p: Plan):
     return jax.lax.select(jnp.broadcast_to(in_first, send.shape), got_first, got_second)
 
 
-_REDUCE_NAMES = {0: "sum", 1: "max", 2: "min"}
+_REDUCE_NAMES = {code: kind for kind, code in operators.REDUCE_CODES_BY_KIND.items()}
 
 
 _KEY_TYPES = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
@@ -147,7 +147,7 @@ def _xla_all_reduce(x, groups, reduce: str):
     -0.0 and +0.0 gives +0.0 for max and -0.0 for min (IEEE-754 maximum/minimum). Same bytes,
     one collective.
     """
-    if reduce == "sum" or not jnp.issubdtype(x.dtype, jnp.floating):
+    if reduce not in ("max", "min") or not jnp.issubdtype(x.dtype, jnp.floating):
         return step(x, "all_reduce", "xla", groups, reduce=reduce)
     key_t = _KEY_TYPES[jnp.dtype(x.dtype).itemsize]
     flip = jnp.array(jnp.iinfo(key_t).max, key_t)  # every bit but the sign
@@ -436,14 +436,12 @@ def broadcast(x, p: Plan, root: int):
 
 
 def lower_across_fabrics(ctx, x, target: str, axes: tuple, attrs: dict):
-    """The hook of ``collectives._ffi_call_lowering``: lowers ``target`` hierarchically when
+    """The hook of ``collectives.ffi_call_lowering``: lowers ``target`` hierarchically when
     its groups span fabrics; returns None when every group lies inside one fabric."""
     p = plan(ctx, axes)
     if p is None:
         return None
-    op = API_NAMES.get(target, target)
-    if target == "strata_all_reduce":
-        op = {0: "psum", 1: "pmax", 2: "pmin"}[int(attrs["reduce"])]
+    op = operators.api_of_target(target, attrs.get("reduce"))
     extra = tuple(sorted((k, np.asarray(v).tolist()) for k, v in attrs.items()))
     if ctx.avals_in[0].size == 0:
         (out_aval,) = ctx.avals_out
@@ -456,17 +454,17 @@ def lower_across_fabrics(ctx, x, target: str, axes: tuple, attrs: dict):
         return mlir.lower_fun(nothing, multiple_results=False)(ctx, x)
     if target == "strata_all_reduce":
         fn = lambda v: all_reduce(v, p, _REDUCE_NAMES[int(attrs["reduce"])])  # noqa: E731
-    elif target == "strata_reduce_scatter":
+    elif target == "strata_psum_scatter":
         fn = lambda v: reduce_scatter(v, p, _REDUCE_NAMES[int(attrs["reduce"])])  # noqa: E731
     elif target == "strata_all_gather":
         fn = lambda v: all_gather(v, p)  # noqa: E731
     elif target == "strata_all_to_all":
         s, c = int(attrs["split_axis"]), int(attrs["concat_axis"])
         fn = lambda v: all_to_all(v, p, s, c)  # noqa: E731
-    elif target == "strata_permute":
+    elif target == "strata_ppermute":
         src = np.asarray(attrs["sources"])
         fn = lambda v: permute(v, p, src)  # noqa: E731
-    elif target == "strata_broadcast":
+    elif target == "strata_pbroadcast":
         r = int(attrs["root"])
         fn = lambda v: broadcast(v, p, r)  # noqa: E731
     else:
@@ -475,15 +473,3 @@ def lower_across_fabrics(ctx, x, target: str, axes: tuple, attrs: dict):
             f"(groups {p.groups.tolist()} cross fabrics); keep its axis inside one host."
         )
     return lower_checked(fn, ctx, [x], False, p, op, extra, ctx.avals_in[0])
-
-
-API_NAMES = {
-    "strata_reduce_scatter": "psum_scatter",
-    "strata_all_gather": "all_gather",
-    "strata_all_to_all": "all_to_all",
-    "strata_permute": "ppermute",
-    "strata_broadcast": "pbroadcast",
-    "strata_moe_dispatch": "moe.dispatch",
-    "strata_moe_combine": "moe.combine",
-    "strata_moe_gather": "moe.combine",  # the weights' gradient of combine
-}

@@ -15,7 +15,7 @@ import numpy as np
 from strata_jax._src import program_order, runtime
 from strata_jax._src.hierarchy.plan import Plan
 from strata_jax._src.hierarchy.steps import partition_id_p, pending_check, step
-from strata_jax._src.jax_compat import core, ir, mlir
+from strata_jax._src.jax_compat import core, mlir
 
 # Inside a fabric, strata compares every call's descriptor at the rendezvous. Between fabrics
 # the bytes cross through XLA's collective, which compares nothing: ranks that disagree on a
@@ -136,33 +136,18 @@ def _check_lowering(ctx, x, descs, pid, *, op, groups, who):
     g = np.asarray(groups, np.int64)
     rule = jax.ffi.ffi_lowering("strata_check_across_fabrics", has_side_effect=True)
     w = np.asarray(who, np.int64)[g.ravel()]
-    ordered = program_order.keep_program_order()
-    chain = program_order.chain(ctx) if ordered else {}
-    block = ir.InsertionPoint.current.block
-    after = chain.get(block)
-    extra = [after] if after is not None else []
-    done = [program_order.DONE_AVAL] if ordered else []
-    sub = ctx.replace(
-        avals_in=[*ctx.avals_in, *(a for _, a in extra)], avals_out=[*ctx.avals_out, *done]
+    return program_order.chained(
+        ctx,
+        rule,
+        [x, descs, pid],
+        ctx.avals_in,
+        op=op,
+        groups=g.ravel(),
+        group_size=np.int64(g.shape[1]),
+        devices=w[:, 0].copy(),
+        procs=w[:, 1].copy(),
+        fabrics=w[:, 2].copy(),
     )
-    results = list(
-        rule(
-            sub,
-            x,
-            descs,
-            pid,
-            *(v for v, _ in extra),
-            op=op,
-            groups=g.ravel(),
-            group_size=np.int64(g.shape[1]),
-            devices=w[:, 0].copy(),
-            procs=w[:, 1].copy(),
-            fabrics=w[:, 2].copy(),
-        )
-    )
-    if done:
-        chain[block] = (results.pop(), program_order.DONE_AVAL)
-    return results
 
 
 mlir.register_lowering(_check_p, _check_lowering, platform="cpu", cacheable=False)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax._src import lowering
-from strata_jax._src.hierarchy.algorithms import API_NAMES, all_gather, reduce_scatter
+from strata_jax._src import lowering, operators
+from strata_jax._src.hierarchy.algorithms import all_gather, reduce_scatter
 from strata_jax._src.hierarchy.checks import check_across, check_on, lower_checked
 from strata_jax._src.hierarchy.plan import Plan, plan
 from strata_jax._src.hierarchy.steps import step
@@ -118,7 +118,7 @@ def lower_moe_across_fabrics(ctx, target: str, args, axes: tuple, attrs: dict):
     p = plan(ctx, axes)
     if p is None:
         return None
-    op = API_NAMES.get(target, target)
+    op = operators.api_of_target(target)
     extra = (
         tuple((a.shape, str(a.dtype)) for a in ctx.avals_in[1:]),
         tuple(sorted((k, np.asarray(v).tolist()) for k, v in attrs.items())),
@@ -163,7 +163,7 @@ def lower_moe_across_fabrics(ctx, target: str, args, axes: tuple, attrs: dict):
             return reduce_scatter(v.astype(values.dtype), p, "sum")
 
         return lower_checked(fn, ctx, args, False, p, op, extra, ctx.avals_in[0])
-    api = target.removeprefix("strata_").replace("moe_ll_", "moe.low_latency_")
+    api = operators.api_of_target(target)
     raise NotImplementedError(
         f"strata_jax: {api} over a group that spans fabric domains (hosts) is not supported "
         "yet. Keep the expert axis inside one host (e.g. a ('host', 'expert') mesh with the "

@@ -11,7 +11,7 @@ import contextvars
 import jax
 import numpy as np
 
-from strata_jax._src import lowering, runtime
+from strata_jax._src import lowering, operators, runtime
 from strata_jax._src.jax_compat import core, hlo, ir, mlir
 
 group_collective_p = core.Primitive("strata_group_collective")
@@ -142,7 +142,8 @@ def _channel():
     return hlo.ChannelHandle.get(mlir.COLLECTIVE_CHANNEL_ID, mlir.DEVICE_TO_DEVICE_TYPE)
 
 
-REDUCERS = {"sum": jax.lax.add_p, "max": jax.lax.max_p, "min": jax.lax.min_p}
+# The element operation of each reduction (jax.lax.add_p for "sum"...), from the operator table.
+REDUCERS = {kind: getattr(jax.lax, f"{e}_p") for kind, e in operators.ELEMENT_OPS.items()}
 
 
 def _add_reducer(ctx, op, dtype, reduce: str) -> None:
@@ -206,14 +207,14 @@ def _xla_lowering(ctx, x, *, kind, groups, reduce, pairs, split=0, concat=0):
 
 
 _STRATA_TARGETS = {
-    "reduce_scatter": "strata_reduce_scatter",
+    "reduce_scatter": "strata_psum_scatter",
     "all_gather": "strata_all_gather",
     "all_gather_reduce": "strata_all_gather_reduce",
     "all_gather_part": "strata_all_gather_part",
     "all_to_all": "strata_all_to_all",
-    "permute": "strata_permute",
+    "permute": "strata_ppermute",
 }
-_REDUCE_CODES = {"sum": 0, "max": 1, "min": 2}
+_REDUCE_CODES = operators.REDUCE_CODES_BY_KIND
 
 
 def _strata_lowering(
@@ -259,7 +260,7 @@ def _strata_lowering(
             aliases = {1: 0}
     elif placement:
         attrs["placement"] = np.asarray(placement, np.int64)
-        target += "_placed"  # strata_all_gather_placed, strata_reduce_scatter_placed
+        target += "_placed"  # strata_all_gather_placed, strata_psum_scatter_placed
     (out,) = lowering.lower_strata_call(
         ctx,
         target,
@@ -363,7 +364,7 @@ mlir.register_lowering(a2a_divert_p, _a2a_divert_lowering, platform="cpu", cache
 # The intra-fabric reduce-scatter of the two-fabric psum_scatter, with the partner fabric's
 # block (sub-block divert[partition] of the output's two) in a second result of its own, left
 # unwritten in the first (native/coll/collectives.h: reduce_scatter): it crosses as it is.
-rs_divert_p = core.Primitive("strata_reduce_scatter_placed_divert")
+rs_divert_p = core.Primitive("strata_psum_scatter_placed_divert")
 rs_divert_p.multiple_results = True
 
 
@@ -376,8 +377,8 @@ def _rs_divert_abstract_eval(aval, *, groups, reduce, placement, divert):
 def _rs_divert_lowering(ctx, x, *, groups, reduce, placement, divert):
     return lowering.lower_strata_call(
         ctx,
-        "strata_reduce_scatter_placed_divert",
-        {"sum": "psum_scatter", "max": "pmax", "min": "pmin"}[reduce],
+        "strata_psum_scatter_placed_divert",
+        "psum_scatter" if reduce == "sum" else operators.REDUCTIONS[_REDUCE_CODES[reduce]],
         [x],
         np.asarray(groups, np.int64),
         reduce=np.int32(_REDUCE_CODES[reduce]),

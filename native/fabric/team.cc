@@ -1,6 +1,11 @@
+// What fabric/team.h declares beyond the Team interface: a rank's placement in its group, and
+// the words every fabric's timeout message starts with.
+#include "fabric/team.h"
+
+#include <sstream>
 #include <string>
 
-#include "fabric/team.h"
+#include "common/settings.h"
 
 namespace strata {
 
@@ -44,6 +49,15 @@ std::string place_in_groups(int64_t partition, const int64_t* groups, size_t gro
     return {};
   }
   return "partition id " + std::to_string(partition) + " is in none of the collective's groups";
+}
+
+std::string timed_out_waiting(const char* op, const char* phase, const std::vector<int>& missing) {
+  std::ostringstream os;
+  os << "strata_jax " << op << ": timed out after " << settings().timeout_ms.load() / 1000.0
+     << " s in phase '" << phase << "' waiting for rank(s) [";
+  for (size_t i = 0; i < missing.size(); ++i) os << (i ? ", " : "") << missing[i];
+  os << "]";
+  return os.str();
 }
 
 }  // namespace strata
