@@ -363,7 +363,7 @@ std::string ShmTeam::check_peers(const OpDesc& desc) const {
   // The parameters' digests are shown only when they are part of the disagreement.
   bool params_differ = false;
   for (int j = 0; j < size_; ++j) {
-    const ShmPeer& o = slot_->peers[j];
+    const ShmPeer& o = slot_->peer(j);
     if (j != rank_ && o.reached.load(std::memory_order_acquire) >= 1)
       params_differ |= o.params != desc.params.digest();
   }

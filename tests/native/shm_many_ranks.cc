@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "coll/collectives.h"
+#include "common/ops.h"
 #include "common/settings.h"
 #include "fabric/shm.h"
 #include "fabric/shm_ll.h"
@@ -107,7 +108,7 @@ int main(int argc, char** argv) {
             return;
           }
           OpDesc d;
-          d.kind = op == 2 ? 2 : 1;
+          d.kind = static_cast<int32_t>(op == 2 ? Op::all_gather : Op::psum);
           d.dtype = kS32;
           d.in_bytes = (op == 2 ? gcount : count) * 4;
           d.out_bytes = op == 2 ? gcount * 4 * n : count * 4;
