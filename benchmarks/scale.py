@@ -14,9 +14,10 @@ processes measures the scheduler (each ``import jax`` costs ~0.4 CPU-s): read th
 
 ``python benchmarks/scale.py --hosts-psum [--rounds 3] [--min-ratio 2.0]``: psum of 16 MiB per
 process across 2 simulated hosts of 2 processes (``launch -n 4 --hosts 2``), strata against
-jax.lax over gloo, 20 interleaved calls per run, ``--rounds`` runs; prints the medians and exits
-1 when the median ratio (jax.lax time / strata time) is below ``--min-ratio``: the check that
-would have caught the slowdown between d863220 and c9c4db3.
+jax.lax over gloo, 12 alternated samples per run (each: a barrier of the processes, one untimed
+call, 3 timed calls, as benchmarks/_timing.py times calls across processes), ``--rounds`` runs;
+prints the medians and exits 1 when the median ratio (jax.lax time / strata time) is below
+``--min-ratio``: the check that would have caught the slowdown between d863220 and c9c4db3.
 
 Run it under the team's CPU lock on a shared machine (``flock /tmp/strata-cpu.lock ...``).
 """
@@ -111,6 +112,7 @@ import numpy as np
 import strata_jax as sj
 sj.init()
 import jax
+from strata_jax._src.jax_compat import distributed
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 devs = sorted(jax.devices(), key=lambda d: d.id)
 mesh = Mesh(np.array(devs), ("x",))
@@ -121,11 +123,21 @@ fs = {k: jax.jit(jax.shard_map(lambda v, lib=lib: lib.psum(v, "x"), mesh=mesh, i
 for k, f in fs.items():
     for s in f(arr).addressable_shards:
         assert np.allclose(np.asarray(s.data)[0], x.sum(0), rtol=1e-4, atol=1e-3), k
+# As benchmarks/_timing.time_interleaved(align=align_processes, batch=3): every sample starts
+# with the processes together (coordinator barrier) and one untimed call, so that no call is
+# charged the skew the other implementation's call left; then 3 calls timed together.
 t = {k: [] for k in fs}
-for i in range(20):
+client = distributed.global_state.client
+n = 0
+for i in range(12):
     for k in (("strata", "lax") if i % 2 == 0 else ("lax", "strata")):
-        t0 = time.perf_counter(); fs[k](arr).block_until_ready()
-        t[k].append(time.perf_counter() - t0)
+        n += 1
+        client.wait_at_barrier(f"hosts_psum/{n}", 60000)
+        fs[k](arr).block_until_ready()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fs[k](arr).block_until_ready()
+        t[k].append((time.perf_counter() - t0) / 3)
 if jax.process_index() == 0:
     print("RESULT", 1e3 * np.median(t["strata"]), 1e3 * np.median(t["lax"]), flush=True)
 """
