@@ -29,8 +29,14 @@ def ragged_reference(operands, outputs, in_off, send, out_off, recv, groups=None
     return results
 
 
-def random_plan(rng, n: int, per: int, max_rows: int, spare: int = 2, groups=None):
+def random_plan(
+    rng, n: int, per: int, max_rows: int, spare: int = 2, groups=None, filled: int | None = None
+):
     """A random valid plan for n ranks, `per` slices per (sender, receiver) pair.
+
+    ``filled``: at most that many non-empty slices per sender (the others empty), so that a
+    plan of many ranks with large slices stays small (the operand grows with n x filled, not
+    n x n); None: every slice drawn.
 
     Slices are packed in the operand in a random order with random gaps; receivers lay out
     what they get in a random order with random gaps. Returns (N, M, in_off, send, out_off,
@@ -41,6 +47,9 @@ def random_plan(rng, n: int, per: int, max_rows: int, spare: int = 2, groups=Non
     gs = len(groups[0])
     k = gs * per
     count = rng.integers(0, max_rows + 1, size=(n, k))  # rows rank j sends in its slice i
+    if filled is not None and filled < k:
+        for j in range(n):
+            count[j, rng.permutation(k)[filled:]] = 0
     in_off = np.zeros((n, k), np.int64)
     out_off = np.zeros((n, k), np.int64)
     recv = np.zeros((n, k), np.int64)

@@ -52,6 +52,7 @@ struct Block {
   Segment* seg;
   int bin;
   bool free;
+  bool resident;  // free block that may hold faulted-in pages (counted in g_free_resident)
 };
 
 struct Segment {
@@ -88,6 +89,11 @@ Block* g_bins[kBins];
 Segment* g_live;
 Segment* g_pending;
 size_t g_nsegs, g_seg_bytes, g_in_use, g_cached, g_nempty;
+// The keep budget (strata_alloc_set_keep): free blocks that may hold faulted-in pages, at most
+// g_keep bytes of them; past it a freed block's pages are returned (MADV_REMOVE on the shared
+// mapping; the block stays in the pool, its next user faults pages in again, zero-filled).
+size_t g_keep = SIZE_MAX, g_free_resident;
+uint64_t g_trimmed_bytes;
 uint64_t g_next_id = 1, g_pool_allocs, g_pool_frees, g_created, g_released, g_announced;
 strata_seg_callback g_new_cb, g_free_cb;
 void* g_new_user;
@@ -183,6 +189,7 @@ bool SplitTail(Block* b, uintptr_t at) {
   t->size = b->start + b->size - at;
   t->seg = b->seg;
   t->free = true;
+  t->resident = b->resident;
   t->prev = b;
   t->next = b->next;
   if (b->next) b->next->prev = t;
@@ -205,6 +212,9 @@ Block* Coalesce(Block* b) {
   if (b->prev && b->prev->free) {
     Block* p = b->prev;
     BinPop(p);
+    // The merged block is resident if either part is (over-counting a clean part's bytes).
+    if (p->resident != b->resident) g_free_resident += p->resident ? b->size : p->size;
+    p->resident = p->resident || b->resident;
     p->size += b->size;
     Unlink(b);
     g_blocks.Put(b);
@@ -213,6 +223,8 @@ Block* Coalesce(Block* b) {
   if (b->next && b->next->free) {
     Block* n = b->next;
     BinPop(n);
+    if (n->resident != b->resident) g_free_resident += b->resident ? n->size : b->size;
+    b->resident = b->resident || n->resident;
     b->size += n->size;
     Unlink(n);
     g_blocks.Put(n);
@@ -237,6 +249,8 @@ Block* Carve(Block* b, size_t req, size_t align) {
     BinPush(front);  // the shrunken front stays free
   }
   if (b->size - req >= kGranule) SplitTail(b, b->start + req);  // on failure keep the slack
+  if (b->resident) g_free_resident -= b->size;
+  b->resident = false;
   b->free = false;
   Segment* s = b->seg;
   if (s->used == 0) {
@@ -279,6 +293,7 @@ bool HasWork() {
 bool ReleaseSegment(Segment* s, Released* out) {
   Block* b = s->first;  // an empty segment is one free block
   BinPop(b);
+  if (b->resident) g_free_resident -= b->size;
   g_blocks.Put(b);
   g_cached -= s->size;
   g_seg_bytes -= s->size;
@@ -360,6 +375,7 @@ bool AdoptSegment(const Released& r) {
   b->size = r.size;
   b->seg = s;
   b->free = true;
+  b->resident = false;  // fresh memfd pages (the reserve's are faulted in, and kept on purpose)
   BinPush(b);
   LinkLive(s);
   ++g_nsegs;
@@ -601,6 +617,19 @@ void SetCallback(bool is_new, strata_seg_callback cb, void* user) {
     while (g_bg_busy) pthread_cond_wait(&g_idle_cv, &g_mu);
 }
 
+// Returns the pages of free block b to the OS (lock held: no allocation can take b meanwhile).
+// MADV_REMOVE frees a shared mapping's backing pages (here, and in every peer that maps the
+// segment); the block keeps its place and its next user gets zero-filled pages.
+void ReturnPages(Block* b) {
+  const uintptr_t lo = AlignUp(b->start, kGranule);
+  const uintptr_t hi = (b->start + b->size) & ~(uintptr_t{kGranule} - 1);
+  if (!b->resident || hi <= lo) return;
+  if (madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_REMOVE) != 0) return;
+  b->resident = false;
+  g_free_resident -= b->size;
+  g_trimmed_bytes += hi - lo;
+}
+
 }  // namespace
 
 // ---- pool operations used by interpose.cc ----
@@ -650,11 +679,14 @@ void PoolFree(void* p) {
     g_map.Erase(b->start);
     Segment* s = b->seg;
     b->free = true;
+    b->resident = true;
+    g_free_resident += b->size;
     s->used -= b->size;
     g_in_use -= b->size;
     g_cached += b->size;
     ++g_pool_frees;
-    Coalesce(b);
+    b = Coalesce(b);
+    if (g_free_resident > g_keep) ReturnPages(b);
     if (s->used == 0) {
       ++g_nempty;
       g_empty_bytes += s->size;
@@ -790,6 +822,20 @@ STRATA_ALLOC_API size_t strata_alloc_set_reserve(size_t bytes) {
     }
   }
   return bytes;
+}
+
+STRATA_ALLOC_API size_t strata_alloc_set_keep(size_t bytes) {
+  Lock lock;
+  g_keep = bytes;
+  return g_free_resident;
+}
+
+STRATA_ALLOC_API void strata_alloc_keep_stats(uint64_t* keep, uint64_t* free_resident,
+                                              uint64_t* returned) {
+  Lock lock;
+  *keep = g_keep == SIZE_MAX ? UINT64_MAX : g_keep;
+  *free_resident = g_free_resident;
+  *returned = g_trimmed_bytes;
 }
 
 STRATA_ALLOC_API void strata_alloc_reserve_stats(strata_alloc_reserve_t* out) {

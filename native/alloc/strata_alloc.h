@@ -105,6 +105,16 @@ STRATA_ALLOC_API void strata_alloc_stats(strata_alloc_stats_t* out);
  * 0: no reserve (segments made so far stay cached). Returns the effective target. Costs the
  * reserve's resident memory. */
 STRATA_ALLOC_API size_t strata_alloc_set_reserve(size_t bytes);
+
+/* The keep budget: free pool blocks that may hold faulted-in pages are kept up to `bytes` in
+ * all; past it, a block freed is given back to the OS (MADV_REMOVE: its pages, not its place in
+ * the pool). SIZE_MAX (the default): keep everything, as a cache. The fabric sets it to the
+ * process's share of the host when it connects (native/fabric/shm_link.cc). Returns the free
+ * resident bytes now. */
+STRATA_ALLOC_API size_t strata_alloc_set_keep(size_t bytes);
+/* The budget (SIZE_MAX: none), the free bytes that may be resident, the bytes given back. */
+STRATA_ALLOC_API void strata_alloc_keep_stats(uint64_t* keep, uint64_t* free_resident,
+                                              uint64_t* returned);
 STRATA_ALLOC_API void strata_alloc_reserve_stats(strata_alloc_reserve_t* out);
 
 /* 1 when the pool is on and serves allocations: this library's malloc family is the one the
@@ -142,6 +152,8 @@ typedef void (*strata_alloc_set_callback_fn)(strata_seg_callback, void*);
 typedef void (*strata_alloc_stats_fn)(strata_alloc_stats_t*);
 typedef int (*strata_alloc_active_fn)(void);
 typedef size_t (*strata_alloc_set_reserve_fn)(size_t);
+typedef size_t (*strata_alloc_set_keep_fn)(size_t);
+typedef void (*strata_alloc_keep_stats_fn)(uint64_t*, uint64_t*, uint64_t*);
 typedef void (*strata_alloc_reserve_stats_fn)(strata_alloc_reserve_t*);
 typedef size_t (*strata_alloc_set_threshold_fn)(size_t);
 

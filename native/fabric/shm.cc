@@ -73,7 +73,8 @@ uint64_t slot_tag(uint64_t comm, uint64_t exec, uint64_t op, uint64_t occ) {
 }
 
 char* ShmFabric::ll_region() const {
-  return reinterpret_cast<char*>(ctl_) + ((sizeof(ShmControl) + 4095) & ~size_t{4095});
+  return reinterpret_cast<char*>(ctl_) +
+         ShmControl::control_bytes(static_cast<int>(ctl_->max_ranks));
 }
 
 ShmFabric::CallSeq ShmFabric::next_seq(const Placement& pl, int64_t run_id, int64_t op_id) {
@@ -89,9 +90,10 @@ ShmFabric::CallSeq ShmFabric::next_seq(const Placement& pl, int64_t run_id, int6
 
 std::unique_ptr<ShmTeam> ShmFabric::join(const Placement& pl, int64_t run_id, int64_t op_id,
                                          const char* op_name, std::string* err) {
-  if (pl.size > kShmMaxRanks) {
-    *err = std::string("strata_jax ") + op_name + ": groups of more than " +
-           std::to_string(kShmMaxRanks) + " ranks are not supported across processes";
+  if (pl.size > max_ranks()) {  // a group larger than the fabric's devices: cannot happen
+    *err = std::string("strata_jax ") + op_name + ": a group of " + std::to_string(pl.size) +
+           " ranks inside a shared-memory fabric of " + std::to_string(max_ranks()) +
+           " devices (internal error: the group must span fabrics)";
     return nullptr;
   }
   const CallSeq seq = next_seq(pl, run_id, op_id);
@@ -100,7 +102,8 @@ std::unique_ptr<ShmTeam> ShmFabric::join(const Placement& pl, int64_t run_id, in
   {
     CtlLock lock(&ctl_->mu);
     ShmSlot* free_slot = nullptr;
-    for (ShmSlot& s : ctl_->slots) {
+    for (int i = 0; i < kShmSlots; ++i) {
+      ShmSlot& s = *ctl_->slot(i);
       if (s.tag == tag && s.comm == pl.comm && s.exec == seq.exec && s.op == seq.op &&
           s.occ == seq.occ) {
         slot = &s;
@@ -122,7 +125,7 @@ std::unique_ptr<ShmTeam> ShmFabric::join(const Placement& pl, int64_t run_id, in
       slot->leaving.store(0, std::memory_order_relaxed);
       slot->failed.store(0, std::memory_order_relaxed);
       slot->failure[0] = 0;
-      for (int j = 0; j < pl.size; ++j) slot->peers[j].reached.store(0, std::memory_order_relaxed);
+      for (int j = 0; j < pl.size; ++j) slot->peer(j).reached.store(0, std::memory_order_relaxed);
       slot->tag = tag;
     }
   }
@@ -167,10 +170,22 @@ Bounce* ShmFabric::acquire_bounce(size_t bytes, bool critical, std::string* err)
   int fd = static_cast<int>(syscall(SYS_memfd_create, "strata_bounce", MFD_CLOEXEC));
   if (fd < 0 || ftruncate(fd, static_cast<off_t>(size)) != 0) {
     if (fd >= 0) close(fd);
-    *err = std::string("cannot create a bounce buffer: ") + strerror(errno);
+    const int e = errno;
+    *err = std::string("cannot create a bounce buffer: ") + strerror(e);
+    if (e == EMFILE || e == ENFILE)
+      *err +=
+          " (RLIMIT_NOFILE, the process's limit of open files, is reached: raise it with "
+          "`ulimit -n` before starting the job)";
     return nullptr;
   }
-  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  // A bounce buffer made for a call is faulted in whole (the call copies through it now); the
+  // one made at connect time (bytes 0) only its first 256 KiB: faulting in all 4 MiB cost every
+  // process 4 MiB whether it ever staged or not (64 processes: 256 MiB of the host).
+  void* base =
+      mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | (bytes ? MAP_POPULATE : 0), fd, 0);
+#ifdef MADV_POPULATE_WRITE
+  if (base != MAP_FAILED && !bytes) madvise(base, size_t{256} << 10, MADV_POPULATE_WRITE);
+#endif
   if (base == MAP_FAILED) {
     close(fd);
     *err = std::string("cannot map a bounce buffer: ") + strerror(errno);
@@ -227,7 +242,7 @@ std::string ShmTeam::fail(const std::string& msg) {
 
 std::string ShmTeam::barrier(const char* phase) {
   ++barriers_;
-  slot_->peers[rank_].reached.store(barriers_, std::memory_order_release);
+  slot_->peer(rank_).reached.store(barriers_, std::memory_order_release);
   const uint32_t target = barriers_ * static_cast<uint32_t>(size_);
   // acq_rel: release publishes this rank's descriptor and writes before the barrier; the
   // acquire side (here and in the waiters' loads) makes the peers' ones visible after it.
@@ -267,7 +282,7 @@ std::string ShmTeam::barrier(const char* phase) {
   if (slot_->failed.load(std::memory_order_acquire) != 0) return fail("");
   std::vector<int> missing;
   for (int j = 0; j < size_; ++j)
-    if (slot_->peers[j].reached.load(std::memory_order_acquire) < barriers_) missing.push_back(j);
+    if (slot_->peer(j).reached.load(std::memory_order_acquire) < barriers_) missing.push_back(j);
   std::ostringstream os;
   os << timed_out_waiting(op_name_, phase, missing) << " of a group of " << size_ << " (execution #"
      << slot_->exec << " on communicator " << std::hex << slot_->comm << std::dec
@@ -284,7 +299,7 @@ std::string ShmTeam::dead_members() const {
   if (!member_parts_ || !device_ids_) return {};
   std::string out;
   for (int j = 0; j < size_; ++j) {
-    if (slot_->peers[j].reached.load(std::memory_order_acquire) >= barriers_) continue;
+    if (slot_->peer(j).reached.load(std::memory_order_acquire) >= barriers_) continue;
     const int64_t dev = device_ids_[member_parts_[j]];
     const int p = f_->device_proc(dev);
     if (p < 0 || p == f_->proc() || f_->peer_alive(p)) continue;
@@ -313,14 +328,14 @@ std::string ShmTeam::arrival_barrier(const OpDesc& desc) {
   descs_.assign(size_, desc);
   local_ranks_ = 0;
   for (int j = 0; j < size_; ++j) {
-    descs_[j].algo = slot_->peers[j].algo;
-    if (slot_->peers[j].proc == f_->proc()) ++local_ranks_;
+    descs_[j].algo = slot_->peer(j).algo;
+    if (slot_->peer(j).proc == f_->proc()) ++local_ranks_;
   }
   return {};
 }
 
 void ShmTeam::publish_desc(const OpDesc& desc) {
-  ShmPeer& me = slot_->peers[rank_];
+  ShmPeer& me = slot_->peer(rank_);
   me.proc = f_->proc();
   me.device = device_;
   std::strncpy(me.name, desc.name ? desc.name : "", sizeof(me.name) - 1);
@@ -338,7 +353,7 @@ void ShmTeam::publish_desc(const OpDesc& desc) {
 std::string ShmTeam::check_peers(const OpDesc& desc) const {
   bool differ = false;
   for (int j = 0; j < size_ && !differ; ++j) {
-    const ShmPeer& o = slot_->peers[j];
+    const ShmPeer& o = slot_->peer(j);
     if (j == rank_ || o.reached.load(std::memory_order_acquire) < 1) continue;  // not yet here
     differ = o.kind != desc.kind || o.dtype != desc.dtype || o.reduce != desc.reduce ||
              o.params != desc.params.digest() || o.in_bytes != desc.in_bytes ||
@@ -348,7 +363,7 @@ std::string ShmTeam::check_peers(const OpDesc& desc) const {
   // The parameters' digests are shown only when they are part of the disagreement.
   bool params_differ = false;
   for (int j = 0; j < size_; ++j) {
-    const ShmPeer& o = slot_->peers[j];
+    const ShmPeer& o = slot_->peer(j);
     if (j != rank_ && o.reached.load(std::memory_order_acquire) >= 1)
       params_differ |= o.params != desc.params.digest();
   }
@@ -366,7 +381,7 @@ std::string ShmTeam::check_peers(const OpDesc& desc) const {
      << ", group of " << size_ << "): ";
   int shown = 0;
   for (int j = 0; j < size_; ++j) {
-    const ShmPeer& o = slot_->peers[j];
+    const ShmPeer& o = slot_->peer(j);
     if (j != rank_ && o.reached.load(std::memory_order_acquire) < 1) continue;
     if (shown == 8) {
       os << "; ...";
@@ -401,7 +416,7 @@ std::string ShmTeam::arrive(const OpDesc& desc, const void* in, void* out) {
   if (!err.empty()) return fail(std::string("strata_jax ") + op_name_ + ": " + err);
 
   publish_desc(desc);
-  ShmPeer& me = slot_->peers[rank_];
+  ShmPeer& me = slot_->peer(rank_);
   me.in_seg = me.out_seg = 0;
   me.in_off = me.out_off = 0;
   me.in_ptr = reinterpret_cast<uintptr_t>(in);
@@ -440,7 +455,7 @@ std::string ShmTeam::arrive(const OpDesc& desc, const void* in, void* out) {
   err = arrival_barrier(desc);
   if (!err.empty()) return err;
   for (int j = 0; j < size_; ++j) {
-    const ShmPeer& o = slot_->peers[j];
+    const ShmPeer& o = slot_->peer(j);
     if ((o.in_seg | o.out_seg) & kBounceIdBit) any_staged_ = true;
     if (o.proc == f_->proc()) {
       in_[j] = reinterpret_cast<const void*>(o.in_ptr);
@@ -487,7 +502,7 @@ std::string ShmTeam::arrive_multi(const OpDesc& desc, const BufRef* bufs, int nb
   if (!err.empty()) return fail(std::string("strata_jax ") + op_name_ + ": " + err);
 
   publish_desc(desc);  // in/out bytes are compared by check_peers; in/out are not published
-  ShmPeer& me = slot_->peers[rank_];
+  ShmPeer& me = slot_->peer(rank_);
   me.in_seg = me.out_seg = me.in_off = me.out_off = me.in_ptr = me.out_ptr = 0;
   if (room) {
     bounce_ = f_->acquire_bounce(room, true, &err);
@@ -522,7 +537,7 @@ std::string ShmTeam::arrive_multi(const OpDesc& desc, const BufRef* bufs, int nb
   err = arrival_barrier(desc);
   if (!err.empty()) return err;
   for (int j = 0; j < size_; ++j) {
-    const ShmPeer& o = slot_->peers[j];
+    const ShmPeer& o = slot_->peer(j);
     for (int i = 0; i < kMaxBufs; ++i) {
       if (!o.buf_bytes[i]) continue;
       if (o.buf_seg[i] & kBounceIdBit) any_staged_ = true;
@@ -585,7 +600,7 @@ std::string ShmTeam::arrive_list(const OpDesc& desc, const OperandRef* ops, int 
   if (!err.empty()) return fail(std::string("strata_jax ") + op_name_ + ": " + err);
 
   publish_desc(desc);
-  ShmPeer& me = slot_->peers[rank_];
+  ShmPeer& me = slot_->peer(rank_);
   me.in_seg = me.out_seg = me.in_off = me.out_off = me.in_ptr = me.out_ptr = 0;
   bounce_ = f_->acquire_bounce(room, true, &err);
   if (!bounce_) return fail(std::string("strata_jax ") + op_name_ + ": " + err);
@@ -621,7 +636,7 @@ std::string ShmTeam::arrive_list(const OpDesc& desc, const OperandRef* ops, int 
   in_list_.assign(static_cast<size_t>(size_) * nops, nullptr);
   out_list_.assign(static_cast<size_t>(size_) * nops, nullptr);
   for (int j = 0; j < size_; ++j) {
-    const ShmPeer& o = slot_->peers[j];
+    const ShmPeer& o = slot_->peer(j);
     const bool local = o.proc == f_->proc();
     const ListEntry* tab = nullptr;
     if (local) {
@@ -661,7 +676,7 @@ std::string ShmTeam::depart() {
     return err;
   }
   if (out_staged_) {
-    copy_bytes(user_out_, bounce_->base + (slot_->peers[rank_].out_off), out_bytes_);
+    copy_bytes(user_out_, bounce_->base + (slot_->peer(rank_).out_off), out_bytes_);
     stats().staged_bytes.fetch_add(out_bytes_, std::memory_order_relaxed);
   }
   // After the final barrier no peer reads this rank's staged buffers any more.

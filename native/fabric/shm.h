@@ -89,7 +89,9 @@ class CtlLock {
 enum class RegMode : int32_t { kOnAlloc = 0, kOnUse = 1, kStaging = 2 };
 const char* reg_mode_name(RegMode m);
 
-constexpr int kShmMaxRanks = 64;
+// No fixed cap on a group: the rendezvous slots' rank entries are sized when the fabric connects,
+// for the largest group it can hold (its devices; ShmControl::max_ranks), so a group of any size
+// the host holds meets in one slot (the unit test runs 1024 ranks: tests/native/shm_many_ranks.cc).
 constexpr int kShmSlots = 256;
 constexpr uint64_t kShmMagic = 0x5354524154413031ull;  // "STRATA01"
 // Segment ids of the fabric's own bounce buffers (allocator ids start at 1 and stay small).
@@ -114,7 +116,8 @@ struct ShmPeer {
   char name[32];   // the rank's op name (for messages)
 };
 
-struct ShmSlot {
+// A rendezvous slot: this header, then `ShmControl::max_ranks` ShmPeer entries (peer(j)).
+struct alignas(64) ShmSlot {
   // Key and size: written under the control mutex when the slot is claimed, read under it.
   uint64_t tag;            // 0: free
   uint64_t comm;           // the key: communicator hash,
@@ -127,14 +130,34 @@ struct ShmSlot {
   // 0 ok; 1 a rank is writing `failure`; 2 failure written (release) and readable (acquire).
   std::atomic<uint32_t> failed;
   char failure[768];
-  ShmPeer peers[kShmMaxRanks];
+  // Rank j's entry (j < the fabric's max_ranks), right after the header.
+  ShmPeer& peer(int j) { return reinterpret_cast<ShmPeer*>(this + 1)[j]; }
+  const ShmPeer& peer(int j) const { return reinterpret_cast<const ShmPeer*>(this + 1)[j]; }
 };
+static_assert(sizeof(ShmSlot) % alignof(ShmPeer) == 0, "ShmPeer entries follow the header");
 
-struct ShmControl {
+// The control segment: this header, kShmSlots slots of slot_bytes each (ShmSlot + max_ranks
+// entries), then the low-latency path's region (shm_ll.h) at control_bytes(max_ranks). Written
+// by process 0 before the segment's fd leaves it; read-only afterwards except the slots.
+struct alignas(64) ShmControl {
   uint64_t magic;
   uint32_t nprocs;
-  pthread_mutex_t mu;  // process-shared, robust: guards slot claim and release
-  ShmSlot slots[kShmSlots];
+  uint32_t max_ranks;   // the largest group: rank entries per slot
+  uint64_t slot_bytes;  // slot_bytes(max_ranks)
+  pthread_mutex_t mu;   // process-shared, robust: guards slot claim and release
+  ShmSlot* slot(int i) {
+    return reinterpret_cast<ShmSlot*>(reinterpret_cast<char*>(this) + sizeof(ShmControl) +
+                                      static_cast<size_t>(i) * slot_bytes);
+  }
+  // Bytes of one slot with `max_ranks` entries (a multiple of 64), and of the whole control
+  // block before the low-latency region (a multiple of 4096). 1024 ranks: 272 KiB a slot,
+  // 68 MiB in all, of which a call touches its slot's header and its group's entries.
+  static size_t slot_bytes_for(int max_ranks) {
+    return (sizeof(ShmSlot) + static_cast<size_t>(max_ranks) * sizeof(ShmPeer) + 63) & ~size_t{63};
+  }
+  static size_t control_bytes(int max_ranks) {
+    return (sizeof(ShmControl) + kShmSlots * slot_bytes_for(max_ranks) + 4095) & ~size_t{4095};
+  }
 };
 
 class ShmFabric;
@@ -250,6 +273,11 @@ class ShmFabric {
   int proc() const { return proc_; }
   int nprocs() const { return nprocs_; }
   ShmControl* control() const { return ctl_; }
+  // The largest group this fabric holds (rank entries per rendezvous slot).
+  int max_ranks() const { return ctl_ ? static_cast<int>(ctl_->max_ranks) : 0; }
+  // Tests only (tests/native/shm_many_ranks.cc): makes this fabric a single process with a
+  // control segment of `max_ranks` entries per slot in private memory, as connect() would.
+  std::string connect_for_test(int max_ranks);
 
   // Rendezvous: finds or claims the slot of this call. nullptr and *err on failure.
   std::unique_ptr<ShmTeam> join(const Placement& pl, int64_t run_id, int64_t op_id,
@@ -300,6 +328,7 @@ class ShmFabric {
  private:
   ShmFabric() = default;
   void receiver_main();
+  int fabric_max_ranks(int nprocs) const;
   std::string send_fd(int peer, uint32_t type, uint64_t id, uint64_t size, int fd);
   static std::atomic<ShmFabric*> active_;
 
@@ -324,6 +353,7 @@ class ShmFabric {
   mutable std::shared_mutex map_mu_;
   std::condition_variable_any map_cv_;
   std::map<std::pair<int, uint64_t>, std::pair<char*, size_t>> mapped_;
+  std::map<std::pair<int, uint64_t>, std::string> map_errors_;  // segments that failed to map
 
   std::mutex bounce_mu_;
   std::vector<std::unique_ptr<Bounce>> bounces_;

@@ -8,6 +8,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
+#include <sys/sysinfo.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -15,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common/env.h"
 #include "common/settings.h"
 #include "fabric/shm.h"
 #include "fabric/shm_ll.h"
@@ -98,6 +100,36 @@ bool all_resident(void* base, size_t size) {
   for (unsigned char c : v)
     if (!(c & 1)) return false;
   return true;
+}
+
+// The reserve (pool.cc) each process of a fabric of `nprocs` keeps when the user did not set
+// STRATA_ALLOC_RESERVE_BYTES: the allocator's default (SIZE_MAX: 2 segments, 128 MiB) while the
+// fabric's reserves together stay within 1/32 of the host's memory, else whole 64 MiB units of
+// that share (0 below one). The reserve is memory faulted in ahead of demand, in every process:
+// measured on 2 processes it was 128 of the 127 MiB strata added to a rank's memory (Pss) over
+// the same JAX program without strata; 64 ranks kept 8 GiB of it on a 24 GiB host.
+size_t fabric_reserve_bytes(int nprocs) {
+  if (std::getenv("STRATA_ALLOC_RESERVE_BYTES")) return SIZE_MAX;  // the user's, as set
+  struct sysinfo si{};
+  if (sysinfo(&si) != 0 || nprocs < 1) return SIZE_MAX;
+  const uint64_t total = static_cast<uint64_t>(si.totalram) * si.mem_unit;
+  constexpr uint64_t kUnit = uint64_t{64} << 20;
+  const uint64_t units = total / 32 / static_cast<uint64_t>(nprocs) / kUnit;
+  return units >= 2 ? SIZE_MAX : static_cast<size_t>(units * kUnit);
+}
+
+// The keep budget (pool.cc: free pool memory a process keeps faulted in) of each process of a
+// fabric of `nprocs`: STRATA_ALLOC_KEEP_BYTES when set, else the same share of the host as the
+// reserve's (1/32 of its memory over the fabric's processes), at least 16 MiB. Measured at 32
+// processes on 24 GiB before it: the pool kept ~100 MiB per process of blocks XLA had freed.
+size_t fabric_keep_bytes(int nprocs) {
+  const int64_t set = env_bytes("STRATA_ALLOC_KEEP_BYTES", -1);
+  if (set >= 0) return static_cast<size_t>(set);
+  struct sysinfo si{};
+  if (sysinfo(&si) != 0 || nprocs < 1) return SIZE_MAX;
+  const uint64_t total = static_cast<uint64_t>(si.totalram) * si.mem_unit;
+  const uint64_t share = total / 32 / static_cast<uint64_t>(nprocs);
+  return static_cast<size_t>(share > (uint64_t{16} << 20) ? share : uint64_t{16} << 20);
 }
 
 void on_new_segment(const strata_seg_info* info, void* user) {
@@ -231,7 +263,10 @@ std::string ShmFabric::connect(int proc, int nprocs, const std::vector<std::stri
   // The control segment: made by process 0, mapped by everyone.
   int cfd = -1;
   // The control block, then the low-latency path's region (shm_ll.h; sparse until touched).
-  const size_t csize = ((sizeof(ShmControl) + 4095) & ~size_t{4095}) + kLlRegionBytes;
+  // Its slots hold an entry per device of the fabric (the largest group inside it); every
+  // process computes the same size from the same device table (checked on receipt).
+  const int max_ranks = fabric_max_ranks(nprocs);
+  const size_t csize = ShmControl::control_bytes(max_ranks) + kLlRegionBytes;
   if (proc == 0) {
     cfd = static_cast<int>(syscall(SYS_memfd_create, "strata_control", MFD_CLOEXEC));
     if (cfd < 0 || ftruncate(cfd, static_cast<off_t>(csize)) != 0)
@@ -253,11 +288,14 @@ std::string ShmFabric::connect(int proc, int nprocs, const std::vector<std::stri
     pthread_mutex_init(&ctl_->mu, &at);
     pthread_mutexattr_destroy(&at);
     ctl_->nprocs = static_cast<uint32_t>(nprocs);
+    ctl_->max_ranks = static_cast<uint32_t>(max_ranks);
+    ctl_->slot_bytes = ShmControl::slot_bytes_for(max_ranks);
     ctl_->magic = kShmMagic;  // before the fd leaves this process: sendmsg orders it
     for (int j = 1; j < nprocs; ++j)
       if (!send_msg(links_[j], LinkMsg{kControl, 0, 0, csize}, cfd))
         return errno_str("sending the control segment");
-  } else if (ctl_->magic != kShmMagic || ctl_->nprocs != static_cast<uint32_t>(nprocs)) {
+  } else if (ctl_->magic != kShmMagic || ctl_->nprocs != static_cast<uint32_t>(nprocs) ||
+             ctl_->max_ranks != static_cast<uint32_t>(max_ranks)) {
     return "the control segment from process 0 is not a strata_jax fabric";
   }
   close(cfd);
@@ -288,7 +326,10 @@ std::string ShmFabric::connect(int proc, int nprocs, const std::vector<std::stri
     // burst of fresh buffers (a first training step) pays neither first touch nor registration.
     auto set_reserve = reinterpret_cast<strata_alloc_set_reserve_fn>(
         dlsym(RTLD_DEFAULT, "strata_alloc_set_reserve"));
-    if (mode == RegMode::kOnAlloc && set_reserve) set_reserve(SIZE_MAX);
+    if (mode == RegMode::kOnAlloc && set_reserve) set_reserve(fabric_reserve_bytes(nprocs));
+    auto set_keep =
+        reinterpret_cast<strata_alloc_set_keep_fn>(dlsym(RTLD_DEFAULT, "strata_alloc_set_keep"));
+    if (set_keep) set_keep(fabric_keep_bytes(nprocs));
     // Calls above the direct form's threshold (fabric/shm_ll.h) read and write the callers' own
     // buffers, which must then be fabric memory: the allocator serves XLA's buffers from that
     // size on (unless STRATA_ALLOC_THRESHOLD says otherwise), not only from its default 64 KiB,
@@ -304,9 +345,45 @@ std::string ShmFabric::connect(int proc, int nprocs, const std::vector<std::stri
   }
   // One bounce buffer registered now, off the critical path, for small unshareable buffers.
   std::string err;
-  Bounce* b = acquire_bounce(1, /*critical=*/false, &err);
+  Bounce* b = acquire_bounce(0, /*critical=*/false, &err);
   if (!b) return err;
   release_bounce(b);
+  return {};
+}
+
+int ShmFabric::fabric_max_ranks(int nprocs) const {
+  // device_proc_ lists the devices of this fabric's processes (set_device_procs); without it
+  // (a direct native caller), one device per process.
+  const int devices = static_cast<int>(device_proc_.size());
+  return devices > nprocs ? devices : nprocs;
+}
+
+std::string ShmFabric::connect_for_test(int max_ranks) {
+  if (active()) return "the shared-memory fabric is already connected";
+  proc_ = 0;
+  nprocs_ = 1;
+  mode_ = RegMode::kOnUse;
+  links_.assign(1, -1);
+  link_pids_.assign(1, 0);
+  alive_.reset(new std::atomic<bool>[1]);
+  left_.reset(new std::atomic<bool>[1]);
+  alive_[0].store(true, std::memory_order_relaxed);
+  left_[0].store(false, std::memory_order_relaxed);
+  const size_t csize = ShmControl::control_bytes(max_ranks) + kLlRegionBytes;
+  void* base = mmap(nullptr, csize, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED) return errno_str("mmap control segment");
+  ctl_ = static_cast<ShmControl*>(base);
+  pthread_mutexattr_t at;
+  pthread_mutexattr_init(&at);
+  pthread_mutexattr_setpshared(&at, PTHREAD_PROCESS_SHARED);
+  pthread_mutexattr_setrobust(&at, PTHREAD_MUTEX_ROBUST);
+  pthread_mutex_init(&ctl_->mu, &at);
+  pthread_mutexattr_destroy(&at);
+  ctl_->nprocs = 1;
+  ctl_->max_ranks = static_cast<uint32_t>(max_ranks);
+  ctl_->slot_bytes = ShmControl::slot_bytes_for(max_ranks);
+  ctl_->magic = kShmMagic;
+  active_.store(this, std::memory_order_release);
   return {};
 }
 
@@ -416,12 +493,16 @@ char* ShmFabric::translate(int proc, uint64_t seg, uint64_t off, uint64_t bytes,
   auto it = mapped_.end();
   map_cv_.wait_until(lock, deadline, [&] {
     it = mapped_.find(key);
-    return it != mapped_.end() || !peer_alive(proc);
+    return it != mapped_.end() || !peer_alive(proc) || map_errors_.count(key);
   });
   const uint64_t ns = static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
   stats().reg_critical.fetch_add(1, std::memory_order_relaxed);
   stats().reg_critical_ns.fetch_add(ns, std::memory_order_relaxed);
+  if (it == mapped_.end() && map_errors_.count(key)) {
+    *err = map_errors_[key];
+    return nullptr;
+  }
   if (it == mapped_.end()) {
     *err = "segment " + std::to_string(seg) + " of process " + std::to_string(proc) +
            (peer_alive(proc) ? " was never registered here (timed out)"
@@ -477,8 +558,22 @@ void ShmFabric::receiver_main() {
         void* base = mmap(nullptr, m.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         close(fd);
         if (base == MAP_FAILED) {
-          std::fprintf(stderr, "strata_jax: mapping a segment of process %d failed: %s\n", who[i],
-                       strerror(errno));
+          // A collective waiting for this segment fails at once with this (translate), not at
+          // the timeout. ENOMEM here is nearly always vm.max_map_count (maps per process).
+          const int e = errno;
+          std::string why = "mapping segment " + std::to_string(m.id) + " (" +
+                            std::to_string(m.size >> 20) + " MiB) of process " +
+                            std::to_string(who[i]) + " failed: " + strerror(e);
+          if (e == ENOMEM)
+            why +=
+                " (the process may have reached vm.max_map_count, its limit of memory maps; "
+                "raise it as root: sysctl -w vm.max_map_count=N)";
+          std::fprintf(stderr, "strata_jax: %s\n", why.c_str());
+          {
+            std::lock_guard<std::shared_mutex> lock(map_mu_);
+            map_errors_[{who[i], m.id}] = why;
+          }
+          map_cv_.notify_all();
           continue;
         }
 #ifdef MADV_POPULATE_WRITE

@@ -800,7 +800,8 @@ std::string ShmLlTeam::mismatch(const OpDesc& desc) const {
 std::string ShmLlTeam::straddler(const OpDesc& desc) {
   ShmControl* ctl = f_->control();
   CtlLock lock(&ctl->mu);
-  for (ShmSlot& s : ctl->slots) {
+  for (int i = 0; i < kShmSlots; ++i) {
+    ShmSlot& s = *ctl->slot(i);
     if (s.tag != tag_ || s.comm != comm_ || s.exec != exec_ || s.op != op_ || s.occ != occ_)
       continue;
     // A peer met this call in the general rendezvous: its input is above the low-latency
@@ -822,7 +823,7 @@ std::string ShmLlTeam::straddler(const OpDesc& desc) {
       if (const LlEntry* o = found_[j])
         item(j, o->device, o->name, o->dtype, o->in_bytes, o->out_bytes);
     for (int j = 0; j < s.size && j < size_ && shown < 8; ++j) {
-      const ShmPeer& o = s.peers[j];
+      const ShmPeer& o = s.peer(j);
       // acquire: pairs with the release store of `reached` that published the descriptor.
       if (found_[j] || o.reached.load(std::memory_order_acquire) < 1) continue;
       item(j, o.device, o.name, o.dtype, o.in_bytes, o.out_bytes);

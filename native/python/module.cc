@@ -339,6 +339,13 @@ NB_MODULE(_strata, m) {
     d["pool_segments_made_ahead"] = r.segments_made;
     d["pool_segments_on_demand"] = r.segments_on_demand;
     d["pool_bytes_prefaulted"] = r.bytes_populated;
+    static const auto keep_stats = reinterpret_cast<strata_alloc_keep_stats_fn>(
+        dlsym(RTLD_DEFAULT, "strata_alloc_keep_stats"));
+    uint64_t keep = 0, resident = 0, returned = 0;
+    if (keep_stats && api.lookup) keep_stats(&keep, &resident, &returned);
+    d["pool_keep_bytes"] = keep;
+    d["pool_free_resident_bytes"] = resident;
+    d["pool_bytes_returned"] = returned;
     return d;
   });
 }

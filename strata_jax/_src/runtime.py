@@ -192,6 +192,7 @@ _NATIVE_BYTE_SETTINGS = {
     "STRATA_LL_STAGE_BYTES": "1M; 0 (default): no staged form",
     "STRATA_STREAM_BYTES": "4M (native/coll/kernels.cc)",
     "STRATA_TWO_SHOT_BYTES": "1K (native/fabric/inproc.cc)",
+    "STRATA_ALLOC_KEEP_BYTES": "16M (native/fabric/shm_link.cc)",
 }
 # The allocator's sizes (native/alloc/interpose.cc, read at its first allocation): it takes
 # digits with an optional K/M/G and ignores anything after, and falls back to its default on

@@ -626,6 +626,7 @@ def init(
     fmap = topology.set_fabric_map([ids[j] for j in range(n)], pid)
     members = fmap.members(fmap.own)
     requested = mode
+    _check_limits(start, pid, n, members)
     if len(members) > 1:
         mode = _mode_in_effect(native, mode)
         _connect_fabric(native, start, pid, members, mode)
@@ -730,6 +731,38 @@ def _engine_after_fabric(native, n: int, members) -> None:
         first.setdefault(d.process_index, d.id)
     local = {p: i for i, p in enumerate(members)}
     _engine.after_fabric(native, [first[p] for p in range(n)], [local.get(p, -1) for p in range(n)])
+
+
+def _check_limits(start: _Startup, pid: int, n: int, members: tuple[int, ...]) -> None:
+    """Every process checks the system's limits for its fabric (``limits.py``) and posts what it
+    found; every process then fails alike, naming each short process and limit, or goes on."""
+    from strata_jax._src import limits
+
+    problems = []
+    if len(members) > 1:
+        problems = limits.check(
+            len(members), n, limits.default_reserve(len(members)), control_bytes=1 << 20
+        )
+    start.set(f"{_KV_PREFIX}/limits/{pid}", "\n".join(problems) or "ok")
+    found = start.wait(
+        "check the system's limits", {j: f"{_KV_PREFIX}/limits/{j}" for j in range(n)}
+    )
+    by_message: dict[str, list[int]] = {}
+    for j in sorted(found):
+        if found[j] != "ok":
+            for msg in found[j].split("\n"):
+                by_message.setdefault(msg, []).append(j)
+    if by_message:
+        # Every process fails alike; process 0 keeps the jax.distributed service up until the
+        # others have said they are ending (else their JAX clients abort them before they print).
+        _ending.append(start)
+        if pid == 0:
+            _gave_up.update(missing=list(range(1, n)), linger_s=10.0, timeout_s=start.timeout_s)
+        lines = [f"{_procs(ps)}: {msg}" for msg, ps in by_message.items()]
+        raise limits.LimitError(
+            f"strata_jax.init: a limit of the operating system is too low for this job of {n} "
+            f"processes (reported by process {pid}); " + "; ".join(lines)
+        )
 
 
 def _mode_in_effect(native, mode: str) -> str:

@@ -159,7 +159,19 @@ def transforms_case(seed: int, t: int, h: int, capacity: int) -> None:
 
 case(1, t=7, h=5, k=3, experts_per_rank=2, capacity=None)  # small: staged buffers
 case(2, t=9, h=6, k=2, experts_per_rank=3, capacity=2)  # capacity drops
-case(3, t=64, h=1100, k=2, experts_per_rank=1, capacity=None)  # x past the threshold
+# x past the threshold; capacity = every token up to 8 ranks, 128 rows beyond (the reference's
+# global expert arrays grow with ranks x capacity: 32 ranks at full capacity were 1 GiB a
+# process); beyond 32 ranks 16 tokens (70 KiB of x, still past the threshold) and 32 rows (64
+# processes at 64 tokens and 128 rows held ~400 MiB each; the OOM killer ended the job)
+big = R > 32
+case(
+    3,
+    t=16 if big else 64,
+    h=1100,
+    k=2,
+    experts_per_rank=1,
+    capacity=None if R <= 8 else 32 if big else 128,
+)
 stats = sj.memory_stats()
 stats = {k: stats[k] - stats0[k] for k in ("zero_copy_bytes", "staged_bytes")}
 print(

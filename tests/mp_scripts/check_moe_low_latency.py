@@ -81,10 +81,12 @@ def case(seed: int, t: int, k: int, algo: str) -> None:
 
 
 seed = 0
-for t in (1, 3, 8, 64, 128):
+# Beyond 8 ranks the largest token counts are left out: the reference's global expert arrays
+# grow with ranks x capacity (every token), squared in the ranks.
+for t in (1, 3, 8, 64, 128) if R <= 8 else (1, 3, 8):
     for k in (1, 2, 4):
         seed += 1
         case(seed, t, k, "pull")
 case(100, 8, 4, "push")
-case(101, 64, 2, "push")
+case(101, 64 if R <= 8 else 8, 2, "push")
 print(f"OK moe low-latency {checks} cases on {R} ranks, mode {info['registration']}", flush=True)

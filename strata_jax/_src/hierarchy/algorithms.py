@@ -18,10 +18,11 @@ from strata_jax._src.hierarchy.steps import (
     REDUCERS,
     a2a_divert_p,
     after_p,
+    gate,
     partition_id_p,
-    pending_check,
     rs_divert_p,
     step,
+    strata_step_done,
 )
 from strata_jax._src.jax_compat import mlir
 
@@ -111,6 +112,7 @@ def _exchange(send, p: Plan):
     psum_scatter's and all_to_all's blocks now cross along :func:`_ring` instead, in one
     round; psum takes this form only with ``STRATA_RING_PSUM=0``.)
     """
+    send = gate(send)  # read by both rounds: handed on after the call's check once
     nbytes = int(np.prod(send.shape)) * send.dtype.itemsize
     groups = np.asarray(p.inter)
     # Not over XLA's MPI collectives: the two rounds are independent, and XLA's executor runs
@@ -168,6 +170,7 @@ def all_reduce(x, p: Plan, reduce: str):
         v = jnp.pad(v, (0, chunk * p.L - m))
     v = step(v, "reduce_scatter", "strata", p.intra, reduce=reduce)
     if p.F == 2:
+        v = gate(v)  # crosses, and all_gather_reduce reads it too: after the call's check once
         # Two fabrics: one exchange of the shard with the partner (the same bytes as gloo's
         # ring all-reduce, one round instead of two), combined with the own shard inside the
         # intra-fabric all_gather (native all_gather_reduce: one pass, no XLA reduction). Both
@@ -277,7 +280,6 @@ def reduce_scatter(x, p: Plan, reduce: str):
             ]
         else:
             rows = [p.perm_lf()]
-        pending_check.set(None)  # a strata step: chained after the check
         v, send = rs_divert_p.bind(
             x,
             groups=tuple(map(tuple, p.intra)),
@@ -285,6 +287,7 @@ def reduce_scatter(x, p: Plan, reduce: str):
             placement=_per_intra_group(p, rows),
             divert=tuple(int(o) for o in 1 - _slot_table(p)),
         )
+        strata_step_done()  # the call's check, chained after this strata step
         if ring:
             got = step(send, "permute", "xla", p.groups, pairs=pairs)
         else:
@@ -347,7 +350,6 @@ def all_to_all(x, p: Plan, split_axis: int, concat_axis: int):
         for g in p.groups:
             for j in range(n):
                 dest[g[j]] = dst[p.f[j]][p.loc[j]] if ring else p.loc[j]
-        pending_check.set(None)  # a strata step: chained after the check
         v, send = a2a_divert_p.bind(
             v,
             groups=tuple(map(tuple, p.intra)),
@@ -358,6 +360,7 @@ def all_to_all(x, p: Plan, split_axis: int, concat_axis: int):
             move_to=k,
             divert_dest=tuple(int(d) for d in dest),
         )
+        strata_step_done()  # the call's check, chained after this strata step
         # v comes in the final layout: F moved to k and merged with the concat part (strata
         # writes it so; no transpose). The block that comes back has F of size 1, so its bytes
         # are already in that order, and the update is the last op on v (a reshape or a

@@ -42,9 +42,12 @@ def lower_checked(fn, ctx, args, multiple_results: bool, p: Plan, op: str, extra
         return mlir.lower_fun(fn, multiple_results=multiple_results)(ctx, *args)
 
     def checked(*a):
-        token = pending_check.set(check_across(p, op, extra, aval, ctx))
+        pending = PendingCheck(p, op, extra, aval, ctx)
+        token = pending_check.set(pending)
         try:
-            return fn(*a)
+            out = fn(*a)
+            pending.result()  # a call whose steps never bound it: checked all the same
+            return out
         finally:
             pending_check.reset(token)
 
@@ -153,20 +156,37 @@ def _check_lowering(ctx, x, descs, pid, *, op, groups, who):
 mlir.register_lowering(_check_p, _check_lowering, platform="cpu", cacheable=False)
 
 
+class PendingCheck:
+    """The check of one call (``op`` on ``aval``, with ``extra``; named as the user's call
+    around it, see :func:`_call_of`) across the members of each group that crosses fabrics.
+    The descriptors' all_gather is emitted at once (it depends on nothing: XLA may run it
+    before or beside the call's first strata step); the custom call that compares them is
+    emitted by :meth:`result`, once, at the call's first step, after it when that step is
+    strata's (steps.step, steps.gate), so that no strata step waits for it: strata calls after
+    it in the program start after it (program-order chain)."""
+
+    def __init__(self, p: Plan, op: str, extra, aval, ctx):
+        self._groups = p.inter if p.uniform and p.L > 1 else p.groups
+        self._name, d = _call_of(ctx, op, aval, extra)
+        self._descs = step(jnp.asarray(d[None]), "all_gather", "xla_check", self._groups)
+        self._who = tuple(map(tuple, p.who.tolist()))
+        self._result = None
+
+    def result(self):
+        """A small array that exists only once every member agreed (emitted on first use)."""
+        if self._result is None:
+            self._result = _check_p.bind(
+                self._descs,
+                self._descs,
+                partition_id_p.bind(),
+                op=self._name,
+                groups=tuple(map(tuple, self._groups)),
+                who=self._who,
+            )
+        return self._result
+
+
 def check_across(p: Plan, op: str, extra, aval, ctx):
-    """Compares this call (``op`` on ``aval``, with ``extra``; named as the user's call around
-    it, see :func:`_call_of`) across the members of each group that crosses fabrics; returns a
-    small array that exists only once they agreed. Strata calls after it in the program start
-    after it (program-order chain)."""
-    groups = p.inter if p.uniform and p.L > 1 else p.groups
-    name, d = _call_of(ctx, op, aval, extra)
-    desc = jnp.asarray(d[None])
-    descs = step(desc, "all_gather", "xla_check", groups)  # [F or n, 24]
-    return _check_p.bind(
-        descs,
-        descs,
-        partition_id_p.bind(),
-        op=name,
-        groups=tuple(map(tuple, groups)),
-        who=tuple(map(tuple, p.who.tolist())),
-    )
+    """The check of a call (see :class:`PendingCheck`) emitted at once: a small array that
+    exists only once every member agreed."""
+    return PendingCheck(p, op, extra, aval, ctx).result()

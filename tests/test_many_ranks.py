@@ -1,0 +1,42 @@
+"""Groups of any size on the shared-memory fabric: the rendezvous slots are sized when the fabric
+connects (no fixed cap; it was 64 ranks). tests/native/shm_many_ranks.cc fakes the ranks of one
+group as threads of one process and runs psum (one- and two-shot) and all_gather through the real
+join/arrive/depart and algorithms, checking every rank's output exactly, and the layout of the
+control block. Behind ``-m slow``: building the fabric takes 10-20 s of CPU."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def many_ranks_exe(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    import jax.ffi
+
+    srcs = [os.path.join(ROOT, "tests", "native", "shm_many_ranks.cc")]
+    for d in ("common", "coll", "fabric", "sync"):
+        srcs += sorted(glob.glob(os.path.join(ROOT, "native", d, "*.cc")))
+    exe = str(tmp_path_factory.mktemp("many") / "shm_many_ranks")
+    cmd = [cxx, "-std=c++17", "-O1", "-I", os.path.join(ROOT, "native")]
+    cmd += ["-isystem", jax.ffi.include_dir(), *srcs, "-o", exe, "-lpthread", "-rdynamic"]
+    build = subprocess.run(cmd, capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    return exe
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 64, 65, 96, 384, 1024])
+def test_group_of_n_ranks_meets_in_one_slot(many_ranks_exe, n):
+    r = subprocess.run([many_ranks_exe, str(n), "2"], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.startswith(f"OK {n} ranks"), r.stdout

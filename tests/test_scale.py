@@ -1,0 +1,83 @@
+"""Many processes on one host, many simulated hosts, several devices per process: every
+operator against numpy (tests/mp_scripts/check_at_scale.py, the nine collectives; check_ragged,
+check_moe, check_moe_low_latency and check_pytree for ragged_all_to_all, MoE dispatch/combine,
+the low-latency pair and the all-reduce combiner's list call), with nothing left in /dev/shm.
+
+All behind ``-m slow``: 64 processes take about a minute of this 2-core machine and ~14 GiB of
+its memory (JAX's own ~200 MiB per process, most of it), 96 about 20 GiB. Run them alone, under
+the team's CPU lock, with nothing else holding memory (``free -g``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+ALL = [
+    "check_at_scale.py",
+    "--",
+    "check_ragged.py",
+    "--",
+    "check_moe.py",
+    "--",
+    "check_moe_low_latency.py",
+    "--",
+    "check_pytree.py",
+]
+
+
+def _meminfo_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) << 10
+    return 0
+
+
+def _run(nproc: int, flags: list[str], scripts: list[str], need_gib: float):
+    if _meminfo_available() < need_gib * (1 << 30):
+        pytest.skip(f"needs {need_gib} GiB of available memory")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STRATA_", "JAX_"))}
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    before = set(os.listdir("/dev/shm"))
+    cmd = [sys.executable, "-m", "strata_jax.launch", "-n", str(nproc), *flags]
+    cmd += [str(HERE / "mp_scripts" / "run_checks.py"), *scripts]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    done = [ln for ln in r.stdout.splitlines() if ln.endswith("== run_checks: all done")]
+    assert len(done) == nproc, out[-4000:]
+    assert "MISMATCH" not in out
+    assert set(os.listdir("/dev/shm")) <= before, "left in /dev/shm"
+    return r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [8, 16, 32, 64, 96])
+def test_every_collective_on_n_processes(nproc):
+    out = _run(nproc, [], ["check_at_scale.py"], need_gib=0.25 * nproc)
+    assert out.count(f"on {nproc} devices, fabric shm, 1 fabric(s)") == nproc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [8, 32])
+def test_every_operator_on_n_processes(nproc):
+    _run(nproc, [], ALL, need_gib=0.3 * nproc)
+
+
+@pytest.mark.slow
+def test_every_collective_on_8_hosts_of_4():
+    out = _run(32, ["--hosts", "8"], ["check_at_scale.py"], need_gib=10)
+    assert out.count("on 32 devices, fabric shm, 8 fabric(s)") == 32
+
+
+@pytest.mark.slow
+def test_every_operator_on_8_processes_of_4_devices():
+    out = _run(8, ["--devices-per-proc", "4"], ALL, need_gib=4)
+    assert out.count("on 32 devices, fabric shm, 1 fabric(s)") == 8
