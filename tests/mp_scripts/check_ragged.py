@@ -52,32 +52,102 @@ def exchange(a, b, c, d, e, g):
     return sj.ragged_all_to_all(a[0], b[0], c[0], d[0], e[0], g[0], axis_name="x")[None]
 
 
-# Beyond 16 ranks the large slices are one per sender of up to 100 KiB (the others empty):
-# every process holds the global operand, output and their references, which with every slice
-# drawn grow with R x R x 100 KiB (64 processes: 400 MiB each; the OOM killer ended the job).
-for dtype, per, max_rows, trailing, filled in (
-    ("float32", 1, 5, (3,), None),
-    ("int16", 2, 4, (7,), None),
-    # 200 KiB slices: above the allocator's threshold
-    ("float64", 1, 400 if R <= 16 else 200, (64,), None if R <= 16 else 1),
-):
-    n_rows, m_rows, io, ss, oo, rs = random_plan(rng, R, per, max_rows, filled=filled)
+# Small rows: every process holds the global operand, output and reference (they are small).
+for dtype, per, max_rows, trailing in (("float32", 1, 5, (3,)), ("int16", 2, 4, (7,))):
+    n_rows, m_rows, io, ss, oo, rs = random_plan(rng, R, per, max_rows)
     operand = rng.integers(-50, 50, (R, n_rows, *trailing)).astype(dtype)
     output = rng.integers(-50, 50, (R, m_rows, *trailing)).astype(dtype)
     want = np.stack(ragged_reference(operand, output, io, ss, oo, rs))
     plan = [put(a.astype(np.int32)) for a in (io, ss, oo, rs)]
     check(f"forward {dtype}", jax.jit(exchange)(put(operand), put(output), *plan), want)
-    if dtype == "float64":
-        w = rng.integers(-3, 4, output.shape).astype(dtype)
-        wj = put(w)
 
-        def loss(a, b, w, *plan):
-            return jnp.sum(exchange(a, b, *plan) * w)
+# Rows above the allocator's threshold (slices of up to 200 KiB, zero-copy), and their
+# gradients. Each rank's operand, output and weights are drawn from a seed of (array, rank), so
+# a process makes only its own devices' rows and the rows sent to them: the global arrays and
+# references in every process grew with R x R (ragged's share of a process was ~140 MiB at 96
+# processes, and the OOM killer ended the job). Beyond 16 ranks the large slices are one per
+# sender (the others empty), so that a rank's rows stay ~100-600 whatever R.
+DT, TRAIL = np.float64, (64,)
+n_rows, m_rows, io, ss, oo, rs = random_plan(
+    rng, R, 1, 400 if R <= 16 else 200, filled=None if R <= 16 else 1
+)
+mine = [i for i, d in enumerate(devs) if d.process_index == jax.process_index()]
 
-        ga, gb = jax.jit(jax.grad(loss, argnums=(0, 1)))(put(operand), put(output), wj, *plan)
-        want_a, want_b = ragged_grad_reference(operand, w, io, ss, oo, R)
-        check("grad operand", ga, want_a)
-        check("grad output", gb, want_b)
+
+def rows(kind: int, r: int) -> np.ndarray:
+    """Rank r's operand (kind 0), output (1) or output weights (2), the same in every process."""
+    shape = (n_rows if kind == 0 else m_rows, *TRAIL)
+    return np.random.default_rng([1234, kind, r]).integers(-50, 50, shape).astype(DT)
+
+
+def put_rows(kind: int) -> jax.Array:
+    n = n_rows if kind == 0 else m_rows
+    return jax.make_array_from_callback(
+        (R, n, *TRAIL),
+        jax.sharding.NamedSharding(mesh, spec),
+        lambda idx: np.stack([rows(kind, r) for r in range(R)[idx[0]]]),
+    )
+
+
+class local_want:  # noqa: N801
+    """Indexed like the global reference, holding only fn(r) for this process's ranks r (check()
+    reads the addressable shards only)."""
+
+    def __init__(self, fn):
+        self.by_rank = {r: fn(r) for r in mine}
+
+    def __getitem__(self, idx):
+        return np.stack([self.by_rank[r] for r in range(R)[idx[0]]])
+
+
+def forward_ref(d: int) -> np.ndarray:  # receiver d's result (ragged_reference's rule)
+    res = rows(1, d)
+    for j in range(R):
+        size, o, s = int(ss[j, d]), int(oo[j, d]), int(io[j, d])
+        assert int(rs[d, j]) == size, "send_sizes/recv_sizes disagree"
+        if size:
+            res[o : o + size] = rows(0, j)[s : s + size]
+    return res
+
+
+def grad_operand_ref(j: int) -> np.ndarray:  # sender j's rows get the weights where they land
+    g = np.zeros((n_rows, *TRAIL), DT)
+    for d in range(R):
+        s, o, c = int(io[j, d]), int(oo[j, d]), int(ss[j, d])
+        if c:
+            g[s : s + c] = rows(2, d)[o : o + c]
+    return g
+
+
+def grad_output_ref(d: int) -> np.ndarray:  # receiver d keeps its weights where nothing lands
+    g = rows(2, d)
+    for j in range(R):
+        o, c = int(oo[j, d]), int(ss[j, d])
+        g[o : o + c] = 0
+    return g
+
+
+if R <= 8:  # the per-rank references against the global oracle (small enough to hold)
+    g_op, g_out, g_w = (np.stack([rows(k, r) for r in range(R)]) for k in (0, 1, 2))
+    g_da, g_db = ragged_grad_reference(g_op, g_w, io, ss, oo, R)
+    for r, want_r in enumerate(ragged_reference(g_op, g_out, io, ss, oo, rs)):
+        assert np.array_equal(forward_ref(r), want_r), "forward_ref disagrees with the oracle"
+        assert np.array_equal(grad_operand_ref(r), g_da[r]), "grad_operand_ref disagrees"
+        assert np.array_equal(grad_output_ref(r), g_db[r]), "grad_output_ref disagrees"
+
+plan = [put(a.astype(np.int32)) for a in (io, ss, oo, rs)]
+operand_j, output_j, w_j = put_rows(0), put_rows(1), put_rows(2)
+check("forward float64", jax.jit(exchange)(operand_j, output_j, *plan), local_want(forward_ref))
+
+
+def loss(a, b, w, *plan):
+    return jnp.sum(exchange(a, b, *plan) * w)
+
+
+ga, gb = jax.jit(jax.grad(loss, argnums=(0, 1)))(operand_j, output_j, w_j, *plan)
+check("grad operand", ga, local_want(grad_operand_ref))
+check("grad output", gb, local_want(grad_output_ref))
+del ga, gb, operand_j, output_j, w_j
 
 # On 2 ranks: empty slices whose offsets point past the end move nothing.
 if R == 2:
