@@ -45,19 +45,53 @@ LEAVES = [
 ]
 
 
-def fold(x: np.ndarray, op: str) -> np.ndarray:
-    """Rank-order fold over the leading axis (rank 0 first), as strata's kernels do."""
-    acc = x[0].astype(np.float32) if x.dtype == jnp.bfloat16 else x[0].copy()
-    for r in range(1, x.shape[0]):
-        v = x[r].astype(np.float32) if x.dtype == jnp.bfloat16 else x[r]
-        acc = {"psum": np.add, "pmax": np.maximum, "pmin": np.minimum}[op](acc, v)
-    return acc.astype(x.dtype)
+class Leaf:
+    """Leaf ``k`` of the tree: rank r's value drawn from a seed of (k, r), so a process makes its
+    own devices' values and folds the others' one at a time (the global leaves held ~200 MiB a
+    process at 96 ranks; the OOM killer ended the job)."""
+
+    def __init__(self, k: int, shape: tuple, dt):
+        self.k, self.shape, self.dt = k, shape, dt
+        self.nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+        self.folded: dict[str, np.ndarray] = {}
+
+    def of(self, r: int) -> np.ndarray:
+        v = np.random.default_rng([7, self.k, r]).standard_normal(self.shape) * 4
+        return v.astype(np.float32).astype(self.dt) if self.dt != np.int64 else v.astype(self.dt)
 
 
-def put(x: np.ndarray):
-    g = x.reshape((N * x.shape[1], *x.shape[2:])) if x.ndim > 1 else x
+def fold(leaf: Leaf, op: str) -> np.ndarray:
+    """Rank-order fold over the ranks (rank 0 first), as strata's kernels do."""
+    if op not in leaf.folded:
+        bf = leaf.dt == jnp.bfloat16
+        acc = leaf.of(0).astype(np.float32) if bf else leaf.of(0)
+        for r in range(1, N):
+            v = leaf.of(r).astype(np.float32) if bf else leaf.of(r)
+            acc = {"psum": np.add, "pmax": np.maximum, "pmin": np.minimum}[op](acc, v)
+        leaf.folded[op] = acc.astype(leaf.dt)
+    return leaf.folded[op]
+
+
+def put(x):
     sh = NamedSharding(mesh, P("x"))
-    return jax.make_array_from_callback(g.shape, sh, lambda idx: g[idx])
+    if isinstance(x, np.ndarray):  # a global array [N, ...]
+        g = x.reshape((N * x.shape[1], *x.shape[2:])) if x.ndim > 1 else x
+        return jax.make_array_from_callback(g.shape, sh, lambda idx: g[idx])
+    if not x.shape:  # 0-d leaves: one element per rank
+        return jax.make_array_from_callback(
+            (N,), sh, lambda idx: np.stack([x.of(r) for r in range(N)[idx[0]]])
+        )
+    rows = x.shape[0]
+
+    def shard(idx):
+        lo, hi, _ = idx[0].indices(N * rows)
+        if rows == 0:
+            return np.zeros(x.shape, x.dt)
+        return np.concatenate([x.of(r) for r in range(lo // rows, hi // rows)])[
+            (slice(None), *idx[1:])
+        ]
+
+    return jax.make_array_from_callback((N * rows, *x.shape[1:]), sh, shard)
 
 
 def check(name: str, out, want: np.ndarray) -> None:
@@ -73,17 +107,14 @@ def check(name: str, out, want: np.ndarray) -> None:
 
 
 rng = np.random.default_rng(7)
-hosts = []
-for shape, dt in LEAVES:
-    v = rng.standard_normal((N, *shape)) * 4
-    hosts.append(v.astype(np.float32).astype(dt) if dt != np.int64 else v.astype(dt))
+hosts = [Leaf(k, shape, dt) for k, (shape, dt) in enumerate(LEAVES)]
 
 # The whole pytree (general path: a table of its buffers), then its small leaves alone (under
 # 64 KiB in all: the low-latency path, the leaves packed into one slot).
 for small in (False, True):
-    picked = [h for h in hosts if not small or h[0].nbytes < 4096]
+    picked = [h for h in hosts if not small or h.nbytes < 4096]
     tree = [put(h) for h in picked]
-    ranks0 = [h.ndim == 1 for h in picked]
+    ranks0 = [not h.shape for h in picked]
     ll_before = sj.comm_stats()["low_latency_calls"]
     for op in ("psum", "pmax"):
         for threshold in (1 << 40, 0):  # one-shot, then two-shot
@@ -108,7 +139,7 @@ sj.set_two_shot_threshold(1024)
 # The same pytree through jax.lax.psum/pmax under use_for_jax_lax(): JAX binds one all-reduce
 # per leaf; the combiner (lax_hooks.py) makes them one strata call.
 tree = [put(h) for h in hosts]
-ranks0 = [h.ndim == 1 for h in hosts]
+ranks0 = [not h.shape for h in hosts]
 for op in ("psum", "pmax"):
 
     def body(t, op=op):
@@ -138,7 +169,9 @@ f = jax.jit(
 )
 assert "strata_psum_scatter_rows" in f.lower(xs).as_text()
 out = f(xs)
-total = fold(x, "psum")  # [6, 4N, 5]
+total = x[0].copy()  # [6, 4N, 5], folded in rank order
+for r in range(1, N):
+    total = total + x[r]
 for s in out.addressable_shards:
     r = devs.index(s.device)
     got = np.asarray(s.data)
