@@ -133,7 +133,9 @@ for small in (False, True):
             for k, (h, out) in enumerate(zip(picked, outs, strict=True)):
                 check(f"{op} leaf {k} threshold {threshold} small {small}", out, fold(h, op))
     took_ll = sj.comm_stats()["low_latency_calls"] > ll_before
-    assert took_ll == small, (small, took_ll)
+    # The low-latency path serves groups of up to 64 ranks (a 64-bit read mask per slot);
+    # larger groups take the general path.
+    assert took_ll == (small and N <= 64), (small, N, took_ll)
 sj.set_two_shot_threshold(1024)
 
 # The same pytree through jax.lax.psum/pmax under use_for_jax_lax(): JAX binds one all-reduce
