@@ -137,9 +137,25 @@ def program(name: str):
     return f, arr, ref
 
 
+def counters() -> dict:
+    """strata's per-process counters the scaling model is checked against (docs/scaling.md)."""
+    if MODE != "strata":
+        return {}
+    ms, cs = sj.memory_stats(), sj.comm_stats()
+    return {
+        "peer_bytes": ms["zero_copy_bytes"] + ms["peer_bounce_bytes"],
+        "calls": cs["calls"],
+        "one_shot": cs["one_shot_all_reduce"],
+        "two_shot": cs["two_shot_all_reduce"],
+        "low_latency": cs["low_latency_calls"],
+    }
+
+
 results = {}
+per_call = {}
 for name in CALLS:
     f, arr, ref = program(name)
+    k0 = counters()
     c0, w0 = cpu(), time.perf_counter()
     out = f(arr)
     out.block_until_ready()
@@ -152,8 +168,12 @@ for name in CALLS:
     for _ in range(3):
         f(arr).block_until_ready()
     results[name] = "ok"
+    k1 = counters()
+    # 4 calls of this program (the first and 3 more): each counter's change per call
+    per_call[name] = {k: (k1[k] - k0[k]) / 4 for k in k1}
 
 rec = {"mode": MODE, "n": N, "rank": jax.process_index(), "times": t, "calls": results}
+rec["per_call"] = per_call
 rec["memory"] = proc_memory()
 if MODE == "strata":
     rec["memory_stats"] = {

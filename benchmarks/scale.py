@@ -9,7 +9,10 @@ plain``). Each rank reports CPU and wall seconds of ``import``, of start-up (``i
 ``/proc/self/smaps_rollup``/``status`` (Rss, Pss and its parts, page tables), its maps by kind
 (strata's memfds, anonymous memory, files), open files and maps. The table gives medians over
 ranks and strata's Pss over plain JAX's per rank, the figure issue-level goals are stated in; a
-linear fit of start-up CPU seconds in N is printed at the end. On 2 cores the wall time of many
+linear fit of start-up CPU seconds in N and its log-log exponent (<= 1: linear or better) are
+printed at the end, and a table of the bytes each rank read from / wrote to its peers per call
+(``comm_stats``' zero_copy + peer_bounce bytes) against docs/scaling.md's model for the
+algorithm taken. On 2 cores the wall time of many
 processes measures the scheduler (each ``import jax`` costs ~0.4 CPU-s): read the CPU columns.
 
 ``python benchmarks/scale.py --hosts-psum [--rounds 3] [--min-ratio 2.0]``: psum of 16 MiB per
@@ -69,6 +72,36 @@ def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
+def _power(xs: list[float], ys: list[float]) -> float:
+    """Least-squares exponent k of y = c N^k (log-log slope): k <= 1, linear or better."""
+    import math
+
+    pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys, strict=True) if x > 0 and y > 0]
+    return _fit([p[0] for p in pts], [p[1] for p in pts])[1] if len(pts) > 1 else float("nan")
+
+
+CALL_BYTES = {"4k": 4096, "64k": 65536, "1m": 1 << 20, "16m": 16 << 20}
+
+
+def model_peer_bytes(call: str, n: int, algo: str) -> float:
+    """docs/scaling.md's bytes one rank reads from or writes to its peers' buffers in one call of
+    ``call`` (``psum_1m``: B bytes per rank) over n ranks of one fabric, given the algorithm taken:
+    all-reduce one-shot (and low-latency) (n-1) B, two-shot 2 (n-1) B / n; all_gather (n-1) B."""
+    op, size = call.split("_")
+    b = CALL_BYTES[size]
+    if op == "psum":
+        return 2 * (n - 1) * b / n if algo == "two_shot" else (n - 1) * b
+    return (n - 1) * b
+
+
+def _algo(pc: dict) -> str:
+    if pc.get("two_shot", 0) >= 1:
+        return "two_shot"
+    if pc.get("low_latency", 0) >= 1:
+        return "low_latency"
+    return "one_shot" if pc.get("one_shot", 0) >= 1 else "direct"
+
+
 def scale(ns: list[int], calls: str, out: str) -> None:
     first = calls.split(",")[0]
     print(f"load {open('/proc/loadavg').read().strip()}")
@@ -91,6 +124,19 @@ def scale(ns: list[int], calls: str, out: str) -> None:
             "fds": _med(s, "memory", "open_files"),
             "maps": _med(s, "memory", "maps"),
         }
+        row["model"] = {}
+        for c in calls.split(","):
+            pcs = [r["per_call"][c] for r in s if c in r.get("per_call", {})]
+            if not pcs:
+                continue
+            got = st.median(pc["peer_bytes"] for pc in pcs)
+            algo = _algo(pcs[0])
+            row["model"][c] = {
+                "algorithm": algo,
+                "peer_bytes": got,
+                "model": model_peer_bytes(c, n, algo),
+                "calls_per_call": st.median(pc["calls"] for pc in pcs),
+            }
         rows.append(row)
         print(
             f"| {n} | {row['init_cpu']:.3f} | {row['first_cpu']:.3f} | {row['pss']:.1f} | "
@@ -98,10 +144,25 @@ def scale(ns: list[int], calls: str, out: str) -> None:
             f"{row['pte']:.0f} | {row['fds']:.0f} | {row['maps']:.0f} |",
             flush=True,
         )
+    print("\n| N | call | algorithm | peer bytes per rank and call | model | measured / model |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        for c, m in row["model"].items():
+            ratio = m["peer_bytes"] / m["model"] if m["model"] else float("nan")
+            print(
+                f"| {row['n']} | {c} | {m['algorithm']} | {m['peer_bytes']:.0f} | "
+                f"{m['model']:.0f} | {ratio:.3f} |"
+            )
     if len(rows) > 1:
+        ns_ = [r["n"] for r in rows]
         for key in ("init_cpu", "first_cpu"):
-            a, b = _fit([r["n"] for r in rows], [r[key] for r in rows])
-            print(f"fit {key} = {a:.4f} + {b:.6f} * N (CPU seconds per rank)")
+            a, b = _fit(ns_, [r[key] for r in rows])
+            k = _power(ns_, [r[key] for r in rows])
+            verdict = "linear or better" if k <= 1.1 else "FASTER than linear"
+            print(
+                f"fit {key} = {a:.4f} + {b:.6f} * N (CPU seconds per rank); "
+                f"log-log exponent {k:.2f} ({verdict})"
+            )
     with open(os.path.join(out, "scale.json"), "w") as f:
         json.dump(rows, f, indent=1)
 
