@@ -44,6 +44,34 @@ def test_comm_stats_per_operator(rng):
     assert sj.comm_stats()["ops"] == {}
 
 
+def test_peer_bytes_follow_the_algorithm(rng):
+    """intra_fabric_bytes per all-reduce as docs/scaling.md models them, per rank: one-shot reads
+    every peer's whole input, (n-1) B; two-shot reads its 1/n chunk of every peer's input and
+    writes the reduced chunk into every peer's output, 2 (n-1) B / n (it counted (n-1) B too)."""
+    n = len(jax.devices())
+    x = rng.standard_normal((n, 128 * 1024)).astype(np.float32)  # 512 KiB per rank
+    b = x[0].nbytes
+    ps = _f(lambda a: sj.psum(a, "x"), P("x"))
+    xs = jnp.asarray(x)
+    keep = sj.get_two_shot_threshold()
+    try:
+        for threshold, algo, per_rank in ((1 << 40, "one_shot", (n - 1) * b), (0, "two_shot", 0)):
+            per_rank = per_rank or 2 * (n - 1) * b // n
+            sj.set_two_shot_threshold(threshold)
+            jax.block_until_ready(ps(xs))
+            sj.reset_stats()
+            before = sj.memory_stats()["intra_fabric_bytes"]
+            out = np.asarray(ps(xs))
+            moved = sj.memory_stats()["intra_fabric_bytes"] - before
+            np.testing.assert_allclose(
+                out, np.broadcast_to(x.sum(0), x.shape), rtol=1e-5, atol=1e-4
+            )
+            assert sj.comm_stats()["ops"]["psum"]["algorithm"][algo] == n
+            assert moved == n * per_rank, (algo, moved, n * per_rank)
+    finally:
+        sj.set_two_shot_threshold(keep)
+
+
 def test_low_latency_counters_are_listed():
     # The low-latency path's counters (counted across processes only; tests/mp_scripts/
     # check_low_latency.py checks their values): present, whole numbers, never negative.

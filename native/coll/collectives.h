@@ -40,6 +40,15 @@ inline bool all_reduce_two_shot(int n, size_t bytes) {
   return use_two_shot(bytes) && two_shot_for(n, bytes);
 }
 
+// Bytes one rank of an all-reduce of `bytes` per rank over n ranks reads from or writes to its
+// peers' buffers (comm_stats' zero_copy_bytes / peer_bounce_bytes): one-shot reads every peer's
+// whole input, (n - 1) x bytes; two-shot reads its 1/n chunk of every peer's input and writes
+// the reduced chunk into every peer's output, 2 x (n - 1) x bytes / n.
+inline uint64_t all_reduce_peer_bytes(int n, uint64_t bytes, bool two_shot) {
+  const uint64_t peers = n > 1 ? static_cast<uint64_t>(n - 1) : 0;
+  return two_shot ? 2 * peers * bytes / static_cast<uint64_t>(n) : peers * bytes;
+}
+
 // `two_shot` must be the same on every rank: callers take rank 0's published choice.
 std::string all_reduce(Team& t, int32_t dtype, ReduceOp op, size_t count, bool two_shot);
 // Whether a call writes its output of `out_bytes` per rank with non-temporal stores: decided on

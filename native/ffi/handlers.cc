@@ -54,7 +54,7 @@ ffi::Error AllReduceImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer pid, A
         const bool two = two_shot_for(t.size(), x.size_bytes()) && t.peer_desc(0).algo == 1 &&
                          peers_publish_outputs(t);
         (two ? stats().two_shot : stats().one_shot).fetch_add(1, std::memory_order_relaxed);
-        count_peer_bytes(t, x.size_bytes() * (t.size() - 1));
+        count_peer_bytes(t, all_reduce_peer_bytes(t.size(), x.size_bytes(), two));
         return all_reduce(t, dt, op, count, two);
       });
 }
@@ -144,8 +144,8 @@ ffi::Error AllReduceListImpl(ffi::RunId run, ffi::RemainingArgs args, ffi::Remai
         return e;
       },
       [&](Team& t) -> std::string {
-        count_peer_bytes(t, total * (t.size() - 1));
         if (on_ll) {
+          count_peer_bytes(t, total * (t.size() - 1));
           stats().one_shot.fetch_add(1, std::memory_order_relaxed);
           std::vector<const void*> srcs(t.size());
           for (int64_t k = 0; k < n; ++k) {
@@ -160,6 +160,7 @@ ffi::Error AllReduceListImpl(ffi::RunId run, ffi::RemainingArgs args, ffi::Remai
         const bool two = two_shot_for(t.size(), total) && t.peer_desc(0).algo == 1 &&
                          peers_publish_list_outputs(t, meta.data(), n);
         (two ? stats().two_shot : stats().one_shot).fetch_add(1, std::memory_order_relaxed);
+        count_peer_bytes(t, all_reduce_peer_bytes(t.size(), total, two));
         return all_reduce_list(t, op, meta.data(), static_cast<int>(n), two);
       },
       ShmFabric::active() ? &ll : nullptr);
