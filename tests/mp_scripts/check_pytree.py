@@ -18,7 +18,7 @@ import numpy as np
 
 import strata_jax as sj
 
-sj.init()
+info = sj.init()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -94,13 +94,31 @@ def put(x):
     return jax.make_array_from_callback((N * rows, *x.shape[1:]), sh, shard)
 
 
+# Across fabrics (launch --hosts) a psum is reduced inside each fabric, then between them: not
+# in rank order, so float sums are compared to a tolerance there, and the structure of the
+# lowered program (one list call, the low-latency path) is that of one fabric only.
+ONE_FABRIC = info.get("num_fabrics", 1) == 1
+
+
+def same(got: np.ndarray, exp: np.ndarray) -> bool:
+    if got.dtype != exp.dtype:
+        return False
+    fp = got.dtype == jnp.bfloat16 or np.issubdtype(got.dtype, np.inexact)
+    if ONE_FABRIC or not fp:
+        return got.tobytes() == exp.tobytes()
+    g, e = got.astype(np.float64), exp.astype(np.float64)
+    tol = 2e-2 if got.dtype == jnp.bfloat16 else 1e-4
+    return np.allclose(g, e, rtol=tol, atol=tol * max(1.0, float(np.abs(e).max(initial=0))))
+
+
 def check(name: str, out, want: np.ndarray) -> None:
-    """Every local shard of ``out`` (one device's result) equals ``want`` bitwise."""
+    """Every local shard of ``out`` (one device's result) equals ``want`` bitwise (within a
+    tolerance for float sums across fabrics)."""
     global checks
     for s in out.addressable_shards:
         got = np.asarray(s.data)
         exp = np.ascontiguousarray(want).reshape(got.shape) if got.size == want.size else None
-        if exp is None or got.dtype != want.dtype or got.tobytes() != exp.tobytes():
+        if exp is None or not same(got, exp):
             print(f"MISMATCH {name} on device {s.device.id}: got {got.ravel()[:4]}", flush=True)
             sys.exit(3)
         checks += 1
@@ -126,7 +144,7 @@ for small in (False, True):
                 return [v.reshape((1,)) if r0 else v for v, r0 in zip(out, ranks0, strict=True)]
 
             f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-            if op == "psum" and threshold:
+            if op == "psum" and threshold and ONE_FABRIC:
                 text = f.lower(tree).as_text()
                 assert text.count("stablehlo.custom_call @strata_all_reduce_list") == 1, text
             outs = f(tree)
@@ -135,7 +153,7 @@ for small in (False, True):
     took_ll = sj.comm_stats()["low_latency_calls"] > ll_before
     # The low-latency path serves groups of up to 64 ranks (a 64-bit read mask per slot);
     # larger groups take the general path.
-    assert took_ll == (small and N <= 64), (small, N, took_ll)
+    assert not ONE_FABRIC or took_ll == (small and N <= 64), (small, N, took_ll)
 sj.set_two_shot_threshold(1024)
 
 # The same pytree through jax.lax.psum/pmax under use_for_jax_lax(): JAX binds one all-reduce
@@ -152,8 +170,8 @@ for op in ("psum", "pmax"):
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
     with sj.use_for_jax_lax():
         text = f.lower(tree).as_text()
-        assert text.count("stablehlo.custom_call @strata_") == 1, text
-        assert "@strata_all_reduce_list" in text, text
+        assert not ONE_FABRIC or text.count("stablehlo.custom_call @strata_") == 1, text
+        assert "@strata_all_reduce_list" in text or not ONE_FABRIC, text
         outs = f(tree)
     for k, (h, out) in enumerate(zip(hosts, outs, strict=True)):
         check(f"jax.lax.{op} leaf {k} combined", out, fold(h, op))
@@ -169,7 +187,7 @@ f = jax.jit(
         out_specs=P("x"),
     )
 )
-assert "strata_psum_scatter_rows" in f.lower(xs).as_text()
+assert "strata_psum_scatter_rows" in f.lower(xs).as_text() or not ONE_FABRIC
 out = f(xs)
 total = x[0].copy()  # [6, 4N, 5], folded in rank order
 for r in range(1, N):
@@ -177,7 +195,7 @@ for r in range(1, N):
 for s in out.addressable_shards:
     r = devs.index(s.device)
     got = np.asarray(s.data)
-    if got.tobytes() != np.ascontiguousarray(total[:, 4 * r : 4 * r + 4]).tobytes():
+    if not same(got, np.ascontiguousarray(total[:, 4 * r : 4 * r + 4])):
         print(f"MISMATCH psum_scatter dim 1 on rank {r}")
         sys.exit(3)
     checks += 1
