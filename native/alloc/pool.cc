@@ -29,15 +29,6 @@
 
 namespace strata::alloc {
 
-[[noreturn]] void Fatal(const char* msg) {
-  const char prefix[] = "strata_alloc: fatal: ";
-  ssize_t r = write(2, prefix, sizeof(prefix) - 1);
-  r = write(2, msg, strlen(msg));
-  r = write(2, "\n", 1);
-  (void)r;
-  abort();
-}
-
 namespace {
 
 struct Segment;
@@ -112,13 +103,6 @@ bool g_reserve_started;
 bool g_reserve_stopped;  // a refill failed: no more until the next strata_alloc_set_reserve
 uint64_t g_reserve_made, g_reserve_populated, g_reserve_failures, g_on_demand;
 std::atomic<bool> g_atfork_registered{false};
-
-// Striped counter of allocations passed to libc: a shared atomic would bounce a cache line between
-// every allocating thread. Threads are spread by their stack address.
-struct alignas(64) Stripe {
-  std::atomic<uint64_t> n;
-};
-Stripe g_libc_allocs[16];
 
 struct Lock {
   Lock() { pthread_mutex_lock(&g_mu); }
@@ -743,18 +727,6 @@ bool PoolResizeInPlace(void* p, size_t n) {
     }
   }
   return true;
-}
-
-void CountLibcAlloc() {
-  int probe;
-  size_t i = (reinterpret_cast<uintptr_t>(&probe) >> 14) & 15;
-  g_libc_allocs[i].n.fetch_add(1, std::memory_order_relaxed);
-}
-
-uint64_t LibcAllocCount() {
-  uint64_t total = 0;
-  for (auto& s : g_libc_allocs) total += s.n.load(std::memory_order_relaxed);
-  return total;
 }
 
 }  // namespace strata::alloc
