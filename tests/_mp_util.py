@@ -127,6 +127,18 @@ def launch(
     return r, time.monotonic() - t
 
 
+def run_job(
+    cmd: list[str], *, timeout: float, **env: str
+) -> tuple[subprocess.CompletedProcess, str]:
+    """Runs a command line (launch_cmd, mpirun_cmd, a script) to its end in the tests'
+    environment plus `env` (job_env), from the package's parent folder; returns (the
+    CompletedProcess, its stdout and stderr together)."""
+    r = subprocess.run(
+        cmd, env=job_env(**env), cwd=PKG_PARENT, capture_output=True, text=True, timeout=timeout
+    )
+    return r, r.stdout + r.stderr
+
+
 def run_benchmark(
     name: str, out: Path, *args: str, nproc: int = 2, hosts: int = 1, timeout: float = 300
 ) -> str:
