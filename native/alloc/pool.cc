@@ -191,27 +191,28 @@ void Unlink(Block* b) {
   if (b->next) b->next->prev = b->prev;
 }
 
+// Free block a takes in its free next neighbour n (neither binned). The merged block is
+// resident if either part is (over-counting a clean part's bytes).
+void Absorb(Block* a, Block* n) {
+  if (a->resident != n->resident) g_free_resident += a->resident ? n->size : a->size;
+  a->resident = a->resident || n->resident;
+  a->size += n->size;
+  Unlink(n);
+  g_blocks.Put(n);
+}
+
 // Frees b (already marked free, not binned): merges free neighbours, bins the result.
 Block* Coalesce(Block* b) {
   if (b->prev && b->prev->free) {
     Block* p = b->prev;
     BinPop(p);
-    // The merged block is resident if either part is (over-counting a clean part's bytes).
-    if (p->resident != b->resident) g_free_resident += p->resident ? b->size : p->size;
-    p->resident = p->resident || b->resident;
-    p->size += b->size;
-    Unlink(b);
-    g_blocks.Put(b);
+    Absorb(p, b);
     b = p;
   }
   if (b->next && b->next->free) {
     Block* n = b->next;
     BinPop(n);
-    if (n->resident != b->resident) g_free_resident += b->resident ? n->size : b->size;
-    b->resident = b->resident || n->resident;
-    b->size += n->size;
-    Unlink(n);
-    g_blocks.Put(n);
+    Absorb(b, n);
   }
   BinPush(b);
   return b;
