@@ -224,6 +224,18 @@ def strata_run_dirs() -> set[str]:
     return found
 
 
+def assert_low_latency_checks(out: str, nproc: int) -> None:
+    """tests/mp_scripts/check_low_latency.py passed every check in each of its `nproc` processes
+    (its lines in the job's output `out`)."""
+    for line in (
+        "OK ll mismatch both low-latency",
+        "OK ll mismatch across paths",
+        "OK ll mismatch slot and general path",
+        "checks rank",
+    ):
+        assert out.count(line) == nproc, out[-3000:]
+
+
 def results(text: str, tag: str = "RESULT ") -> list:
     """Every JSON object printed after ``tag`` in ``text`` (the ranks of an mpirun job share one
     pipe, so a line of one rank may follow another's without a newline)."""
