@@ -568,6 +568,17 @@ void* BackgroundMain(void*) {
 
 bool OnBackgroundThread() { return g_bg_started && pthread_equal(pthread_self(), g_bg_thread); }
 
+// Runs fn on a new detached thread (never joined); pthread_create's error, or 0.
+int StartDetached(void* (*fn)(void*)) {
+  pthread_t t;
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+  const int rc = pthread_create(&t, &attr, fn, nullptr);
+  pthread_attr_destroy(&attr);
+  return rc;
+}
+
 void EnsureBackgroundThread() {
   {
     Lock lock;
@@ -575,13 +586,7 @@ void EnsureBackgroundThread() {
     g_bg_started = true;  // before the thread exists: releases from now on are deferred to it
     g_bg_busy = true;
   }
-  pthread_t t;
-  pthread_attr_t attr;
-  pthread_attr_init(&attr);
-  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-  int rc = pthread_create(&t, &attr, BackgroundMain, nullptr);
-  pthread_attr_destroy(&attr);
-  if (rc != 0) Fatal("cannot start the registration thread");
+  if (StartDetached(BackgroundMain) != 0) Fatal("cannot start the registration thread");
 }
 
 void SetCallback(bool is_new, strata_seg_callback cb, void* user) {
@@ -781,18 +786,10 @@ STRATA_ALLOC_API size_t strata_alloc_set_reserve(size_t bytes) {
     if (bytes && !g_reserve_started) start = g_reserve_started = true;
     pthread_cond_signal(&g_reserve_cv);
   }
-  if (start) {  // outside the lock: pthread_create may allocate
-    pthread_t t;
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    int rc = pthread_create(&t, &attr, ReserveMain, nullptr);
-    pthread_attr_destroy(&attr);
-    if (rc != 0) {
-      Lock lock;
-      g_reserve_started = false;
-      return 0;
-    }
+  if (start && StartDetached(ReserveMain) != 0) {  // outside the lock: pthread_create may allocate
+    Lock lock;
+    g_reserve_started = false;
+    return 0;
   }
   return bytes;
 }
