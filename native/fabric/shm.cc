@@ -1,5 +1,6 @@
-// Rendezvous in the control segment, the ShmTeam and the bounce buffers of the shared-memory
-// fabric (see shm.h). Sockets and registration are in shm_link.cc.
+// Rendezvous in the control segment, the ShmTeam, and the buffers of a call (its own ones that
+// peers read directly, share_direct; the bounce buffers) of the shared-memory fabric (see
+// shm.h). Sockets and registration are in shm_link.cc.
 #include "fabric/shm.h"
 
 #include <errno.h>
