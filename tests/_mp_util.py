@@ -127,6 +127,18 @@ def launch(
     return r, time.monotonic() - t
 
 
+def run_job(
+    cmd: list[str], *, timeout: float, **env: str
+) -> tuple[subprocess.CompletedProcess, str]:
+    """Runs a command line (launch_cmd, mpirun_cmd, a script) to its end in the tests'
+    environment plus `env` (job_env), from the package's parent folder; returns (the
+    CompletedProcess, its stdout and stderr together)."""
+    r = subprocess.run(
+        cmd, env=job_env(**env), cwd=PKG_PARENT, capture_output=True, text=True, timeout=timeout
+    )
+    return r, r.stdout + r.stderr
+
+
 def run_benchmark(
     name: str, out: Path, *args: str, nproc: int = 2, hosts: int = 1, timeout: float = 300
 ) -> str:
@@ -210,6 +222,18 @@ def strata_run_dirs() -> set[str]:
         except OSError:
             pass
     return found
+
+
+def assert_low_latency_checks(out: str, nproc: int) -> None:
+    """tests/mp_scripts/check_low_latency.py passed every check in each of its `nproc` processes
+    (its lines in the job's output `out`)."""
+    for line in (
+        "OK ll mismatch both low-latency",
+        "OK ll mismatch across paths",
+        "OK ll mismatch slot and general path",
+        "checks rank",
+    ):
+        assert out.count(line) == nproc, out[-3000:]
 
 
 def results(text: str, tag: str = "RESULT ") -> list:

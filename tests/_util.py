@@ -1,12 +1,18 @@
-"""Shared helpers: meshes, random inputs of any dtype, running a body under shard_map."""
+"""Shared helpers: meshes, random inputs of any dtype, running a body under shard_map, building
+a test program of tests/native/ with the fabric's sources."""
 
 from __future__ import annotations
 
+import glob
 import itertools
 import math
+import os
 import re
+import shutil
+import subprocess
 
 import jax
+import jax.ffi
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -225,3 +231,21 @@ def ppermute_reference(x, axes, perm, sizes=(("a", 2), ("b", 4))):
             want.update(zip(axes, np.unravel_index(src % n, [dims[a] for a in axes]), strict=True))
             out[d] = x[coords.index(tuple(want[a] for a in dims))]
     return out
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def build_native_test(source: str, exe: str, *flags: str) -> subprocess.CompletedProcess:
+    """Compiles tests/native/`source` with native/'s common, coll, fabric and sync sources
+    (C++17, -O1, `flags`) into `exe`; returns the compiler's run. Skips the test where there is
+    no C++ compiler (g++ or c++)."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    srcs = [os.path.join(ROOT, "tests", "native", source)]
+    for d in ("common", "coll", "fabric", "sync"):
+        srcs += sorted(glob.glob(os.path.join(ROOT, "native", d, "*.cc")))
+    cmd = [cxx, "-std=c++17", "-O1", *flags, "-I", os.path.join(ROOT, "native")]
+    cmd += ["-isystem", jax.ffi.include_dir(), *srcs, "-o", exe, "-lpthread"]
+    return subprocess.run(cmd, capture_output=True, text=True)

@@ -18,7 +18,6 @@ import glob
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -112,11 +111,7 @@ _ENGINE_OPS = {  # compiled HLO collective -> the engine operator that runs it
 def _run_cases(out: Path, seed: int, nproc: int, engine: str | None) -> dict:
     """Runs check_engine.py; returns {case: (where, compiled ops, engine calls)} of rank 0."""
     args = mp.launch_cmd(nproc, "check_engine.py", str(out), str(seed))
-    env = mp.job_env(**({"STRATA_ENGINE": engine} if engine else {}))
-    r = subprocess.run(
-        args, env=env, cwd=mp.PKG_PARENT, capture_output=True, text=True, timeout=240
-    )
-    text = r.stdout + r.stderr
+    r, text = mp.run_job(args, timeout=240, **({"STRATA_ENGINE": engine} if engine else {}))
     assert r.returncode == 0 and text.count("OK all") == nproc, text[-4000:]
     cases: dict = {}
     for line in r.stdout.splitlines():
@@ -179,13 +174,8 @@ def test_unmodified_programs_4_processes(tmp_path):
     _check_where(strata, "strata engine")
     _check_where(gloo, "XLA gloo")
     script = mp.SCRIPTS / "check_engine.py"
-    r = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), str(seed), "--devices", "4"],
-        env=mp.job_env(),
-        cwd=mp.PKG_PARENT,
-        capture_output=True,
-        text=True,
-        timeout=240,
+    r, _ = mp.run_job(
+        [sys.executable, str(script), str(tmp_path), str(seed), "--devices", "4"], timeout=240
     )
     assert r.returncode == 0 and "OK all" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
     s, g, i = _load(tmp_path, "strata"), _load(tmp_path, "gloo"), _load(tmp_path, "inproc")
@@ -226,15 +216,7 @@ def test_wrap_runs_an_unmodified_script():
     jax.distributed.initialize() itself) trains on strata's engine and exits 0."""
     cmd = mp.launch_cmd(2, "unmodified_gspmd.py")
     cmd.insert(cmd.index("--grace"), "--wrap")
-    r = subprocess.run(
-        cmd,
-        env=mp.job_env(STRATA_DEBUG="INFO"),
-        cwd=mp.PKG_PARENT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    out = r.stdout + r.stderr
+    r, out = mp.run_job(cmd, timeout=120, STRATA_DEBUG="INFO")
     assert r.returncode == 0, out[-3000:]
     losses = {rank: [ln for ln in r.stdout.splitlines() if ln.startswith(f"[rank {rank}] loss")]
               for rank in (0, 1)}  # fmt: skip
@@ -267,10 +249,7 @@ def test_several_hosts_fall_back_to_gloo_and_say_what_to_install(netns):
     cmd = mp.launch_cmd(2, "engine_choice.py")
     at = cmd.index("--grace")
     cmd[at:at] = ["--hosts", "2", "--engine", "strata", *(["--netns"] if netns else [])]
-    r = subprocess.run(
-        cmd, cwd=mp.PKG_PARENT, capture_output=True, text=True, timeout=180, env=mp.job_env()
-    )
-    out = r.stdout + r.stderr
+    r, out = mp.run_job(cmd, timeout=180)
     assert r.returncode == 0, out[-3000:]
     assert "ENGINE gloo" in out and "TOTAL 1.0" in out, out[-3000:]
     why = next(line for line in r.stdout.splitlines() if "WHY" in line)
@@ -282,15 +261,7 @@ def test_several_hosts_fall_back_to_gloo_and_say_what_to_install(netns):
 @pytest.mark.skipif(mp.shutil.which("mpirun") is None, reason="Open MPI's mpirun not installed")
 def test_under_mpirun_the_engine_is_strata_and_wrap_runs_an_unmodified_script():
     cmd = mp.mpirun_cmd(2, sys.executable, "-m", "strata_jax.wrap")
-    r = subprocess.run(
-        [*cmd, str(mp.SCRIPTS / "engine_choice.py")],
-        env=mp.job_env(),
-        cwd=mp.PKG_PARENT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    out = r.stdout + r.stderr
+    r, out = mp.run_job([*cmd, str(mp.SCRIPTS / "engine_choice.py")], timeout=180)
     assert r.returncode == 0, out[-3000:]
     assert "ENGINE strata" in out and "on strata engine" in out and "TOTAL 1.0" in out, out[-3000:]
 
@@ -325,8 +296,6 @@ def test_delegate_mode_runs_xla_over_a_real_mpi_with_the_thread_rule_lifted():
     cmd = mp.launch_cmd(2, "engine_choice.py")
     cmd.insert(cmd.index("--grace"), "--engine")
     cmd.insert(cmd.index("--grace"), "mpi")
-    env = mp.job_env(MPITRAMPOLINE_LIB=_library(), STRATA_MPI_DELEGATE=real)
-    r = subprocess.run(cmd, env=env, cwd=mp.PKG_PARENT, capture_output=True, text=True, timeout=180)
-    out = r.stdout + r.stderr
+    r, out = mp.run_job(cmd, timeout=180, MPITRAMPOLINE_LIB=_library(), STRATA_MPI_DELEGATE=real)
     assert r.returncode == 0, out[-3000:]
     assert "ENGINE mpi" in out and "on XLA MPI" in out and "TOTAL 1.0" in out, out[-3000:]

@@ -6,30 +6,16 @@ control block. Behind ``-m slow``: building the fabric takes 10-20 s of CPU."""
 
 from __future__ import annotations
 
-import glob
-import os
-import shutil
 import subprocess
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _util import build_native_test
 
 
 @pytest.fixture(scope="module")
 def many_ranks_exe(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    import jax.ffi
-
-    srcs = [os.path.join(ROOT, "tests", "native", "shm_many_ranks.cc")]
-    for d in ("common", "coll", "fabric", "sync"):
-        srcs += sorted(glob.glob(os.path.join(ROOT, "native", d, "*.cc")))
     exe = str(tmp_path_factory.mktemp("many") / "shm_many_ranks")
-    cmd = [cxx, "-std=c++17", "-O1", "-I", os.path.join(ROOT, "native")]
-    cmd += ["-isystem", jax.ffi.include_dir(), *srcs, "-o", exe, "-lpthread", "-rdynamic"]
-    build = subprocess.run(cmd, capture_output=True, text=True)
+    build = build_native_test("shm_many_ranks.cc", exe, "-rdynamic")
     assert build.returncode == 0, build.stderr[-3000:]
     return exe
 

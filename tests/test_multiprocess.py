@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _mp_util import job_env, shm_left_behind, shm_names
+from _mp_util import assert_low_latency_checks, job_env, shm_left_behind, shm_names
 
 import strata_jax
 
@@ -286,11 +286,7 @@ def test_low_latency_two_processes_two_devices_each(job_2x2):
     """The low-latency path for small messages (tests/test_low_latency.py says what
     check_low_latency.py checks): local and remote peers in one group, a process's own ranks
     meet in the slots too."""
-    out = _part(job_2x2, "check_low_latency.py")
-    assert out.count("OK ll mismatch both low-latency") == 2, out[-3000:]
-    assert out.count("OK ll mismatch across paths") == 2, out[-3000:]
-    assert out.count("OK ll mismatch slot and general path") == 2, out[-3000:]
-    assert out.count("checks rank") == 2, out[-3000:]
+    assert_low_latency_checks(_part(job_2x2, "check_low_latency.py"), 2)
 
 
 def test_low_latency_staged_form(job_2x2):

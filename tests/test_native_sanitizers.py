@@ -6,49 +6,19 @@ native/ (docs/contributing.md, Sanitizers)."""
 
 from __future__ import annotations
 
-import glob
 import os
-import shutil
 import subprocess
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _ffi_include() -> str:
-    import jax.ffi
-
-    return jax.ffi.include_dir()
+from _util import build_native_test
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sanitizer", ["address,undefined", "thread"])
 def test_stress_under_sanitizer(tmp_path, sanitizer):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    srcs = [os.path.join(ROOT, "tests", "native", "stress_inproc.cc")]
-    for d in ("common", "coll", "fabric", "sync"):
-        srcs += sorted(glob.glob(os.path.join(ROOT, "native", d, "*.cc")))
     exe = str(tmp_path / "stress")
-    cmd = [
-        cxx,
-        "-std=c++17",
-        "-O1",
-        "-g",
-        f"-fsanitize={sanitizer}",
-        "-fno-omit-frame-pointer",
-        "-I",
-        os.path.join(ROOT, "native"),
-        "-isystem",
-        _ffi_include(),
-        *srcs,
-        "-o",
-        exe,
-        "-lpthread",
-    ]
-    build = subprocess.run(cmd, capture_output=True, text=True)
+    flags = ("-g", f"-fsanitize={sanitizer}", "-fno-omit-frame-pointer")
+    build = build_native_test("stress_inproc.cc", exe, *flags)
     if build.returncode != 0 and "cannot find" in build.stderr and "san" in build.stderr:
         pytest.skip(f"sanitizer runtime not installed: {build.stderr[-200:]}")
     assert build.returncode == 0, build.stderr[-3000:]

@@ -18,6 +18,37 @@
 extern char** environ;
 
 namespace strata::alloc {
+
+[[noreturn]] void Fatal(const char* msg) {
+  const char prefix[] = "strata_alloc: fatal: ";
+  ssize_t r = write(2, prefix, sizeof(prefix) - 1);
+  r = write(2, msg, strlen(msg));
+  r = write(2, "\n", 1);
+  (void)r;
+  abort();
+}
+
+// Allocations passed to libc, counted in stripes: a shared atomic would bounce a cache line
+// between every allocating thread. Threads are spread by their stack address.
+namespace {
+struct alignas(64) Stripe {
+  std::atomic<uint64_t> n;
+};
+Stripe g_libc_allocs[16];
+}  // namespace
+
+void CountLibcAlloc() {
+  int probe;
+  size_t i = (reinterpret_cast<uintptr_t>(&probe) >> 14) & 15;
+  g_libc_allocs[i].n.fetch_add(1, std::memory_order_relaxed);
+}
+
+uint64_t LibcAllocCount() {
+  uint64_t total = 0;
+  for (auto& s : g_libc_allocs) total += s.n.load(std::memory_order_relaxed);
+  return total;
+}
+
 namespace {
 
 struct RealFns {

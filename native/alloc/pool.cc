@@ -29,15 +29,6 @@
 
 namespace strata::alloc {
 
-[[noreturn]] void Fatal(const char* msg) {
-  const char prefix[] = "strata_alloc: fatal: ";
-  ssize_t r = write(2, prefix, sizeof(prefix) - 1);
-  r = write(2, msg, strlen(msg));
-  r = write(2, "\n", 1);
-  (void)r;
-  abort();
-}
-
 namespace {
 
 struct Segment;
@@ -112,13 +103,6 @@ bool g_reserve_started;
 bool g_reserve_stopped;  // a refill failed: no more until the next strata_alloc_set_reserve
 uint64_t g_reserve_made, g_reserve_populated, g_reserve_failures, g_on_demand;
 std::atomic<bool> g_atfork_registered{false};
-
-// Striped counter of allocations passed to libc: a shared atomic would bounce a cache line between
-// every allocating thread. Threads are spread by their stack address.
-struct alignas(64) Stripe {
-  std::atomic<uint64_t> n;
-};
-Stripe g_libc_allocs[16];
 
 struct Lock {
   Lock() { pthread_mutex_lock(&g_mu); }
@@ -207,27 +191,28 @@ void Unlink(Block* b) {
   if (b->next) b->next->prev = b->prev;
 }
 
+// Free block a takes in its free next neighbour n (neither binned). The merged block is
+// resident if either part is (over-counting a clean part's bytes).
+void Absorb(Block* a, Block* n) {
+  if (a->resident != n->resident) g_free_resident += a->resident ? n->size : a->size;
+  a->resident = a->resident || n->resident;
+  a->size += n->size;
+  Unlink(n);
+  g_blocks.Put(n);
+}
+
 // Frees b (already marked free, not binned): merges free neighbours, bins the result.
 Block* Coalesce(Block* b) {
   if (b->prev && b->prev->free) {
     Block* p = b->prev;
     BinPop(p);
-    // The merged block is resident if either part is (over-counting a clean part's bytes).
-    if (p->resident != b->resident) g_free_resident += p->resident ? b->size : p->size;
-    p->resident = p->resident || b->resident;
-    p->size += b->size;
-    Unlink(b);
-    g_blocks.Put(b);
+    Absorb(p, b);
     b = p;
   }
   if (b->next && b->next->free) {
     Block* n = b->next;
     BinPop(n);
-    if (n->resident != b->resident) g_free_resident += b->resident ? n->size : b->size;
-    b->resident = b->resident || n->resident;
-    b->size += n->size;
-    Unlink(n);
-    g_blocks.Put(n);
+    Absorb(b, n);
   }
   BinPush(b);
   return b;
@@ -583,6 +568,17 @@ void* BackgroundMain(void*) {
 
 bool OnBackgroundThread() { return g_bg_started && pthread_equal(pthread_self(), g_bg_thread); }
 
+// Runs fn on a new detached thread (never joined); pthread_create's error, or 0.
+int StartDetached(void* (*fn)(void*)) {
+  pthread_t t;
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+  const int rc = pthread_create(&t, &attr, fn, nullptr);
+  pthread_attr_destroy(&attr);
+  return rc;
+}
+
 void EnsureBackgroundThread() {
   {
     Lock lock;
@@ -590,13 +586,7 @@ void EnsureBackgroundThread() {
     g_bg_started = true;  // before the thread exists: releases from now on are deferred to it
     g_bg_busy = true;
   }
-  pthread_t t;
-  pthread_attr_t attr;
-  pthread_attr_init(&attr);
-  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-  int rc = pthread_create(&t, &attr, BackgroundMain, nullptr);
-  pthread_attr_destroy(&attr);
-  if (rc != 0) Fatal("cannot start the registration thread");
+  if (StartDetached(BackgroundMain) != 0) Fatal("cannot start the registration thread");
 }
 
 void SetCallback(bool is_new, strata_seg_callback cb, void* user) {
@@ -745,18 +735,6 @@ bool PoolResizeInPlace(void* p, size_t n) {
   return true;
 }
 
-void CountLibcAlloc() {
-  int probe;
-  size_t i = (reinterpret_cast<uintptr_t>(&probe) >> 14) & 15;
-  g_libc_allocs[i].n.fetch_add(1, std::memory_order_relaxed);
-}
-
-uint64_t LibcAllocCount() {
-  uint64_t total = 0;
-  for (auto& s : g_libc_allocs) total += s.n.load(std::memory_order_relaxed);
-  return total;
-}
-
 }  // namespace strata::alloc
 
 // ---- the C API ----
@@ -808,18 +786,10 @@ STRATA_ALLOC_API size_t strata_alloc_set_reserve(size_t bytes) {
     if (bytes && !g_reserve_started) start = g_reserve_started = true;
     pthread_cond_signal(&g_reserve_cv);
   }
-  if (start) {  // outside the lock: pthread_create may allocate
-    pthread_t t;
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    int rc = pthread_create(&t, &attr, ReserveMain, nullptr);
-    pthread_attr_destroy(&attr);
-    if (rc != 0) {
-      Lock lock;
-      g_reserve_started = false;
-      return 0;
-    }
+  if (start && StartDetached(ReserveMain) != 0) {  // outside the lock: pthread_create may allocate
+    Lock lock;
+    g_reserve_started = false;
+    return 0;
   }
   return bytes;
 }

@@ -1,5 +1,6 @@
-// Rendezvous in the control segment, the ShmTeam and the bounce buffers of the shared-memory
-// fabric (see shm.h). Sockets and registration are in shm_link.cc.
+// Rendezvous in the control segment, the ShmTeam, and the buffers of a call (its own ones that
+// peers read directly, share_direct; the bounce buffers) of the shared-memory fabric (see
+// shm.h). Sockets and registration are in shm_link.cc.
 #include "fabric/shm.h"
 
 #include <errno.h>
@@ -153,7 +154,20 @@ void ShmFabric::leave(ShmSlot* slot) {
   }
 }
 
-// ---- bounce buffers ----
+// ---- direct buffers and bounce buffers ----
+
+std::string ShmFabric::share_direct(const void* in, uint64_t in_bytes, const void* out,
+                                    uint64_t out_bytes, DirectBuffers* d) {
+  const auto& api = alloc();
+  const bool staging = mode_ == RegMode::kStaging;
+  d->in_ok = in_bytes == 0 || (!staging && api.lookup && api.lookup(in, in_bytes, &d->in));
+  d->out_ok = out_bytes == 0 || (!staging && api.lookup && api.lookup(out, out_bytes, &d->out));
+  std::string err;
+  if (d->in_ok && in_bytes) err = export_segment(d->in.segment_id, d->in.fd, d->in.size, true);
+  if (err.empty() && d->out_ok && out_bytes && !(in_bytes && d->in.segment_id == d->out.segment_id))
+    err = export_segment(d->out.segment_id, d->out.fd, d->out.size, true);
+  return err;
+}
 
 Bounce* ShmFabric::acquire_bounce(size_t bytes, bool critical, std::string* err) {
   std::lock_guard<std::mutex> lock(bounce_mu_);
@@ -398,22 +412,12 @@ std::string ShmTeam::check_peers(const OpDesc& desc) const {
 
 std::string ShmTeam::arrive(const OpDesc& desc, const void* in, void* out) {
   const auto deadline = Clock::now() + std::chrono::milliseconds(settings().timeout_ms.load());
-  const auto& api = ShmFabric::alloc();
-  const bool staging = f_->mode() == RegMode::kStaging;
-  // Which of my buffers peers can reach directly: inside an allocator segment, which then must
-  // be exported (done already by the allocator thread in on_alloc mode; now in on_use mode).
-  strata_seg_info in_seg{}, out_seg{};
-  bool in_ok =
-      desc.in_bytes == 0 || (!staging && api.lookup && api.lookup(in, desc.in_bytes, &in_seg));
-  bool out_ok =
-      desc.out_bytes == 0 || (!staging && api.lookup && api.lookup(out, desc.out_bytes, &out_seg));
-  std::string err;
-  if (in_ok && desc.in_bytes)
-    err = f_->export_segment(in_seg.segment_id, in_seg.fd, in_seg.size, true);
-  if (err.empty() && out_ok && desc.out_bytes &&
-      !(desc.in_bytes && in_seg.segment_id == out_seg.segment_id))
-    err = f_->export_segment(out_seg.segment_id, out_seg.fd, out_seg.size, true);
+  // Which of my buffers peers can reach directly (exported if need be).
+  ShmFabric::DirectBuffers direct;
+  std::string err = f_->share_direct(in, desc.in_bytes, out, desc.out_bytes, &direct);
   if (!err.empty()) return fail(std::string("strata_jax ") + op_name_ + ": " + err);
+  const bool in_ok = direct.in_ok, out_ok = direct.out_ok;
+  const strata_seg_info &in_seg = direct.in, &out_seg = direct.out;
 
   publish_desc(desc);
   ShmPeer& me = slot_->peer(rank_);

@@ -312,6 +312,17 @@ class ShmFabric {
   // The low-latency path's region (shm_ll.h), mapped right after the control block.
   char* ll_region() const;
 
+  // Where a call's input and output stand for the peers: `in_ok`/`out_ok`, inside an allocator
+  // segment (`in`/`out`), which is exported now if it was not yet (on_use mode; in on_alloc mode
+  // the allocator's thread did it); not ok: staging mode, or memory the allocator does not
+  // hold, which the caller stages. An empty buffer counts as ok. Returns the error, or empty.
+  struct DirectBuffers {
+    strata_seg_info in{}, out{};
+    bool in_ok = false, out_ok = false;
+  };
+  std::string share_direct(const void* in, uint64_t in_bytes, const void* out, uint64_t out_bytes,
+                           DirectBuffers* d);
+
   Bounce* acquire_bounce(size_t bytes, bool critical, std::string* err);
   void release_bounce(Bounce* b);
 

@@ -144,6 +144,22 @@ void on_free_segment(const strata_seg_info* info, void* user) {
   static_cast<ShmFabric*>(user)->unexport_segment(info->segment_id);
 }
 
+// Fills a new control block (zeroed memory) of `nprocs` processes: its robust, process-shared
+// mutex and its sizes, then the magic that marks it ready. Before its fd leaves this process
+// (sendmsg orders the stores).
+void init_control(ShmControl* ctl, int nprocs, int max_ranks) {
+  pthread_mutexattr_t at;
+  pthread_mutexattr_init(&at);
+  pthread_mutexattr_setpshared(&at, PTHREAD_PROCESS_SHARED);
+  pthread_mutexattr_setrobust(&at, PTHREAD_MUTEX_ROBUST);
+  pthread_mutex_init(&ctl->mu, &at);
+  pthread_mutexattr_destroy(&at);
+  ctl->nprocs = static_cast<uint32_t>(nprocs);
+  ctl->max_ranks = static_cast<uint32_t>(max_ranks);
+  ctl->slot_bytes = ShmControl::slot_bytes_for(max_ranks);
+  ctl->magic = kShmMagic;
+}
+
 }  // namespace
 
 const ShmFabric::AllocApi& ShmFabric::alloc() {
@@ -281,16 +297,7 @@ std::string ShmFabric::connect(int proc, int nprocs, const std::vector<std::stri
   if (base == MAP_FAILED) return errno_str("mmap control segment");
   ctl_ = static_cast<ShmControl*>(base);
   if (proc == 0) {
-    pthread_mutexattr_t at;
-    pthread_mutexattr_init(&at);
-    pthread_mutexattr_setpshared(&at, PTHREAD_PROCESS_SHARED);
-    pthread_mutexattr_setrobust(&at, PTHREAD_MUTEX_ROBUST);
-    pthread_mutex_init(&ctl_->mu, &at);
-    pthread_mutexattr_destroy(&at);
-    ctl_->nprocs = static_cast<uint32_t>(nprocs);
-    ctl_->max_ranks = static_cast<uint32_t>(max_ranks);
-    ctl_->slot_bytes = ShmControl::slot_bytes_for(max_ranks);
-    ctl_->magic = kShmMagic;  // before the fd leaves this process: sendmsg orders it
+    init_control(ctl_, nprocs, max_ranks);
     for (int j = 1; j < nprocs; ++j)
       if (!send_msg(links_[j], LinkMsg{kControl, 0, 0, csize}, cfd))
         return errno_str("sending the control segment");
@@ -373,16 +380,7 @@ std::string ShmFabric::connect_for_test(int max_ranks) {
   void* base = mmap(nullptr, csize, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   if (base == MAP_FAILED) return errno_str("mmap control segment");
   ctl_ = static_cast<ShmControl*>(base);
-  pthread_mutexattr_t at;
-  pthread_mutexattr_init(&at);
-  pthread_mutexattr_setpshared(&at, PTHREAD_PROCESS_SHARED);
-  pthread_mutexattr_setrobust(&at, PTHREAD_MUTEX_ROBUST);
-  pthread_mutex_init(&ctl_->mu, &at);
-  pthread_mutexattr_destroy(&at);
-  ctl_->nprocs = 1;
-  ctl_->max_ranks = static_cast<uint32_t>(max_ranks);
-  ctl_->slot_bytes = ShmControl::slot_bytes_for(max_ranks);
-  ctl_->magic = kShmMagic;
+  init_control(ctl_, 1, max_ranks);
   active_.store(this, std::memory_order_release);
   return {};
 }

@@ -455,21 +455,11 @@ std::string ShmLlTeam::arrive(const OpDesc& desc, const void* in, void* out) {
 
 std::string ShmLlTeam::prepare_direct(const OpDesc& desc, const void* in, void* out,
                                       uint64_t pub[6]) {
-  const auto& api = ShmFabric::alloc();
-  const bool staging = f_->mode() == RegMode::kStaging;
-  strata_seg_info in_seg{}, out_seg{};
-  const bool in_ok =
-      desc.in_bytes == 0 || (!staging && api.lookup && api.lookup(in, desc.in_bytes, &in_seg));
-  const bool out_ok =
-      desc.out_bytes == 0 || (!staging && api.lookup && api.lookup(out, desc.out_bytes, &out_seg));
-  std::string err;
-  // on_use mode: the segments go to the peers now (on_alloc: the allocator's thread did it).
-  if (in_ok && desc.in_bytes)
-    err = f_->export_segment(in_seg.segment_id, in_seg.fd, in_seg.size, true);
-  if (err.empty() && out_ok && desc.out_bytes &&
-      !(desc.in_bytes && in_seg.segment_id == out_seg.segment_id))
-    err = f_->export_segment(out_seg.segment_id, out_seg.fd, out_seg.size, true);
+  ShmFabric::DirectBuffers direct;
+  std::string err = f_->share_direct(in, desc.in_bytes, out, desc.out_bytes, &direct);
   if (!err.empty()) return std::string("strata_jax ") + op_name_ + ": " + err;
+  const bool in_ok = direct.in_ok, out_ok = direct.out_ok;
+  const strata_seg_info &in_seg = direct.in, &out_seg = direct.out;
   pub[0] = in_ok && desc.in_bytes ? in_seg.segment_id : 0;
   pub[1] = in_ok && desc.in_bytes ? in_seg.offset : 0;
   pub[2] = reinterpret_cast<uintptr_t>(in);

@@ -187,17 +187,18 @@ std::string complex_prod(Team& t, int32_t dtype, size_t first, size_t count) {
   return {};
 }
 
-// A reduction's element type and op (a ReduceOp code of common/ops.h; MPI has no mean) are
-// ones this engine reduces; 0, or the error.
-int check_reduce(const char* name, int32_t dtype, int32_t op) {
+// A reduction call can go on: its element type and op (a ReduceOp code of common/ops.h; MPI has
+// no mean) are ones this engine reduces, and its communicator is there (ready); 0, or the error.
+int check_reduce(const StrataMpiComm* c, const char* name, int32_t dtype, int32_t op) {
   if (op < 0 || op >= kReductions || op == reduce_code::mean)
     return fail(kEngineErrArg, std::string("strata_jax ") + name + ": unsupported reduction op " +
                                    std::to_string(op));
-  if (op == reduce_code::prod && is_complex(dtype)) return 0;
-  if (dtype_size(dtype) && reduce_supported(dtype, static_cast<ReduceOp>(op))) return 0;
-  return fail(kEngineErrArg, std::string("strata_jax ") + name + ": cannot reduce elements of " +
-                                 (dtype ? dtype_name(dtype) : "an untyped datatype") +
-                                 (op == reduce_code::prod ? " by product" : ""));
+  if (!(op == reduce_code::prod && is_complex(dtype)) &&
+      !(dtype_size(dtype) && reduce_supported(dtype, static_cast<ReduceOp>(op))))
+    return fail(kEngineErrArg, std::string("strata_jax ") + name + ": cannot reduce elements of " +
+                                   (dtype ? dtype_name(dtype) : "an untyped datatype") +
+                                   (op == reduce_code::prod ? " by product" : ""));
+  return c ? 0 : ready(c, name);
 }
 
 bool peers_publish_outputs(const Team& t) {
@@ -241,6 +242,32 @@ int run(StrataMpiComm* c, const char* name, OpDesc d, const void* in, void* out,
   std::string derr = team->depart();
   if (err.empty()) err = derr;
   return err.empty() ? 0 : fail(kEngineErrFailed, err);
+}
+
+// A collective call of descriptor `d` (its byte counts: the input's and the output's). On a
+// communicator of one rank it is a copy of the input to the output; elsewhere an input that
+// overlaps its output is read from a private copy (Scratch), and `body` runs on the team (run),
+// counting what each peer reads of this rank (`peer_bytes`: zero-copy or through a bounce).
+template <class Body>
+int collective(StrataMpiComm* c, const char* name, const OpDesc& d, const void* in, void* out,
+               uint64_t peer_bytes, Body body) {
+  if (c->size == 1) {
+    if (in != out && d.out_bytes) std::memmove(out, in, d.out_bytes);
+    c->calls.fetch_add(1, std::memory_order_relaxed);
+    return 0;
+  }
+  std::unique_ptr<Scratch> copy;
+  if (overlap(in, d.in_bytes, out, d.out_bytes)) {
+    copy = std::make_unique<Scratch>(in, d.in_bytes);
+    if (!copy->p)
+      return fail(kEngineErrFailed, std::string("strata_jax ") + name + ": out of memory");
+    in = copy->p;
+  }
+  return run(c, name, d, in, out, true, [&](Team& t) -> std::string {
+    (t.zero_copy() ? stats().zero_copy_bytes : stats().peer_bounce_bytes)
+        .fetch_add(peer_bytes * (t.size() - 1), std::memory_order_relaxed);
+    return body(t);
+  });
 }
 
 // ---- the table's functions ----
@@ -348,20 +375,8 @@ int e_comm_free(StrataMpiComm* c) {
 int e_all_reduce(StrataMpiComm* c, const void* in, void* out, uint64_t count, int32_t dtype,
                  int32_t eb, int32_t op) {
   const char* name = "engine.all_reduce";
-  if (int rc = check_reduce(name, dtype, op)) return rc;
+  if (int rc = check_reduce(c, name, dtype, op)) return rc;
   const uint64_t bytes = count * static_cast<uint64_t>(eb);
-  if (!c) return ready(c, name);
-  if (c->size == 1) {
-    if (in != out && bytes) std::memmove(out, in, bytes);
-    c->calls.fetch_add(1, std::memory_order_relaxed);
-    return 0;
-  }
-  std::unique_ptr<Scratch> copy;
-  if (overlap(in, bytes, out, bytes)) {
-    copy = std::make_unique<Scratch>(in, bytes);
-    if (!copy->p) return fail(kEngineErrFailed, "strata_jax engine.all_reduce: out of memory");
-    in = copy->p;
-  }
   OpDesc d;
   d.kind = kind_of(EngineCall::all_reduce);
   d.dtype = dtype;
@@ -370,9 +385,7 @@ int e_all_reduce(StrataMpiComm* c, const void* in, void* out, uint64_t count, in
   const bool complex_prod_call = op == reduce_code::prod && is_complex(dtype);
   d.algo = !complex_prod_call && use_two_shot(bytes) ? 1 : 0;
   d.may_stage = bytes <= kLlMaxBytes;
-  return run(c, name, d, in, out, true, [&](Team& t) -> std::string {
-    (t.zero_copy() ? stats().zero_copy_bytes : stats().peer_bounce_bytes)
-        .fetch_add(bytes * (t.size() - 1), std::memory_order_relaxed);
+  return collective(c, name, d, in, out, bytes, [&](Team& t) -> std::string {
     if (complex_prod_call) {
       stats().one_shot.fetch_add(1, std::memory_order_relaxed);
       return complex_prod(t, dtype, 0, count);
@@ -390,26 +403,13 @@ int e_all_gather(StrataMpiComm* c, const void* in, void* out, uint64_t count, in
   const char* name = "engine.all_gather";
   const uint64_t bytes = count * static_cast<uint64_t>(eb);
   if (!c) return ready(c, name);
-  if (c->size == 1) {
-    if (in != out && bytes) std::memmove(out, in, bytes);
-    c->calls.fetch_add(1, std::memory_order_relaxed);
-    return 0;
-  }
-  std::unique_ptr<Scratch> copy;
-  if (overlap(in, bytes, out, bytes * c->size)) {
-    copy = std::make_unique<Scratch>(in, bytes);
-    if (!copy->p) return fail(kEngineErrFailed, "strata_jax engine.all_gather: out of memory");
-    in = copy->p;
-  }
   OpDesc d;
   d.kind = kind_of(EngineCall::all_gather);
   d.dtype = dtype ? dtype : XLA_FFI_DataType_U8;
   d.in_bytes = bytes;
   d.out_bytes = bytes * c->size;
   d.may_stage = true;
-  return run(c, name, d, in, out, true, [&](Team& t) -> std::string {
-    (t.zero_copy() ? stats().zero_copy_bytes : stats().peer_bounce_bytes)
-        .fetch_add(bytes * (t.size() - 1), std::memory_order_relaxed);
+  return collective(c, name, d, in, out, bytes, [&](Team& t) -> std::string {
     return all_gather(t, bytes, peers_publish_outputs(t));
   });
 }
@@ -417,21 +417,9 @@ int e_all_gather(StrataMpiComm* c, const void* in, void* out, uint64_t count, in
 int e_reduce_scatter(StrataMpiComm* c, const void* in, void* out, uint64_t count, int32_t dtype,
                      int32_t eb, int32_t op) {
   const char* name = "engine.reduce_scatter";
-  if (int rc = check_reduce(name, dtype, op)) return rc;
+  if (int rc = check_reduce(c, name, dtype, op)) return rc;
   const uint64_t out_bytes = count * static_cast<uint64_t>(eb);
-  if (!c) return ready(c, name);
   const uint64_t in_bytes = out_bytes * c->size;
-  if (c->size == 1) {
-    if (in != out && out_bytes) std::memmove(out, in, out_bytes);
-    c->calls.fetch_add(1, std::memory_order_relaxed);
-    return 0;
-  }
-  std::unique_ptr<Scratch> copy;
-  if (overlap(in, in_bytes, out, out_bytes)) {
-    copy = std::make_unique<Scratch>(in, in_bytes);
-    if (!copy->p) return fail(kEngineErrFailed, "strata_jax engine.reduce_scatter: out of memory");
-    in = copy->p;
-  }
   OpDesc d;
   d.kind = kind_of(EngineCall::reduce_scatter);
   d.dtype = dtype;
@@ -439,9 +427,7 @@ int e_reduce_scatter(StrataMpiComm* c, const void* in, void* out, uint64_t count
   d.in_bytes = in_bytes;
   d.out_bytes = out_bytes;
   d.may_stage = true;
-  return run(c, name, d, in, out, true, [&](Team& t) -> std::string {
-    (t.zero_copy() ? stats().zero_copy_bytes : stats().peer_bounce_bytes)
-        .fetch_add(out_bytes * (t.size() - 1), std::memory_order_relaxed);
+  return collective(c, name, d, in, out, out_bytes, [&](Team& t) -> std::string {
     if (op == reduce_code::prod && is_complex(dtype))
       return complex_prod(t, dtype, count * t.rank(), count);
     return reduce_scatter(t, dtype, static_cast<ReduceOp>(op), count);
@@ -469,6 +455,22 @@ int peer_of(StrataMpiComm* c, int peer, const char* what, const char* role) {
   return 0;
 }
 
+// The request of a send to `peer` (is_send) or a receive from it, keyed by the message's number
+// on the communicator: the sender's count of its sends to that rank, the receiver's of its
+// receives from it (both in program order).
+std::unique_ptr<StrataMpiRequest> new_request(StrataMpiComm* c, bool is_send, int peer, int tag,
+                                              const char* what, uint64_t bytes) {
+  auto r = std::make_unique<StrataMpiRequest>();
+  r->is_send = is_send;
+  r->comm = c;
+  r->what = what;
+  r->bytes = bytes;
+  std::lock_guard<std::mutex> lock(c->mu);
+  r->key = is_send ? P2pKey{c->ctx, c->sent[peer]++, c->rank, peer, tag}
+                   : P2pKey{c->ctx, c->received[peer]++, peer, c->rank, tag};
+  return r;
+}
+
 int e_isend(StrataMpiComm* c, const void* buf, uint64_t bytes, int dest, int tag, const char* what,
             StrataMpiRequest** req) {
   *req = nullptr;
@@ -476,15 +478,7 @@ int e_isend(StrataMpiComm* c, const void* buf, uint64_t bytes, int dest, int tag
   std::string err;
   P2p* p2p = P2p::get(ShmFabric::active(), &err);
   if (!p2p) return fail(kEngineErrFailed, std::string("strata_jax ") + what + ": " + err);
-  auto r = std::make_unique<StrataMpiRequest>();
-  r->is_send = true;
-  r->comm = c;
-  r->what = what;
-  r->bytes = bytes;
-  {
-    std::lock_guard<std::mutex> lock(c->mu);
-    r->key = P2pKey{c->ctx, c->sent[dest]++, c->rank, dest, tag};
-  }
+  auto r = new_request(c, true, dest, tag, what, bytes);
   err = p2p->post_send(r->key, c->procs[dest], c->devices[dest], buf, bytes, what, &r->send);
   if (!err.empty()) return fail(kEngineErrFailed, err);
   *req = r.release();
@@ -495,15 +489,8 @@ int e_irecv(StrataMpiComm* c, void* buf, uint64_t bytes, int source, int tag, co
             StrataMpiRequest** req) {
   *req = nullptr;
   if (int rc = peer_of(c, source, what, "source")) return rc;
-  auto r = std::make_unique<StrataMpiRequest>();
-  r->comm = c;
-  r->what = what;
+  auto r = new_request(c, false, source, tag, what, bytes);
   r->buf = buf;
-  r->bytes = bytes;
-  {
-    std::lock_guard<std::mutex> lock(c->mu);
-    r->key = P2pKey{c->ctx, c->received[source]++, source, c->rank, tag};
-  }
   *req = r.release();
   return 0;
 }

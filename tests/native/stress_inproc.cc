@@ -25,6 +25,34 @@ int fail(const char* what, int rank, int iter) {
   std::fprintf(stderr, "FAILED %s rank %d iter %d\n", what, rank, iter);
   return 1;
 }
+
+// A call's descriptor: its operator, element type and byte counts.
+OpDesc desc(Op op, int32_t dtype, size_t in_bytes, size_t out_bytes) {
+  OpDesc d;
+  d.kind = static_cast<int32_t>(op);
+  d.dtype = dtype;
+  d.in_bytes = in_bytes;
+  d.out_bytes = out_bytes;
+  return d;
+}
+
+// One call on `team`: arrive with `in` and `out`, `algo` (its error, or empty), depart. The
+// first error, or empty.
+template <class Algo>
+std::string call(InProcTeam& team, const OpDesc& d, const void* in, void* out, Algo algo) {
+  std::string e = team.arrive(d, in, out);
+  if (e.empty()) e = algo();
+  if (e.empty()) e = team.depart();
+  return e;
+}
+
+// A call that failed (`e` not empty): its error on stderr, this rank marked failed; true.
+bool failed(const std::string& e, int* error) {
+  if (e.empty()) return false;
+  std::fprintf(stderr, "%s\n", e.c_str());
+  *error = 1;
+  return true;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -46,20 +74,12 @@ int main(int argc, char** argv) {
           Placement pl{g, r, n, g * n + r};
           {
             auto team = InProcFabric::instance().join(1, 7, pl, "psum");
-            OpDesc d;
-            d.kind = static_cast<int32_t>(Op::psum);
-            d.dtype = kS32;
-            d.in_bytes = d.out_bytes = count * 4;
+            OpDesc d = desc(Op::psum, kS32, count * 4, count * 4);
             d.algo = static_cast<int32_t>(mine() % 2);
-            std::string e = team->arrive(d, in.data(), out.data());
-            if (e.empty())
-              e = all_reduce(*team, kS32, ReduceOp::kSum, count, team->peer_desc(0).algo == 1);
-            if (e.empty()) e = team->depart();
-            if (!e.empty()) {
-              std::fprintf(stderr, "%s\n", e.c_str());
-              errors[g * n + r] = 1;
-              return;
-            }
+            const std::string e = call(*team, d, in.data(), out.data(), [&] {
+              return all_reduce(*team, kS32, ReduceOp::kSum, count, team->peer_desc(0).algo == 1);
+            });
+            if (failed(e, &errors[g * n + r])) return;
           }
           for (size_t i = 0; i < count; ++i) {
             int32_t want = 0;
@@ -71,19 +91,11 @@ int main(int argc, char** argv) {
           }
           {
             auto team = InProcFabric::instance().join(1, 8, pl, "all_gather");
-            OpDesc d;
-            d.kind = static_cast<int32_t>(Op::all_gather);
-            d.dtype = kS32;
-            d.in_bytes = count * 4;
-            d.out_bytes = count * 4 * n;
-            std::string e = team->arrive(d, in.data(), gathered.data());
+            const OpDesc d = desc(Op::all_gather, kS32, count * 4, count * 4 * n);
             // Push on even iterations, pull on odd ones: both forms under the sanitizers.
-            if (e.empty()) e = all_gather(*team, count * 4, it % 2 == 0);
-            if (e.empty()) e = team->depart();
-            if (!e.empty()) {
-              errors[g * n + r] = 1;
-              return;
-            }
+            const std::string e = call(*team, d, in.data(), gathered.data(),
+                                       [&] { return all_gather(*team, count * 4, it % 2 == 0); });
+            if (failed(e, &errors[g * n + r])) return;
           }
           for (int j = 0; j < n; ++j)
             for (size_t i = 0; i < count; ++i)
@@ -108,10 +120,7 @@ int main(int argc, char** argv) {
             const bool divert = it % 2 == 1, moved = divert && it % 4 == 3;
             const Divert dv{1, (it / 2) % 2, reinterpret_cast<char*>(side.data()), moved ? 0 : -1};
             auto team = InProcFabric::instance().join(1, 9, pl, "all_to_all");
-            OpDesc d;
-            d.kind = static_cast<int32_t>(Op::all_to_all);
-            d.dtype = kS32;
-            d.in_bytes = d.out_bytes = src.size() * 4;
+            const OpDesc d = desc(Op::all_to_all, kS32, src.size() * 4, src.size() * 4);
             std::string e;
             if (!divert) {
               // One rendezvous, pairs of blocks copied by whichever rank arrives second
@@ -122,15 +131,10 @@ int main(int argc, char** argv) {
               fn.ctx = &blk;
               e = team->arrive_pairs(d, src.data(), dst.data(), fn);
             } else {
-              e = team->arrive(d, src.data(), dst.data());
-              if (e.empty()) e = all_to_all(*team, 4, shape, 2, 0, &dv);
-              if (e.empty()) e = team->depart();
+              e = call(*team, d, src.data(), dst.data(),
+                       [&] { return all_to_all(*team, 4, shape, 2, 0, &dv); });
             }
-            if (!e.empty()) {
-              std::fprintf(stderr, "%s\n", e.c_str());
-              errors[g * n + r] = 1;
-              return;
-            }
+            if (failed(e, &errors[g * n + r])) return;
             for (int j = 0; j < n; ++j)
               for (int a = 0; a < 3; ++a)
                 for (int f = 0; f < 2; ++f)
@@ -156,21 +160,12 @@ int main(int argc, char** argv) {
             const bool divert = it % 2 == 1;
             const int part = divert ? (it / 2) % 2 : -1;
             auto team = InProcFabric::instance().join(1, 10, pl, "psum_scatter");
-            OpDesc d;
-            d.kind = static_cast<int32_t>(Op::psum_scatter);
-            d.dtype = kS32;
-            d.in_bytes = big.size() * 4;
-            d.out_bytes = red.size() * 4;
-            std::string e = team->arrive(d, big.data(), red.data());
-            if (e.empty())
-              e = reduce_scatter(*team, kS32, ReduceOp::kSum, out_count, nullptr, 2, part,
-                                 reinterpret_cast<char*>(side.data()));
-            if (e.empty()) e = team->depart();
-            if (!e.empty()) {
-              std::fprintf(stderr, "%s\n", e.c_str());
-              errors[g * n + r] = 1;
-              return;
-            }
+            const OpDesc d = desc(Op::psum_scatter, kS32, big.size() * 4, red.size() * 4);
+            const std::string e = call(*team, d, big.data(), red.data(), [&] {
+              return reduce_scatter(*team, kS32, ReduceOp::kSum, out_count, nullptr, 2, part,
+                                    reinterpret_cast<char*>(side.data()));
+            });
+            if (failed(e, &errors[g * n + r])) return;
             for (int f = 0; f < 2; ++f)
               for (size_t q = 0; q < sub; ++q) {
                 int32_t want = 0;  // sum over ranks j of j * 7 + (r * 2 + f) * sub + q
@@ -200,21 +195,15 @@ int main(int argc, char** argv) {
                                        {c.data(), co.data(), c2 * 8, c2 * 8}};
             const Operand meta[3] = {{kS32, c0}, {kS8, c1}, {kS64, c2}};
             auto team = InProcFabric::instance().join(1, 11, pl, "psum");
-            OpDesc d;
-            d.kind = static_cast<int32_t>(Op::psum);
-            d.dtype = kS32;
+            const size_t bytes = c0 * 4 + c1 + c2 * 8;
+            OpDesc d = desc(Op::psum, kS32, bytes, bytes);
             d.params.signature = c0 * 1000003 + c1 * 1009 + c2;
-            d.in_bytes = d.out_bytes = c0 * 4 + c1 + c2 * 8;
             d.algo = static_cast<int32_t>(mine() % 2);
             std::string e = team->arrive_list(d, ops, 3);
             if (e.empty())
               e = all_reduce_list(*team, ReduceOp::kSum, meta, 3, team->peer_desc(0).algo == 1);
             if (e.empty()) e = team->depart();
-            if (!e.empty()) {
-              std::fprintf(stderr, "%s\n", e.c_str());
-              errors[g * n + r] = 1;
-              return;
-            }
+            if (failed(e, &errors[g * n + r])) return;
             bool ok = true;
             for (size_t i = 0; i < c0; ++i) {
               int32_t want = 0;
@@ -251,33 +240,19 @@ int main(int argc, char** argv) {
             std::string e;
             {
               auto team = InProcFabric::instance().join(1, 12, pl, "psum_scatter");
-              OpDesc d;
-              d.kind = static_cast<int32_t>(Op::psum_scatter);
-              d.dtype = kS32;
+              OpDesc d = desc(Op::psum_scatter, kS32, big.size() * 4, red.size() * 4);
               d.params.dimension = 1;
-              d.in_bytes = big.size() * 4;
-              d.out_bytes = red.size() * 4;
-              e = team->arrive(d, big.data(), red.data());
-              if (e.empty()) e = reduce_scatter_rows(*team, kS32, ReduceOp::kSum, rows, run);
-              if (e.empty()) e = team->depart();
+              e = call(*team, d, big.data(), red.data(),
+                       [&] { return reduce_scatter_rows(*team, kS32, ReduceOp::kSum, rows, run); });
             }
             if (e.empty()) {
               auto team = InProcFabric::instance().join(1, 13, pl, "all_gather");
-              OpDesc d;
-              d.kind = static_cast<int32_t>(Op::all_gather);
-              d.dtype = kS32;
+              OpDesc d = desc(Op::all_gather, kS32, red.size() * 4, gat.size() * 4);
               d.params.dimension = 1;
-              d.in_bytes = red.size() * 4;
-              d.out_bytes = gat.size() * 4;
-              e = team->arrive(d, red.data(), gat.data());
-              if (e.empty()) e = all_gather_rows(*team, rows, run * 4);
-              if (e.empty()) e = team->depart();
+              e = call(*team, d, red.data(), gat.data(),
+                       [&] { return all_gather_rows(*team, rows, run * 4); });
             }
-            if (!e.empty()) {
-              std::fprintf(stderr, "%s\n", e.c_str());
-              errors[g * n + r] = 1;
-              return;
-            }
+            if (failed(e, &errors[g * n + r])) return;
             for (size_t a = 0; a < rows; ++a)
               for (int blk = 0; blk < n; ++blk)
                 for (size_t q = 0; q < run; ++q)
