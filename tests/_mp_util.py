@@ -251,6 +251,27 @@ def results(text: str, tag: str = "RESULT ") -> list:
     return out
 
 
+def netns_skip_reason() -> str | None:
+    """Why ``strata_jax.launch --netns`` jobs cannot run here, or None: the launcher cannot make
+    namespaces (``launch.netns_unavailable_reason``), or the interpreter, strata_jax or the test
+    scripts live under /tmp or /dev/shm, which each simulated host's private mounts hide (the
+    launcher refuses such a job; a venv under /tmp is common for root)."""
+    from strata_jax import launch
+
+    reason = launch.netns_unavailable_reason(1.0)
+    if reason is not None:
+        return reason
+    hidden = ("/tmp/", "/dev/shm/")  # each simulated host gets a private tmpfs on these
+    for what, path in (
+        ("the Python interpreter", sys.executable),
+        ("strata_jax", PKG_PARENT),
+        ("the test scripts", str(SCRIPTS)),
+    ):
+        if os.path.abspath(path).startswith(hidden):
+            return f"{what} lives under /tmp or /dev/shm ({path}), which a private mount hides"
+    return None
+
+
 def mpirun_skip_reason() -> str | None:
     """Why jobs started by plain mpirun (strata_jax.init() finding the job as JAX does) cannot
     run here, or None: no mpirun, or Open MPI 5 without mpi4py (its mpirun gives JAX no

@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from strata_jax import launch
 from tests import _mp_util as mp
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -244,7 +243,7 @@ def test_several_hosts_fall_back_to_gloo_and_say_what_to_install(netns):
     collectives run over gloo with the right value; asked for by name, one stderr line says so,
     and init() and coverage() give the reason with what to install for XLA over a real MPI
     between hosts."""
-    if netns and (reason := launch.netns_unavailable_reason(1.0)) is not None:
+    if netns and (reason := mp.netns_skip_reason()) is not None:
         pytest.skip(reason)
     cmd = mp.launch_cmd(2, "engine_choice.py")
     at = cmd.index("--grace")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _mp_util import job_env
+from _mp_util import job_env, netns_skip_reason
 
 import strata_jax as sj
 from strata_jax import launch
@@ -41,23 +41,8 @@ SCRIPTS = HERE / "mp_scripts"
 LAUNCH_PY = str(Path(launch.__file__).resolve())
 
 
-def _netns_reason() -> str | None:
-    """None when the launcher can make namespaces here, else why not."""
-    reason = launch.netns_unavailable_reason(1.0)
-    if reason is not None:
-        return reason
-    hidden = ("/tmp/", "/dev/shm/")  # each simulated host gets a private tmpfs on these
-    for what, path in (
-        ("the Python interpreter", sys.executable),
-        ("strata_jax", PKG_PARENT),
-        ("the test scripts", str(SCRIPTS)),
-    ):
-        if os.path.abspath(path).startswith(hidden):
-            return f"{what} lives under /tmp or /dev/shm ({path}), which a private mount hides"
-    return None
-
-
-needs_netns = pytest.mark.skipif(_netns_reason() is not None, reason=str(_netns_reason()))
+_NETNS_REASON = netns_skip_reason()
+needs_netns = pytest.mark.skipif(_NETNS_REASON is not None, reason=str(_NETNS_REASON))
 MPI_WRAPPER = os.environ.get("MPITRAMPOLINE_LIB", "")
 
 

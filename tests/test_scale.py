@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _mp_util import netns_skip_reason
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -91,16 +92,10 @@ def test_every_collective_on_8_hosts_of_4():
 ACROSS_HOSTS = ["check_at_scale.py", "--", "check_moe.py", "--", "check_pytree.py"]
 
 
-def _netns_reason() -> str | None:
-    from strata_jax import launch
-
-    return launch.netns_unavailable_reason(1.0)
-
-
 @pytest.mark.slow
 def test_every_operator_on_8_hosts_of_4_with_their_own_network():
-    if _netns_reason() is not None:
-        pytest.skip(str(_netns_reason()))
+    if (reason := netns_skip_reason()) is not None:
+        pytest.skip(reason)
     out = _run(32, ["--hosts", "8", "--netns"], ACROSS_HOSTS, need_gib=10)
     assert out.count("on 32 devices, fabric shm, 8 fabric(s)") == 32
     for tag in ("OK moe ", "OK pytree "):
