@@ -54,6 +54,8 @@ from strata_jax._src.launch_env import (
     alloc_library_path,
     cluster_env,
     distributed_env,
+    joined_ranks,
+    listening,
     rank_env,
 )
 from strata_jax._src.mpirun import mpi_job, mpi_unavailable_reason
@@ -200,6 +202,10 @@ class _Launch:
         self.err = err
         self.lock = threading.Lock()
         self.signalled: int | None = None  # a signal the launcher received and forwarded
+        # The coordinator's address where the launcher can see it listen (not with --netns):
+        # a rank that started jax.distributed, with or without strata_jax.init().
+        self.coordinator: str | None = None
+        self.coordinator_seen = False
 
     def message(self, text: str) -> None:
         with self.lock:
@@ -264,6 +270,8 @@ class _Launch:
         started = time.monotonic()
         signalled_at: float | None = None
         while True:
+            if self.coordinator and not self.coordinator_seen:
+                self.coordinator_seen = listening(self.coordinator)  # until seen once
             codes = [r.proc.poll() for r in self.ranks]
             failed = [(r, c) for r, c in zip(self.ranks, codes, strict=True) if c not in (None, 0)]
             if self.signalled is not None:
@@ -493,7 +501,22 @@ def launch(
             )
             run.message(f"engine: XLA's MPI collectives; the ranks started by mpirun{where}")
             run.start(mpi_argv, mpi_env, 0, out, label="mpirun")
-        return run.watch(timeout)
+        run.coordinator = None if network else coordinator
+        code = run.watch(timeout)
+        # Every rank succeeded: did they make one job? A rank that joined left a file in its
+        # run folder (strata_jax.init()) or started the coordinator (jax.distributed). A
+        # simulated host's run folder is seen through its holder (its mount namespace); where
+        # that cannot be read, nothing is said.
+        dirs = run_dirs + [f"/proc/{ns.pid}/root{ns.run_dir}" for ns in namespaces]
+        if code == 0 and nproc > 1 and not run.coordinator_seen:
+            if all(os.path.isdir(d) for d in dirs) and not joined_ranks(dirs):
+                run.message(
+                    f"no rank called strata_jax.init() or started jax.distributed: the {nproc} "
+                    f"processes ran as {nproc} separate one-process jobs (each its own process "
+                    "0 of 1). Run an unmodified script with `--wrap`, or call "
+                    "strata_jax.init() first in the script"
+                )
+        return code
     finally:
         run.finish()
         if network:

@@ -384,6 +384,7 @@ def test_jax_distributed_sees_all_devices(tmp_path, alloc_lib):
                                    cfg["process_id"])
         print("devices", len(jax.devices()), "local", len(jax.local_devices()),
               "process", jax.process_index(), flush=True)
+        import time; time.sleep(0.3)  # a program's work: the launcher looks every 20 ms
         jax.distributed.shutdown()
         """,
     )
@@ -394,6 +395,37 @@ def test_jax_distributed_sees_all_devices(tmp_path, alloc_lib):
     assert r.returncode == 0, r.stderr[-3000:]
     for i in range(2):
         assert f"[rank {i}] devices 4 local 2 process {i}" in r.stdout, r.stdout
+    assert SEPARATE_JOBS not in r.stderr  # jax.distributed by hand: the coordinator was seen
+
+
+SEPARATE_JOBS = "processes ran as 2 separate one-process jobs"
+GSPMD = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()), ("x",))
+x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
+print("process", jax.process_index(), "of", jax.process_count(), "sum", float(jax.jit(jnp.sum)(x)))
+"""
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["plain", "wrap"])
+def test_unmodified_script_without_wrap_is_told_it_ran_as_separate_jobs(tmp_path, wrap):
+    """A jit + NamedSharding script that never imports strata_jax, launched without --wrap, runs
+    as N one-process jobs (exit code 0, as each succeeded): one launcher line on stderr says so
+    and names --wrap. With --wrap the ranks make one job and nothing is said."""
+    script = _script(tmp_path, GSPMD, "gspmd.py")
+    r = _launch(["-n", "2", *(["--wrap"] if wrap else []), script], module=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    if wrap:
+        for i in range(2):
+            assert f"[rank {i}] process {i} of 2 sum 28.0" in r.stdout, r.stdout
+        assert SEPARATE_JOBS not in r.stderr, r.stderr[-3000:]
+    else:
+        for i in range(2):
+            assert f"[rank {i}] process 0 of 1 sum 28.0" in r.stdout, r.stdout
+        said = [ln for ln in r.stderr.splitlines() if SEPARATE_JOBS in ln]
+        assert len(said) == 1 and "--wrap" in said[0] and "strata_jax.init()" in said[0], r.stderr
+        assert said[0].startswith("strata-launch: "), said
 
 
 def test_mpirun_tagged_output_becomes_rank_lines():

@@ -10,7 +10,10 @@ Environment of each rank (:func:`rank_env`; read back with :func:`distributed_en
 ``STRATA_PROCESS_ID``    this rank, 0..N-1
 ``STRATA_LOCAL_DEVICES`` CPU devices per process (``--devices-per-proc``; ``jax_num_cpu_devices``)
 ``STRATA_RUN_DIR``       a private 0700 folder for unix sockets, removed when the launcher exits
-                         (one per simulated host with ``--hosts``)
+                         (one per simulated host with ``--hosts``); ``strata_jax.init()`` also
+                         leaves ``joined-<rank>`` there once the rank is part of the N-process
+                         job (:func:`mark_joined`), which tells the launcher it was not run as
+                         N one-process jobs (:func:`joined_ranks`)
 ``STRATA_FABRIC_ID``     with ``--hosts H``: ``host<h>``, the simulated host of the rank (ranks
                          ``h*N/H .. (h+1)*N/H - 1``); ``strata_jax.init()`` connects shared
                          memory only among ranks with the same id (see ``_src/topology.py``).
@@ -116,6 +119,58 @@ def cluster_env(environ: Mapping[str, str] | None = None) -> tuple[str, int, int
             r = env.get(rank_var, "")
             return size_var, int(v), int(r) if r.isdigit() else 0
     return "", 1, 0
+
+
+JOINED_PREFIX = "joined-"
+
+
+def mark_joined(process_id: int, environ: Mapping[str, str] | None = None) -> None:
+    """Leaves ``joined-<process_id>`` in the launcher's ``STRATA_RUN_DIR`` (nothing outside the
+    launcher, or where that folder is gone): this process joined a job of several processes."""
+    run_dir = (os.environ if environ is None else environ).get(ENV_RUN_DIR)
+    if not run_dir:
+        return
+    try:
+        with open(os.path.join(run_dir, f"{JOINED_PREFIX}{process_id}"), "wb"):
+            pass
+    except OSError:
+        pass  # only a hint for the launcher's end-of-job message
+
+
+def joined_ranks(run_dirs: list[str]) -> set[int]:
+    """The ranks that left a :func:`mark_joined` file in any of ``run_dirs``."""
+    ranks = set()
+    for d in run_dirs:
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        for name in names:
+            tail = name[len(JOINED_PREFIX) :]
+            if name.startswith(JOINED_PREFIX) and tail.isdigit():
+                ranks.add(int(tail))
+    return ranks
+
+
+def listening(address: str, proc_net: tuple[str, ...] = ("/proc/net/tcp", "/proc/net/tcp6")):
+    """Whether a TCP socket listens on ``address`` (``host:port``) in this network namespace,
+    read from ``/proc/net/tcp*`` (nothing is connected to it); False where that cannot be read.
+    """
+    port = address.rsplit(":", 1)[-1]
+    if not port.isdigit():
+        return False
+    want = f":{int(port):04X}"
+    for path in proc_net:
+        try:
+            with open(path) as f:
+                next(f, None)
+                for line in f:
+                    fields = line.split()
+                    if len(fields) > 3 and fields[3] == "0A" and fields[1].endswith(want):
+                        return True
+        except OSError:
+            continue
+    return False
 
 
 def distributed_env(environ: Mapping[str, str] | None = None) -> dict | None:

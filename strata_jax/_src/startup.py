@@ -617,6 +617,7 @@ def init(
         return dict(_state)
 
     pid, n = jax.process_index(), jax.process_count()
+    launch_env.mark_joined(pid)  # the launcher's end-of-job check: not N one-process jobs
     _install_exit_hooks()  # also under mpirun/srun or a hand-made jax.distributed
     if early is not None:
         start, ids = early
