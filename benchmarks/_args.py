@@ -164,6 +164,32 @@ def auto_iters(nbytes: int, budget: float = 5e8, lo: int = 5, hi: int = 200) -> 
     return int(min(hi, max(lo, budget // max(nbytes, 1))))
 
 
+def add_loss_tolerance_args(group) -> None:
+    """``--tol-steps``, ``--tol-first`` and ``--tol-rel``: what two implementations' loss curves
+    must agree to (train_moe.py, train_recsys.py; ``_report.compare_loss_curves`` says why)."""
+    from _report import LOSS_FIRST_STEPS, LOSS_FIRST_TOL, LOSS_REL_TOL
+
+    group.add_argument(
+        "--tol-steps",
+        type=int,
+        default=LOSS_FIRST_STEPS,
+        help="the first steps, held to --tol-first (same parameters and batches: round-off only)",
+    )
+    group.add_argument(
+        "--tol-first",
+        type=float,
+        default=LOSS_FIRST_TOL,
+        help="max |loss_a - loss_b| over the first --tol-steps steps",
+    )
+    group.add_argument(
+        "--tol-rel",
+        type=float,
+        default=LOSS_REL_TOL,
+        help="max |loss_a - loss_b| / loss over every step (float32 round-off of the different "
+        "summation orders grows over training)",
+    )
+
+
 def add_expert_chunk_args(group) -> None:
     """``--expert-chunk`` and ``--baseline-expert-chunk`` (train_moe.py, serve_moe.py)."""
     group.add_argument(

@@ -165,6 +165,67 @@ def communication_share(
     return lines, data
 
 
+# What two implementations' loss curves (same model, seed and batches) must agree to. They sum
+# in different orders, so their float32 losses differ by round-off, which training amplifies.
+LOSS_FIRST_STEPS = 10  # steps held to LOSS_FIRST_TOL
+LOSS_FIRST_TOL = 1e-5  # |diff| over those; measured: <= 4.8e-7 (1 ulp of a loss near 4-5)
+LOSS_REL_TOL = 1e-2  # |diff| / loss over every step; measured: <= 1e-3 at 150 steps
+
+
+def compare_loss_curves(
+    a: Sequence[float],
+    b: Sequence[float],
+    first_steps: int = LOSS_FIRST_STEPS,
+    first_tol: float = LOSS_FIRST_TOL,
+    rel_tol: float = LOSS_REL_TOL,
+) -> dict[str, Any]:
+    """Whether two loss curves (one float per step) agree as two correct implementations do.
+
+    Two checks. Over the first ``first_steps`` steps, ``|a - b| <= first_tol`` (absolute): both
+    start from the same parameters and batches, so there the losses differ by a few float32
+    round-offs only, and wrong values show at once (a wrong forward pass at step 0, a wrong
+    gradient from step 1 on, by far more than 1e-5). Over every step, ``|a - b| <= rel_tol *
+    max(|a|, |b|)``: the round-off of the different summation orders is amplified by every update,
+    so the curves drift apart slowly (train_moe on 4 processes: 4.8e-7 over the first 10 steps,
+    2.47e-3 at step 144 of a loss of 2.70, 0.09%); later on the two trainings must still
+    reach the same loss. Returns ``ok`` and the figures: ``max_abs``/``at_step`` (all steps),
+    ``first10_max_abs`` (the first ``first_steps``; the key keeps its earlier name),
+    ``max_rel``/``at_rel_step`` and the tolerances. Raises ValueError on curves of different
+    lengths.
+    """
+    import numpy as np
+
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if x.shape != y.shape or x.ndim != 1 or x.size == 0:
+        raise ValueError(f"loss curves of different or no lengths: {x.shape} vs {y.shape}")
+    d = np.abs(x - y)
+    rel = d / np.maximum(np.maximum(np.abs(x), np.abs(y)), np.finfo(np.float32).tiny)
+    rel[d == 0] = 0.0
+    first = d[:first_steps]
+    ok = bool(np.all(np.isfinite(d)) and first.max() <= first_tol and rel.max() <= rel_tol)
+    return {
+        "ok": ok,
+        "max_abs": float(d.max()),
+        "at_step": int(d.argmax()),
+        "first10_max_abs": float(first.max()),
+        "first_steps": int(min(first_steps, d.size)),
+        "max_rel": float(rel.max()),
+        "at_rel_step": int(rel.argmax()),
+        "first_tol": first_tol,
+        "rel_tol": rel_tol,
+    }
+
+
+def loss_curves_sentence(a: str, b: str, c: dict[str, Any]) -> str:
+    """One line for :func:`compare_loss_curves`'s result ``c`` (without a verdict)."""
+    return (
+        f"# loss curves {a} vs {b}: first {c['first_steps']} steps max |diff| "
+        f"{c['first10_max_abs']:.2e} (tolerance {c['first_tol']:g}); all steps max |diff| "
+        f"{c['max_abs']:.2e} at step {c['at_step']}, max |diff|/loss {c['max_rel']:.2e} at step "
+        f"{c['at_rel_step']} (tolerance {c['rel_tol']:g})"
+    )
+
+
 def bound_sentence(t_nocomm: float, base: str, t_base: float) -> str:
     """The communication-free bound, in the words of :func:`speed_sentence`. Times in seconds."""
     return (

@@ -34,11 +34,18 @@ Run (8 in-process CPU devices)::
 The implementations are stepped in turns (step i of each, then step i+1 of each: the machine is
 shared and drifts, and this cancels the drift out of the ratio), every step is jitted whole and
 blocked until done; the table reports the median step time after ``--warmup`` steps. The loss
-curves of all implementations must agree to ``--tol`` (float32 round-off grows over training);
-the script exits 1 otherwise. Capacity defaults to "nothing dropped" (``capacity=None``),
-where strata and GShard have identical semantics (see ``moe_mlp``'s docstring); with
-``--capacity``/``--capacity-factor`` GShard drops per source rank and strata over all sources,
-so their curves differ by design and are reported, not checked.
+curves of all implementations must agree (``_report.compare_loss_curves``), the script exits 1
+otherwise: over the first ``--tol-steps`` (10) steps to ``--tol-first`` (1e-5, absolute), and
+over every step to ``--tol-rel`` (1%) of the loss. The implementations sum in different orders
+(the exchanges and pmeans), so their float32 losses differ by round-off, which every update
+amplifies: measured on 4 processes, at most 4.8e-7 over the first 10 steps (one ulp of a loss
+near 4.5) but 2.5e-3 by step 144, 0.09% of the loss (2.70). Wrong values show in the first steps,
+which start from the same parameters and batches (a wrong forward pass at step 0, a wrong
+gradient from step 1), by far more than 1e-5; after them the two trainings must still reach the
+same loss, within ten times the drift measured at 150 steps. Capacity defaults to "nothing
+dropped" (``capacity=None``), where strata and GShard have identical semantics (see
+``moe_mlp``'s docstring); with ``--capacity``/``--capacity-factor`` GShard drops per source rank
+and strata over all sources, so their curves differ by design and are reported, not checked.
 
 Every impl but strata_ragged runs its expert MLPs with ``moe_mlp(expert_chunk=128)``: chunks
 of 128 rows, skipping those no token was routed to (``--expert-chunk none``: every capacity row,
@@ -118,7 +125,7 @@ PRESET_WHY = (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _args import add_expert_chunk_args, add_preset
+    from _args import add_expert_chunk_args, add_loss_tolerance_args, add_preset
 
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -152,12 +159,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--no-check-vma", dest="check_vma", action="store_false", help="shard_map(check_vma=False)"
     )
-    g.add_argument(
-        "--tol",
-        type=float,
-        default=2e-3,
-        help="max |loss_a - loss_b| over all steps allowed between implementations",
-    )
+    add_loss_tolerance_args(g)
     g.add_argument("--out", type=Path, default=Path("bench_out"))
     g.add_argument("--no-progress", dest="progress", action="store_false")
     g.add_argument(
@@ -458,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         args_record,
         bound_sentence,
         communication_share,
+        compare_loss_curves,
+        loss_curves_sentence,
         progress,
         speed_sentence,
         write_results,
@@ -650,14 +654,12 @@ def main(argv: list[str] | None = None) -> int:
         for b in names[names.index(a) + 1 :]:
             if {a, b} & set(FREE):
                 continue  # no exchange: wrong losses by design
-            d = np.abs(np.array(runs[a]["losses"]) - np.array(runs[b]["losses"]))
-            at = int(d.argmax())
-            diffs[f"{a}-{b}"] = {
-                "max_abs": float(d.max()),
-                "at_step": at,
-                "first10_max_abs": float(d[:10].max()),
-            }
-            good = d.max() <= args.tol
+            c = compare_loss_curves(
+                runs[a]["losses"], runs[b]["losses"], args.tol_steps, args.tol_first,
+                args.tol_rel,
+            )  # fmt: skip
+            diffs[f"{a}-{b}"] = {k: v for k, v in c.items() if k != "ok"}
+            good = c["ok"]
             if (
                 capacity_set
                 and ({a, b} & {*XLA_IMPLS, "strata_ragged"})
@@ -670,10 +672,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 ok &= bool(good)
                 verdict = "OK" if good else "FAILED"
-            say(
-                f"# loss curves {a} vs {b}: max |diff| {d.max():.2e} at step {at} "
-                f"(first 10 steps {d[:10].max():.2e}); tolerance {args.tol:g}: {verdict}"
-            )
+            say(f"{loss_curves_sentence(a, b, c)}: {verdict}")
     for impl in ("strata", "strata_ragged"):
         if impl in runs and base:
             say(speed_sentence(impl, runs[impl]["median_s"], base, runs[base]["median_s"]))

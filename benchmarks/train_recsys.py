@@ -30,9 +30,11 @@ drifts, and this cancels the drift out of the ratio), every step is jitted whole
 until done; the table reports the median step time after ``--warmup`` steps. The exchanges are
 capacity-padded per destination (``--capacity-factor``, or ``--capacity`` ids); ids beyond a
 destination's capacity are dropped and the drops are counted every step and reported (both
-implementations drop the same ids: the routing is shared). Loss curves must agree to ``--tol``
-(the all_to_alls are exact; only the pmeans' summation orders may differ) and the drops must
-be equal; the script exits 1 otherwise. In one process the two curves came out bitwise equal
+implementations drop the same ids: the routing is shared). Loss curves must agree as
+train_moe.py's do (``_report.compare_loss_curves``: ``--tol-first``, 1e-5, over the first
+``--tol-steps``, 10; ``--tol-rel``, 1% of the loss, over every step; the all_to_alls are exact,
+only the pmeans' summation orders may differ) and the drops must be equal; the script exits 1
+otherwise. In one process the two curves came out bitwise equal
 on this machine; across processes ``jax.lax.pmean`` runs over gloo, whose summation order
 differs from strata's in the last bit, and training grows that (the script says from which
 step on the curves differ by more than 1e-6).
@@ -59,7 +61,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import recsys_model as rm  # noqa: E402
-from _args import add_preset, impl_list, parse_list, preset_line  # noqa: E402
+from _args import (  # noqa: E402
+    add_loss_tolerance_args,
+    add_preset,
+    impl_list,
+    parse_list,
+    preset_line,
+)
 from _machine import print_header  # noqa: E402
 from _nocomm import no_exchange  # noqa: E402
 from _report import (  # noqa: E402
@@ -67,6 +75,8 @@ from _report import (  # noqa: E402
     args_record,
     bound_sentence,
     communication_share,
+    compare_loss_curves,
+    loss_curves_sentence,
     progress,
     speed_sentence,
     write_results,
@@ -136,13 +146,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "ragged_all_to_all of the used slots only. --impl strata_padded (strata_compact) runs "
         "that form beside it, in the same turns",
     )
-    g.add_argument(
-        "--tol",
-        type=float,
-        default=2e-3,
-        help="max |loss_strata - loss_xla| over all steps (as train_moe.py: float32 round-off "
-        "of the two pmeans' summation orders grows over training)",
-    )
+    add_loss_tolerance_args(g)
     g.add_argument("--out", type=Path, default=Path("bench_out"))
     g.add_argument("--no-progress", dest="progress", action="store_false")
     g = p.add_argument_group("data")
@@ -538,25 +542,22 @@ def main(argv: list[str] | None = None) -> int:
     ref = base if base else (compared[0] if compared else None)
     for a in [i for i in compared if i != ref]:
         b = ref
+        c = compare_loss_curves(
+            runs[a]["losses"], runs[b]["losses"], args.tol_steps, args.tol_first, args.tol_rel
+        )
         d = np.abs(np.array(runs[a]["losses"]) - np.array(runs[b]["losses"]))
         same_drops = runs[a]["drops"] == runs[b]["drops"]
-        good = bool(d.max() <= args.tol) and same_drops
+        good = c["ok"] and same_drops
         ok &= good
         apart = np.flatnonzero(d > 1e-6)
         first_apart = int(apart[0]) if apart.size else None
-        diffs[a] = {
-            "max_abs": float(d.max()),
-            "at_step": int(d.argmax()),
-            "first10_max_abs": float(d[:10].max()),
-            "first_step_over_1e-6": first_apart,
-            "same_drops": same_drops,
-        }
+        diffs[a] = {k: v for k, v in c.items() if k != "ok"}
+        diffs[a].update({"first_step_over_1e-6": first_apart, "same_drops": same_drops})
         say(
-            f"# loss curves {a} vs {b}: max |diff| {d.max():.2e} at step {int(d.argmax())} "
-            f"(first 10 steps {d[:10].max():.2e}; "
+            f"{loss_curves_sentence(a, b, c)}; "
             + ("bitwise equal" if d.max() == 0 else f"first above 1e-6 at step {first_apart}")
-            + f"); tolerance {args.tol:g}; drops per step {'equal' if same_drops else 'DIFFER'}"
-            f": {'OK' if good else 'FAILED'}"
+            + f"; drops per step {'equal' if same_drops else 'DIFFER'}"
+            + f": {'OK' if good else 'FAILED'}"
         )
     if diffs and set(diffs) == {"strata"}:
         diffs = diffs["strata"]  # the JSON's earlier form when only strata is compared
