@@ -165,9 +165,10 @@ def auto_iters(nbytes: int, budget: float = 5e8, lo: int = 5, hi: int = 200) -> 
 
 
 def add_loss_tolerance_args(group) -> None:
-    """``--tol-steps``, ``--tol-first`` and ``--tol-rel``: what two implementations' loss curves
-    must agree to (train_moe.py, train_recsys.py; ``_report.compare_loss_curves`` says why)."""
-    from _report import LOSS_FIRST_STEPS, LOSS_FIRST_TOL, LOSS_REL_TOL
+    """``--tol-steps``, ``--tol-first``, ``--tol-rel`` and ``--tol-window``: what two
+    implementations' loss curves must agree to (train_moe.py, train_recsys.py;
+    ``_report.compare_loss_curves`` says why)."""
+    from _report import LOSS_FIRST_STEPS, LOSS_FIRST_TOL, LOSS_REL_TOL, LOSS_WINDOW
 
     group.add_argument(
         "--tol-steps",
@@ -185,8 +186,14 @@ def add_loss_tolerance_args(group) -> None:
         "--tol-rel",
         type=float,
         default=LOSS_REL_TOL,
-        help="max |loss_a - loss_b| / loss over every step (float32 round-off of the different "
-        "summation orders grows over training)",
+        help="max |diff| / loss of the --tol-window-step moving means of the two curves (float32 "
+        "round-off of the different summation orders grows over training)",
+    )
+    group.add_argument(
+        "--tol-window",
+        type=int,
+        default=LOSS_WINDOW,
+        help="steps per moving mean in the --tol-rel check",
     )
 
 

@@ -32,12 +32,12 @@ capacity-padded per destination (``--capacity-factor``, or ``--capacity`` ids); 
 destination's capacity are dropped and the drops are counted every step and reported (both
 implementations drop the same ids: the routing is shared). Loss curves must agree as
 train_moe.py's do (``_report.compare_loss_curves``: ``--tol-first``, 1e-5, over the first
-``--tol-steps``, 10; ``--tol-rel``, 1% of the loss, over every step; the all_to_alls are exact,
-only the pmeans' summation orders may differ) and the drops must be equal; the script exits 1
-otherwise. In one process the two curves came out bitwise equal
-on this machine; across processes ``jax.lax.pmean`` runs over gloo, whose summation order
-differs from strata's in the last bit, and training grows that (the script says from which
-step on the curves differ by more than 1e-6).
+``--tol-steps``, 10; ``--tol-rel``, 1% of the loss, for the ``--tol-window`` (20) step moving
+means over every step; the all_to_alls are exact, only the pmeans' summation orders may differ)
+and the drops must be equal; the script exits 1 otherwise. In one process the two curves came
+out bitwise equal on this machine; across processes ``jax.lax.pmean`` runs over gloo, whose
+summation order differs from strata's in the last bit, and training grows that (the script says
+from which step on the curves differ by more than 1e-6).
 
 Data: by default a synthetic click log (fixed seed): ids per table from a bounded Zipf law
 (``--zipf``), bags of ``--min-bag``..``--max-bag`` ids, labels from a hidden logistic model, so
@@ -543,7 +543,12 @@ def main(argv: list[str] | None = None) -> int:
     for a in [i for i in compared if i != ref]:
         b = ref
         c = compare_loss_curves(
-            runs[a]["losses"], runs[b]["losses"], args.tol_steps, args.tol_first, args.tol_rel
+            runs[a]["losses"],
+            runs[b]["losses"],
+            args.tol_steps,
+            args.tol_first,
+            args.tol_rel,
+            args.tol_window,
         )
         d = np.abs(np.array(runs[a]["losses"]) - np.array(runs[b]["losses"]))
         same_drops = runs[a]["drops"] == runs[b]["drops"]
