@@ -170,6 +170,18 @@ def test_a_bad_setting_stops_every_rank_of_a_launch():
     assert "OK 0" not in r.stdout and "OK 1" not in r.stdout
 
 
+def test_thresholds_refuse_what_is_not_an_integer():
+    import strata_jax
+
+    for setter in (strata_jax.set_two_shot_threshold, strata_jax.set_low_latency_threshold):
+        with pytest.raises(TypeError, match="threshold must be an integer number of bytes .*'abc'"):
+            setter("abc")
+        with pytest.raises(TypeError, match="got float 1.5"):
+            setter(1.5)
+        with pytest.raises(ValueError, match=">= 0 bytes"):
+            setter(-1)
+
+
 def test_messages_say_what_to_give_in_user_terms():
     """No example names a source file, and the millisecond setting asks for milliseconds."""
     from strata_jax._src import runtime

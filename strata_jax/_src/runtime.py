@@ -9,6 +9,7 @@ its launch thread pool then (see ``configure_launch_threads``).
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
 import warnings
@@ -337,13 +338,28 @@ def get_timeout() -> float:
     return float(native().get_timeout())
 
 
+def _check_nbytes(nbytes) -> None:
+    """A threshold in bytes must be an integer (Python's or numpy's): ``"abc"`` used to fail
+    with a bare comparison TypeError."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral):
+        raise TypeError(
+            f"threshold must be an integer number of bytes (e.g. 1024), got "
+            f"{type(nbytes).__name__} {nbytes!r}"
+        )
+
+
 def set_two_shot_threshold(nbytes: int) -> None:
     """Sets the per-rank size (bytes) from which all-reduce runs two-shot instead of one-shot.
 
     Args:
       nbytes: threshold in bytes (>= 0); ``STRATA_TWO_SHOT_BYTES`` sets it at start-up.
         Takes effect for calls that start after it.
+
+    Raises:
+      TypeError: if ``nbytes`` is not an integer.
+      ValueError: if ``nbytes`` is negative.
     """
+    _check_nbytes(nbytes)
     if nbytes < 0:
         raise ValueError(f"threshold must be >= 0 bytes, got {nbytes}")
     native().set_two_shot_bytes(int(nbytes))
@@ -363,7 +379,12 @@ def set_low_latency_threshold(nbytes: int) -> None:
         ``STRATA_LL_BYTES`` sets it at start-up (default 64 KiB). A communicator (group of
         devices) takes the value of the process that first calls a collective on it and keeps
         it, so every rank of it agrees: set it before the first collective on a group.
+
+    Raises:
+      TypeError: if ``nbytes`` is not an integer.
+      ValueError: if ``nbytes`` is negative.
     """
+    _check_nbytes(nbytes)
     if nbytes < 0:
         raise ValueError(f"threshold must be >= 0 bytes, got {nbytes}")
     native().set_ll_bytes(int(nbytes))
