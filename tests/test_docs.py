@@ -401,6 +401,34 @@ def test_guides_and_design_stay_short():
     assert page_length_problems([DOCS / "design.md"], DESIGN_MAX_LINES) == []
 
 
+def headless_continuations(text: str) -> list[str]:
+    """Lines that continue a list item whose first line is gone: an indented line right after a
+    heading and its blank line (13ea9eb cut the first bullet of collectives.md's "Differences
+    from jax.lax" and left its second line there)."""
+    lines = text.splitlines()
+    out = []
+    for n in range(2, len(lines)):
+        if lines[n - 2].startswith("#") and not lines[n - 1].strip():
+            if lines[n].startswith("  ") and lines[n].strip():
+                out.append(f"{n + 1}: {lines[n][:60]}")
+    return out
+
+
+def test_no_list_item_lost_its_first_line():
+    for page in doc_pages():
+        assert headless_continuations(page.read_text()) == [], _rel(page)
+    assert headless_continuations("## A\n\n  (the rest of a bullet\n") == [
+        "3:   (the rest of a bullet"
+    ]
+    assert headless_continuations("## A\n\n- a bullet\n  goes on\n") == []
+
+
+def test_collectives_guide_says_pmax_propagates_nan():
+    text = (DOCS / "guide" / "collectives.md").read_text()
+    section = text.split("## Differences from jax.lax, on purpose", 1)[1]
+    assert section.lstrip().startswith("- `pmax`/`pmin` propagate NaN whatever the rank order")
+
+
 def hand_typed_figures(text: str) -> list[str]:
     """Lines of performance.md that hold figures typed by hand: a Markdown table other than the
     list of benchmarks, or a decimal number outside code (the generated tables come from the

@@ -67,6 +67,15 @@ def test_pmax_pmin_keep_nan_on_four_ranks(dtype):
         assert np.all(np.isnan(got.astype(np.float32))), op
 
 
+def test_pmax_of_nan_and_seven_numbers_is_nan_on_eight_ranks():
+    """The case docs/guide/collectives.md names: ``[nan, 1, ..., 7]`` over 8 devices gives NaN
+    on every rank (jax.lax on XLA CPU gives 7.0 there); pmin likewise."""
+    x = np.array([np.nan, *range(1, 8)], np.float32)
+    for op in ("pmax", "pmin"):
+        got = np.asarray(run(lambda v, op=op: getattr(sj, op)(v, "x"), x, n=8))
+        assert got.shape == (8,) and np.all(np.isnan(got)), (op, got)
+
+
 # bool ---------------------------------------------------------------------------------
 def test_bool_reductions():
     x = np.zeros((8, 2), bool)

@@ -186,10 +186,7 @@ void zero_bytes(void* dst, size_t bytes) {
 }
 
 void prepare_output(void* dst, size_t bytes) {
-  static const bool enabled = [] {
-    const char* e = std::getenv("STRATA_THP");
-    return !(e && e[0] == '0');
-  }();
+  static const bool enabled = env_flag("STRATA_THP", true);
   if (!enabled || bytes < kHugeOutputBytes) return;
   constexpr uintptr_t kHuge = uintptr_t{2} << 20;
   const uintptr_t b = (reinterpret_cast<uintptr_t>(dst) + kHuge - 1) & ~(kHuge - 1);

@@ -1,6 +1,7 @@
 #include "common/env.h"
 
 #include <cerrno>
+#include <climits>
 #include <cstdlib>
 
 namespace strata {
@@ -35,9 +36,21 @@ int64_t env_bytes(const char* name, int64_t dflt) {
   return *end ? dflt : static_cast<int64_t>(x) * scale;
 }
 
-int env_int(const char* name, int dflt) {
+int env_count(const char* name, int dflt) {
   const char* v = std::getenv(name);
-  return v && *v ? std::atoi(v) : dflt;
+  if (!v || !*v) return dflt;
+  char* end = nullptr;
+  errno = 0;
+  const long x = std::strtol(v, &end, 10);
+  if (*v < '0' || *v > '9' || *end || errno || x > INT_MAX) return dflt;
+  return static_cast<int>(x);
+}
+
+bool env_flag(const char* name, bool dflt) {
+  const char* v = std::getenv(name);
+  if (v && v[0] == '1' && !v[1]) return true;
+  if (v && v[0] == '0' && !v[1]) return false;
+  return dflt;
 }
 
 }  // namespace strata

@@ -11,7 +11,13 @@ namespace strata {
 // value is only what a process that skipped that check gets.
 int64_t env_bytes(const char* name, int64_t dflt);
 
-// An integer setting from the environment (`dflt` when unset or empty).
-int env_int(const char* name, int dflt);
+// A whole number >= 0 from the environment (digits only: spin and yield rounds), or `dflt` when
+// unset, empty or not such a number (strata_jax refuses those at the first strata call:
+// runtime.env_count).
+int env_count(const char* name, int dflt);
+
+// An on/off setting from the environment: "1" on, "0" off, `dflt` when unset, empty or anything
+// else (strata_jax refuses other values at the first strata call: runtime.env_bool).
+bool env_flag(const char* name, bool dflt);
 
 }  // namespace strata

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common/env.h"
 #include "common/ops.h"
 
 namespace strata {
@@ -31,10 +32,7 @@ OpStats* slots() {
 }
 
 std::atomic<bool>& enabled_flag() {
-  static std::atomic<bool> on{[] {
-    const char* v = std::getenv("STRATA_STATS");
-    return !(v && std::strcmp(v, "0") == 0);
-  }()};
+  static std::atomic<bool> on{env_flag("STRATA_STATS", true)};
   return on;
 }
 

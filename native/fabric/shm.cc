@@ -52,11 +52,11 @@ bool oversubscribed() {
   return f && f->nprocs() > static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
 }
 int wait_spins() {
-  static const int v = env_int("STRATA_SHM_SPINS", 64);
+  static const int v = env_count("STRATA_SHM_SPINS", 64);
   return v;
 }
 int wait_yields() {
-  static const int v = env_int("STRATA_SHM_YIELDS", oversubscribed() ? 4 : 16);
+  static const int v = env_count("STRATA_SHM_YIELDS", oversubscribed() ? 4 : 16);
   return v;
 }
 

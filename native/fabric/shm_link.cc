@@ -86,10 +86,7 @@ bool send_msg(int sock, const LinkMsg& m, int fd) {
   return n == static_cast<ssize_t>(sizeof(m));
 }
 
-bool prefault_enabled() {
-  const char* v = std::getenv("STRATA_PREFAULT");
-  return v && *v && std::strcmp(v, "0") != 0;
-}
+bool prefault_enabled() { return env_flag("STRATA_PREFAULT", false); }
 
 // True when every page of a just-mapped peer segment is already in memory: the owner's
 // allocator made it ahead of demand and faulted it in (its reserve). mincore reports the page

@@ -294,9 +294,9 @@ std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* 
   // 1.28x at 300, and 1.14x with no spinning (4 of 27 points below at 4-64 KiB); 2000 fell to
   // 0.65-0.99x.
   static const int max_spins =
-      env_int("STRATA_LL_SPINS",
-              f_->nprocs() > static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)) ? 100 : 2000);
-  static const int max_yields = env_int("STRATA_LL_YIELDS", 4);
+      env_count("STRATA_LL_SPINS",
+                f_->nprocs() > static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)) ? 100 : 2000);
+  static const int max_yields = env_count("STRATA_LL_YIELDS", 4);
   static std::atomic<int> budget{max_spins};
   // A rank awaited on this very CPU cannot run while this one spins: two processes the
   // scheduler put on one core (other jobs busy on the other) took a full spin budget per wait,

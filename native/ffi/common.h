@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "coll/kernels.h"
+#include "common/env.h"
 #include "fabric/inflight.h"
 #include "fabric/inproc.h"
 #include "fabric/op_stats.h"
@@ -138,10 +139,7 @@ inline bool lead_in_process(const OpDesc& d, int n) {
 // copies of the ranks that arrive early overlap the computation of the late ones.
 // STRATA_INPROC_PAIRS=0 turns it off (measurements).
 inline bool pairs_in_process(const OpDesc& d, int n) {
-  static const bool on = [] {
-    const char* e = std::getenv("STRATA_INPROC_PAIRS");
-    return !(e && e[0] == '0');
-  }();
+  static const bool on = env_flag("STRATA_INPROC_PAIRS", true);
   return on && n > 1 && !lead_in_process(d, n);
 }
 

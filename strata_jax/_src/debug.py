@@ -25,7 +25,18 @@ _last_algo: dict[str, str] = {}
 
 
 def level() -> int:
-    return _LEVELS.get(os.environ.get("STRATA_DEBUG", "").upper(), 0)
+    """``STRATA_DEBUG``: 0 when unset or empty, 1 for ``INFO``, 2 for ``DEBUG``/``TRACE``
+    (any case).
+
+    Raises:
+      ValueError: naming the variable and the levels to give, for any other value.
+    """
+    v = os.environ.get("STRATA_DEBUG", "").strip()
+    if not v:
+        return 0
+    if v.upper() not in _LEVELS:
+        raise ValueError(f"STRATA_DEBUG={v!r}: give INFO, DEBUG or TRACE, or leave it unset")
+    return _LEVELS[v.upper()]
 
 
 def _rank() -> int:

@@ -9,6 +9,7 @@ its launch thread pool then (see ``configure_launch_threads``).
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
 import warnings
@@ -166,43 +167,98 @@ def _backend_initialized() -> bool:
     return jax_compat.backends_created()
 
 
-def env_bytes(name: str, default: int, example: str) -> int:
+def env_bytes(name: str, default: int, example: str, minimum: int = 0) -> int:
     """A byte count from the environment variable ``name``: digits with an optional K/M/G
-    suffix (powers of 1024), >= 0; ``default`` when unset or empty.
+    suffix (powers of 1024), >= ``minimum``; ``default`` when unset or empty.
 
     Raises:
-      ValueError: naming the variable and ``example`` (e.g. ``"1M; 0: off"``) when the value
-        is not such a count (``1.5M``, ``-1``, ``foo``).
+      ValueError: naming the variable, the value and ``example`` (e.g. ``"1M; 0: off"``) when
+        the value is not such a count (``1.5M``, ``-1``, ``foo``) or is below ``minimum``.
     """
     v = os.environ.get(name, "").strip()
     if not v:
         return default
     scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(v[-1:].upper(), 1)
     digits = v[:-1] if scale > 1 else v
-    if not digits.isdigit():
-        raise ValueError(f"{name}={v!r}: give a number of bytes, K/M/G allowed (e.g. {example})")
+    if not digits.isdigit() or int(digits) * scale < minimum:
+        least = f" >= {minimum}" if minimum else ""
+        raise ValueError(
+            f"{name}={v!r}: give a number of bytes{least}, K/M/G allowed (e.g. {example})"
+        )
     return int(digits) * scale
+
+
+def env_count(name: str, default: int, example: str) -> int:
+    """A whole number >= 0 (digits only) from the environment variable ``name`` (spin and
+    yield rounds, milliseconds); ``default`` when unset or empty.
+
+    Raises:
+      ValueError: naming the variable, the value and ``example`` (e.g. ``"2000"``) when the
+        value is not such a number (``-3``, ``abc``, ``1.5``).
+    """
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    if not v.isdigit():
+        raise ValueError(f"{name}={v!r}: give a whole number >= 0 (e.g. {example})")
+    return int(v)
+
+
+def env_bool(name: str, default: bool, meaning: str) -> bool:
+    """An on/off setting from the environment variable ``name``: ``1`` (on) or ``0`` (off);
+    ``default`` when unset or empty.
+
+    Raises:
+      ValueError: naming the variable, the value and ``meaning`` (what ``0`` or ``1`` does)
+        for any other value (``maybe``, ``2``, ``on``).
+    """
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    if v not in ("0", "1"):
+        raise ValueError(f"{name}={v!r}: give 1 or 0 ({meaning})")
+    return v == "1"
 
 
 # Byte settings the native library reads from the environment itself (native/common/env.cc,
 # env_bytes): checked here at first use, so that a value it cannot read is an error instead of
 # a path silently turned off.
 _NATIVE_BYTE_SETTINGS = {
-    "STRATA_LL_BYTES": "64K; 0: no low-latency path",
-    "STRATA_LL_STAGE_BYTES": "1M; 0 (default): no staged form",
-    "STRATA_STREAM_BYTES": "4M (native/coll/kernels.cc)",
-    "STRATA_TWO_SHOT_BYTES": "1K (native/fabric/inproc.cc)",
-    "STRATA_ALLOC_KEEP_BYTES": "16M (native/fabric/shm_link.cc)",
+    "STRATA_LL_BYTES": "64K, the default; 0: no low-latency path",
+    "STRATA_LL_STAGE_BYTES": "1M; 0 (the default): no staged form",
+    "STRATA_DIRECT_BYTES": "4K, the default",
+    "STRATA_STREAM_BYTES": "2M, the default",
+    "STRATA_TWO_SHOT_BYTES": "1K, the default",
+    "STRATA_ALLOC_KEEP_BYTES": "256M; unset: 1/32 of the host's memory over the fabric's "
+    "processes, at least 16M",
+}
+# On/off settings the native library reads itself (native/common/env.cc, env_flag), with their
+# default and what 1 and 0 do.
+_NATIVE_BOOL_SETTINGS = {
+    "STRATA_STATS": (True, "1, the default: per-operator counters; 0: off"),
+    "STRATA_THP": (True, "1, the default: huge-page advice on large outputs; 0: none"),
+    "STRATA_INPROC_PAIRS": (True, "1, the default: pairwise all_to_all in one process; 0: off"),
+    "STRATA_PREFAULT": (False, "1: fault in a peer's segment on mapping; 0, the default: no"),
+    "STRATA_ALLOC_DISABLE": (
+        False,
+        "1: the allocator serves everything from glibc; 0: it does not",
+    ),
+}
+# Counts the native library reads itself (native/common/env.cc, env_count).
+_NATIVE_COUNT_SETTINGS = {
+    "STRATA_LL_SPINS": "2000, the default; 100 with more processes than cores",
+    "STRATA_LL_YIELDS": "4, the default",
+    "STRATA_SHM_SPINS": "64, the default",
+    "STRATA_SHM_YIELDS": "16, the default; 4 with more processes than cores",
 }
 # The allocator's sizes (native/alloc/interpose.cc, read at its first allocation): it takes
 # digits with an optional K/M/G and ignores anything after, and falls back to its default on
 # anything else, so a value it cannot read is reported here, at first use.
 _ALLOC_BYTE_SETTINGS = {
-    "STRATA_ALLOC_THRESHOLD": "64K",
-    "STRATA_ALLOC_CACHE_BYTES": "1G",
-    "STRATA_ALLOC_SEGMENT_BYTES": "64M",
+    "STRATA_ALLOC_THRESHOLD": "64K, the default",
+    "STRATA_ALLOC_CACHE_BYTES": "1G, the default",
+    "STRATA_ALLOC_SEGMENT_BYTES": "64M, the default",
     "STRATA_ALLOC_RESERVE_BYTES": "128M; 0: no reserve",
-    "STRATA_ALLOC_RESERVE_DELAY_MS": "200 (milliseconds)",
 }
 _ALLOC_BYTES_RE = re.compile(r"\d+([KMGkmg](i?[Bb])?|[Bb])?")
 _env_checked = False
@@ -212,6 +268,10 @@ def _check_native_env() -> None:
     global _env_checked
     for name, example in _NATIVE_BYTE_SETTINGS.items():
         env_bytes(name, 0, example)
+    for name, (default, meaning) in _NATIVE_BOOL_SETTINGS.items():
+        env_bool(name, default, meaning)
+    for name, example in _NATIVE_COUNT_SETTINGS.items():
+        env_count(name, 0, example)
     for name, example in _ALLOC_BYTE_SETTINGS.items():
         v = os.environ.get(name, "").strip()
         if v and not _ALLOC_BYTES_RE.fullmatch(v):
@@ -219,6 +279,16 @@ def _check_native_env() -> None:
                 f"{name}={v!r}: give a number of bytes, K/M/G allowed (e.g. {example}); the "
                 "allocator ignored it and used its default"
             )
+    # A segment of 0 bytes is none: the allocator would quietly use its smallest segment.
+    v = os.environ.get("STRATA_ALLOC_SEGMENT_BYTES", "").strip()
+    if v and int(re.match(r"\d+", v).group()) == 0:
+        raise ValueError(
+            f"STRATA_ALLOC_SEGMENT_BYTES={v!r}: give a number of bytes > 0, K/M/G allowed "
+            "(e.g. 64M, the default)"
+        )
+    env_count(
+        "STRATA_ALLOC_RESERVE_DELAY_MS", 200, "200 milliseconds, the default; 0: refill at once"
+    )
     v = os.environ.get("STRATA_TIMEOUT_S", "").strip()
     if v:
         try:
@@ -268,13 +338,28 @@ def get_timeout() -> float:
     return float(native().get_timeout())
 
 
+def _check_nbytes(nbytes) -> None:
+    """A threshold in bytes must be an integer (Python's or numpy's): ``"abc"`` used to fail
+    with a bare comparison TypeError."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral):
+        raise TypeError(
+            f"threshold must be an integer number of bytes (e.g. 1024), got "
+            f"{type(nbytes).__name__} {nbytes!r}"
+        )
+
+
 def set_two_shot_threshold(nbytes: int) -> None:
     """Sets the per-rank size (bytes) from which all-reduce runs two-shot instead of one-shot.
 
     Args:
       nbytes: threshold in bytes (>= 0); ``STRATA_TWO_SHOT_BYTES`` sets it at start-up.
         Takes effect for calls that start after it.
+
+    Raises:
+      TypeError: if ``nbytes`` is not an integer.
+      ValueError: if ``nbytes`` is negative.
     """
+    _check_nbytes(nbytes)
     if nbytes < 0:
         raise ValueError(f"threshold must be >= 0 bytes, got {nbytes}")
     native().set_two_shot_bytes(int(nbytes))
@@ -294,7 +379,12 @@ def set_low_latency_threshold(nbytes: int) -> None:
         ``STRATA_LL_BYTES`` sets it at start-up (default 64 KiB). A communicator (group of
         devices) takes the value of the process that first calls a collective on it and keeps
         it, so every rank of it agrees: set it before the first collective on a group.
+
+    Raises:
+      TypeError: if ``nbytes`` is not an integer.
+      ValueError: if ``nbytes`` is negative.
     """
+    _check_nbytes(nbytes)
     if nbytes < 0:
         raise ValueError(f"threshold must be >= 0 bytes, got {nbytes}")
     native().set_ll_bytes(int(nbytes))

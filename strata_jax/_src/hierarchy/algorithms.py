@@ -5,8 +5,6 @@ jnp and lowered with ``mlir.lower_fun``; see the package's docstring for each on
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,7 +56,9 @@ def _ring_psum() -> bool:
     """``STRATA_RING_PSUM=0`` (read when a program is lowered): the two-fabric psum crosses in
     the two one-way rounds of :func:`_exchange` instead of along :func:`_ring` (the form before
     the ring, kept for A/B measurements)."""
-    return os.environ.get("STRATA_RING_PSUM", "1") != "0"
+    return runtime.env_bool(
+        "STRATA_RING_PSUM", True, "1, the default: along the ring; 0: two one-way rounds"
+    )
 
 
 def _nbytes(x) -> int:

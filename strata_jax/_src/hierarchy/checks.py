@@ -4,7 +4,6 @@ before any byte of it moves, not wrong values or a hang.
 
 from __future__ import annotations
 
-import os
 import re
 import zlib
 
@@ -33,7 +32,7 @@ def check_on() -> bool:
     """``STRATA_CHECK_ACROSS_FABRICS=0`` (read when a call is lowered) leaves the descriptor
     check out (one small XLA all_gather less per call; ranks that disagree then get gloo's
     abort or wrong values, as before the check existed)."""
-    return os.environ.get(ENV_CHECK, "1") != "0"
+    return runtime.env_bool(ENV_CHECK, True, "1, the default: check; 0: leave the check out")
 
 
 def lower_checked(fn, ctx, args, multiple_results: bool, p: Plan, op: str, extra, aval):
