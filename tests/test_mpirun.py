@@ -112,7 +112,9 @@ def test_mpirun_misuse_fails_with_the_fix(tmp_path, body, expected):
     r, _ = _run(mpirun_cmd(2, sys.executable, str(script)), timeout=120)
     assert r.returncode != 0, r.stdout
     assert "result" not in r.stdout and "no error" not in r.stdout, r.stdout
-    assert r.stderr.count(expected) >= 2, r.stderr[-3000:]  # each rank says it
+    # Each rank raises it, but mpirun kills the job as soon as the first rank exits non-zero
+    # (Open MPI 5's prterun often before the second rank has printed): at least one says it.
+    assert r.stderr.count(expected) >= 1, r.stderr[-3000:]
     if body is FORGOT_INIT:
         assert "OMPI_COMM_WORLD_SIZE=2" in r.stderr, r.stderr[-3000:]
     else:
