@@ -882,3 +882,23 @@ def test_shape_mismatch_across_hosts_is_an_error(link):
     for op in ("psum", "all_gather", "all_to_all", "psum_scatter", "moe.dispatch", "moe.combine"):
         assert r.stdout.count(f"MISMATCH {op} ") >= 4, out[-3000:]
     assert r.stdout.count("OK mismatch 6") == 4, out[-3000:]
+
+
+def test_timeout_on_other_host_names_job_processes():
+    """launch -n 4 --hosts 2: process 3 never calls a psum inside host 1; process 2's timeout
+    names the job's processes (2 reporting, 3 missing) and the missing rank's device, on the
+    low-latency and the general path. Before: each host's fabric numbers its processes from 0,
+    and the message said "process 0" for process 2 and named no device for the missing rank."""
+    r = _launch(["-n", "4", "--hosts", "2"], "stuck_rank_hosts.py", timeout=150)
+    out = r.stdout + r.stderr
+    assert r.stdout.count("DONE") == 4, out[-4000:]
+    dev = {int(m[1]): m[2] for m in re.finditer(r"\[rank (\d)\] DEVICE (\d+)", r.stdout)}
+    for rank in (0, 1):
+        assert r.stdout.count(f"[rank {rank}] OK ") == 2, out[-4000:]
+    raised = [ln for ln in r.stdout.splitlines() if ln.startswith("[rank 2] RAISED ")]
+    assert len(raised) == 2, out[-4000:]
+    for ln in raised:
+        assert "psum: timed out after 3 s" in ln and "waiting for rank(s) [1]" in ln, ln
+        assert f"reported by rank 0 (partition 2, device {dev[2]}, process 2)" in ln, ln
+        assert f"where the missing run: rank 1 (device {dev[3]}, process 3)" in ln, ln
+    assert "[rank 3] RAISED" not in r.stdout, out[-4000:]

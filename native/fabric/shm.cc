@@ -276,7 +276,7 @@ std::string ShmTeam::barrier(const char* phase) {
         if (!dead.empty()) {
           fail(std::string("strata_jax ") + op_name_ + ": " + dead + " in phase '" + phase +
                "' (group of " + std::to_string(size_) + "; reported by rank " +
-               std::to_string(rank_) + ", process " + std::to_string(f_->proc()) +
+               std::to_string(rank_) + ", process " + std::to_string(f_->job_proc(f_->proc())) +
                "). The job cannot complete this collective.");
           return true;
         }
@@ -300,8 +300,10 @@ std::string ShmTeam::barrier(const char* phase) {
   std::ostringstream os;
   os << timed_out_waiting(op_name_, phase, missing) << " of a group of " << size_ << " (execution #"
      << slot_->exec << " on communicator " << std::hex << slot_->comm << std::dec
-     << "); reported by rank " << rank_ << " (partition " << partition_ << ", process "
-     << f_->proc() << ")";
+     << "); reported by rank " << rank_ << " (partition " << partition_ << ", device " << device_
+     << ", process " << f_->job_proc(f_->proc()) << ")";
+  const std::string where = f_->ranks_where(missing, member_parts_, device_ids_);
+  if (!where.empty()) os << "; where the missing run: " << where;
   std::string dead = f_->dead_peers();
   if (!dead.empty()) os << "; process(es) " << dead << " disconnected (exited or killed)";
   os << ". A peer never reached this collective: check that every device executes the same "
@@ -318,7 +320,7 @@ std::string ShmTeam::dead_members() const {
     const int p = f_->device_proc(dev);
     if (p < 0 || p == f_->proc() || f_->peer_alive(p)) continue;
     out += (out.empty() ? "rank " : ", rank ") + std::to_string(j) + " (device " +
-           std::to_string(dev) + ", process " + std::to_string(p) + ")";
+           std::to_string(dev) + ", process " + std::to_string(f_->job_proc(p)) + ")";
   }
   return out.empty() ? out : out + " exited or was killed before reaching this collective";
 }

@@ -293,10 +293,20 @@ class ShmFabric {
   char* translate(int proc, uint64_t seg, uint64_t off, uint64_t bytes, Clock::time_point deadline,
                   std::string* err);
   bool peer_alive(int proc) const;
-  // Which process owns a global device (-1: unknown). Set once from Python before connect().
-  void set_device_procs(const std::vector<int64_t>& devices, const std::vector<int>& procs);
+  // Which process of this fabric owns a global device (-1: unknown), and the job's process
+  // index of each of this fabric's processes (`job_procs[proc]`; empty: the same numbers, one
+  // fabric). Set once from Python before connect().
+  void set_device_procs(const std::vector<int64_t>& devices, const std::vector<int>& procs,
+                        const std::vector<int>& job_procs);
   int device_proc(int64_t device) const;
-  std::string dead_peers() const;  // peers whose link closed ("1, 3"), cleanly or not
+  // The job's process index of fabric process `proc`: what messages name. Across several
+  // fabrics (hosts) the fabric's own numbering restarts at 0 on each, which no user can map.
+  int job_proc(int proc) const;
+  // For a message: where the group's ranks `ranks` live, "rank 1 (device 3, process 3), ...",
+  // from the group's members (Placement::member_parts, device_ids; empty when not known).
+  std::string ranks_where(const std::vector<int>& ranks, const int64_t* member_parts,
+                          const int64_t* device_ids) const;
+  std::string dead_peers() const;  // job processes whose link closed ("1, 3"), cleanly or not
   std::string left_peers() const;  // of those, the ones that said kBye first (a normal exit)
   // For memory_stats(): the OS process id at the other end of each link (SO_PEERCRED, attested
   // by the kernel; 0 for self), and the peer segments mapped here per owner (count, bytes).
@@ -345,6 +355,7 @@ class ShmFabric {
 
   int proc_ = -1, nprocs_ = 0;
   std::unordered_map<int64_t, int> device_proc_;  // written before connect(), then read-only
+  std::vector<int> job_procs_;                    // written before connect(), then read-only
   RegMode mode_ = RegMode::kOnAlloc;
   int listen_fd_ = -1;
   std::string socket_path_;

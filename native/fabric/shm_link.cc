@@ -239,8 +239,8 @@ std::string ShmFabric::connect(int proc, int nprocs, const std::vector<std::stri
     while (::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
       if ((errno != ECONNREFUSED && errno != ENOENT && errno != EAGAIN) ||
           Clock::now() > deadline) {
-        std::string e =
-            errno_str(("connect to process " + std::to_string(j) + " at " + paths[j]).c_str());
+        std::string e = errno_str(
+            ("connect to process " + std::to_string(job_proc(j)) + " at " + paths[j]).c_str());
         close(s);
         return e;
       }
@@ -389,7 +389,7 @@ std::string ShmFabric::send_fd(int peer, uint32_t type, uint64_t id, uint64_t si
       alive_[peer].store(false, std::memory_order_release);
       return {};  // a dead peer needs no memory; its collectives fail with a timeout
     }
-    return errno_str(("sending a segment to process " + std::to_string(peer)).c_str());
+    return errno_str(("sending a segment to process " + std::to_string(job_proc(peer))).c_str());
   }
   return {};
 }
@@ -435,11 +435,29 @@ std::vector<std::pair<uint64_t, uint64_t>> ShmFabric::mapped_by_owner() const {
   return out;
 }
 
-void ShmFabric::set_device_procs(const std::vector<int64_t>& devices,
-                                 const std::vector<int>& procs) {
+void ShmFabric::set_device_procs(const std::vector<int64_t>& devices, const std::vector<int>& procs,
+                                 const std::vector<int>& job_procs) {
   device_proc_.clear();
   for (size_t i = 0; i < devices.size() && i < procs.size(); ++i)
     device_proc_[devices[i]] = procs[i];
+  job_procs_ = job_procs;
+}
+
+int ShmFabric::job_proc(int proc) const {
+  return proc >= 0 && static_cast<size_t>(proc) < job_procs_.size() ? job_procs_[proc] : proc;
+}
+
+std::string ShmFabric::ranks_where(const std::vector<int>& ranks, const int64_t* member_parts,
+                                   const int64_t* device_ids) const {
+  if (!member_parts || !device_ids) return {};
+  std::string out;
+  for (int r : ranks) {
+    const int64_t dev = device_ids[member_parts[r]];
+    const int p = device_proc(dev);
+    out += (out.empty() ? "rank " : ", rank ") + std::to_string(r) + " (device " +
+           std::to_string(dev) + (p < 0 ? "" : ", process " + std::to_string(job_proc(p))) + ")";
+  }
+  return out;
 }
 
 int ShmFabric::device_proc(int64_t device) const {
@@ -454,7 +472,7 @@ bool ShmFabric::peer_alive(int proc) const {
 std::string ShmFabric::dead_peers() const {
   std::string s;
   for (int j = 0; j < nprocs_; ++j)
-    if (j != proc_ && !peer_alive(j)) s += (s.empty() ? "" : ", ") + std::to_string(j);
+    if (j != proc_ && !peer_alive(j)) s += (s.empty() ? "" : ", ") + std::to_string(job_proc(j));
   return s;
 }
 
@@ -462,7 +480,7 @@ std::string ShmFabric::left_peers() const {
   std::string s;
   for (int j = 0; j < nprocs_; ++j)
     if (j != proc_ && left_ && left_[j].load(std::memory_order_acquire))
-      s += (s.empty() ? "" : ", ") + std::to_string(j);
+      s += (s.empty() ? "" : ", ") + std::to_string(job_proc(j));
   return s;
 }
 
@@ -499,7 +517,7 @@ char* ShmFabric::translate(int proc, uint64_t seg, uint64_t off, uint64_t bytes,
     return nullptr;
   }
   if (it == mapped_.end()) {
-    *err = "segment " + std::to_string(seg) + " of process " + std::to_string(proc) +
+    *err = "segment " + std::to_string(seg) + " of process " + std::to_string(job_proc(proc)) +
            (peer_alive(proc) ? " was never registered here (timed out)"
                              : ": the process disconnected (exited or killed)");
     return nullptr;

@@ -367,13 +367,13 @@ std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* 
       const int p = f_->device_proc(dev);
       if (p < 0 || p == f_->proc() || f_->peer_alive(p)) continue;
       dead += (dead.empty() ? "rank " : ", rank ") + std::to_string(j) + " (device " +
-              std::to_string(dev) + ", process " + std::to_string(p) + ")";
+              std::to_string(dev) + ", process " + std::to_string(f_->job_proc(p)) + ")";
     }
     if (!dead.empty()) {
       return std::string("strata_jax ") + op_name_ + ": " + dead +
              " exited or was killed before reaching this collective in phase '" + phase +
              "' (group of " + std::to_string(size_) + "; reported by rank " +
-             std::to_string(rank_) + ", process " + std::to_string(f_->proc()) +
+             std::to_string(rank_) + ", process " + std::to_string(f_->job_proc(f_->proc())) +
              "). The job cannot complete this collective.";
     }
     // A peer that took the general path for this call (its size is above the threshold).
@@ -845,7 +845,9 @@ std::string ShmLlTeam::missing_message(const char* phase, const std::vector<int>
   os << timed_out_waiting(op_name_, phase, missing) << " of a group of " << size_ << " (execution #"
      << exec_ << " on communicator " << std::hex << comm_ << std::dec
      << ", low-latency path); reported by rank " << rank_ << " (partition " << partition_
-     << ", process " << f_->proc() << ")";
+     << ", device " << device_ << ", process " << f_->job_proc(f_->proc()) << ")";
+  const std::string where = f_->ranks_where(missing, member_parts_, device_ids_);
+  if (!where.empty()) os << "; where the missing run: " << where;
   std::string dead = f_->dead_peers();
   if (!dead.empty()) os << "; process(es) " << dead << " disconnected (exited or killed)";
   if (std::strcmp(phase, "reuse") == 0)

@@ -242,10 +242,11 @@ NB_MODULE(_strata, m) {
       nb::arg("dir"), nb::arg("process_id"));
   m.def(
       "fabric_set_device_procs",
-      [](const std::vector<int64_t>& devices, const std::vector<int>& procs) {
-        strata::ShmFabric::instance().set_device_procs(devices, procs);
+      [](const std::vector<int64_t>& devices, const std::vector<int>& procs,
+         const std::vector<int>& job_procs) {
+        strata::ShmFabric::instance().set_device_procs(devices, procs, job_procs);
       },
-      nb::arg("devices"), nb::arg("processes"));
+      nb::arg("devices"), nb::arg("processes"), nb::arg("job_processes") = std::vector<int>{});
   m.def(
       "fabric_connect",
       [](int proc, int nprocs, const std::vector<std::string>& paths, const std::string& mode) {

@@ -807,13 +807,14 @@ def _connect_fabric(native, start: _Startup, pid: int, members: tuple[int, ...],
     try:
         # Which process owns each device: a collective that waits for a rank whose process
         # disconnected fails at once instead of at the timeout. The native fabric numbers the
-        # members of this fabric 0..len(members)-1; other fabrics' devices are not listed.
+        # members of this fabric 0..len(members)-1 (other fabrics' devices are not listed); its
+        # messages name the job's process indices (``members``), as the user knows them.
         import jax
 
         local = {p: i for i, p in enumerate(members)}
         devices = [d for d in jax.devices() if d.process_index in local]
         native.fabric_set_device_procs(
-            [d.id for d in devices], [local[d.process_index] for d in devices]
+            [d.id for d in devices], [local[d.process_index] for d in devices], list(members)
         )
         path = native.fabric_listen(run_dir, pid)
         start.set(f"{_KV_PREFIX}/path/{pid}", path)
