@@ -30,16 +30,27 @@ inline A op_sum(A a, A b) {
   }
 }
 // IEEE-754 maximum/minimum: NaN if either operand is NaN; on ties (+0 vs -0) the first operand,
-// like std::max. One select on the OR of two compares (a NaN: both false -> a; b NaN -> b), which
-// GCC 12 and 14 both vectorize (cmpps, or, blendvps). Two selects in a row (`b > a ? b : a`, then
-// `b != b ? b : r`) vectorized with GCC 12 (maxps + a blend) but not with GCC 14 (Debian trixie,
-// where JAX 0.12 runs): its scalar loops made pmax/pmin of 256 KiB over 8 devices 2.2x slower in
-// the kernel (106 vs 47 us for 8 x 64 Ki floats) and 0.82x jax.lax in benchmarks/collectives.py.
+// like std::max. Floats: take b when b is greater (less) or NaN. How that is written decides
+// whether GCC vectorizes the loops (measured on 8 x 64 Ki floats, AVX2): GCC 12 turns two selects
+// in a row (`b > a ? b : a`, then `b != b ? b : r`) into maxps + a blend (47 us) but leaves them
+// scalar with GCC 14, Debian trixie's, where JAX 0.12 runs (106 us: pmax of 256 KiB over 8
+// devices 0.82x jax.lax); one select on the OR of both compares vectorizes with both (cmpps,
+// or, blendvps: 52 us with GCC 14, 51 us with GCC 12, where it cost pmax 1-3 % at 256 KiB).
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#define STRATA_MINMAX_TWO_SELECTS 1
+#else
+#define STRATA_MINMAX_TWO_SELECTS 0
+#endif
 template <class A>
 inline A op_max(A a, A b) {
   if constexpr (std::is_floating_point_v<A>) {
+#if STRATA_MINMAX_TWO_SELECTS
+    const A r = b > a ? b : a;  // a NaN: the compare is false -> a
+    return b != b ? b : r;      // b NaN -> b
+#else
     const bool take_b = (b > a) | (b != b);
     return take_b ? b : a;
+#endif
   } else {
     return b > a ? b : a;
   }
@@ -47,8 +58,13 @@ inline A op_max(A a, A b) {
 template <class A>
 inline A op_min(A a, A b) {
   if constexpr (std::is_floating_point_v<A>) {
+#if STRATA_MINMAX_TWO_SELECTS
+    const A r = b < a ? b : a;
+    return b != b ? b : r;
+#else
     const bool take_b = (b < a) | (b != b);
     return take_b ? b : a;
+#endif
   } else {
     return b < a ? b : a;
   }
