@@ -307,7 +307,8 @@ std::string ShmTeam::barrier(const char* phase) {
   std::string dead = f_->dead_peers();
   if (!dead.empty()) os << "; process(es) " << dead << " disconnected (exited or killed)";
   os << ". A peer never reached this collective: check that every device executes the same "
-        "sequence of collectives, or raise strata_jax.set_timeout().";
+        "sequence of collectives, or raise strata_jax.set_timeout()."
+     << f_->across_fabrics_hint();
   return fail(os.str());
 }
 

@@ -297,7 +297,7 @@ class ShmFabric {
   // index of each of this fabric's processes (`job_procs[proc]`; empty: the same numbers, one
   // fabric). Set once from Python before connect().
   void set_device_procs(const std::vector<int64_t>& devices, const std::vector<int>& procs,
-                        const std::vector<int>& job_procs);
+                        const std::vector<int>& job_procs, int fabrics);
   int device_proc(int64_t device) const;
   // The job's process index of fabric process `proc`: what messages name. Across several
   // fabrics (hosts) the fabric's own numbering restarts at 0 on each, which no user can map.
@@ -306,6 +306,9 @@ class ShmFabric {
   // from the group's members (Placement::member_parts, device_ids; empty when not known).
   std::string ranks_where(const std::vector<int>& ranks, const int64_t* member_parts,
                           const int64_t* device_ids) const;
+  // For a timeout message in a job of several fabrics (hosts): why the rank named missing may
+  // not be the one at fault (empty with one fabric).
+  std::string across_fabrics_hint() const;
   std::string dead_peers() const;  // job processes whose link closed ("1, 3"), cleanly or not
   std::string left_peers() const;  // of those, the ones that said kBye first (a normal exit)
   // For memory_stats(): the OS process id at the other end of each link (SO_PEERCRED, attested
@@ -356,6 +359,7 @@ class ShmFabric {
   int proc_ = -1, nprocs_ = 0;
   std::unordered_map<int64_t, int> device_proc_;  // written before connect(), then read-only
   std::vector<int> job_procs_;                    // written before connect(), then read-only
+  int fabrics_ = 1;                               // the job's fabrics; as job_procs_
   RegMode mode_ = RegMode::kOnAlloc;
   int listen_fd_ = -1;
   std::string socket_path_;

@@ -436,11 +436,20 @@ std::vector<std::pair<uint64_t, uint64_t>> ShmFabric::mapped_by_owner() const {
 }
 
 void ShmFabric::set_device_procs(const std::vector<int64_t>& devices, const std::vector<int>& procs,
-                                 const std::vector<int>& job_procs) {
+                                 const std::vector<int>& job_procs, int fabrics) {
   device_proc_.clear();
   for (size_t i = 0; i < devices.size() && i < procs.size(); ++i)
     device_proc_[devices[i]] = procs[i];
   job_procs_ = job_procs;
+  fabrics_ = fabrics;
+}
+
+std::string ShmFabric::across_fabrics_hint() const {
+  if (fabrics_ <= 1) return {};
+  return " This job spans " + std::to_string(fabrics_) +
+         " fabrics (hosts), and a collective across them runs here as its steps within this "
+         "host (psum as psum_scatter, then all_gather): a rank missing here may itself be "
+         "waiting for a process on another host, which that host's processes name.";
 }
 
 int ShmFabric::job_proc(int proc) const {

@@ -856,7 +856,8 @@ std::string ShmLlTeam::missing_message(const char* phase, const std::vector<int>
     os << ". These peers never finished this collective.";
   else
     os << ". A peer never reached this collective: check that every device executes the same "
-          "sequence of collectives, or raise strata_jax.set_timeout().";
+          "sequence of collectives, or raise strata_jax.set_timeout()."
+       << f_->across_fabrics_hint();
   return os.str();
 }
 

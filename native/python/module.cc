@@ -243,10 +243,11 @@ NB_MODULE(_strata, m) {
   m.def(
       "fabric_set_device_procs",
       [](const std::vector<int64_t>& devices, const std::vector<int>& procs,
-         const std::vector<int>& job_procs) {
-        strata::ShmFabric::instance().set_device_procs(devices, procs, job_procs);
+         const std::vector<int>& job_procs, int fabrics) {
+        strata::ShmFabric::instance().set_device_procs(devices, procs, job_procs, fabrics);
       },
-      nb::arg("devices"), nb::arg("processes"), nb::arg("job_processes") = std::vector<int>{});
+      nb::arg("devices"), nb::arg("processes"), nb::arg("job_processes") = std::vector<int>{},
+      nb::arg("fabrics") = 1);
   m.def(
       "fabric_connect",
       [](int proc, int nprocs, const std::vector<std::string>& paths, const std::string& mode) {

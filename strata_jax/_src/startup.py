@@ -630,7 +630,7 @@ def init(
     _check_limits(start, pid, n, members)
     if len(members) > 1:
         mode = _mode_in_effect(native, mode)
-        _connect_fabric(native, start, pid, members, mode)
+        _connect_fabric(native, start, pid, members, mode, len(fmap.names))
     if _engine.active():
         _engine_after_fabric(native, n, members)
     elif pid == 0:
@@ -786,7 +786,9 @@ def _mode_in_effect(native, mode: str) -> str:
     return "staging"
 
 
-def _connect_fabric(native, start: _Startup, pid: int, members: tuple[int, ...], mode: str):
+def _connect_fabric(
+    native, start: _Startup, pid: int, members: tuple[int, ...], mode: str, fabrics: int = 1
+):
     """Connects the shared-memory fabric among ``members`` (process indices of one fabric).
 
     The native fabric numbers its processes 0..len(members)-1 in process order; the first
@@ -814,7 +816,10 @@ def _connect_fabric(native, start: _Startup, pid: int, members: tuple[int, ...],
         local = {p: i for i, p in enumerate(members)}
         devices = [d for d in jax.devices() if d.process_index in local]
         native.fabric_set_device_procs(
-            [d.id for d in devices], [local[d.process_index] for d in devices], list(members)
+            [d.id for d in devices],
+            [local[d.process_index] for d in devices],
+            list(members),
+            fabrics,
         )
         path = native.fabric_listen(run_dir, pid)
         start.set(f"{_KV_PREFIX}/path/{pid}", path)
