@@ -327,3 +327,32 @@ MISUSE_CASES = [
     (FORGOT_INIT, "Call strata_jax.init() first"),
     (INIT_AFTER_JAX, "call strata_jax.init() before any other use of jax"),
 ]
+
+
+def run_launcher(
+    args: list[str],
+    script: str,
+    *sargs: str,
+    tmpdir: Path | None = None,
+    timeout=240,
+    extra_env: dict[str, str] | None = None,
+):
+    """Runs ``python -m strata_jax.launch --grace 1 <args> <script> <sargs>`` to its end from
+    the package's parent folder with the tests' XLA flags and no STRATA_/JAX_ settings of the
+    caller's; returns the CompletedProcess (stdout and stderr apart). ``tmpdir``: the job's
+    TMPDIR (short paths for the fabric's sockets)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("STRATA_", "XLA_FLAGS", "JAX_", "LD_PRELOAD"))
+    }
+    env.update(extra_env or {})
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # as tests/_mp_util.TEST_XLA_FLAGS
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PKG_PARENT, env.get("PYTHONPATH")]))
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
+    cmd = [sys.executable, "-m", "strata_jax.launch", "--grace", "1", *args]
+    cmd += [str(SCRIPTS / script), *sargs]
+    return subprocess.run(
+        cmd, env=env, cwd=PKG_PARENT, capture_output=True, text=True, timeout=timeout
+    )
