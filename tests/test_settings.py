@@ -53,6 +53,19 @@ def test_native_byte_settings_read_suffixes():
     assert out.stdout.split() == [str(3 << 20), str(2 << 10)]
 
 
+def _refused_at_first_call(monkeypatch, name: str, bad: str, message: str, anchored=False):
+    """Sets ``name=bad`` and expects the first strata call's ValueError naming both, then
+    ``message`` (a pattern); returns the runtime module for the caller's next checks."""
+    from strata_jax._src import runtime
+
+    monkeypatch.setenv(name, bad)
+    monkeypatch.setattr(runtime, "_env_checked", False)
+    start = "^" if anchored else ""
+    with pytest.raises(ValueError, match=f"{start}{name}='{re.escape(bad)}': {message}"):
+        runtime.native()
+    return runtime
+
+
 @pytest.mark.parametrize(
     "name,bad,message",
     [
@@ -68,12 +81,7 @@ def test_allocator_and_timeout_settings_are_checked(monkeypatch, name, bad, mess
     """The allocator falls back to its default on a size it cannot read, and the timeout to 300 s
     (a new user's ``STRATA_ALLOC_THRESHOLD=abc`` ran silently with 64K): both are an error at
     the first strata call naming the variable; the values they take pass."""
-    from strata_jax._src import runtime
-
-    monkeypatch.setenv(name, bad)
-    monkeypatch.setattr(runtime, "_env_checked", False)
-    with pytest.raises(ValueError, match=f"{name}='{re.escape(bad)}': .*{message}"):
-        runtime.native()
+    runtime = _refused_at_first_call(monkeypatch, name, bad, f".*{message}")
     good = "12.5" if name == "STRATA_TIMEOUT_S" else "64KB"
     monkeypatch.setenv(name, good)
     monkeypatch.setattr(runtime, "_env_checked", False)
@@ -108,12 +116,7 @@ def test_native_settings_refuse_values_they_cannot_read(monkeypatch, name, bad, 
     (``STRATA_STATS=maybe`` as on, ``STRATA_ALLOC_DISABLE=x`` as 1, ``STRATA_LL_YIELDS=-3``,
     ``STRATA_DIRECT_BYTES=foo`` as its default, a segment of 0 bytes): each is a ValueError at the
     first strata call naming the variable, the value and what to give."""
-    from strata_jax._src import runtime
-
-    monkeypatch.setenv(name, bad)
-    monkeypatch.setattr(runtime, "_env_checked", False)
-    with pytest.raises(ValueError, match=f"^{name}='{re.escape(bad)}': {re.escape(message)}"):
-        runtime.native()
+    runtime = _refused_at_first_call(monkeypatch, name, bad, re.escape(message), anchored=True)
     monkeypatch.delenv(name)
     runtime.native()
     assert runtime._env_checked

@@ -338,14 +338,17 @@ def get_timeout() -> float:
     return float(native().get_timeout())
 
 
-def _check_nbytes(nbytes) -> None:
-    """A threshold in bytes must be an integer (Python's or numpy's): ``"abc"`` used to fail
-    with a bare comparison TypeError."""
+def _check_nbytes(nbytes) -> int:
+    """A threshold in bytes must be an integer (Python's or numpy's; ``"abc"`` used to fail
+    with a bare comparison TypeError) and not negative. Returns it as an int."""
     if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral):
         raise TypeError(
             f"threshold must be an integer number of bytes (e.g. 1024), got "
             f"{type(nbytes).__name__} {nbytes!r}"
         )
+    if nbytes < 0:
+        raise ValueError(f"threshold must be >= 0 bytes, got {nbytes}")
+    return int(nbytes)
 
 
 def set_two_shot_threshold(nbytes: int) -> None:
@@ -359,10 +362,7 @@ def set_two_shot_threshold(nbytes: int) -> None:
       TypeError: if ``nbytes`` is not an integer.
       ValueError: if ``nbytes`` is negative.
     """
-    _check_nbytes(nbytes)
-    if nbytes < 0:
-        raise ValueError(f"threshold must be >= 0 bytes, got {nbytes}")
-    native().set_two_shot_bytes(int(nbytes))
+    native().set_two_shot_bytes(_check_nbytes(nbytes))
 
 
 def get_two_shot_threshold() -> int:
@@ -384,10 +384,7 @@ def set_low_latency_threshold(nbytes: int) -> None:
       TypeError: if ``nbytes`` is not an integer.
       ValueError: if ``nbytes`` is negative.
     """
-    _check_nbytes(nbytes)
-    if nbytes < 0:
-        raise ValueError(f"threshold must be >= 0 bytes, got {nbytes}")
-    native().set_ll_bytes(int(nbytes))
+    native().set_ll_bytes(_check_nbytes(nbytes))
 
 
 def get_low_latency_threshold() -> int:
