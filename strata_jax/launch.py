@@ -43,7 +43,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -131,12 +131,17 @@ def _mpi_lines(line: bytes, partial: dict[bytes, bytes]) -> list[tuple[bytes | N
 
 
 def _pump(
-    src: BinaryIO, dst: BinaryIO, prefix: bytes, lock: threading.Lock, relabel: bool = False
+    src: BinaryIO,
+    dst: BinaryIO,
+    prefix: bytes,
+    lock: threading.Lock,
+    relabel: bool = False,
+    seen: Callable[[bytes], None] | None = None,
 ) -> None:
     """Copies src to dst line by line, each line prefixed; a final partial line gets a newline.
     gloo's "Rank N is connected to M peer ranks" lines are dropped. With ``relabel`` (mpirun's
     --tag-output) each rank's lines are put back together and get ``[rank R] ``; mpirun's own
-    lines get ``prefix``."""
+    lines get ``prefix``. ``seen`` gets every line copied (the rank's error, _Rank.see)."""
     partial: dict[bytes, bytes] = {}
     try:
         for raw in iter(src.readline, b""):
@@ -147,6 +152,8 @@ def _pump(
                 if not line.endswith(b"\n"):
                     line += b"\n"
                 head = prefix if rank is None else b"[rank " + rank + b"] "
+                if seen is not None:
+                    seen(line)
                 with lock:
                     dst.write(head + line)
                     dst.flush()
@@ -177,6 +184,19 @@ class _Rank:
     pumps: list[threading.Thread] = field(default_factory=list)
     host: str | None = None  # the simulated host, where there are several
     label: str | None = None  # what the process is, where it is not one rank ("mpirun")
+    # The last line of the first Python traceback the rank printed, and when (monotonic s).
+    error: tuple[float, str] | None = None
+    _in_traceback: bool = False
+
+    def see(self, line: bytes) -> None:
+        """Reads the rank's stderr for its first uncaught exception ("ValueError: ...")."""
+        text = line.decode(errors="replace").rstrip()
+        if text.startswith("Traceback (most recent call last):"):
+            self._in_traceback = True
+        elif self._in_traceback and text and not text[0].isspace():
+            self._in_traceback = False
+            if self.error is None:
+                self.error = (time.monotonic(), text)
 
     def ended(self, code: int) -> str:
         """'rank 3 was killed by SIGKILL on host1' (the host where there are several)."""
@@ -234,8 +254,9 @@ class _Launch:
         r = _Rank(rank, proc, host=host, label=label)
         prefix = f"[{label}] ".encode() if label else f"[rank {rank}] ".encode()
         for src, dst in ((proc.stdout, out), (proc.stderr, self.err)):
+            seen = r.see if src is proc.stderr and not label else None
             t = threading.Thread(
-                target=_pump, args=(src, dst, prefix, self.lock, bool(label)), daemon=True
+                target=_pump, args=(src, dst, prefix, self.lock, bool(label), seen), daemon=True
             )
             t.start()
             r.pumps.append(t)
@@ -300,6 +321,7 @@ class _Launch:
                     c = r.proc.returncode
                     if r is not rank and c is not None and (c > 0 or c < 0 and r.index in gone):
                         self.message(f"{r.ended(c)} as well")
+                self._say_first_error()
                 return code if code > 0 else 128 - code
             elif all(c == 0 for c in codes):
                 return 0
@@ -308,6 +330,18 @@ class _Launch:
                 self.stop_all(self.grace)
                 return 124
             time.sleep(_POLL_S)
+
+    def _say_first_error(self) -> None:
+        """After a failure, the first uncaught exception any rank printed, which the traces of
+        the ranks stopped after it (XLA's check failures, hundreds of lines) bury."""
+        for r in self.ranks:  # the ranks are gone: their last lines are in the pipes
+            for t in r.pumps:
+                t.join(timeout=1.0)
+        errors = sorted((r.error, r.index) for r in self.ranks if r.error is not None)
+        if errors:
+            (_, text), index = errors[0]
+            cut = text if len(text) <= 600 else text[:600] + " ..."
+            self.message(f"the first error a rank raised: rank {index}: {cut}")
 
     def finish(self) -> None:
         """Kills whatever is left (ranks' children included) and drains the output."""

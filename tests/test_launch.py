@@ -102,6 +102,43 @@ def test_failed_rank_stops_the_others(tmp_path):
     assert elapsed < 10
 
 
+def test_first_error_is_said_last_when_a_crash_buries_it(tmp_path):
+    """Rank 2 prints an error (a chained exception: the first exception line is the root) and
+    waits; rank 0 then aborts with a long trace, the first rank to end (as when a peer's exit
+    takes down the coordinator and XLA aborts the others). The launcher names rank 0 first,
+    and its last line names rank 2's error."""
+    script = _script(
+        tmp_path,
+        """
+        import os, sys, time, traceback
+        rank = os.environ["STRATA_PROCESS_ID"]
+        if rank == "2":  # prints its error, then waits (as in a collective that never ends)
+            try:
+                try:
+                    raise KeyError("the real cause")
+                except KeyError:
+                    raise RuntimeError("while handling it")
+            except RuntimeError:
+                traceback.print_exc()
+                sys.stderr.flush()
+        if rank == "0":
+            time.sleep(1.0)
+            for i in range(300):
+                print(f"    @ 0x{i:012x}  some::frame()", file=sys.stderr)
+            os.abort()
+        time.sleep(60)
+        """,
+    )
+    r = _launch(["-n", "3", "--no-preload", "--grace", "2", script])
+    assert r.returncode != 0
+    said = [ln for ln in r.stderr.splitlines() if ln.startswith("strata-launch: ")]
+    assert said[0] == "strata-launch: rank 0 was killed by SIGABRT; stopping the other ranks"
+    assert (
+        said[-1]
+        == "strata-launch: the first error a rank raised: rank 2: KeyError: 'the real cause'"
+    )
+
+
 def test_rank_ignoring_sigterm_is_killed_after_grace(tmp_path):
     script = _script(
         tmp_path,

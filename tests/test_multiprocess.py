@@ -258,6 +258,11 @@ def test_uncaught_exception_on_one_rank_stops_everyone_quickly():
     assert r.returncode != 0
     assert "boom on rank 1" in out, out[-3000:]
     assert "rank 1 exited with code 1" in out, out[-3000:]
+    # Said again last, where the traces of the stopped ranks cannot bury it.
+    last = [ln for ln in r.stderr.splitlines() if ln.startswith("strata-launch: ")][-1]
+    assert (
+        last == "strata-launch: the first error a rank raised: rank 1: RuntimeError: boom on rank 1"
+    )
     assert time.time() - t < 60, f"took {time.time() - t:.0f} s"
 
 
