@@ -53,29 +53,16 @@ def test_native_byte_settings_read_suffixes():
     assert out.stdout.split() == [str(3 << 20), str(2 << 10)]
 
 
+_TIMEOUT_GIVE = "give the seconds a collective waits for its peers, a number > 0"
+_DELAY_GIVE = "give a whole number >= 0 (e.g. 200 milliseconds"
 # (variable, a value it cannot read, the start of what the error says to give, a value it takes)
 _REFUSED = [
     ("STRATA_ALLOC_THRESHOLD", "abc", "give a number of bytes", "64KB"),
     ("STRATA_ALLOC_CACHE_BYTES", "1.5G", "give a number of bytes", "64KB"),
     ("STRATA_ALLOC_RESERVE_BYTES", "-1", "give a number of bytes", "64KB"),
-    (
-        "STRATA_TIMEOUT_S",
-        "abc",
-        "give the seconds a collective waits for its peers, a number > 0",
-        "12.5",
-    ),
-    (
-        "STRATA_TIMEOUT_S",
-        "0",
-        "give the seconds a collective waits for its peers, a number > 0",
-        "12.5",
-    ),
-    (
-        "STRATA_TIMEOUT_S",
-        "inf",
-        "give the seconds a collective waits for its peers, a number > 0",
-        "12.5",
-    ),
+    ("STRATA_TIMEOUT_S", "abc", _TIMEOUT_GIVE, "12.5"),
+    ("STRATA_TIMEOUT_S", "0", _TIMEOUT_GIVE, "12.5"),
+    ("STRATA_TIMEOUT_S", "inf", _TIMEOUT_GIVE, "12.5"),
     ("STRATA_DIRECT_BYTES", "foo", "give a number of bytes, K/M/G allowed (e.g. 4K, the", "8K"),
     ("STRATA_STATS", "maybe", "give 1 or 0 (1, the default: per-operator counters; 0: off)", "0"),
     ("STRATA_THP", "x", "give 1 or 0", "0"),
@@ -87,13 +74,8 @@ _REFUSED = [
     ("STRATA_SHM_SPINS", "x", "give a whole number >= 0 (e.g. 64, the default)", "8"),
     ("STRATA_SHM_YIELDS", "x", "give a whole number >= 0 (e.g. 16, the default", "8"),
     ("STRATA_ALLOC_SEGMENT_BYTES", "0", "give a number of bytes > 0", "2M"),
-    ("STRATA_ALLOC_RESERVE_DELAY_MS", "x", "give a whole number >= 0 (e.g. 200 milliseconds", "50"),
-    (
-        "STRATA_ALLOC_RESERVE_DELAY_MS",
-        "1K",
-        "give a whole number >= 0 (e.g. 200 milliseconds",
-        None,
-    ),
+    ("STRATA_ALLOC_RESERVE_DELAY_MS", "x", _DELAY_GIVE, "50"),
+    ("STRATA_ALLOC_RESERVE_DELAY_MS", "1K", _DELAY_GIVE, None),
 ]
 
 

@@ -355,12 +355,11 @@ def set_two_shot_threshold(nbytes: int) -> None:
     """Sets the per-rank size (bytes) from which all-reduce runs two-shot instead of one-shot.
 
     Args:
-      nbytes: threshold in bytes (>= 0); ``STRATA_TWO_SHOT_BYTES`` sets it at start-up.
-        Takes effect for calls that start after it.
+      nbytes: threshold in bytes (>= 0), for the calls that start after this one;
+        ``STRATA_TWO_SHOT_BYTES`` sets it at start-up.
 
     Raises:
-      TypeError: if ``nbytes`` is not an integer.
-      ValueError: if ``nbytes`` is negative.
+      TypeError: if ``nbytes`` is not an integer; ValueError: if it is negative.
     """
     native().set_two_shot_bytes(_check_nbytes(nbytes))
 
