@@ -314,16 +314,15 @@ std::string ShmTeam::barrier(const char* phase) {
 
 std::string ShmTeam::dead_members() const {
   if (!member_parts_ || !device_ids_) return {};
-  std::string out;
+  std::vector<int> dead;  // allocates only when a rank is dead: this runs while waiting
   for (int j = 0; j < size_; ++j) {
     if (slot_->peer(j).reached.load(std::memory_order_acquire) >= barriers_) continue;
-    const int64_t dev = device_ids_[member_parts_[j]];
-    const int p = f_->device_proc(dev);
-    if (p < 0 || p == f_->proc() || f_->peer_alive(p)) continue;
-    out += (out.empty() ? "rank " : ", rank ") + std::to_string(j) + " (device " +
-           std::to_string(dev) + ", process " + std::to_string(f_->job_proc(p)) + ")";
+    const int p = f_->device_proc(device_ids_[member_parts_[j]]);
+    if (p >= 0 && p != f_->proc() && !f_->peer_alive(p)) dead.push_back(j);
   }
-  return out.empty() ? out : out + " exited or was killed before reaching this collective";
+  if (dead.empty()) return {};
+  return f_->ranks_where(dead, member_parts_, device_ids_) +
+         " exited or was killed before reaching this collective";
 }
 
 std::string ShmTeam::arrival_barrier(const OpDesc& desc) {

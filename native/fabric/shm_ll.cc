@@ -360,17 +360,15 @@ std::string ShmLlTeam::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* 
     const auto now = Clock::now();
     // A missing rank whose process disconnected (exited or was killed) never comes.
     std::vector<int> miss = missing();
-    std::string dead;
+    std::vector<int> dead;
     for (int j : miss) {
       if (!member_parts_ || !device_ids_) break;
-      const int64_t dev = device_ids_[member_parts_[j]];
-      const int p = f_->device_proc(dev);
-      if (p < 0 || p == f_->proc() || f_->peer_alive(p)) continue;
-      dead += (dead.empty() ? "rank " : ", rank ") + std::to_string(j) + " (device " +
-              std::to_string(dev) + ", process " + std::to_string(f_->job_proc(p)) + ")";
+      const int p = f_->device_proc(device_ids_[member_parts_[j]]);
+      if (p >= 0 && p != f_->proc() && !f_->peer_alive(p)) dead.push_back(j);
     }
     if (!dead.empty()) {
-      return std::string("strata_jax ") + op_name_ + ": " + dead +
+      return std::string("strata_jax ") + op_name_ + ": " +
+             f_->ranks_where(dead, member_parts_, device_ids_) +
              " exited or was killed before reaching this collective in phase '" + phase +
              "' (group of " + std::to_string(size_) + "; reported by rank " +
              std::to_string(rank_) + ", process " + std::to_string(f_->job_proc(f_->proc())) +

@@ -359,7 +359,9 @@ def set_two_shot_threshold(nbytes: int) -> None:
         ``STRATA_TWO_SHOT_BYTES`` sets it at start-up.
 
     Raises:
-      TypeError: if ``nbytes`` is not an integer; ValueError: if it is negative.
+      TypeError: if ``nbytes`` is not an integer: a string, a float or a bool is refused
+        (``"64K"`` is not read as a size here; give 65536).
+      ValueError: if ``nbytes`` is negative.
     """
     native().set_two_shot_bytes(_check_nbytes(nbytes))
 
