@@ -7,8 +7,8 @@ and a strata psum inside ``jax.shard_map`` sums over every device of every proce
     python docs/examples/processes_psum.py                   # one process, one device
 
 What it shows: ``strata_jax.init()`` first (it joins the job and sets the device count before
-JAX creates its backend), a mesh over every device of the job (``jax.devices()``: all
-processes', this process's own in one contiguous block), each process building its rows with
+JAX creates its backend), a mesh over every device of the job (``jax.devices()``, sorted so
+that each process's own form one block), each process building its rows with
 ``jax.make_array_from_process_local_data`` (no process ever holds the whole array), and each
 checking its result against numpy. Every process prints one line,
 ``process P of N: psum of (R, 8) float32 over D devices matches numpy``.
@@ -27,7 +27,9 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 ROWS = 4  # rows per device
-devices = jax.devices()  # every process's devices, this process's in one block
+# Every process's devices, ordered so that each process's own form one block of the mesh (the
+# block make_array_from_process_local_data fills from this process's rows).
+devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
 mesh = Mesh(np.array(devices), ("x",))
 n, mine = len(devices), jax.local_device_count()
 first = [d.process_index for d in devices].index(jax.process_index())
