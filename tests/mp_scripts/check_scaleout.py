@@ -49,10 +49,24 @@ def fail(msg: str) -> None:
     sys.exit(1)
 
 
-def ops(lib, axes, n: int, floating: bool):
+def ops(lib, axes, n: int, floating: bool, mesh_shape: dict):
     """Every operator of ``lib`` (strata_jax or jax.lax) over ``axes``; per-device v: [N, 6]."""
     ring = [(i, (i + 1) % n) for i in range(n)]
     some = [(n - 1, 0), (0, n // 2)] if n > 2 else [(0, n - 1)]
+    paxes = axes
+    if lib is jax.lax and isinstance(axes, tuple):
+        # jax.lax 0.10.2 permutes wrongly over axes named in another order than the mesh's
+        # (0.11.1 refuses that order; strata matches numpy's permutation there): the oracle
+        # runs over the mesh's order, with the pairs renumbered to it.
+        paxes = tuple(a for a in mesh_shape if a in axes)
+        dims = [mesh_shape[a] for a in axes]
+
+        def renumber(i: int) -> int:
+            at = dict(zip(axes, np.unravel_index(i, dims), strict=True))
+            return int(np.ravel_multi_index([at[a] for a in paxes], [mesh_shape[a] for a in paxes]))
+
+        ring = [(renumber(a), renumber(b)) for a, b in ring]
+        some = [(renumber(a), renumber(b)) for a, b in some]
 
     def bcast(v, src):
         if lib is sj:
@@ -70,8 +84,8 @@ def ops(lib, axes, n: int, floating: bool):
             "all_gather_tiled_1": lib.all_gather(v, axes, axis=1, tiled=True),
             "psum_scatter": lib.psum_scatter(v, axes, tiled=True),
             "all_to_all": lib.all_to_all(v, axes, 0, 1, tiled=True),
-            "ppermute_ring": lib.ppermute(v, axes, ring),
-            "ppermute_some": lib.ppermute(v, axes, some),
+            "ppermute_ring": lib.ppermute(v, paxes, ring),
+            "ppermute_some": lib.ppermute(v, paxes, some),
             "pbroadcast": bcast(v, n - 1),
         }
         if floating:
@@ -90,7 +104,7 @@ def ops(lib, axes, n: int, floating: bool):
                 lambda u: (lib.all_to_all(u, axes, 0, 1, tiled=True) ** 2).sum()
             )(v)
             outs["grad_ppermute"] = jax.grad(
-                lambda u: (lib.ppermute(u, axes, ring) * u[::-1]).sum()
+                lambda u: (lib.ppermute(u, paxes, ring) * u[::-1]).sum()
             )(v)
         return {k: o[None] for k, o in outs.items()}
 
@@ -113,7 +127,12 @@ def compare(mesh: Mesh, axes, dtype) -> None:
     res = {}
     for lib in (sj, jax.lax):
         f = jax.jit(
-            jax.shard_map(ops(lib, axes, n, floating), mesh=mesh, in_specs=spec, out_specs=spec)
+            jax.shard_map(
+                ops(lib, axes, n, floating, dict(mesh.shape)),
+                mesh=mesh,
+                in_specs=spec,
+                out_specs=spec,
+            )
         )
         res[lib] = f(arr)
     tol = {"bfloat16": 3e-2, "float32": 1e-5}.get(jnp.dtype(dtype).name, 0)
