@@ -65,6 +65,7 @@ def test_psum_over_mpi_crosses_in_one_collective(two_fake_fabrics, monkeypatch):
     from strata_jax._src import mpi_engine
 
     monkeypatch.setattr(hierarchy.algorithms, "ONE_WAY_BYTES", 0)
+    monkeypatch.setenv("STRATA_CHECK_CARRY_BYTES", "0")  # the exchange, not the check's message
     mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)[:4]), ("x",))
     f = jax.jit(
         jax.shard_map(lambda v: sj.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
@@ -232,6 +233,7 @@ def test_pmax_pmin_on_xla_path_propagate_nan(monkeypatch, rng, layout, dtype):
     (IEEE-754 maximum/minimum): the values cross as integer keys in total order. Before, they
     got gloo's max, which returned 5 for max(NaN, 5) on some ranks."""
     fabric = {"one_per_fabric": lambda d: d.id, "uneven": lambda d: 0 if d.id < 3 else 1}[layout]
+    monkeypatch.setenv("STRATA_CHECK_CARRY_BYTES", "0")  # XLA's all-reduce, not the check's
     monkeypatch.setattr(topology, "_map", topology.FabricMap(("a", "b", "c", "d"), 0))
     monkeypatch.setattr(topology, "fabric_of_device", fabric)
     devs = sorted(jax.devices(), key=lambda d: d.id)[:4]
@@ -502,6 +504,7 @@ def test_all_to_all_two_fabrics_diverts_the_partner_block(monkeypatch, rng, dtyp
     the compiled program has no transpose or copy for any axis pair."""
     monkeypatch.setattr(topology, "_map", topology.FabricMap(tuple("ab"), 0))
     monkeypatch.setattr(topology, "fabric_of_device", lambda d: d.id // 4)
+    monkeypatch.setenv("STRATA_CHECK_CARRY_BYTES", "0")  # the divert's exchange, not the check's
     devs = sorted(jax.devices(), key=lambda d: d.id)[:8]
     mesh = Mesh(np.array(devs), ("x",))
     shape = (8 * 8, 8, 16)  # per device [8, 8, 16]: every axis splits 8 ways

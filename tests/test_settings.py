@@ -123,6 +123,7 @@ def test_on_off_count_and_byte_helpers_read_good_values(monkeypatch):
     "name,bad,read",
     [
         ("STRATA_CHECK_ACROSS_FABRICS", "maybe", "checks.check_on"),
+        ("STRATA_CHECK_CARRY_BYTES", "1.5M", "checks.carry_bytes"),
         ("STRATA_RING_PSUM", "2", "algorithms._ring_psum"),
         ("STRATA_DEBUG", "LOUD", "debug.level"),
     ],

@@ -59,7 +59,11 @@ t0 = time.monotonic()
 call("ll", [0, 1, 2, 3], 64, "x")
 sj.set_low_latency_threshold(0)  # the next group's first call: the general path
 call("general", [1, 0, 3, 2], 1 << 18, "x")
-call("across", [0, 1, 2, 3], 1 << 10, ("host", "x"))
+# 512 KiB per rank: too large for its shards to cross inside the check's message
+# (STRATA_CHECK_CARRY_BYTES), so host 0 checks, then meets its partner in a strata step and
+# names it. A smaller call crosses inside the check's all_gather, where host 0's processes
+# wait in XLA's collective for process 2, as process 1 does here.
+call("across", [0, 1, 2, 3], 1 << 17, ("host", "x"))
 # Every process alive until process 2 has timed out three times (process 3 not disconnected,
 # process 0's coordination service up). Process 1 stays in "across": its gloo step waits for
 # process 3 until the job ends, and jax.distributed then aborts it.

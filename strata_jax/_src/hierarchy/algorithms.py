@@ -112,15 +112,16 @@ def _exchange(send, p: Plan):
     psum_scatter's and all_to_all's blocks now cross along :func:`_ring` instead, in one
     round; psum takes this form only with ``STRATA_RING_PSUM=0``.)
     """
-    send = gate(send)  # read by both rounds: handed on after the call's check once
     nbytes = int(np.prod(send.shape)) * send.dtype.itemsize
     groups = np.asarray(p.inter)
+    one_round = nbytes < _one_way_bytes() or len(groups) < 2 or mpi_engine.selected()
+    send = gate(send, carry=one_round)  # read by both rounds: after the call's check once
     # Not over XLA's MPI collectives: the two rounds are independent, and XLA's executor runs
     # one of them on a thread of its pool, where MPI refuses it ("MPI: Communicator requested
     # from a thread that is not the one MPI was initialized from"; every psum from 512 KiB per
     # rank failed so under mpirun between simulated hosts with 1 Gbit/s links). gloo's
     # both-ways turns are gloo's; MPI's one collective-permute reached 78 % of the link there.
-    if nbytes < _one_way_bytes() or len(groups) < 2 or mpi_engine.selected():
+    if one_round:
         return step(send, "permute", "xla", p.inter, pairs=_pairs(p.inter))
     first = [(int(g[i % 2]), int(g[1 - i % 2])) for i, g in enumerate(groups)]
     second = [(b, a) for a, b in first]
@@ -170,7 +171,9 @@ def all_reduce(x, p: Plan, reduce: str):
         v = jnp.pad(v, (0, chunk * p.L - m))
     v = step(v, "reduce_scatter", "strata", p.intra, reduce=reduce)
     if p.F == 2:
-        v = gate(v)  # crosses, and all_gather_reduce reads it too: after the call's check once
+        ring = _ring_psum() and _nbytes(v) >= _one_way_bytes()
+        # crosses, and all_gather_reduce reads it too: after the call's check once
+        v = gate(v, carry=not ring)
         # Two fabrics: one exchange of the shard with the partner (the same bytes as gloo's
         # ring all-reduce, one round instead of two), combined with the own shard inside the
         # intra-fabric all_gather (native all_gather_reduce: one pass, no XLA reduction). Both
@@ -184,7 +187,7 @@ def all_reduce(x, p: Plan, reduce: str):
         # the member before it), and the all_gather_reduce pairs them there. No select of two
         # rounds' results (one pass over the shard) and no zero-filled buffer of the round in
         # which a rank receives nothing. The same sums (two operands, slot 0's first).
-        if _ring_psum() and _nbytes(v) >= _one_way_bytes():
+        if ring:
             pairs, _, src = _ring(p)
             x_from = np.full(p.groups.size, -1, np.int64)
             for g in p.groups:
@@ -428,6 +431,19 @@ def permute(x, p: Plan, sources: np.ndarray):
     return out
 
 
+def _permute_rides(p: Plan, sources: np.ndarray) -> bool:
+    """Whether :func:`permute`'s step between fabrics can cross inside the check's message
+    (checks.PendingCheck.carry): each of its pairs joins members of one check group (the same
+    local index in both fabrics; any pair when XLA's step takes the whole group). A ring's
+    pairs do not (local 1 of one fabric sends to local 0 of the next): its check is not held
+    back for a step that cannot ride in it."""
+    if p.L == 1 or not p.uniform:
+        return True
+    pairs = [(int(s), d) for d, s in enumerate(sources.tolist()) if s >= 0]
+    across = [(s, d) for s, d in pairs if p.f[s] != p.f[d]]
+    return bool(across) and all(p.loc[s] == p.loc[d] for s, d in across)
+
+
 def broadcast(x, p: Plan, root: int):
     if p.L == 1 or not p.uniform:
         v = step(x.reshape(1, *x.shape), "all_gather", "xla", p.groups)
@@ -455,6 +471,7 @@ def lower_across_fabrics(ctx, x, target: str, axes: tuple, attrs: dict):
             return jnp.zeros(out_aval.shape, out_aval.dtype)
 
         return mlir.lower_fun(nothing, multiple_results=False)(ctx, x)
+    defer = True
     if target == "strata_all_reduce":
         fn = lambda v: all_reduce(v, p, _REDUCE_NAMES[int(attrs["reduce"])])  # noqa: E731
     elif target == "strata_psum_scatter":
@@ -467,6 +484,7 @@ def lower_across_fabrics(ctx, x, target: str, axes: tuple, attrs: dict):
     elif target == "strata_ppermute":
         src = np.asarray(attrs["sources"])
         fn = lambda v: permute(v, p, src)  # noqa: E731
+        defer = _permute_rides(p, src)
     elif target == "strata_pbroadcast":
         r = int(attrs["root"])
         fn = lambda v: broadcast(v, p, r)  # noqa: E731
@@ -475,4 +493,4 @@ def lower_across_fabrics(ctx, x, target: str, axes: tuple, attrs: dict):
             f"strata_jax: {target} over a group that spans fabric domains is not supported yet "
             f"(groups {p.groups.tolist()} cross fabrics); keep its axis inside one host."
         )
-    return lower_checked(fn, ctx, [x], False, p, op, extra, ctx.avals_in[0])
+    return lower_checked(fn, ctx, [x], False, p, op, extra, ctx.avals_in[0], defer)

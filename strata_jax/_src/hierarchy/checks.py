@@ -13,7 +13,14 @@ import numpy as np
 
 from strata_jax._src import program_order, runtime
 from strata_jax._src.hierarchy.plan import Plan
-from strata_jax._src.hierarchy.steps import partition_id_p, pending_check, step
+from strata_jax._src.hierarchy.steps import (
+    REDUCERS,
+    after_p,
+    inter_bytes,
+    partition_id_p,
+    pending_check,
+    step,
+)
 from strata_jax._src.jax_compat import core, mlir
 
 # Inside a fabric, strata compares every call's descriptor at the rendezvous. Between fabrics
@@ -35,13 +42,17 @@ def check_on() -> bool:
     return runtime.env_bool(ENV_CHECK, True, "1, the default: check; 0: leave the check out")
 
 
-def lower_checked(fn, ctx, args, multiple_results: bool, p: Plan, op: str, extra, aval):
-    """Lowers ``fn`` (a hierarchical algorithm) with the call checked across fabrics first."""
+def lower_checked(
+    fn, ctx, args, multiple_results: bool, p: Plan, op: str, extra, aval, defer: bool = True
+):
+    """Lowers ``fn`` (a hierarchical algorithm) with the call checked across fabrics first;
+    ``defer=False``: ``fn``'s first step between fabrics cannot ride in the check's message
+    (see :class:`PendingCheck`), which is then emitted at once."""
     if not check_on():
         return mlir.lower_fun(fn, multiple_results=multiple_results)(ctx, *args)
 
     def checked(*a):
-        pending = PendingCheck(p, op, extra, aval, ctx)
+        pending = PendingCheck(p, op, extra, aval, ctx, defer)
         token = pending_check.set(pending)
         try:
             out = fn(*a)
@@ -155,34 +166,171 @@ def _check_lowering(ctx, x, descs, pid, *, op, groups, who):
 mlir.register_lowering(_check_p, _check_lowering, platform="cpu", cacheable=False)
 
 
+# The check's message: the descriptor, then CARRY_BYTES more, the same size for every call, so
+# that ranks that disagree on a call still exchange equal byte counts (gloo aborts the process
+# on a size mismatch: "Received data size doesn't match expected size"). When the call's first
+# step between fabrics moves at most that many bytes per rank over the check's own groups, its
+# data crosses in that space (PendingCheck.carry): one exchange between fabrics where there
+# were two. Each exchange between simulated hosts costs 0.4-1.6 ms on this machine (a 96-byte
+# all_gather over gloo, 4 processes on 2 cores), so a call that needed two took twice as long.
+CARRY_BYTES = 64 * 1024
+ENV_CARRY = "STRATA_CHECK_CARRY_BYTES"
+
+
+def carry_bytes() -> int:
+    """The data bytes every check's message has room for (``STRATA_CHECK_CARRY_BYTES``, read when
+    a call is lowered; the same on every process, or the messages differ in size)."""
+    return runtime.env_bytes(ENV_CARRY, CARRY_BYTES, "65536 or 64K; 0: the descriptor alone")
+
+
+_DESC_BYTES = 4 * _DESC_WORDS
+
+
+def _bytes_of(x):
+    """``x`` (a real or bool dtype) as uint8 [x.nbytes]."""
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    if jnp.dtype(x.dtype).itemsize > 1:
+        x = jax.lax.bitcast_convert_type(x, jnp.uint8)
+    return x.astype(jnp.uint8).reshape(-1)
+
+
+def _from_bytes(b, dtype, shape):
+    """The inverse of :func:`_bytes_of`: uint8 [..., nbytes] to ``dtype`` [..., *shape]."""
+    lead = b.shape[:-1]
+    dt = jnp.dtype(dtype)
+    if dt == jnp.bool_:
+        return b.reshape(*lead, *shape) != 0
+    if dt.itemsize == 1:
+        return jax.lax.bitcast_convert_type(b, dt).reshape(*lead, *shape)
+    return jax.lax.bitcast_convert_type(b.reshape(*lead, *shape, dt.itemsize), dt)
+
+
 class PendingCheck:
     """The check of one call (``op`` on ``aval``, with ``extra``; named as the user's call
     around it, see :func:`_call_of`) across the members of each group that crosses fabrics.
-    The descriptors' all_gather is emitted at once (it depends on nothing: XLA may run it
-    before or beside the call's first strata step); the custom call that compares them is
-    emitted by :meth:`result`, once, at the call's first step, after it when that step is
-    strata's (steps.step, steps.gate), so that no strata step waits for it: strata calls after
-    it in the program start after it (program-order chain)."""
 
-    def __init__(self, p: Plan, op: str, extra, aval, ctx):
-        self._groups = p.inter if p.uniform and p.L > 1 else p.groups
-        self._name, d = _call_of(ctx, op, aval, extra)
-        self._descs = step(jnp.asarray(d[None]), "all_gather", "xla_check", self._groups)
+    Each member sends the others a message of a fixed size: the call's descriptor and
+    :func:`carry_bytes` more. A call of at most ``carry_bytes() * group size`` bytes per rank is
+    *deferred*: its message waits for the call's first step between fabrics, and when that step
+    moves at most ``carry_bytes()`` per rank among the check's own groups, the step's data
+    rides in the message (:meth:`carry`) and the step needs no exchange of its own. Otherwise
+    the message (with nothing in its data part) is emitted at once (it depends on nothing:
+    XLA may run it before or beside the call's first strata step); the custom call that
+    compares the descriptors is emitted by :meth:`result`, once, at the call's first step,
+    after it when that step is strata's (steps.step, steps.gate), so that no strata step waits
+    for it: strata calls after it in the program start after it (program-order chain)."""
+
+    def __init__(self, p: Plan, op: str, extra, aval, ctx, defer: bool = True):
+        self._groups = tuple(map(tuple, p.inter if p.uniform and p.L > 1 else p.groups))
+        self._name, self._desc = _call_of(ctx, op, aval, extra)
         self._who = tuple(map(tuple, p.who.tolist()))
+        self._carry = carry_bytes()
+        nbytes = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+        self.deferred = defer and 0 < nbytes <= self._carry * p.groups.shape[1]
+        self._descs = None if self.deferred else self._exchange(None)
         self._result = None
+
+    def _exchange(self, data):
+        """The all_gather of every member's message: uint8 [group size, descriptor + carry]."""
+        msg = jnp.concatenate(
+            [
+                jnp.asarray(self._desc.astype("<i4").view(np.uint8)),
+                jnp.zeros((self._carry,), jnp.uint8)
+                if data is None
+                else jnp.pad(data, (0, self._carry - data.shape[0])),
+            ]
+        )
+        counted = -1 if data is None else self._counted
+        return step(msg[None], "all_gather", "xla_check", self._groups, counted=counted)
+
+    def _compare(self, msgs, x):
+        """``x`` handed on by the custom call that compares the descriptors in ``msgs``."""
+        n = msgs.shape[0]
+        descs = jax.lax.bitcast_convert_type(
+            msgs[:, :_DESC_BYTES].reshape(n, _DESC_WORDS, 4), jnp.int32
+        )
+        return _check_p.bind(
+            x,
+            descs,
+            partition_id_p.bind(),
+            op=self._name,
+            groups=self._groups,
+            who=self._who,
+        )
 
     def result(self):
         """A small array that exists only once every member agreed (emitted on first use)."""
         if self._result is None:
-            self._result = _check_p.bind(
-                self._descs,
-                self._descs,
-                partition_id_p.bind(),
-                op=self._name,
-                groups=tuple(map(tuple, self._groups)),
-                who=self._who,
-            )
+            if self._descs is None:
+                self._descs = self._exchange(None)
+            self._result = self._compare(self._descs, self._descs[:, :_DESC_BYTES])
         return self._result
+
+    def may_carry(self, x) -> bool:
+        """Whether a step between fabrics of ``x`` may cross inside the message."""
+        nbytes = int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+        return (
+            self.deferred
+            and self._result is None
+            and nbytes <= self._carry
+            and not jnp.issubdtype(x.dtype, jnp.complexfloating)
+        )
+
+    def carry(self, x, kind: str, groups, *, reduce: str, pairs, split: int, concat: int):
+        """The result of the step ``kind`` over ``groups`` of ``x`` computed from the messages
+        (every member's ``x`` in its data part), or None when this step cannot ride in them:
+        not deferred, already checked, too large, complex, or groups other than the check's
+        (a permute: a pair outside one of them)."""
+        if not self.may_carry(x):
+            return None
+        g = self._groups
+        n = len(g[0])
+        where = {int(m): (i, j) for i, row in enumerate(g) for j, m in enumerate(row)}
+        src = {}
+        if kind == "permute":
+            for a, b in pairs:
+                if a not in where or b not in where or where[a][0] != where[b][0]:
+                    return None
+                src[int(b)] = where[int(a)][1]
+        elif (
+            kind not in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+            or tuple(map(tuple, groups)) != g
+        ):
+            return None
+        nbytes = int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+        self._counted = inter_bytes(kind, nbytes, groups, pairs)
+        self._descs = msgs = self._exchange(_bytes_of(x))
+        self._result = self._compare(msgs, msgs[:, :_DESC_BYTES])
+        msgs = after_p.bind(msgs, self._result)  # read only once the members agreed
+        rows = _from_bytes(msgs[:, _DESC_BYTES : _DESC_BYTES + nbytes], x.dtype, x.shape)
+        pid = partition_id_p.bind().astype(jnp.int32)
+        table = np.zeros(len(where), np.int32) if not where else np.zeros(max(where) + 1, np.int32)
+        for m, (_, j) in where.items():
+            table[m] = j
+        pos = jnp.asarray(table)[pid]  # this member's index in its group
+        if kind == "all_gather":
+            return rows.reshape(n * x.shape[0], *x.shape[1:])
+        if kind == "permute":
+            source = np.full(table.shape, -1, np.int32)
+            for b, j in src.items():
+                source[b] = j
+            s = jnp.asarray(source)[pid]
+            got = jax.lax.dynamic_index_in_dim(rows, jnp.maximum(s, 0), keepdims=False)
+            return jnp.where(s >= 0, got, jnp.zeros_like(got))
+        if kind == "all_to_all":
+            sh = list(x.shape)
+            b = sh[split] // n
+            r = rows.reshape(n, *sh[:split], n, b, *sh[split + 1 :])
+            blk = jax.lax.dynamic_index_in_dim(r, pos, axis=1 + split, keepdims=False)
+            return jnp.concatenate([blk[i] for i in range(n)], axis=concat)
+        total = rows[0]  # all_reduce, reduce_scatter: folded in group order, alike everywhere
+        for i in range(1, n):
+            total = REDUCERS[reduce].bind(total, rows[i])
+        if kind == "all_reduce":
+            return total
+        k = x.shape[0] // n
+        return jax.lax.dynamic_slice_in_dim(total, pos * k, k, axis=0)
 
 
 def check_across(p: Plan, op: str, extra, aval, ctx):

@@ -67,8 +67,12 @@ def step(
     placement=(),
     part=-1,
     x_from=(),
+    counted=-1,
 ):
     """One collective over explicit groups; ``split``/``concat``: all_to_all's (tiled) axes.
+
+    ``counted`` (engine ``xla_check`` only): the bytes to add to ``inter_fabric_bytes`` when
+    the check's message carries a step's data (checks.PendingCheck.carry); -1: none.
 
     ``all_gather_reduce`` (strata only): the all_gather of ``x reduce z``, combined in the order
     ``z_first[partition]`` gives (1: z first); with ``x_from`` (per partition, -1: itself), the
@@ -84,7 +88,15 @@ def step(
     input block ``row[j * parts + f]`` of every member.
     """
     if engine == "xla":  # between fabrics: after the call's check, if one is pending
-        x = gate(x)
+        pending = pending_check.get()
+        if pending is not None:  # a small first step crosses inside the check's own message
+            out = pending.carry(
+                x, kind, groups, reduce=reduce, pairs=pairs, split=split, concat=concat
+            )
+            if out is not None:
+                pending_check.set(None)
+                return out
+        x = gate(x, carry=False)
     out = group_collective_p.bind(
         x,
         *(() if z is None else (z,)),
@@ -99,6 +111,7 @@ def step(
         placement=tuple(int(v) for v in placement),
         part=int(part),
         x_from=tuple(int(v) for v in x_from),
+        counted=int(counted),
     )
     if engine == "strata":
         strata_step_done()
@@ -107,19 +120,22 @@ def step(
 
 def strata_step_done() -> None:
     """After a strata step of a checked call: its check is bound now if it was not yet
-    (chained after this step; the descriptors' all_gather runs meanwhile)."""
+    (chained after this step; the descriptors' all_gather runs meanwhile), unless the check
+    waits to carry the call's first step between fabrics (checks.PendingCheck.carry)."""
     pending = pending_check.get()
-    if pending is not None:
+    if pending is not None and not pending.deferred:
         pending.result()
 
 
-def gate(x):
+def gate(x, carry: bool = True):
     """``x`` as the first step between fabrics may read it: handed on after the call's check
     (which is bound here if no strata step bound it), or ``x`` itself when no check is pending.
     Pass every later reader of ``x`` the returned value, not ``x``: the hand-on aliases its
-    operand, and XLA copies an operand that is read again afterwards."""
+    operand, and XLA copies an operand that is read again afterwards. With ``carry`` (the next
+    step between fabrics is one step over ``x``), ``x`` itself when that step may cross inside
+    the check's message (checks.PendingCheck.carry; step() then does)."""
     pending = pending_check.get()
-    if pending is None:
+    if pending is None or (carry and pending.may_carry(x)):  # step() carries x
         return x
     pending_check.set(None)
     return after_p.bind(x, pending.result())
@@ -139,6 +155,7 @@ def _step_abstract_eval(
     placement,
     part=-1,
     x_from=(),
+    counted=-1,
 ):
     n = len(groups[0])
     if kind == "all_gather_part":
@@ -308,23 +325,46 @@ def _count_inter(ctx, x, nbytes: int) -> None:
     rule(sub, x, bytes=np.int64(nbytes))
 
 
+def inter_bytes(kind: str, nbytes: int, groups, pairs) -> int:
+    """The bytes a step between fabrics adds to ``inter_fabric_bytes`` per rank: its input's,
+    or for a permute the senders' share of the members' (on average)."""
+    if kind == "permute":
+        members = len({int(v) for g in groups for v in g})
+        return nbytes * len({a for a, _ in pairs}) // max(1, members)
+    return nbytes
+
+
 def _step_lowering(
-    ctx, x, *z, kind, engine, groups, reduce, pairs, split, concat, z_first, placement, part, x_from
+    ctx,
+    x,
+    *z,
+    kind,
+    engine,
+    groups,
+    reduce,
+    pairs,
+    split,
+    concat,
+    z_first,
+    placement,
+    part,
+    x_from,
+    counted=-1,
 ):
     kw = dict(kind=kind, groups=groups, reduce=reduce, pairs=pairs, split=split, concat=concat)
     if engine == "strata":
         out = _strata_lowering(
             ctx, x, *z, z_first=z_first, placement=placement, part=part, x_from=x_from, **kw
         )
-    elif engine == "xla_check":  # the descriptors of check_across: not counted as data
+    elif engine == "xla_check":  # the check's message: counted only for the data it carries
+        if counted >= 0:
+            _count_inter(ctx, x, counted)
         out = _xla_lowering(ctx, x, **kw)
     else:
         (aval_in,) = ctx.avals_in
-        nbytes = int(aval_in.size) * aval_in.dtype.itemsize
-        if kind == "permute":  # per rank on average: the share of the members that send
-            members = len({int(v) for g in groups for v in g})
-            nbytes = nbytes * len({a for a, _ in pairs}) // max(1, members)
-        _count_inter(ctx, x, nbytes)
+        _count_inter(
+            ctx, x, inter_bytes(kind, int(aval_in.size) * aval_in.dtype.itemsize, groups, pairs)
+        )
         out = _xla_lowering(ctx, x, **kw)
     return [out]
 
