@@ -147,7 +147,8 @@ def counters() -> dict:
         "calls": cs["calls"],
         "one_shot": cs["one_shot_all_reduce"],
         "two_shot": cs["two_shot_all_reduce"],
-        "low_latency": cs["low_latency_calls"],
+        "low_latency": cs["low_latency_calls"] + cs["direct_calls"],
+        "steps": cs["rendezvous_steps"],
     }
 
 

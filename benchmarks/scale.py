@@ -11,8 +11,9 @@ plain``). Each rank reports CPU and wall seconds of ``import``, of start-up (``i
 ranks and strata's Pss over plain JAX's per rank, the figure issue-level goals are stated in; a
 linear fit of start-up CPU seconds in N and its log-log exponent (<= 1: linear or better) are
 printed at the end, and a table of the bytes each rank read from / wrote to its peers per call
-(``comm_stats``' zero_copy + peer_bounce bytes) against docs/scaling.md's model for the
-algorithm taken. On 2 cores the wall time of many
+(``comm_stats``' zero_copy + peer_bounce bytes) and the rendezvous steps each rank entered per
+call (``comm_stats()["rendezvous_steps"]``) against docs/scaling.md's model for the algorithm
+taken. On 2 cores the wall time of many
 processes measures the scheduler (each ``import jax`` costs ~0.4 CPU-s): read the CPU columns.
 
 ``python benchmarks/scale.py --hosts-psum [--rounds 3] [--min-ratio 2.0]``: psum of 16 MiB per
@@ -94,12 +95,19 @@ def model_peer_bytes(call: str, n: int, algo: str) -> float:
     return (n - 1) * b
 
 
+def model_steps(low_latency: bool) -> int:
+    """docs/scaling.md's rendezvous steps per rank and call: the low-latency path (its slot or
+    direct form, whichever algorithm it runs) publishes once; the general path enters two
+    barriers (arrive, depart)."""
+    return 1 if low_latency else 2
+
+
 def _algo(pc: dict) -> str:
     if pc.get("two_shot", 0) >= 1:
         return "two_shot"
     if pc.get("low_latency", 0) >= 1:
         return "low_latency"
-    return "one_shot" if pc.get("one_shot", 0) >= 1 else "direct"
+    return "one_shot" if pc.get("one_shot", 0) >= 1 else "general"
 
 
 def scale(ns: list[int], calls: str, out: str) -> None:
@@ -131,10 +139,13 @@ def scale(ns: list[int], calls: str, out: str) -> None:
                 continue
             got = st.median(pc["peer_bytes"] for pc in pcs)
             algo = _algo(pcs[0])
+            ll = pcs[0].get("low_latency", 0) >= 1
             row["model"][c] = {
-                "algorithm": algo,
+                "algorithm": algo + (" (low-latency path)" if ll and algo != "low_latency" else ""),
                 "peer_bytes": got,
                 "model": model_peer_bytes(c, n, algo),
+                "steps": st.median(pc.get("steps", float("nan")) for pc in pcs),
+                "model_steps": model_steps(ll),
                 "calls_per_call": st.median(pc["calls"] for pc in pcs),
             }
         rows.append(row)
@@ -144,14 +155,18 @@ def scale(ns: list[int], calls: str, out: str) -> None:
             f"{row['pte']:.0f} | {row['fds']:.0f} | {row['maps']:.0f} |",
             flush=True,
         )
-    print("\n| N | call | algorithm | peer bytes per rank and call | model | measured / model |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "\n| N | call | algorithm | peer bytes per rank and call | model | measured / model "
+        "| rendezvous steps per rank and call | model | measured / model |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         for c, m in row["model"].items():
             ratio = m["peer_bytes"] / m["model"] if m["model"] else float("nan")
             print(
                 f"| {row['n']} | {c} | {m['algorithm']} | {m['peer_bytes']:.0f} | "
-                f"{m['model']:.0f} | {ratio:.3f} |"
+                f"{m['model']:.0f} | {ratio:.3f} | {m['steps']:.2f} | {m['model_steps']} | "
+                f"{m['steps'] / m['model_steps']:.3f} |"
             )
     if len(rows) > 1:
         ns_ = [r["n"] for r in rows]

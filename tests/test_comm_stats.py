@@ -72,6 +72,34 @@ def test_peer_bytes_follow_the_algorithm(rng):
         sj.set_two_shot_threshold(keep)
 
 
+@pytest.mark.parametrize(
+    "op,nbytes,steps",
+    [
+        ("psum", 4096, 1),  # one rendezvous: the last to arrive runs every rank's part
+        ("psum", 1 << 20, 2),  # the general path: arrive, depart
+        ("all_to_all", 4096, 1),
+        ("all_to_all", 1 << 20, 1),  # pairs copied as ranks arrive: no departure barrier
+    ],
+)
+def test_rendezvous_steps_per_rank_follow_the_path(rng, op, nbytes, steps):
+    """comm_stats()["rendezvous_steps"] adds, per rank and call, the barriers docs/scaling.md
+    gives the path the call took (across processes: tests/mp_scripts/check_low_latency.py and
+    benchmarks/scale.py)."""
+    n = len(jax.devices())
+    x = jnp.asarray(rng.standard_normal((n, nbytes // 4)).astype(np.float32))
+    body = {
+        "psum": lambda a: sj.psum(a, "x"),
+        "all_to_all": lambda a: sj.all_to_all(a, "x", 1, 1, tiled=True),
+    }[op]
+    f = _f(body, P("x"))
+    jax.block_until_ready(f(x))
+    before = sj.comm_stats()
+    jax.block_until_ready(f(x))
+    after = sj.comm_stats()
+    assert after["calls"] - before["calls"] == n
+    assert after["rendezvous_steps"] - before["rendezvous_steps"] == steps * n
+
+
 def test_low_latency_counters_are_listed():
     # The low-latency path's counters (counted across processes only; tests/mp_scripts/
     # check_low_latency.py checks their values): present, whole numbers, never negative.

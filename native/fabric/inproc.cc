@@ -8,6 +8,7 @@
 #include "coll/kernels.h"
 #include "common/settings.h"
 #include "fabric/op_stats.h"
+#include "fabric/stats.h"
 
 namespace strata {
 
@@ -163,6 +164,7 @@ std::string InProcTeam::whereabouts(int j) const {
 
 std::string InProcTeam::barrier(const char* phase) {
   ++barriers_;
+  stats().rendezvous_steps.fetch_add(1, std::memory_order_relaxed);
   slot_->peers[rank_].reached.store(barriers_, std::memory_order_release);
   const uint32_t target = barriers_ * static_cast<uint32_t>(size_);
   uint32_t now = slot_->arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
@@ -270,6 +272,7 @@ std::string InProcTeam::arrive_lead(const OpDesc& desc, const void* in, void* ou
   me.desc = desc;
   me.lead = fn;
   ++barriers_;
+  stats().rendezvous_steps.fetch_add(1, std::memory_order_relaxed);
   me.reached.store(barriers_, std::memory_order_release);
   const uint32_t target = barriers_ * static_cast<uint32_t>(size_);
   // acq_rel: publishes the stores above to the last arriver, and (for the last arriver) makes
@@ -358,6 +361,7 @@ std::string InProcTeam::arrive_pairs(const OpDesc& desc, const void* in, void* o
   me.desc = desc;
   me.pair = fn;
   ++barriers_;
+  stats().rendezvous_steps.fetch_add(1, std::memory_order_relaxed);
   me.reached.store(barriers_, std::memory_order_release);
   // seq_cst, with the seq_cst loads of the peers' `pub` below: of two ranks publishing at the
   // same time at least one sees the other (so every pair is copied by someone); both may, and

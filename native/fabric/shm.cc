@@ -256,6 +256,7 @@ std::string ShmTeam::fail(const std::string& msg) {
 
 std::string ShmTeam::barrier(const char* phase) {
   ++barriers_;
+  stats().rendezvous_steps.fetch_add(1, std::memory_order_relaxed);
   slot_->peer(rank_).reached.store(barriers_, std::memory_order_release);
   const uint32_t target = barriers_ * static_cast<uint32_t>(size_);
   // acq_rel: release publishes this rank's descriptor and writes before the barrier; the

@@ -200,6 +200,7 @@ std::unique_ptr<ShmLlTeam> ShmLlTeam::join(ShmFabric* f, const Placement& pl, in
   t->direct_ = direct;
   (direct ? stats().direct_calls : stats().low_latency_calls)
       .fetch_add(1, std::memory_order_relaxed);
+  stats().rendezvous_steps.fetch_add(1, std::memory_order_relaxed);  // its one publication
   return t;
 }
 

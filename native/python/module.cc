@@ -222,6 +222,7 @@ NB_MODULE(_strata, m) {
         {"channel_sleeps", &s.channel_sleeps},
         {"lead_calls", &s.lead_calls},
         {"pair_calls", &s.pair_calls},
+        {"rendezvous_steps", &s.rendezvous_steps},
         {"failures", &s.failures}};
     nb::dict d;
     for (const auto& [name, counter] : counters) d[name] = counter->load(std::memory_order_relaxed);

@@ -25,7 +25,9 @@ def comm_stats() -> dict:
       catching the peer while spinning or yielding), ``lead_calls`` and ``pair_calls`` (in-process
       calls made in one rendezvous, counted per rank: the last rank to arrive ran every rank's
       part, calls of up to 256 KiB per rank; or, for a larger ``all_to_all``, each pair of blocks
-      was copied by the second of its two ranks to arrive), and ``ops``: per operator (``psum``,
+      was copied by the second of its two ranks to arrive), ``rendezvous_steps`` (per rank: entries
+      into a barrier of a call's group, and publications of the low-latency path; the steps
+      column of docs/scaling.md), and ``ops``: per operator (``psum``,
       ``pmax``, ``pmin``, ``psum_scatter``, ``all_gather``, ``all_to_all``, ``ppermute``,
       ``pbroadcast``, ``ragged_all_to_all``, ``moe.dispatch``, ``moe.combine``, ``moe.combine
       (weights cotangent)``, ``moe.low_latency_dispatch``, ``moe.low_latency_combine``; only those

@@ -87,9 +87,9 @@ def check(name: str, out, want: np.ndarray) -> None:
         checks += 1
 
 
-def ll_calls() -> tuple[int, int]:
+def ll_calls() -> tuple[int, int, int]:
     s = sj.comm_stats()
-    return int(s["low_latency_calls"]), int(s["direct_calls"])
+    return int(s["low_latency_calls"]), int(s["direct_calls"]), int(s["rendezvous_steps"])
 
 
 DIRECT = native().get_direct_bytes()  # 4 KiB unless STRATA_DIRECT_BYTES says otherwise
@@ -105,11 +105,16 @@ def path_of(nbytes: int, direct: bool = True) -> str:
 
 
 def expect_path(name: str, before: tuple[int, int], calls: int, path: str) -> None:
-    ll, direct = ll_calls()
+    ll, direct, steps = ll_calls()
     got = (ll - before[0], direct - before[1])
     want = {"slot": (calls, 0), "direct": (0, calls), "general": (0, 0)}[path]
     if got != want:
         fail(f"{name}: {got} (low-latency, direct) calls, want {want} ({path})")
+    # docs/scaling.md: one publication per call on the low-latency path, two barriers (arrive,
+    # depart) on the general path.
+    want_steps = calls * (2 if path == "general" else 1)
+    if steps - before[2] != want_steps:
+        fail(f"{name}: {steps - before[2]} rendezvous steps, want {want_steps} ({path})")
 
 
 def reduce_np(x: np.ndarray, op: str) -> np.ndarray:
@@ -246,9 +251,10 @@ want = np.array(
     np.int64,
 ).astype(np.int32)
 check("scan of 300 steps x 4 sizes", out, np.broadcast_to(want, (N, len(SIZES))))
-ll, direct = ll_calls()
-if (ll - before[0], direct - before[1]) != (600 * jax.local_device_count(),) * 2:
-    fail(f"scan: {ll - before[0]} low-latency and {direct - before[1]} direct calls")
+ll, direct, rsteps = ll_calls()
+got = (ll - before[0], direct - before[1], rsteps - before[2])
+if got != tuple(v * jax.local_device_count() for v in (600, 600, 1200)):
+    fail(f"scan: {got} low-latency calls, direct calls and rendezvous steps")
 
 
 def two_at_once(v):
