@@ -52,12 +52,16 @@ constexpr int32_t kDescMagic = 0x53545231;  // "STR1"
 constexpr int kDescDims = 8, kDescDtype = 10, kDescOp = 12, kDescAttrs = 16;
 constexpr int kDesc2 = 17, kDesc2Dims = 4, kDesc2Dtype = 22;
 
+// The text in `words` words, up to its first NUL; a byte outside printable ASCII shows as '?'
+// (a descriptor a peer of another program or setting sent can be any bytes, and the error text
+// must stay valid UTF-8: Python raised UnicodeDecodeError on it instead of the error).
 std::string chars(const int32_t* w, int words) {
   std::string s;
   for (int i = 0; i < 4 * words; ++i) {
-    const char c = static_cast<char>((static_cast<uint32_t>(w[i / 4]) >> (8 * (i % 4))) & 0xff);
+    const auto c =
+        static_cast<unsigned char>((static_cast<uint32_t>(w[i / 4]) >> (8 * (i % 4))) & 0xff);
     if (c == 0) break;
-    s += c;
+    s += (c >= 0x20 && c < 0x7f) ? static_cast<char>(c) : '?';
   }
   return s;
 }

@@ -7,9 +7,10 @@ dispatch and combine, the processes of fabric 1 call with another shape than tho
 XLA's collective would exchange as if nothing were wrong). Every process must get an error
 naming the user's call (``strata_jax.moe.dispatch``, not the all_gather of the expert ids inside
 it), both shapes of its operands as passed and the devices/processes, well within strata's
-timeout (STRATA_TIMEOUT_S, set to 20 s here); then a psum with agreeing shapes is right on
-every process (the job goes on). Prints ``MISMATCH <op> <seconds>`` per error and
-``OK mismatch <n>`` at the end.
+timeout (STRATA_TIMEOUT_S, set to 20 s here); the same for two psums, a small and a large one,
+called in the other order on fabric 1; then a psum with agreeing shapes is right on every
+process (the job goes on). Prints ``MISMATCH <op> <seconds>`` per error and ``OK mismatch <n>``
+at the end.
 """
 
 from __future__ import annotations
@@ -154,10 +155,40 @@ expect_error(
     f"float32[1,{n * t},4], float32[4,2]",
 )
 
+# Two psums in the other order on fabric 1: a small one (its data crosses inside the check's
+# message, after its step inside the host) and a large one (its check goes at once, its data
+# after it). Every call's exchanges between fabrics run after the previous call's, so the
+# hosts' first messages are both checks, and disagree. Before that ordering the large call's
+# checks met first and agreed, and the small call's message then met the large call's data:
+# gloo's abort on one host and a wait on the other (a reviewer's case).
+small = np.ones((n * 4, 256), np.float32)
+big = np.ones((n * 4, 65536), np.float32)
+
+
+def two_psums(small_first: bool):
+    def body(a, b):
+        if small_first:
+            p = sj.psum(a, "x")
+            return p, sj.psum(b, "x")
+        q = sj.psum(b, "x")
+        return sj.psum(a, "x"), q
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec)))
+
+
+ordered = two_psums(not other)
+expect_error(
+    "psum",
+    lambda a: ordered(*a),
+    (put(small), put(big)),
+    "float32[4,256]",
+    "float32[4,65536]",
+)
+
 # The job goes on: a psum with agreeing shapes.
 got = smap(lambda v: sj.psum(v, "x"), P())(put(np.arange(n * 3, dtype=np.float32)))
 want = np.arange(n * 3, dtype=np.float32).reshape(n, 3).sum(0)
 if not np.array_equal(np.asarray(got.addressable_data(0)), want):
     print(f"FAIL psum after the errors: {np.asarray(got.addressable_data(0))}", flush=True)
     sys.exit(1)
-print(f"OK mismatch 6 (process {pid}, fabric {fabric})", flush=True)
+print(f"OK mismatch 7 (process {pid}, fabric {fabric})", flush=True)

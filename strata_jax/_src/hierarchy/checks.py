@@ -21,7 +21,7 @@ from strata_jax._src.hierarchy.steps import (
     pending_check,
     step,
 )
-from strata_jax._src.jax_compat import core, mlir
+from strata_jax._src.jax_compat import core, ir, mlir
 
 # Inside a fabric, strata compares every call's descriptor at the rendezvous. Between fabrics
 # the bytes cross through XLA's collective, which compares nothing: ranks that disagree on a
@@ -57,6 +57,11 @@ def lower_checked(
         try:
             out = fn(*a)
             pending.result()  # a call whose steps never bound it: checked all the same
+            # One element of each result, which the next call's check message waits for
+            # (after_previous_p): it goes between fabrics after this call's last exchange.
+            ends = [v.reshape(-1)[:1] for v in jax.tree.leaves(out) if v.size]
+            if ends:
+                call_end_p.bind(*ends)
             return out
         finally:
             pending_check.reset(token)
@@ -137,6 +142,56 @@ def _call_of(ctx, op: str, aval, extra) -> tuple[str, np.ndarray]:
     api, operands = user
     return api, _descriptor(api, [*operands[:2]] or [inner], (inner, tuple(operands), op, extra))
 
+
+# Two hosts' exchanges between fabrics pair in the order each runs them (gloo and MPI match
+# calls by order), so a call's check message goes between fabrics after the previous
+# hierarchical call of its block has finished (after_previous_p: x handed on, by strata_order,
+# after one element of each of that call's results, recorded by call_end_p), and the call's own
+# exchanges after its check (steps.gate, PendingCheck.carry). Every call's exchanges then run
+# after the previous call's, its check first: two hosts whose programs differ meet with two
+# check messages (of one size) at the first call where they differ, and fail there with the
+# named error. Unordered, a call's check could run ahead of the previous call's exchanges: a
+# small call held back to carry its data, then a large one, in the other order on the other
+# host, and the large call's checks met and agreed while the small call's message met the large
+# call's data (gloo's abort on one host, a wait on the other; a reviewer's case). The first
+# call of a block waits for nothing, so its check can start at once.
+_CALL_ENDS = ("strata_jax", "hierarchical_call_ends")
+
+
+def _ends_of_block(ctx) -> dict:
+    """The recorded ends of the last hierarchical call, per block of the module being lowered
+    (the module's primitive-lowering cache holds them, as program_order's op counter)."""
+    return ctx.module_context.cached_primitive_lowerings.setdefault(_CALL_ENDS, {})
+
+
+call_end_p = core.Primitive("strata_hierarchical_call_end")
+call_end_p.multiple_results = True
+call_end_p.def_abstract_eval(lambda *ends: [])
+
+
+def _call_end_lowering(ctx, *ends):
+    block = ir.InsertionPoint.current.block
+    _ends_of_block(ctx)[block] = list(zip(ends, ctx.avals_in, strict=True))
+    return []
+
+
+mlir.register_lowering(call_end_p, _call_end_lowering, platform="cpu", cacheable=False)
+
+after_previous_p = core.Primitive("strata_after_previous_call")
+after_previous_p.def_abstract_eval(lambda x: x)
+_order_rule = jax.ffi.ffi_lowering("strata_order", operand_output_aliases={0: 0})
+
+
+def _after_previous_lowering(ctx, x):
+    runtime.native()  # registers the FFI targets (this may be the program's first strata call)
+    (aval,) = ctx.avals_in
+    for end, end_aval in _ends_of_block(ctx).get(ir.InsertionPoint.current.block, ()):
+        sub = ctx.replace(primitive=None, avals_in=[aval, end_aval], avals_out=[aval])
+        (x,) = _order_rule(sub, x, end)
+    return [x]
+
+
+mlir.register_lowering(after_previous_p, _after_previous_lowering, platform="cpu", cacheable=False)
 
 _check_p = core.Primitive("strata_check_across_fabrics")
 _check_p.def_abstract_eval(lambda x, descs, pid, **_: x)
@@ -242,7 +297,8 @@ class PendingCheck:
             ]
         )
         counted = -1 if data is None else self._counted
-        return step(msg[None], "all_gather", "xla_check", self._groups, counted=counted)
+        msg = after_previous_p.bind(msg[None])  # after the previous call's exchanges
+        return step(msg, "all_gather", "xla_check", self._groups, counted=counted)
 
     def _compare(self, msgs, x):
         """``x`` handed on by the custom call that compares the descriptors in ``msgs``."""
