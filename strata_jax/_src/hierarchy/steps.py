@@ -334,37 +334,20 @@ def inter_bytes(kind: str, nbytes: int, groups, pairs) -> int:
     return nbytes
 
 
-def _step_lowering(
-    ctx,
-    x,
-    *z,
-    kind,
-    engine,
-    groups,
-    reduce,
-    pairs,
-    split,
-    concat,
-    z_first,
-    placement,
-    part,
-    x_from,
-    counted=-1,
-):
-    kw = dict(kind=kind, groups=groups, reduce=reduce, pairs=pairs, split=split, concat=concat)
+def _step_lowering(ctx, x, *z, engine, counted=-1, **params):
+    """``params``: the step's (kind, groups, ...); ``counted`` only for ``xla_check``."""
+    kw = {k: params[k] for k in ("kind", "groups", "reduce", "pairs", "split", "concat")}
     if engine == "strata":
-        out = _strata_lowering(
-            ctx, x, *z, z_first=z_first, placement=placement, part=part, x_from=x_from, **kw
-        )
+        extra = {k: params[k] for k in ("z_first", "placement", "part", "x_from")}
+        out = _strata_lowering(ctx, x, *z, **extra, **kw)
     elif engine == "xla_check":  # the check's message: counted only for the data it carries
         if counted >= 0:
             _count_inter(ctx, x, counted)
         out = _xla_lowering(ctx, x, **kw)
     else:
         (aval_in,) = ctx.avals_in
-        _count_inter(
-            ctx, x, inter_bytes(kind, int(aval_in.size) * aval_in.dtype.itemsize, groups, pairs)
-        )
+        nbytes = int(aval_in.size) * aval_in.dtype.itemsize
+        _count_inter(ctx, x, inter_bytes(kw["kind"], nbytes, kw["groups"], kw["pairs"]))
         out = _xla_lowering(ctx, x, **kw)
     return [out]
 
