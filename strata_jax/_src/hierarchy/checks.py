@@ -241,6 +241,11 @@ def carry_bytes() -> int:
 _DESC_BYTES = 4 * _DESC_WORDS
 
 
+def _nbytes(x) -> int:
+    """Bytes of an array or aval."""
+    return int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+
+
 def _bytes_of(x):
     """``x`` (a real or bool dtype) as uint8 [x.nbytes]."""
     if x.dtype == jnp.bool_:
@@ -281,12 +286,11 @@ class PendingCheck:
         self._name, self._desc = _call_of(ctx, op, aval, extra)
         self._who = tuple(map(tuple, p.who.tolist()))
         self._carry = carry_bytes()
-        nbytes = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
-        self.deferred = defer and 0 < nbytes <= self._carry * p.groups.shape[1]
+        self.deferred = defer and 0 < _nbytes(aval) <= self._carry * p.groups.shape[1]
         self._descs = None if self.deferred else self._exchange(None)
         self._result = None
 
-    def _exchange(self, data):
+    def _exchange(self, data, counted: int = -1):
         """The all_gather of every member's message: uint8 [group size, descriptor + carry]."""
         msg = jnp.concatenate(
             [
@@ -296,7 +300,6 @@ class PendingCheck:
                 else jnp.pad(data, (0, self._carry - data.shape[0])),
             ]
         )
-        counted = -1 if data is None else self._counted
         msg = after_previous_p.bind(msg[None])  # after the previous call's exchanges
         return step(msg, "all_gather", "xla_check", self._groups, counted=counted)
 
@@ -325,11 +328,10 @@ class PendingCheck:
 
     def may_carry(self, x) -> bool:
         """Whether a step between fabrics of ``x`` may cross inside the message."""
-        nbytes = int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
         return (
             self.deferred
             and self._result is None
-            and nbytes <= self._carry
+            and _nbytes(x) <= self._carry
             and not jnp.issubdtype(x.dtype, jnp.complexfloating)
         )
 
@@ -354,9 +356,9 @@ class PendingCheck:
             or tuple(map(tuple, groups)) != g
         ):
             return None
-        nbytes = int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
-        self._counted = inter_bytes(kind, nbytes, groups, pairs)
-        self._descs = msgs = self._exchange(_bytes_of(x))
+        nbytes = _nbytes(x)
+        counted = inter_bytes(kind, nbytes, groups, pairs)
+        self._descs = msgs = self._exchange(_bytes_of(x), counted)
         self._result = self._compare(msgs, msgs[:, :_DESC_BYTES])
         msgs = after_p.bind(msgs, self._result)  # read only once the members agreed
         rows = _from_bytes(msgs[:, _DESC_BYTES : _DESC_BYTES + nbytes], x.dtype, x.shape)
