@@ -1,6 +1,8 @@
 """Which engine runs XLA's collectives, and what coverage() says: prints ``ENGINE <engine>``,
 ``WHY <why>`` and ``COVERAGE <line>`` for a jit + sharding psum of rank 0, and the value."""
 
+import sys
+
 import strata_jax as sj
 
 info = sj.init()
@@ -16,7 +18,14 @@ n = jax.device_count()
 x = jax.make_array_from_callback((n,), NamedSharding(mesh, P("x")), lambda i: np.arange(n)[i])
 total = jax.jit(lambda v: jnp.sum(v * 1.0), out_shardings=NamedSharding(mesh, P()))(x)
 if jax.process_index() == 0:
-    print("ENGINE", info["engine"])
-    print("WHY", info["engine_why"])
-    print("COVERAGE", sj.coverage()[-1])
-    print("TOTAL", float(total))
+    # One write per line (print() writes its arguments and the newline separately): gloo's own
+    # "[Gloo] Rank 1 is connected to ..." line, written to the same pipe, once landed between
+    # "ENGINE" and "gloo".
+    for line in (
+        f"ENGINE {info['engine']}",
+        f"WHY {info['engine_why']}",
+        f"COVERAGE {sj.coverage()[-1]}",
+        f"TOTAL {float(total)}",
+    ):
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
