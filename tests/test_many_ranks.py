@@ -6,6 +6,7 @@ control block. Behind ``-m slow``: building the fabric takes 10-20 s of CPU."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -24,5 +25,20 @@ def many_ranks_exe(tmp_path_factory):
 @pytest.mark.parametrize("n", [2, 64, 65, 96, 384, 1024])
 def test_group_of_n_ranks_meets_in_one_slot(many_ranks_exe, n):
     r = subprocess.run([many_ranks_exe, str(n), "2"], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.startswith(f"OK {n} ranks"), r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n,group", [(10, 3), (64, 5), (96, 7), (97, 1), (33, 40)])
+def test_two_level_barrier_groups_of_any_size(many_ranks_exe, n, group):
+    """The general path's barrier in groups of ``group`` ranks (STRATA_SHM_BARRIER_GROUP; the
+    last group smaller where ``group`` does not divide ``n``, one rank per group, one group
+    larger than the call): the same exact results. The default takes two levels above 64 ranks
+    (65, 96, 384 and 1024 above)."""
+    env = dict(os.environ, STRATA_SHM_BARRIER_GROUP=str(group))
+    r = subprocess.run(
+        [many_ranks_exe, str(n), "3"], capture_output=True, text=True, timeout=240, env=env
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.startswith(f"OK {n} ranks"), r.stdout

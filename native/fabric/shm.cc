@@ -8,6 +8,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -64,6 +65,15 @@ constexpr size_t kAlign = 64;
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 }  // namespace
+
+int barrier_group(int size) {
+  static const int v = env_count("STRATA_SHM_BARRIER_GROUP", 0);
+  if (v > 0) return v;
+  if (size <= 64) return size;
+  int g = 1;
+  while (g * g < size) ++g;  // ceil(sqrt(size))
+  return g;
+}
 
 uint64_t slot_tag(uint64_t comm, uint64_t exec, uint64_t op, uint64_t occ) {
   uint64_t h = comm * 0x9E3779B97F4A7C15ull;
@@ -126,7 +136,10 @@ std::unique_ptr<ShmTeam> ShmFabric::join(const Placement& pl, int64_t run_id, in
       slot->leaving.store(0, std::memory_order_relaxed);
       slot->failed.store(0, std::memory_order_relaxed);
       slot->failure[0] = 0;
-      for (int j = 0; j < pl.size; ++j) slot->peer(j).reached.store(0, std::memory_order_relaxed);
+      for (int j = 0; j < pl.size; ++j) {
+        slot->peer(j).reached.store(0, std::memory_order_relaxed);
+        slot->peer(j).group_arrivals.store(0, std::memory_order_relaxed);
+      }
       slot->tag = tag;
     }
   }
@@ -259,9 +272,29 @@ std::string ShmTeam::barrier(const char* phase) {
   stats().rendezvous_steps.fetch_add(1, std::memory_order_relaxed);
   slot_->peer(rank_).reached.store(barriers_, std::memory_order_release);
   const uint32_t target = barriers_ * static_cast<uint32_t>(size_);
+  if (barriers_ == 1) {
+    const int g = barrier_group(size_);
+    if (g < size_) {
+      group_first_ = rank_ / g * g;
+      group_members_ = std::min(g, size_ - group_first_);
+    }
+  }
   // acq_rel: release publishes this rank's descriptor and writes before the barrier; the
   // acquire side (here and in the waiters' loads) makes the peers' ones visible after it.
-  uint32_t now = slot_->arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
+  // Two levels: the group's counter first. Its last rank's acq_rel add there reads every
+  // member's release (an RMW chain), and its acq_rel add of the group's count to the slot's
+  // counter releases them with its own writes: a waiter's acquire of the slot's counter sees
+  // all of them, as with one counter.
+  uint32_t now = 0;
+  if (group_members_ == 0) {
+    now = slot_->arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
+  } else {
+    const uint32_t members = static_cast<uint32_t>(group_members_);
+    const uint32_t in_group =
+        slot_->peer(group_first_).group_arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
+    if (in_group == barriers_ * members)  // the group's last rank of this barrier
+      now = slot_->arrivals.fetch_add(members, std::memory_order_acq_rel) + members;
+  }
   if (now == target) {
     futex_wake_all(&slot_->arrivals, true);
     return {};

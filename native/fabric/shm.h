@@ -114,6 +114,9 @@ struct ShmPeer {
   int32_t algo;    // the rank's algorithm proposal (OpDesc::algo); everyone follows rank 0's
   int64_t device;  // the rank's global device id (for messages)
   char name[32];   // the rank's op name (for messages)
+  // The two-level barrier's count for the group this rank leads (its first rank; see
+  // barrier_group()): entries of that group's ranks, all barriers together (acq_rel adds).
+  std::atomic<uint32_t> group_arrivals;
 };
 
 // A rendezvous slot: this header, then `ShmControl::max_ranks` ShmPeer entries (peer(j)).
@@ -163,6 +166,15 @@ struct alignas(64) ShmControl {
 class ShmFabric;
 
 // The hash of a call's key (comm, exec, op, occ); never 0 (0 marks a free slot).
+// Ranks per group of the general path's barrier for a group of `size` ranks (size or more: one
+// flat counter). A flat barrier has every rank add to one counter, so a step costs `size`
+// contended adds on one cache line in turn; in groups of g ranks, each rank adds to its
+// group's counter (in its first rank's entry) and the last of a group adds the group's count to
+// the slot's, so no line takes more than max(g, size / g) adds (docs/scaling.md: the model).
+// STRATA_SHM_BARRIER_GROUP sets g; by default flat up to 64 ranks (where the low-latency path
+// takes most calls), ceil(sqrt(size)) above.
+int barrier_group(int size);
+
 uint64_t slot_tag(uint64_t comm, uint64_t exec, uint64_t op, uint64_t occ);
 
 class ShmTeam final : public SeatedTeam {
@@ -217,6 +229,7 @@ class ShmTeam final : public SeatedTeam {
   // The missing ranks whose process has disconnected: "" if none (checked while waiting).
   std::string dead_members() const;
   uint32_t barriers_ = 0;
+  int group_first_ = 0, group_members_ = 0;  // this rank's barrier group (0 members: flat)
   const OpDesc* arriving_ = nullptr;  // set while in the arrival barrier: checked while waiting
   std::vector<const void*> in_;
   std::vector<void*> out_;

@@ -250,6 +250,7 @@ _NATIVE_COUNT_SETTINGS = {
     "STRATA_LL_YIELDS": "4, the default",
     "STRATA_SHM_SPINS": "64, the default",
     "STRATA_SHM_YIELDS": "16, the default; 4 with more processes than cores",
+    "STRATA_SHM_BARRIER_GROUP": "0, the default: flat up to 64 ranks, ceil(sqrt(N)) above",
 }
 # The allocator's sizes (native/alloc/interpose.cc, read at its first allocation): it takes
 # digits with an optional K/M/G and ignores anything after, and falls back to its default on
