@@ -48,5 +48,5 @@ for shard in out.addressable_shards:
     np.testing.assert_allclose(np.asarray(shard.data), want, rtol=1e-5, atol=1e-5)
 print(
     f"process {jax.process_index()} of {jax.process_count()}: psum of {want.shape} float32 over "
-    f"{n} devices matches numpy"
+    f"{n} device{'s' if n != 1 else ''} matches numpy"
 )
