@@ -47,14 +47,22 @@ from _timing import align_processes  # noqa: E402
 
 CHILD_ENV = "STRATA_BENCH_CHILD"
 RESULT_ENV = "STRATA_BENCH_RESULT"
-ENGINES = ("strata", "gloo", "mpi")
+FREE_ENV = "STRATA_BENCH_FREE"
+# "free": the bound, the same step with free exchanges (dp only): every process runs its own
+# share of the step (its batch, the whole model) on a mesh of its own device, all processes at
+# once as in the other launches, with no collective at all.
+ENGINES = ("strata", "gloo", "mpi", "free")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--procs", type=int, default=2, help="processes (one device each)")
     p.add_argument("--layout", default="dp,tp", help="comma list of dp, tp")
-    p.add_argument("--engines", default="strata,gloo,mpi", help="comma list of strata, gloo, mpi")
+    p.add_argument(
+        "--engines",
+        default="strata,gloo,mpi,free",
+        help="comma list of strata, gloo, mpi, free (the step with free exchanges: dp only)",
+    )
     p.add_argument("--rounds", type=int, default=2, help="launches per engine, alternated")
     p.add_argument("--steps", type=int, default=20, help="timed steps per layout")
     p.add_argument("--warmup", type=int, default=4, help="untimed steps first")
@@ -157,12 +165,17 @@ def child(a) -> None:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    n = jax.device_count()
-    mesh = Mesh(np.array(jax.devices()), ("x",))
+    free = bool(os.environ.get(FREE_ENV))
+    devices = jax.local_devices()[:1] if free else jax.devices()
+    n = len(devices)
+    mesh = Mesh(np.array(devices), ("x",))
     rng = np.random.default_rng(a.seed)
     host_params = init_params(a, rng)
-    out = {"engine": info.get("engine"), "why": info.get("engine_why"), "layouts": {}}
+    engine = "free" if free else info.get("engine")
+    out = {"engine": engine, "why": info.get("engine_why"), "layouts": {}}
     for layout in a.layouts:
+        if free and layout != "dp":
+            continue  # a tensor-parallel shard alone is not the same step: no bound for tp
         pspec = specs(host_params, layout, "x")
         shard = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), pspec)
 
@@ -172,7 +185,7 @@ def child(a) -> None:
         params = jax.tree_util.tree_map(put, host_params, shard)
         global_batch = a.batch * n if layout == "dp" else a.batch
         bspec = NamedSharding(mesh, P("x") if layout == "dp" else P())
-        data = np.random.default_rng(a.seed + 1).integers(
+        data = np.random.default_rng(a.seed + 1 + (jax.process_index() if free else 0)).integers(
             0, 256, size=(a.warmup + a.steps, global_batch, a.seq + 1), dtype=np.int32
         )
 
@@ -184,7 +197,7 @@ def child(a) -> None:
         losses, times = [], []
         for i in range(a.warmup + a.steps):
             tokens = put(data[i], bspec)
-            align_processes(f"gspmd-{layout}-{i}")
+            align_processes(f"gspmd-{layout}-{i}")  # every process starts the step together
             t = time.perf_counter()
             loss, params = step(params, tokens)
             jax.block_until_ready((loss, params))
@@ -192,18 +205,19 @@ def child(a) -> None:
             losses.append(float(loss))
             if i >= a.warmup:
                 times.append(dt)
-        rec = [r for r in sj.coverage() if r.compiled][-1]
+        recs = [r for r in sj.coverage() if r.compiled]
+        rec = recs[-1] if recs else None
         out["layouts"][layout] = {
             "median_ms": statistics.median(times) * 1e3,
             "times_ms": [t * 1e3 for t in times],
             "losses": losses,
-            "collectives": rec.compiled_where(),
-            "compiled": rec.compiled,
+            "collectives": rec.compiled_where() if rec else [],
+            "compiled": rec.compiled if rec else None,
         }
         if jax.process_index() == 0:
             print(
                 f"{out['engine']:6s} {layout}: step {statistics.median(times) * 1e3:.2f} ms "
-                f"(median of {a.steps}); {rec}",
+                f"(median of {a.steps}); {rec if rec else 'no collective'}",
                 flush=True,
             )
     if jax.process_index() == 0 and os.environ.get(RESULT_ENV):
@@ -253,8 +267,11 @@ def parent(a, argv) -> int:
             note = (a.out / f".gspmd-{os.getpid()}-{engine}").resolve()
             note.unlink(missing_ok=True)
             cmd = [sys.executable, "-m", "strata_jax.launch", "-n", str(a.procs),
-                   "--engine", engine, str(Path(__file__).resolve()), *argv]  # fmt: skip
+                   "--engine", "gloo" if engine == "free" else engine,
+                   str(Path(__file__).resolve()), *argv]  # fmt: skip
             env = dict(os.environ, **{CHILD_ENV: "1", RESULT_ENV: str(note)})
+            if engine == "free":
+                env[FREE_ENV] = "1"
             if engine == "mpi":
                 # XLA over the real MPI fails this step on every rank out of the box ("MPI:
                 # Communicator requested from a thread that is not the one MPI was initialized
@@ -278,32 +295,50 @@ def parent(a, argv) -> int:
                 note.unlink()
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     print(f"#\n# step time (ms), median over rounds; load {load}")
+    if "free" in engines:
+        print(
+            "# free       : the bound, each process's share of the dp step on its own device, all"
+            " at once, no collective; gloo/free is the most any engine could gain over gloo, and"
+            " strata's share is (gloo - strata) / (gloo - free) of that gain"
+        )
+    compared = [e for e in engines if e not in ("strata", "free")]
     header = "| layout | " + " | ".join(f"{e} ms" for e in engines)
-    header += "".join(f" | {e}/strata" for e in engines if e != "strata") + " | losses |"
+    header += "".join(f" | {e}/strata" for e in compared)
+    if "free" in engines and "gloo" in engines:
+        header += " | gloo/free (bound) | strata's share of the gain"
+    header += " | losses |"
     print(header)
-    print("|" + "---|" * (2 + len(engines) + sum(e != "strata" for e in engines)))
+    print("|" + "---|" * (header.count("|") - 1))
     rows = []
     for layout in a.layouts:
         med = {}
         for e in engines:
             ms = [r["layouts"][layout]["median_ms"] for r in results[e] if layout in r["layouts"]]
             med[e] = statistics.median(ms) if ms else None
-        ref = next((r["layouts"][layout]["losses"] for e in engines for r in results[e]), None)
+        same_job = [e for e in engines if e != "free"]  # free runs other batches, on one device
+        ref = next((r["layouts"][layout]["losses"] for e in same_job for r in results[e]), None)
         same = all(
             np.allclose(r["layouts"][layout]["losses"], ref, rtol=1e-5, atol=1e-6)
-            for e in engines
+            for e in same_job
             for r in results[e]
         )
-        bitwise = all(r["layouts"][layout]["losses"] == ref for e in engines for r in results[e])
+        bitwise = all(r["layouts"][layout]["losses"] == ref for e in same_job for r in results[e])
         cells = " | ".join("-" if med[e] is None else f"{med[e]:.2f}" for e in engines)
         ratios = "".join(
             f" | {med[e] / med['strata']:.2f}" if med.get(e) and med.get("strata") else " | -"
-            for e in engines
-            if e != "strata"
+            for e in compared
         )
+        bound = {}
+        if "free" in engines and "gloo" in engines:
+            g, s_, f = med.get("gloo"), med.get("strata"), med.get("free")
+            if g and s_ and f and g > f:
+                bound = {"gloo_over_free": g / f, "strata_share": (g - s_) / (g - f)}
+                ratios += f" | {g / f:.2f} | {100 * (g - s_) / (g - f):.0f} %"
+            else:
+                ratios += " | - | -"
         eq = "bitwise equal" if bitwise else ("equal within 1e-5" if same else "DIFFER")
         print(f"| {layout} | {cells}{ratios} | {eq} |")
-        rows.append({"layout": layout, "median_ms": med, "losses": eq})
+        rows.append({"layout": layout, "median_ms": med, "losses": eq, **bound})
         if not same:
             rc = rc or 1
     write_json(

@@ -510,19 +510,35 @@ def render_engine_collectives(
 def render_gspmd(d: dict[str, Any], stem: str) -> tuple[str, list[Callable[[Any], None]]]:
     """gspmd_step.py: one jit + sharding training step per layout over each engine."""
     engines = list(dict.fromkeys(e for r in d["rows"] for e in r["median_ms"]))
+    compared = [e for e in engines if e not in ("strata", "free")]
+    bound = "free" in engines
     header = ["layout", *(f"{e} ms" for e in engines)]
-    header += [f"{e} / strata" for e in engines if e != "strata"] + ["losses"]
+    header += [f"{e} / strata" for e in compared]
+    header += ["gloo / free (bound)", "strata's share of the gain"] if bound else []
     body = []
     for r in d["rows"]:
         m = r["median_ms"]
         line = [r["layout"], *(fmt(m.get(e)) for e in engines)]
-        line += [_ratio(m.get(e), m.get("strata")) for e in engines if e != "strata"]
+        line += [_ratio(m.get(e), m.get("strata")) for e in compared]
+        if bound:
+            share = r.get("strata_share")
+            line += [
+                _ratio(m.get("gloo"), m.get("free")),
+                "-" if share is None else f"{100 * share:.0f} %",
+            ]
         body.append([*line, r["losses"]])
     rounds = (d.get("args") or {}).get("rounds", "?")
     note = (
         f"\n\nStep times: medians over {rounds} rounds (launches alternated) of each launch's "
         "median step; a ratio above 1: strata's engine is faster."
     )
+    if bound:
+        note += (
+            " `free` is the bound: each process's share of the dp step on its own device, all "
+            "processes at once, no collective (none for tp, whose shard alone is another "
+            "program); gloo / free is the most any engine could gain over gloo, strata's share "
+            "is (gloo - strata) / (gloo - free)."
+        )
     return table(header, body) + note, []
 
 
