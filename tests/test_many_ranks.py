@@ -30,12 +30,15 @@ def test_group_of_n_ranks_meets_in_one_slot(many_ranks_exe, n):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n,group", [(10, 3), (64, 5), (96, 7), (97, 1), (33, 40)])
+@pytest.mark.parametrize(
+    "n,group", [(10, 3), (33, 4), (64, 5), (96, 7), (97, 1), (200, 1), (33, 40)]
+)
 def test_two_level_barrier_groups_of_any_size(many_ranks_exe, n, group):
     """The general path's barrier in groups of ``group`` ranks (STRATA_SHM_BARRIER_GROUP; the
-    last group smaller where ``group`` does not divide ``n``, one rank per group, one group
-    larger than the call): the same exact results. The default takes two levels above 64 ranks
-    (65, 96, 384 and 1024 above)."""
+    last group smaller where ``group`` does not divide ``n``; one rank per group; 200 ranks in
+    groups of 1 raised to 4, for the slot's 64 group counters): the same exact results, and a
+    missing rank named by every other. (33, 40): a group larger than the call, one flat counter.
+    The default takes two levels above 64 ranks (65, 96, 384 and 1024 above)."""
     env = dict(os.environ, STRATA_SHM_BARRIER_GROUP=str(group))
     r = subprocess.run(
         [many_ranks_exe, str(n), "3"], capture_output=True, text=True, timeout=240, env=env

@@ -66,13 +66,15 @@ size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 }  // namespace
 
-int barrier_group(int size) {
-  static const int v = env_count("STRATA_SHM_BARRIER_GROUP", 0);
-  if (v > 0) return v;
-  if (size <= 64) return size;
-  int g = 1;
-  while (g * g < size) ++g;  // ceil(sqrt(size))
-  return g;
+int barrier_group(int configured, int size) {
+  int g = configured;
+  if (g <= 0) {
+    if (size <= 64) return size;
+    g = 1;
+    while (g * g < size) ++g;  // ceil(sqrt(size))
+  }
+  const int fewest = (size + kShmBarrierGroups - 1) / kShmBarrierGroups;  // counters suffice
+  return std::max(g, fewest);
 }
 
 uint64_t slot_tag(uint64_t comm, uint64_t exec, uint64_t op, uint64_t occ) {
@@ -136,10 +138,11 @@ std::unique_ptr<ShmTeam> ShmFabric::join(const Placement& pl, int64_t run_id, in
       slot->leaving.store(0, std::memory_order_relaxed);
       slot->failed.store(0, std::memory_order_relaxed);
       slot->failure[0] = 0;
-      for (int j = 0; j < pl.size; ++j) {
-        slot->peer(j).reached.store(0, std::memory_order_relaxed);
-        slot->peer(j).group_arrivals.store(0, std::memory_order_relaxed);
-      }
+      for (int j = 0; j < pl.size; ++j) slot->peer(j).reached.store(0, std::memory_order_relaxed);
+      const int g = barrier_group(static_cast<int>(ctl_->barrier_group), pl.size);
+      if (g < pl.size)
+        for (int i = 0; i * g < pl.size; ++i)
+          slot->groups[i].arrivals.store(0, std::memory_order_relaxed);
       slot->tag = tag;
     }
   }
@@ -273,8 +276,9 @@ std::string ShmTeam::barrier(const char* phase) {
   slot_->peer(rank_).reached.store(barriers_, std::memory_order_release);
   const uint32_t target = barriers_ * static_cast<uint32_t>(size_);
   if (barriers_ == 1) {
-    const int g = barrier_group(size_);
+    const int g = barrier_group(static_cast<int>(f_->control()->barrier_group), size_);
     if (g < size_) {
+      barrier_group_ = g;
       group_first_ = rank_ / g * g;
       group_members_ = std::min(g, size_ - group_first_);
     }
@@ -290,8 +294,8 @@ std::string ShmTeam::barrier(const char* phase) {
     now = slot_->arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
   } else {
     const uint32_t members = static_cast<uint32_t>(group_members_);
-    const uint32_t in_group =
-        slot_->peer(group_first_).group_arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
+    ShmGroupCount& group = slot_->groups[group_first_ / barrier_group_];
+    const uint32_t in_group = group.arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
     if (in_group == barriers_ * members)  // the group's last rank of this barrier
       now = slot_->arrivals.fetch_add(members, std::memory_order_acq_rel) + members;
   }

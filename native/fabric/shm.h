@@ -114,9 +114,14 @@ struct ShmPeer {
   int32_t algo;    // the rank's algorithm proposal (OpDesc::algo); everyone follows rank 0's
   int64_t device;  // the rank's global device id (for messages)
   char name[32];   // the rank's op name (for messages)
-  // The two-level barrier's count for the group this rank leads (its first rank; see
-  // barrier_group()): entries of that group's ranks, all barriers together (acq_rel adds).
-  std::atomic<uint32_t> group_arrivals;
+};
+
+// Groups of the two-level barrier a slot has counters for (barrier_group()); each counter on a
+// cache line of its own.
+constexpr int kShmBarrierGroups = 64;
+struct alignas(64) ShmGroupCount {
+  // Barrier entries of the group's ranks, all barriers of the call together (acq_rel adds).
+  std::atomic<uint32_t> arrivals;
 };
 
 // A rendezvous slot: this header, then `ShmControl::max_ranks` ShmPeer entries (peer(j)).
@@ -133,6 +138,9 @@ struct alignas(64) ShmSlot {
   // 0 ok; 1 a rank is writing `failure`; 2 failure written (release) and readable (acquire).
   std::atomic<uint32_t> failed;
   char failure[768];
+  // The two-level barrier's group counters (barrier_group(); reset when the slot is claimed for
+  // a call that uses them).
+  ShmGroupCount groups[kShmBarrierGroups];
   // Rank j's entry (j < the fabric's max_ranks), right after the header.
   ShmPeer& peer(int j) { return reinterpret_cast<ShmPeer*>(this + 1)[j]; }
   const ShmPeer& peer(int j) const { return reinterpret_cast<const ShmPeer*>(this + 1)[j]; }
@@ -145,7 +153,11 @@ static_assert(sizeof(ShmSlot) % alignof(ShmPeer) == 0, "ShmPeer entries follow t
 struct alignas(64) ShmControl {
   uint64_t magic;
   uint32_t nprocs;
-  uint32_t max_ranks;   // the largest group: rank entries per slot
+  uint32_t max_ranks;  // the largest group: rank entries per slot
+  // STRATA_SHM_BARRIER_GROUP of the process that made the segment (0: the default rule), so
+  // that every process of the fabric counts its barriers in the same groups.
+  uint32_t barrier_group;
+  uint32_t reserved;
   uint64_t slot_bytes;  // slot_bytes(max_ranks)
   pthread_mutex_t mu;   // process-shared, robust: guards slot claim and release
   ShmSlot* slot(int i) {
@@ -165,16 +177,18 @@ struct alignas(64) ShmControl {
 
 class ShmFabric;
 
-// The hash of a call's key (comm, exec, op, occ); never 0 (0 marks a free slot).
 // Ranks per group of the general path's barrier for a group of `size` ranks (size or more: one
 // flat counter). A flat barrier has every rank add to one counter, so a step costs `size`
 // contended adds on one cache line in turn; in groups of g ranks, each rank adds to its
-// group's counter (in its first rank's entry) and the last of a group adds the group's count to
-// the slot's, so no line takes more than max(g, size / g) adds (docs/scaling.md: the model).
-// STRATA_SHM_BARRIER_GROUP sets g; by default flat up to 64 ranks (where the low-latency path
-// takes most calls), ceil(sqrt(size)) above.
-int barrier_group(int size);
+// group's counter (ShmSlot::groups, a line each) and the last of a group adds the group's count
+// to the slot's, so no line takes more than max(g, ceil(size / g)) adds (docs/scaling.md: the
+// model). `configured` (ShmControl::barrier_group, from STRATA_SHM_BARRIER_GROUP of the process
+// that made the fabric) sets g; 0: flat up to 64 ranks (where the low-latency path takes most
+// calls), ceil(sqrt(size)) above. g is raised where size / g would need more than
+// kShmBarrierGroups counters.
+int barrier_group(int configured, int size);
 
+// The hash of a call's key (comm, exec, op, occ); never 0 (0 marks a free slot).
 uint64_t slot_tag(uint64_t comm, uint64_t exec, uint64_t op, uint64_t occ);
 
 class ShmTeam final : public SeatedTeam {
@@ -229,7 +243,8 @@ class ShmTeam final : public SeatedTeam {
   // The missing ranks whose process has disconnected: "" if none (checked while waiting).
   std::string dead_members() const;
   uint32_t barriers_ = 0;
-  int group_first_ = 0, group_members_ = 0;  // this rank's barrier group (0 members: flat)
+  // This rank's barrier group: size g, first rank, members (0 members: flat).
+  int barrier_group_ = 0, group_first_ = 0, group_members_ = 0;
   const OpDesc* arriving_ = nullptr;  // set while in the arrival barrier: checked while waiting
   std::vector<const void*> in_;
   std::vector<void*> out_;

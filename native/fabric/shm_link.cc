@@ -153,6 +153,7 @@ void init_control(ShmControl* ctl, int nprocs, int max_ranks) {
   pthread_mutexattr_destroy(&at);
   ctl->nprocs = static_cast<uint32_t>(nprocs);
   ctl->max_ranks = static_cast<uint32_t>(max_ranks);
+  ctl->barrier_group = static_cast<uint32_t>(env_count("STRATA_SHM_BARRIER_GROUP", 0));
   ctl->slot_bytes = ShmControl::slot_bytes_for(max_ranks);
   ctl->magic = kShmMagic;
 }

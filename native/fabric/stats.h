@@ -53,7 +53,8 @@ struct Stats {
   std::atomic<uint64_t> lead_calls{0};
   std::atomic<uint64_t> pair_calls{0};
   // Rendezvous steps (docs/scaling.md), per rank: every entry into a barrier of a call's slot
-  // (an add on its `arrivals`, then a wait for the group), and every publication of the
+  // (an add on its `arrivals`, or on its group's counter above 64 ranks, then a wait for the
+  // group), and every publication of the
   // low-latency path (one per call: its slot is reused once the peers' read marks are in).
   std::atomic<uint64_t> rendezvous_steps{0};
 };

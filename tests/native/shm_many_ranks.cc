@@ -8,6 +8,8 @@
 //  - a psum (one-shot and two-shot) and an all_gather of int32 data through ShmFabric::join,
 //    ShmTeam::arrive/depart and the algorithms of coll/, on `n` threads, several calls in a row
 //    (the slots are reused), each rank checking its whole output;
+//  - a rank that never comes: every other rank times out naming it (in the two-level barrier
+//    where the group has one);
 //  - a group larger than the fabric's max_ranks fails with a message naming both sizes.
 //
 // Usage: shm_many_ranks N [ITERS]
@@ -152,6 +154,51 @@ int main(int argc, char** argv) {
   int bad = 0;
   for (int e : errors) bad += e;
   if (bad) return std::fprintf(stderr, "FAILED on %d of %d ranks\n", bad, n), 1;
+
+  // A rank that never comes (one in the middle: inside a group of the two-level barrier when
+  // there is one): every other rank times out naming it, in the arrival barrier.
+  const int miss = n / 2;
+  settings().timeout_ms.store(500);
+  std::vector<std::string> timeouts(n);
+  threads.clear();
+  for (int r = 0; r < n; ++r) {
+    if (r == miss) continue;
+    threads.emplace_back([&, r] {
+      Placement pl;
+      pl.group = 0;
+      pl.rank = r;
+      pl.size = n;
+      pl.partition = r;
+      pl.device = r;
+      pl.comm = 0xC0FFEE;
+      pl.member_parts = parts.data();
+      pl.device_ids = device_ids.data();
+      std::string e;
+      auto team = f.join(pl, /*run_id=*/iters + 1, /*op_id=*/0, "psum", &e);
+      if (!team) {
+        timeouts[r] = "join failed: " + e;
+        return;
+      }
+      OpDesc d;
+      d.kind = static_cast<int32_t>(Op::psum);
+      d.dtype = kS32;
+      d.in_bytes = d.out_bytes = 4;
+      int32_t one = 1, got = 0;
+      e = team->arrive(d, &one, &got);
+      team->depart();
+      timeouts[r] = e;
+    });
+  }
+  for (auto& t : threads) t.join();
+  const std::string named = "rank(s) [" + std::to_string(miss) + "]";
+  for (int r = 0; r < n; ++r) {
+    if (r == miss) continue;
+    if (timeouts[r].find(named) == std::string::npos) {
+      std::fprintf(stderr, "FAILED: rank %d without rank %d gave '%s'\n", r, miss,
+                   timeouts[r].c_str());
+      return 1;
+    }
+  }
 
   // A group larger than the fabric: a clear error, no slot touched.
   Placement big;
