@@ -165,8 +165,8 @@ struct alignas(64) ShmControl {
                                       static_cast<size_t>(i) * slot_bytes);
   }
   // Bytes of one slot with `max_ranks` entries (a multiple of 64), and of the whole control
-  // block before the low-latency region (a multiple of 4096). 1024 ranks: 272 KiB a slot,
-  // 68 MiB in all, of which a call touches its slot's header and its group's entries.
+  // block before the low-latency region (a multiple of 4096). 1024 ranks: 269 KiB a slot,
+  // 67 MiB in all, of which a call touches its slot's header and its group's entries.
   static size_t slot_bytes_for(int max_ranks) {
     return (sizeof(ShmSlot) + static_cast<size_t>(max_ranks) * sizeof(ShmPeer) + 63) & ~size_t{63};
   }
