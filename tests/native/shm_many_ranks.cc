@@ -80,6 +80,19 @@ int main(int argc, char** argv) {
 
   std::vector<int64_t> device_ids(n), parts(n);
   for (int j = 0; j < n; ++j) device_ids[j] = parts[j] = j;
+  // Rank r of the one group of n every call here uses (device and partition r).
+  auto seat = [&](int r) {
+    Placement pl;
+    pl.group = 0;
+    pl.rank = r;
+    pl.size = n;
+    pl.partition = r;
+    pl.device = r;
+    pl.comm = 0xC0FFEE;
+    pl.member_parts = parts.data();
+    pl.device_ids = device_ids.data();
+    return pl;
+  };
   std::vector<int> errors(n, 0);
   const size_t count = 3 * static_cast<size_t>(n) + 5;  // not a multiple of n: uneven chunks
   const size_t gcount = 5;                              // all_gather: n blocks of 5
@@ -91,15 +104,7 @@ int main(int argc, char** argv) {
         // Rank j's element e: j * 7 + e + it; the sum over ranks is known in closed form.
         std::vector<int32_t> in(count), out(count, 0), gathered(gcount * n, -1);
         for (size_t e = 0; e < count; ++e) in[e] = static_cast<int32_t>(r * 7 + e + it);
-        Placement pl;
-        pl.group = 0;
-        pl.rank = r;
-        pl.size = n;
-        pl.partition = r;
-        pl.device = r;
-        pl.comm = 0xC0FFEE;
-        pl.member_parts = parts.data();
-        pl.device_ids = device_ids.data();
+        const Placement pl = seat(r);
         for (int op = 0; op < 3 && !errors[r]; ++op) {
           std::string e;
           auto team =
@@ -164,15 +169,7 @@ int main(int argc, char** argv) {
   for (int r = 0; r < n; ++r) {
     if (r == miss) continue;
     threads.emplace_back([&, r] {
-      Placement pl;
-      pl.group = 0;
-      pl.rank = r;
-      pl.size = n;
-      pl.partition = r;
-      pl.device = r;
-      pl.comm = 0xC0FFEE;
-      pl.member_parts = parts.data();
-      pl.device_ids = device_ids.data();
+      const Placement pl = seat(r);
       std::string e;
       auto team = f.join(pl, /*run_id=*/iters + 1, /*op_id=*/0, "psum", &e);
       if (!team) {
